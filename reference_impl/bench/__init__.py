@@ -1,0 +1,1 @@
+"""Benchmarks (GPU): ``python -m reference_impl.bench.compute --out FILE.json``."""

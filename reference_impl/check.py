@@ -1,0 +1,146 @@
+"""Agreement of a CP run with the single-device oracle.
+
+Three checks, each of which can fail on its own:
+
+* **outputs**: every token's final hidden state (reassembled from the ranks' local outputs) and
+  every rank's collected output rows and logits, within the compute dtype's tolerance;
+* **top-k**: per layer and query, the index **sets** equal the oracle's; a differing element is
+  accepted only when its oracle score ties the k-th score within FP8 rounding (a boundary tie);
+* **cache**: the KV and indexer K bytes rebuilt from every rank equal the oracle's dense cache
+  byte for byte (where several ranks hold a token, every copy must be equal).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from reference_impl.config import RunConfig
+from reference_impl.cp.split import SplitMetadata
+from reference_impl.engine import RankResult
+from reference_impl.model.oracle import DSAModel, OracleResult
+
+# Max abs error allowed, relative to max(1, max |reference|).
+TOLERANCE = {torch.float32: 2e-3, torch.bfloat16: 6e-2}
+TIE_RTOL = 2e-2  # an FP8 rounding flip moves an index score by a few percent at most
+
+
+@dataclass
+class Agreement:
+    matches_oracle: bool
+    max_abs_err: float
+    logits_max_abs_err: float
+    topk_agreement: float  # fraction of (layer, query) rows whose top-k sets are exactly equal
+    topk_ties: int  # rows that differ only by boundary ties
+    cache_equal: bool
+    problems: list[str] = field(default_factory=list)
+
+
+def _scaled_err(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    err = (out.float() - ref.float()).abs().max().item() if out.numel() else 0.0
+    return err, max(1.0, ref.float().abs().max().item() if ref.numel() else 1.0)
+
+
+def _assemble(meta: SplitMetadata, per_rank: list[torch.Tensor]) -> torch.Tensor:
+    """Local-order tensors of every rank -> sequence order."""
+    order = torch.tensor(meta.gather_position, dtype=torch.long)
+    full = torch.empty((meta.total_tokens, *per_rank[0].shape[1:]), dtype=per_rank[0].dtype)
+    full[order] = torch.cat(per_rank)
+    return full
+
+
+def _topk_rows_agree(got: torch.Tensor, ref: torch.Tensor, scores: torch.Tensor | None) -> bool:
+    """Sets equal, or every differing element ties the k-th reference score."""
+    a, b = set(got[got >= 0].tolist()), set(ref[ref >= 0].tolist())
+    if a == b:
+        return True
+    if scores is None or len(a) != len(b):
+        return False
+    kth = scores[ref[ref >= 0].long()].min()
+    diff = torch.tensor(sorted(a ^ b), dtype=torch.long)
+    return bool(((scores[diff] - kth).abs() <= TIE_RTOL * kth.abs() + 1e-6).all())
+
+
+def compare(
+    run: RunConfig,
+    meta: SplitMetadata,
+    model: DSAModel,
+    oracle: OracleResult,
+    results: list[RankResult],
+    dtype: torch.dtype,
+) -> Agreement:
+    """Compare every rank's results with the oracle; see the module docstring."""
+    tol = TOLERANCE[dtype]
+    problems: list[str] = []
+
+    ref_hidden = torch.cat(oracle.hidden).float().cpu()
+    hidden = _assemble(meta, [r.local_hidden for r in results if r.local_hidden is not None])
+    err, scale = _scaled_err(hidden, ref_hidden)
+    if err > tol * scale:
+        problems.append(f"hidden states differ: max abs err {err:.3g} > {tol * scale:.3g}")
+
+    logits_err = 0.0
+    for r in results:
+        ref_rows = ref_hidden[list(r.row_ids)]
+        row_err, row_scale = _scaled_err(r.rows, ref_rows)
+        ref_logits = model.logits(ref_rows.to(next(model.parameters()))).cpu()
+        l_err, l_scale = _scaled_err(r.logits, ref_logits)
+        logits_err = max(logits_err, l_err)
+        err = max(err, row_err)
+        if row_err > tol * row_scale:
+            problems.append(f"rank {r.rank}: output rows differ (max abs err {row_err:.3g})")
+        if l_err > tol * l_scale:
+            problems.append(f"rank {r.rank}: logits differ (max abs err {l_err:.3g})")
+
+    rows_total = rows_equal = ties = 0
+    n_layers = len(oracle.topk)
+    per_layer = [_assemble(meta, [r.local_topk[layer] for r in results]) for layer in range(n_layers)]
+    for layer in range(n_layers):
+        for g in range(meta.total_tokens):
+            req, j = meta.token_request[g], meta.token_position[g] - meta.prefix_lens[meta.token_request[g]]
+            got, ref = per_layer[layer][g], oracle.topk[layer][req][j].cpu()
+            rows_total += 1
+            if set(got[got >= 0].tolist()) == set(ref[ref >= 0].tolist()):
+                rows_equal += 1
+            elif _topk_rows_agree(got, ref, oracle.index_scores(layer, req, j).cpu()):
+                ties += 1
+            else:
+                problems.append(f"layer {layer} token {g}: top-k sets differ beyond boundary ties")
+
+    cache_equal = _caches_equal(meta, oracle, results, problems)
+    return Agreement(
+        matches_oracle=not problems,
+        max_abs_err=err,
+        logits_max_abs_err=logits_err,
+        topk_agreement=rows_equal / max(rows_total, 1),
+        topk_ties=ties,
+        cache_equal=cache_equal,
+        problems=problems[:20],
+    )
+
+
+def _caches_equal(meta: SplitMetadata, oracle: OracleResult, results: list[RankResult], problems: list[str]) -> bool:
+    """Rebuild each request's cache from every rank's stored rows and compare bytes with the oracle's."""
+    ok = True
+    for layer, caches in enumerate(oracle.caches):
+        for req, cache in enumerate(caches):
+            n = len(cache)
+            covered = torch.zeros(n, dtype=torch.bool)
+            for r in results:
+                if req not in r.stored[layer]:
+                    continue
+                pos, rows, k_fp8, k_scale = r.stored[layer][req]
+                same = (
+                    torch.equal(rows, cache.mla_rows[pos].cpu())
+                    and torch.equal(k_fp8.view(torch.uint8), cache.index_fp8[pos].cpu().view(torch.uint8))
+                    and torch.equal(k_scale, cache.index_scale[pos].cpu())
+                )
+                if not same:
+                    ok = False
+                    problems.append(f"layer {layer} request {req}: rank {r.rank}'s stored bytes differ from the oracle")
+                covered[pos] = True
+            if not bool(covered.all()):
+                ok = False
+                problems.append(f"layer {layer} request {req}: {int((~covered).sum())} tokens stored on no rank")
+    return ok

@@ -1,0 +1,1 @@
+"""Context parallelism: split metadata, collectives, rerange, materialization and output collection."""

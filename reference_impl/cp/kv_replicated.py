@@ -1,0 +1,84 @@
+"""Phase 0 storage: the replicated KV cache (physical loc == logical loc on every rank).
+
+After the per-layer all-gather and rerange every rank holds the whole current chunk in sequence
+order; it quantizes it and writes **every** token into its own pool, so each rank keeps a full
+replica of the batch's KV and indexer K. The full view is read back from that pool.
+
+The interface (``write_prefix``, ``store_current``, ``full_view``, byte counters) is the one the
+sharded stores of later phases implement too, so the engine does not change between phases.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from reference_impl.cp.batch import BatchPlan
+from reference_impl.kvcache.layout import KVLayout
+from reference_impl.kvcache.pool import PagedKVPool
+
+
+@dataclass
+class FullView:
+    """Dense, sequence-ordered KV of the whole batch, as the attention and top-k code expect."""
+
+    kv: torch.Tensor  # [S, kv_lora + rope] bf16 (dequantized cache)
+    index_k_fp8: torch.Tensor  # [S, D] float8_e4m3fn
+    index_k_scale: torch.Tensor  # [S] float32
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.kv, self.index_k_fp8, self.index_k_scale))
+
+
+class ReplicatedKV:
+    """Every rank stores every token of the batch (the baseline)."""
+
+    name = "replicated"
+
+    def __init__(self, plan: BatchPlan, layout: KVLayout, n_layers: int, device: torch.device, debug: bool) -> None:
+        self.plan = plan
+        self.layout = layout
+        self.pool = PagedKVPool(n_layers, plan.n_pages, plan.page_size, layout, device, debug)
+        self.materialized_bytes = 0  # bytes read from storage to build full views, all layers
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.pool.mla_bytes_total
+
+    @property
+    def index_bytes(self) -> int:
+        return self.pool.index_bytes_total
+
+    def write_prefix(self, layer: int, request: int, rows: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor) -> None:
+        """Install a request's already-cached prefix (packed rows and quantized index K)."""
+        locs = self.plan.prefix_locs(request)
+        self.pool.write_mla(layer, locs, rows)
+        self.pool.write_index(layer, locs, k_fp8, k_scale)
+
+    def store_current(self, layer: int, kv_seq: torch.Tensor, index_k_seq: torch.Tensor) -> None:
+        """Quantize the all-gathered current chunk ``[T, 576]``/``[T, D]`` and write all of it."""
+        self.pool.write_mla(layer, self.plan.extend_locs, self.layout.pack_mla(kv_seq))
+        k_fp8, k_scale = self.layout.quantize_index_k(index_k_seq)
+        self.pool.write_index(layer, self.plan.extend_locs, k_fp8, k_scale)
+
+    def full_view(self, layer: int, kv_seq: torch.Tensor, index_k_seq: torch.Tensor) -> FullView:
+        """Read every full-view row back from the local replica and dequantize the MLA part."""
+        rows = self.pool.read_mla(layer, self.plan.view_locs)
+        k_fp8, k_scale = self.pool.read_index(layer, self.plan.view_locs)
+        self.materialized_bytes += rows.numel() + k_fp8.numel() + k_scale.numel() * 4
+        return FullView(self.layout.dequantize_mla(rows).to(torch.bfloat16), k_fp8, k_scale)
+
+    def stored_rows(self, layer: int) -> dict[int, tuple[torch.Tensor, ...]]:
+        """What this rank holds for ``layer``, per request: ``(positions, mla rows, index fp8, index scale)``.
+
+        ``positions`` are token positions within the request; the replica holds all of them. The index
+        values come as raw bytes (uint8) so they pickle across processes.
+        """
+        out = {}
+        for req, locs in enumerate(self.plan.request_locs):
+            k_fp8, k_scale = self.pool.read_index(layer, locs)
+            positions = torch.arange(locs.shape[0], device=locs.device)
+            out[req] = (positions, self.pool.read_mla(layer, locs), k_fp8.view(torch.uint8), k_scale)
+        return out

@@ -1,0 +1,25 @@
+"""All-gather #1 (per layer) and the rerange from rank-major to sequence order.
+
+Each rank computes the latent KV (576 wide) and indexer K (128 wide) of its own tokens only. The
+per-layer all-gather pads every rank's rows to the longest rank, gathers them rank-major, trims
+the padding, and **reranges** the rows into sequence order (the concatenated extend tokens of all
+requests), so every rank then holds the whole current chunk in the order the cache and the full
+view use. The torch path is two passes (trim, then reorder); phase 7 fuses them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from reference_impl.cp.comm import CPGroup
+from reference_impl.cp.split import SplitMetadata, rerange_tensor
+
+
+def rerange(gathered: torch.Tensor, meta: SplitMetadata) -> torch.Tensor:
+    """Rank-major rows (unpadded all-gather result) -> sequence order: ``gathered[rerange_index]``."""
+    return gathered.index_select(0, rerange_tensor(meta, gathered.device))
+
+
+def gather_current(group: CPGroup, meta: SplitMetadata, local: torch.Tensor, tag: str) -> torch.Tensor:
+    """All-gather each rank's ``local [n_local, W]`` rows and return ``[T, W]`` in sequence order."""
+    return rerange(group.all_gather_padded(local, meta.rank_lengths, tag=tag), meta)

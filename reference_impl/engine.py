@@ -1,0 +1,203 @@
+"""One rank's CP prefill: a batch through N layers under a phase set, with byte accounting.
+
+SPMD: every rank runs :func:`run_rank` with the same :class:`RunConfig`; they differ only in
+``group.rank``. Per layer (the baseline, phase 0):
+
+1. project the rank's own tokens (queries, latent KV, indexer K);
+2. **all-gather #1**: latent KV (576 wide) and indexer K (128 wide), padded, trimmed, reranged to
+   sequence order (:mod:`reference_impl.cp.rerange`);
+3. store the current chunk in the rank's pool and build the **full view** (the KV store:
+   :mod:`reference_impl.cp.kv_replicated` for the baseline);
+4. indexer top-k and sparse attention for the local queries; residual add.
+
+After the last layer, **all-gather #2** (the tail, :mod:`reference_impl.cp.tail`) brings the
+output rows back; phase 1 narrows it (:mod:`reference_impl.cp.narrow_output`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from reference_impl.config import RunConfig
+from reference_impl.cp.batch import BatchPlan
+from reference_impl.cp.comm import CPGroup
+from reference_impl.cp.kv_replicated import ReplicatedKV
+from reference_impl.cp.narrow_output import collect_narrow
+from reference_impl.cp.rerange import gather_current
+from reference_impl.cp.split import SplitMetadata, build_split, local_index_tensor
+from reference_impl.cp.tail import OutputSpec, collect_full
+from reference_impl.kvcache.layout import KVLayout
+from reference_impl.model.oracle import run_oracle
+from reference_impl.workload import build_inputs, build_model
+
+logger = logging.getLogger(__name__)
+
+PER_LAYER_TAGS = ("kv", "index_k")
+
+
+def build_metadata(run: RunConfig) -> SplitMetadata:
+    """The split of the run's batch (identical on every rank)."""
+    return build_split(
+        run.split_mode,
+        run.cp_size,
+        [r.extend for r in run.requests],
+        [r.prefix for r in run.requests],
+        page_size=run.page_size,
+    )
+
+
+def output_spec(run: RunConfig) -> OutputSpec:
+    return OutputSpec(input_logprobs=run.input_logprobs, return_hidden_states=run.return_hidden_states)
+
+
+@dataclass
+class RankResult:
+    """What one rank reports back (CPU tensors)."""
+
+    rank: int
+    stats: dict[str, int]
+    timings: dict[str, Any]
+    tail_mode: str
+    row_ids: tuple[int, ...]
+    rows: torch.Tensor  # [n_rows, dim] hidden states of the output rows
+    logits: torch.Tensor  # [n_rows, vocab] float32
+    collectives: list[str]  # "op:tag:shape:dtype" in issue order
+    local_hidden: torch.Tensor | None = None  # [n_local, dim] (check runs only)
+    local_topk: list[torch.Tensor] = field(default_factory=list)  # per layer [n_local, K], request positions
+    stored: list[dict[int, tuple[torch.Tensor, ...]]] = field(default_factory=list)  # per layer (check runs)
+
+
+def make_kv_store(run: RunConfig, plan: BatchPlan, layout: KVLayout, group: CPGroup) -> ReplicatedKV:
+    """The KV store the phase set asks for (the baseline: a replica per rank)."""
+    return ReplicatedKV(plan, layout, run.model.n_layers, group.device, group.debug)
+
+
+@torch.no_grad()
+def install_prefixes(run: RunConfig, model: Any, inputs: list[torch.Tensor], store: ReplicatedKV) -> None:
+    """Fill the pools with every request's prefix, computed the way an earlier prefill would have.
+
+    Each rank runs the single-device oracle over the prefix tokens (deterministic, so every rank
+    gets identical bytes) and hands the store what it must keep.
+    """
+    with_prefix = [i for i, r in enumerate(run.requests) if r.prefix > 0]
+    if not with_prefix:
+        return
+    result = run_oracle(
+        model, [0] * len(with_prefix), [inputs[i][: run.requests[i].prefix] for i in with_prefix],
+        run.kv_dtype, run.page_size,
+    )
+    for layer, caches in enumerate(result.caches):
+        for req, cache in zip(with_prefix, caches):
+            store.write_prefix(layer, req, cache.mla_rows, cache.index_fp8, cache.index_scale)
+
+
+class _LayerClock:
+    """Per-layer wall time: CUDA events on the current stream (no sync in the loop) or perf_counter."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list[Any] = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def intervals_ms(self) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
+        return [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:])]
+
+
+@torch.no_grad()
+def run_rank(group: CPGroup, run: RunConfig) -> RankResult:
+    """Run the batch on this rank; see the module docstring for the per-layer steps."""
+    device = group.device
+    meta = build_metadata(run)
+    plan = BatchPlan.build(meta, device)
+    layout = KVLayout.from_config(run.model, run.kv_dtype, run.page_size)
+    model = build_model(run, device)
+    inputs = build_inputs(run, device)
+    store = make_kv_store(run, plan, layout, group)
+    install_prefixes(run, model, inputs, store)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+        base_allocated = torch.cuda.memory_allocated(device)
+
+    local = local_index_tensor(meta, group.rank, device)
+    extend_tokens = torch.cat([x[r.prefix :] for x, r in zip(inputs, run.requests)])  # [T, dim]
+    x = extend_tokens.index_select(0, local)
+    positions = torch.tensor(meta.local_positions(group.rank), dtype=torch.long, device=device)
+    key_start, key_end = plan.key_start.index_select(0, local), plan.key_end.index_select(0, local)
+
+    clock = _LayerClock(device)
+    transient_peak = 0
+    local_topk: list[torch.Tensor] = []
+    start = time.perf_counter()
+    clock.mark()
+    for layer, block in enumerate(model.layers):
+        proj = block.attn.project(block.attn_norm(x), positions)
+        kv_seq = gather_current(group, meta, proj.kv, tag="kv")  # [T, 576] sequence order
+        index_k_seq = gather_current(group, meta, proj.index_k, tag="index_k")  # [T, 128]
+        store.store_current(layer, kv_seq, index_k_seq)
+        view = store.full_view(layer, kv_seq, index_k_seq)
+        out, topk = block.attn.attend(proj, view.kv, view.index_k_fp8, view.index_k_scale, key_start, key_end)
+        x = x + out
+        gathered_bytes = sum(t.numel() * t.element_size() for t in (kv_seq, index_k_seq))
+        transient_peak = max(transient_peak, gathered_bytes + view.nbytes)
+        if run.check:
+            local_topk.append(torch.where(topk >= 0, topk - key_start[:, None].int(), topk).cpu())
+        clock.mark()
+    layer_ms = clock.intervals_ms()
+
+    spec = output_spec(run)
+    tail_start = time.perf_counter()
+    collect = collect_narrow if 1 in run.phases else collect_full
+    tail = collect(group, meta, x, spec)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    tail_ms = (time.perf_counter() - tail_start) * 1e3
+    logits = model.logits(tail.rows)
+    total_ms = (time.perf_counter() - start) * 1e3
+    if group.debug:
+        group.check_consistent()
+
+    stats = {
+        "kv_bytes": store.kv_bytes,
+        "index_bytes": store.index_bytes,
+        "transient_peak_bytes": transient_peak,
+        "gather_bytes": sum(s.buffer_bytes for s in group.stats if s.tag in PER_LAYER_TAGS),
+        "materialized_bytes": store.materialized_bytes,
+        "output_gather_bytes": sum(s.buffer_bytes for s in group.stats if s.tag == "tail"),
+        "collectives": len(group.stats),
+    }
+    if device.type == "cuda":
+        stats["measured_peak_bytes"] = torch.cuda.max_memory_allocated(device) - base_allocated
+    return RankResult(
+        rank=group.rank,
+        stats=stats,
+        timings={"total_ms": total_ms, "layer_ms": layer_ms, "tail_ms": tail_ms},
+        tail_mode=tail.mode,
+        row_ids=tail.row_ids,
+        rows=tail.rows.float().cpu(),
+        logits=logits.cpu(),
+        collectives=[f"{s.op}:{s.tag}:{tuple(s.shape)}:{s.dtype}" for s in group.stats],
+        local_hidden=x.float().cpu() if run.check else None,
+        local_topk=local_topk,
+        stored=[
+            {req: tuple(t.cpu() for t in rows) for req, rows in store.stored_rows(layer).items()}
+            for layer in range(run.model.n_layers)
+        ]
+        if run.check
+        else [],
+    )

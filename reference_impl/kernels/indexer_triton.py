@@ -1,0 +1,222 @@
+"""Lightning-indexer top-k on GPU: a Triton logits kernel, then ``torch.topk``.
+
+Contract: the same as :func:`reference_impl.model.sparse_attention.indexer_topk`: for query row
+``t`` and the full-view keys ``[key_start[t], key_end[t])``,
+``I[t, s] = k_scale[s] * sum_h weights[t, h] * ReLU(q_fp8[t, h] . k_fp8[s])`` and the result is the
+top-``min(topk, visible)`` rows by ``I`` in descending order, ``[T, topk]`` int32, ``-1`` padded.
+
+Where Triton is used and where it is not:
+
+* **Logits: Triton.** The torch reference materializes ``[rows, Hi, keys]`` fp32 logits and then
+  reduces over heads (``Hi`` x the bytes of the result, through device memory, twice). The kernel
+  keeps the head reduction in registers: a program owns a ``[BLOCK_T rows x BLOCK_S keys]`` tile,
+  loads its key tile once, and loops over the ``Hi`` heads, each a ``[BLOCK_T, D] x [D, BLOCK_S]``
+  product (fp8 x fp8 -> fp32 on GPU by default, or bf16 products of the exactly upcast fp8 values;
+  fp32 under the CPU interpreter), then ReLU and the per-row head weight. Key tiles that no row of
+  the block can see are not computed, only filled with ``-inf``; visible-range masking is exact.
+* **Top-k: torch.** ``torch.topk`` over the masked ``[rows, keys]`` logits of a chunk of rows, as the
+  reference does. The rows are processed in chunks so the fp32 logits buffer stays under
+  ``max_chunk_bytes`` (1 GiB by default).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# (BLOCK_T, BLOCK_S, num_warps, num_stages, dot dtype) used on GPU unless the caller overrides them.
+GPU_DEFAULT_CONFIG: tuple[int, int, int, int, str] = (64, 128, 4, 3, "fp8")
+
+
+@triton.jit
+def _indexer_logits_kernel(
+    q_ptr,
+    w_ptr,
+    k_ptr,
+    k_scale_ptr,
+    key_start_ptr,
+    key_end_ptr,
+    out_ptr,
+    n_rows,
+    n_cols,
+    col0,
+    n_heads,
+    stride_qt,
+    stride_qh,
+    stride_wt,
+    stride_wh,
+    stride_k,
+    stride_ot,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    DOT_BF16: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    rows = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)  # relative to col0
+    row_mask = rows < n_rows
+    col_mask = cols < n_cols
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+
+    key_start = tl.load(key_start_ptr + rows, mask=row_mask, other=2**62)
+    key_end = tl.load(key_end_ptr + rows, mask=row_mask, other=0)
+    abs_cols = col0 + cols
+    tile_lo = col0 + pid_s * BLOCK_S
+    tile_hi = tile_lo + BLOCK_S
+
+    acc = tl.zeros([BLOCK_T, BLOCK_S], dtype=tl.float32)
+    # Skip the products for a key tile outside every row's causal range (about half the tiles
+    # of a causal prefill); it still gets its -inf fill below.
+    if (tile_lo < tl.max(key_end)) & (tile_hi > tl.min(key_start)):
+        k = tl.load(
+            k_ptr + abs_cols.to(tl.int64)[:, None] * stride_k + offs_d[None, :],
+            mask=col_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        if UPCAST:
+            k = k.to(tl.float32)
+        elif DOT_BF16:
+            k = k.to(tl.bfloat16)
+        k_t = tl.trans(k)
+        q_rows = q_ptr + rows[:, None] * stride_qt + offs_d[None, :]
+        qd_mask = row_mask[:, None] & d_mask[None, :]
+        for h in range(n_heads):
+            q = tl.load(q_rows + h * stride_qh, mask=qd_mask, other=0.0)
+            w = tl.load(w_ptr + rows * stride_wt + h * stride_wh, mask=row_mask, other=0.0)
+            if UPCAST:
+                q = q.to(tl.float32)
+            elif DOT_BF16:
+                q = q.to(tl.bfloat16)
+            s = tl.dot(q, k_t)
+            acc += tl.maximum(s, 0.0) * w[:, None]
+        k_scale = tl.load(k_scale_ptr + abs_cols, mask=col_mask, other=0.0)
+        acc = acc * k_scale[None, :]
+
+    visible = (abs_cols[None, :] >= key_start[:, None]) & (abs_cols[None, :] < key_end[:, None])
+    logits = tl.where(visible, acc, float("-inf"))
+    tl.store(
+        out_ptr + rows[:, None] * stride_ot + cols[None, :],
+        logits,
+        mask=row_mask[:, None] & col_mask[None, :],
+    )
+
+
+def _pow2_at_least_16(n: int) -> int:
+    return max(16, triton.next_power_of_2(max(int(n), 1)))
+
+
+def indexer_logits_triton(
+    q_fp8: torch.Tensor,
+    weights: torch.Tensor,
+    k_fp8: torch.Tensor,
+    k_scale: torch.Tensor,
+    key_start: torch.Tensor,
+    key_end: torch.Tensor,
+    col_lo: int,
+    col_hi: int,
+    *,
+    block_t: int | None = None,
+    block_s: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    dot_dtype: str | None = None,
+) -> torch.Tensor:
+    """Masked index logits of all rows of ``q_fp8`` against keys ``[col_lo, col_hi)`` -> [T, col_hi-col_lo] f32.
+
+    Entry ``[t, j]`` is ``I[t, col_lo + j]`` where ``key_start[t] <= col_lo + j < key_end[t]`` and
+    ``-inf`` elsewhere. ``q_fp8 [T, Hi, D]``, ``weights [T, Hi]`` f32, ``k_fp8 [S, D]``,
+    ``k_scale [S]`` f32, ``key_start/key_end [T]`` int64. ``dot_dtype``: ``"fp8"`` or ``"bf16"``
+    (GPU only; the interpreter always computes in fp32).
+    """
+    n_rows, n_heads, d = q_fp8.shape
+    n_cols = col_hi - col_lo
+    out = torch.empty(n_rows, max(n_cols, 0), dtype=torch.float32, device=q_fp8.device)
+    if n_rows == 0 or n_cols <= 0:
+        return out
+    on_gpu = q_fp8.device.type == "cuda"
+    dflt_t, dflt_s, dflt_warps, dflt_stages, dflt_dot = GPU_DEFAULT_CONFIG if on_gpu else (16, 64, 4, 1, "fp8")
+    dot_dtype = dot_dtype or dflt_dot
+    if dot_dtype not in ("fp8", "bf16"):
+        raise ValueError(f"dot_dtype={dot_dtype!r}: use 'fp8' or 'bf16'")
+    if q_fp8.stride(-1) != 1:
+        q_fp8 = q_fp8.contiguous()
+    if k_fp8.stride(-1) != 1:
+        k_fp8 = k_fp8.contiguous()
+    block_t = block_t or dflt_t
+    block_s = block_s or dflt_s
+    grid = (triton.cdiv(n_rows, block_t), triton.cdiv(n_cols, block_s))
+    _indexer_logits_kernel[grid](
+        q_fp8,
+        weights,
+        k_fp8,
+        k_scale.contiguous(),
+        key_start.to(torch.int64).contiguous(),
+        key_end.to(torch.int64).contiguous(),
+        out,
+        n_rows,
+        n_cols,
+        col_lo,
+        n_heads,
+        q_fp8.stride(0),
+        q_fp8.stride(1),
+        weights.stride(0),
+        weights.stride(1),
+        k_fp8.stride(0),
+        out.stride(0),
+        D=d,
+        BLOCK_D=_pow2_at_least_16(d),
+        BLOCK_T=block_t,
+        BLOCK_S=block_s,
+        DOT_BF16=dot_dtype == "bf16" or q_fp8.dtype != k_fp8.dtype,
+        UPCAST=not on_gpu,
+        num_warps=num_warps or dflt_warps,
+        num_stages=num_stages or dflt_stages,
+    )
+    return out
+
+
+def indexer_topk_triton(
+    q_fp8: torch.Tensor,
+    weights: torch.Tensor,
+    k_fp8: torch.Tensor,
+    k_scale: torch.Tensor,
+    key_start: torch.Tensor,
+    key_end: torch.Tensor,
+    topk: int,
+    rows_per_chunk: int = 0,
+    *,
+    max_chunk_bytes: int = 1 << 30,
+    **launch: object,
+) -> torch.Tensor:
+    """Top-``min(topk, visible)`` full-view rows per query -> [T, topk] int32, -1 padded, descending score.
+
+    ``rows_per_chunk <= 0`` sizes the chunks so each chunk's ``[rows, keys]`` fp32 logits stay
+    under ``max_chunk_bytes``. ``launch`` is passed to :func:`indexer_logits_triton`.
+    """
+    n_rows = q_fp8.shape[0]
+    out = torch.full((n_rows, topk), -1, dtype=torch.int32, device=q_fp8.device)
+    if n_rows == 0 or topk <= 0:
+        return out
+    if rows_per_chunk <= 0:
+        rows_per_chunk = max(1, max_chunk_bytes // (max(int(k_fp8.shape[0]), 1) * 4))
+    key_start = key_start.to(torch.int64)
+    key_end = key_end.to(torch.int64)
+    for r0 in range(0, n_rows, rows_per_chunk):
+        r1 = min(n_rows, r0 + rows_per_chunk)
+        lo, hi = int(key_start[r0:r1].min()), int(key_end[r0:r1].max())
+        if hi <= lo:
+            continue
+        logits = indexer_logits_triton(
+            q_fp8[r0:r1], weights[r0:r1], k_fp8, k_scale, key_start[r0:r1], key_end[r0:r1], lo, hi, **launch  # type: ignore[arg-type]
+        )
+        k = min(topk, hi - lo)
+        vals, idx = logits.topk(k, dim=-1)
+        idx = torch.where(torch.isinf(vals), torch.full_like(idx, -1 - lo), idx) + lo
+        out[r0:r1, :k] = idx.to(torch.int32)
+    return out

@@ -1,0 +1,216 @@
+"""Triton sparse MLA attention (absorbed / MQA form) over top-k selected rows of a full-view KV.
+
+Contract: the same as :func:`reference_impl.model.sparse_attention.sparse_mla_attention`:
+
+* ``q [T, H, D_qk]`` (bf16 on GPU; fp16 / fp32 accepted), the latent part ``[:d_v]`` then the rope
+  part ``[d_v:]``;
+* ``kv [S, D_qk]`` the full view (latent then rope), same dtype family as ``q``;
+* ``indices [T, K]`` int32 rows of ``kv``; ``-1`` (or any row outside ``[0, S)``) is an unused slot;
+* returns ``out [T, H, d_v]`` (``out_dtype``, float32 by default) and ``lse [T, H]`` float32 in
+  natural log; a query row with no valid index gets ``out = 0`` and ``lse = -inf``.
+
+Kernel shape: one program per (query token, block of ``BLOCK_H`` heads), heads fastest in the
+launch order so that the programs of one token run together and share the gathered rows through
+L2. The program loops over the token's top-k slots in tiles of ``BLOCK_K``: it gathers the tile's
+KV rows once (latent ``[BLOCK_K, d_v]`` and rope ``[BLOCK_K, D_qk - d_v]``, never written back to
+global memory) and reuses them for every head of the block, which turns the work into two matrix
+products per tile, ``[BLOCK_H, D_qk] x [D_qk, BLOCK_K]`` then ``[BLOCK_H, BLOCK_K] x [BLOCK_K, d_v]``,
+with an online softmax in base 2 (scores pre-multiplied by ``scale * log2(e)``) between them.
+
+On GPU the products run on bf16 / fp16 operands with fp32 accumulation (probabilities are cast to
+the KV dtype for the second product, as FlashAttention does). Under the CPU interpreter
+(``TRITON_INTERPRET=1``) low-precision ``tl.dot`` is not faithful, so operands are upcast to fp32
+(``UPCAST``); fp32 inputs on GPU use IEEE fp32 products (exact, slower).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+# (BLOCK_H, BLOCK_K, num_warps, num_stages) used on GPU unless the caller overrides them.
+GPU_DEFAULT_CONFIG: tuple[int, int, int, int] = (64, 64, 8, 2)
+
+
+@triton.jit
+def _sparse_mla_fwd_kernel(
+    q_ptr,
+    kv_ptr,
+    idx_ptr,
+    out_ptr,
+    lse_ptr,
+    n_heads,
+    n_kv,
+    topk,
+    n_head_blocks,
+    stride_qt,
+    stride_qh,
+    stride_kv,
+    stride_it,
+    stride_ot,
+    stride_oh,
+    stride_lt,
+    qk_scale_log2,
+    D_V: tl.constexpr,
+    D_ROPE: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_DR: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    token = pid // n_head_blocks
+    head0 = (pid % n_head_blocks) * BLOCK_H
+
+    offs_h = head0 + tl.arange(0, BLOCK_H)
+    offs_v = tl.arange(0, BLOCK_DV)
+    offs_r = tl.arange(0, BLOCK_DR)
+    h_mask = offs_h < n_heads
+    v_mask = offs_v < D_V
+    r_mask = offs_r < D_ROPE
+
+    q_rows = q_ptr + token * stride_qt + offs_h[:, None] * stride_qh
+    q_nope = tl.load(q_rows + offs_v[None, :], mask=h_mask[:, None] & v_mask[None, :], other=0.0)
+    q_rope = tl.load(q_rows + D_V + offs_r[None, :], mask=h_mask[:, None] & r_mask[None, :], other=0.0)
+    if UPCAST:
+        q_nope = q_nope.to(tl.float32)
+        q_rope = q_rope.to(tl.float32)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+
+    idx_row = idx_ptr + token * stride_it
+    for k0 in range(0, topk, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        idx = tl.load(idx_row + offs_k, mask=offs_k < topk, other=-1)
+        valid = (idx >= 0) & (idx < n_kv)
+        # Invalid slots read nothing (masked) and point at row 0 so no address leaves the buffer.
+        kv_rows = kv_ptr + tl.where(valid, idx, 0).to(tl.int64)[:, None] * stride_kv
+        kv_nope = tl.load(kv_rows + offs_v[None, :], mask=valid[:, None] & v_mask[None, :], other=0.0)
+        kv_rope = tl.load(kv_rows + D_V + offs_r[None, :], mask=valid[:, None] & r_mask[None, :], other=0.0)
+        if UPCAST:
+            kv_nope = kv_nope.to(tl.float32)
+            kv_rope = kv_rope.to(tl.float32)
+
+        if IEEE:
+            s = tl.dot(q_nope, tl.trans(kv_nope), input_precision="ieee")
+            s = tl.dot(q_rope, tl.trans(kv_rope), acc=s, input_precision="ieee")
+        else:
+            s = tl.dot(q_nope, tl.trans(kv_nope))
+            s = tl.dot(q_rope, tl.trans(kv_rope), acc=s)
+        s = tl.where(valid[None, :], s * qk_scale_log2, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row that has seen only invalid slots keeps m = -inf; subtract 0 instead so that
+        # exp2 gives 0 rather than NaN (-inf - -inf).
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            acc = tl.dot(p, kv_nope, acc=acc * alpha[:, None], input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(kv_nope.dtype), kv_nope, acc=acc * alpha[:, None])
+        m_i = m_new
+
+    has_any = l_i > 0.0
+    out = acc / tl.where(has_any, l_i, 1.0)[:, None]
+    lse = tl.where(has_any, (m_i + tl.log2(tl.where(has_any, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+
+    out_rows = out_ptr + token * stride_ot + offs_h[:, None] * stride_oh
+    tl.store(out_rows + offs_v[None, :], out, mask=h_mask[:, None] & v_mask[None, :])
+    tl.store(lse_ptr + token * stride_lt + offs_h, lse, mask=h_mask)
+
+
+def _pow2_at_least_16(n: int) -> int:
+    return max(16, triton.next_power_of_2(max(int(n), 1)))
+
+
+def sparse_mla_attention_triton(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    softmax_scale: float,
+    d_v: int,
+    *,
+    out_dtype: torch.dtype = torch.float32,
+    block_h: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA attention with the Triton kernel -> (out [T, H, d_v] ``out_dtype``, lse [T, H] f32).
+
+    Same semantics as the torch reference (see the module docstring). ``block_*`` / ``num_*``
+    override the launch configuration (benchmark sweeps); ``None`` picks the defaults.
+    """
+    if q.dim() != 3 or kv.dim() != 2 or indices.dim() != 2:
+        raise ValueError(f"expected q [T,H,D], kv [S,D], indices [T,K]; got {tuple(q.shape)}, {tuple(kv.shape)}, {tuple(indices.shape)}")
+    n_tokens, n_heads, d_qk = q.shape
+    if kv.shape[1] != d_qk or indices.shape[0] != n_tokens:
+        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, kv {tuple(kv.shape)}, indices {tuple(indices.shape)}")
+    d_rope = d_qk - d_v
+    if not 0 < d_v < d_qk:
+        raise ValueError(f"d_v={d_v} must lie in (0, D_qk={d_qk}): the kernel expects a latent and a rope part")
+
+    on_gpu = q.device.type == "cuda"
+    if q.dtype != kv.dtype:
+        common = torch.promote_types(q.dtype, kv.dtype)
+        q, kv = q.to(common), kv.to(common)
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        q, kv = q.float(), kv.float()
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    kv = kv if kv.stride(-1) == 1 else kv.contiguous()
+    indices = indices.to(torch.int32)
+    indices = indices if indices.stride(-1) == 1 else indices.contiguous()
+    topk = indices.shape[1]
+
+    out = torch.empty(n_tokens, n_heads, d_v, dtype=out_dtype, device=q.device)
+    lse = torch.empty(n_tokens, n_heads, dtype=torch.float32, device=q.device)
+    if n_tokens == 0 or n_heads == 0:
+        return out, lse
+
+    dflt_h, dflt_k, dflt_warps, dflt_stages = GPU_DEFAULT_CONFIG if on_gpu else (64, 64, 4, 1)
+    block_h = block_h or min(dflt_h, _pow2_at_least_16(n_heads))
+    block_k = block_k or min(dflt_k, _pow2_at_least_16(topk))
+    n_head_blocks = triton.cdiv(n_heads, block_h)
+    grid = (n_tokens * n_head_blocks,)
+    _sparse_mla_fwd_kernel[grid](
+        q,
+        kv,
+        indices,
+        out,
+        lse,
+        n_heads,
+        kv.shape[0],
+        topk,
+        n_head_blocks,
+        q.stride(0),
+        q.stride(1),
+        kv.stride(0),
+        indices.stride(0),
+        out.stride(0),
+        out.stride(1),
+        lse.stride(0),
+        float(softmax_scale) * LOG2E,
+        D_V=d_v,
+        D_ROPE=d_rope,
+        BLOCK_DV=_pow2_at_least_16(d_v),
+        BLOCK_DR=_pow2_at_least_16(d_rope),
+        BLOCK_H=block_h,
+        BLOCK_K=block_k,
+        UPCAST=not on_gpu,
+        IEEE=on_gpu and q.dtype == torch.float32,
+        num_warps=num_warps or dflt_warps,
+        num_stages=num_stages or dflt_stages,
+    )
+    return out, lse

@@ -1,0 +1,122 @@
+"""Logical pages and the per-request page table (request -> logical locs).
+
+A logical loc is ``page * page_size + slot``; attention metadata, the radix cache and PD transfer
+speak logical locs. :class:`PageAllocator` hands out logical page ids, lowest first, so a run is
+deterministic. :class:`RequestPageTable` (alias :data:`ReqToToken`) records each request's pages in
+token order: a request's first tokens are its prefix, and a later chunk of chunked prefill calls
+:meth:`RequestPageTable.extend` again, continuing in the last page while it has room.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Hashable, Iterable
+
+import torch
+
+from reference_impl.config import ConfigError
+
+
+class PageAllocator:
+    """A free list of logical page ids ``0 .. n_pages - 1`` of ``page_size`` tokens each."""
+
+    def __init__(self, n_pages: int, page_size: int) -> None:
+        if n_pages < 0 or page_size < 1:
+            raise ConfigError(f"PageAllocator needs n_pages >= 0 and page_size >= 1, got {n_pages} and {page_size}")
+        self.n_pages = n_pages
+        self.page_size = page_size
+        self._free_heap: list[int] = list(range(n_pages))  # sorted, hence already a heap
+        self._free_set: set[int] = set(self._free_heap)
+
+    @property
+    def n_free(self) -> int:
+        return len(self._free_heap)
+
+    @property
+    def n_used(self) -> int:
+        return self.n_pages - self.n_free
+
+    def alloc(self, n: int) -> list[int]:
+        """Take ``n`` free pages, lowest ids first -> ascending page ids."""
+        if n < 0:
+            raise ConfigError(f"cannot allocate {n} pages")
+        if n > self.n_free:
+            raise ConfigError(
+                f"out of KV pages: asked for {n} pages of {self.page_size} tokens, {self.n_free} of "
+                f"{self.n_pages} are free"
+            )
+        pages = [heapq.heappop(self._free_heap) for _ in range(n)]
+        self._free_set.difference_update(pages)
+        return pages
+
+    def free(self, pages: Iterable[int]) -> None:
+        """Return pages to the free list; a page out of range or already free is a :class:`ConfigError`."""
+        pages = list(pages)
+        for page in pages:
+            if not 0 <= page < self.n_pages:
+                raise ConfigError(f"page {page} is outside the allocator's range [0, {self.n_pages})")
+            if page in self._free_set:
+                raise ConfigError(f"page {page} is already free (double free)")
+        if len(set(pages)) != len(pages):
+            raise ConfigError(f"pages {pages} free the same page twice")
+        for page in pages:
+            heapq.heappush(self._free_heap, page)
+        self._free_set.update(pages)
+
+
+class RequestPageTable:
+    """Per request: its logical pages in token order and its token count."""
+
+    def __init__(self, allocator: PageAllocator) -> None:
+        self.allocator = allocator
+        self.page_size = allocator.page_size
+        self._pages: dict[Hashable, list[int]] = {}
+        self._n_tokens: dict[Hashable, int] = {}
+
+    def __contains__(self, req_id: object) -> bool:
+        return req_id in self._pages
+
+    def extend(self, req_id: Hashable, n_tokens: int) -> torch.Tensor:
+        """Append ``n_tokens`` tokens to ``req_id`` (new request if unknown) -> their locs ``[n_tokens] int64``.
+
+        New pages are allocated only once the last page is full. On exhaustion nothing changes.
+        """
+        if n_tokens < 0:
+            raise ConfigError(f"request {req_id!r}: cannot extend by {n_tokens} tokens")
+        pages = self._pages.get(req_id, [])
+        old = self._n_tokens.get(req_id, 0)
+        needed = -(-(old + n_tokens) // self.page_size) - len(pages)
+        new_pages = self.allocator.alloc(needed) if needed > 0 else []
+        self._pages[req_id] = pages + new_pages
+        self._n_tokens[req_id] = old + n_tokens
+        return self.locs(req_id)[old:]
+
+    def locs(self, req_id: Hashable, device: torch.device | str | None = None) -> torch.Tensor:
+        """Logical locs ``page * page_size + slot`` of all tokens of ``req_id`` -> ``[n_tokens] int64``."""
+        pages = torch.tensor(self._lookup(req_id), dtype=torch.int64)
+        slots = torch.arange(self.page_size, dtype=torch.int64)
+        locs = (pages[:, None] * self.page_size + slots[None, :]).reshape(-1)[: self._n_tokens[req_id]]
+        return locs if device is None else locs.to(device)
+
+    def pages(self, req_id: Hashable) -> list[int]:
+        """Logical page ids of ``req_id`` in token order (a copy)."""
+        return list(self._lookup(req_id))
+
+    def n_tokens(self, req_id: Hashable) -> int:
+        self._lookup(req_id)
+        return self._n_tokens[req_id]
+
+    def free(self, req_id: Hashable) -> None:
+        """Drop ``req_id`` and return its pages to the allocator."""
+        pages = self._lookup(req_id)
+        self.allocator.free(pages)
+        del self._pages[req_id], self._n_tokens[req_id]
+
+    def _lookup(self, req_id: Hashable) -> list[int]:
+        try:
+            return self._pages[req_id]
+        except KeyError:
+            raise ConfigError(f"unknown request {req_id!r}") from None
+
+
+ReqToToken = RequestPageTable

@@ -1,0 +1,159 @@
+"""Paged KV pools: the MLA latent and indexer K storage of all layers of one rank.
+
+Both pools are raw ``torch.uint8`` buffers in the byte layouts of :mod:`.layout`:
+
+* ``mla``: ``[n_layers, n_pages * page_size, mla_bytes]``, one row per token slot, addressed by
+  loc (``page = loc // page_size``).
+* ``index``: ``[n_layers, n_pages, index_page_bytes]``, one row per page: the page's
+  ``page_size * 128`` fp8 bytes, then its ``page_size`` float32 scales.
+
+The locs passed in are this pool's slots (physical locs; in the replicated baseline they equal
+the logical locs). Range checks on loc values read them on the host, which syncs a device: they
+run only with ``debug=True``. Shape and dtype checks use metadata only and always run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from reference_impl.config import ConfigError
+from reference_impl.model.fp8 import FP8_DTYPE
+
+from .layout import SCALE_BYTES, KVLayout
+
+
+class LocOutOfRangeError(ConfigError, IndexError):
+    """A loc outside ``[0, n_pages * page_size)`` (raised only when the pool's ``debug`` flag is on)."""
+
+
+class PagedKVPool:
+    """MLA and indexer K pages of ``n_layers`` layers, ``n_pages`` pages of ``page_size`` tokens each."""
+
+    def __init__(
+        self,
+        n_layers: int,
+        n_pages: int,
+        page_size: int,
+        layout: KVLayout,
+        device: torch.device | str = "cpu",
+        debug: bool = False,
+    ) -> None:
+        if n_layers < 1 or n_pages < 0:
+            raise ConfigError(f"PagedKVPool needs n_layers >= 1 and n_pages >= 0, got {n_layers} and {n_pages}")
+        if page_size != layout.page_size:
+            raise ConfigError(f"page_size={page_size} differs from the layout's page_size={layout.page_size}")
+        self.n_layers = n_layers
+        self.n_pages = n_pages
+        self.page_size = page_size
+        self.layout = layout
+        self.device = torch.device(device)
+        self.debug = debug
+        self.mla = torch.zeros(n_layers, self.n_slots, layout.mla_bytes, dtype=torch.uint8, device=self.device)
+        self.index = torch.zeros(n_layers, n_pages, layout.index_page_bytes, dtype=torch.uint8, device=self.device)
+        # Views of each page's two regions, so a token write is one indexed assignment per region.
+        split = page_size * layout.index_head_dim
+        self._index_values = self.index[:, :, :split].view(n_layers, n_pages, page_size, layout.index_head_dim)
+        self._index_scales = self.index[:, :, split:].view(n_layers, n_pages, page_size, SCALE_BYTES)
+
+    # ---------------------------------------------------------------------------------------
+    # Sizes
+    # ---------------------------------------------------------------------------------------
+
+    @property
+    def n_slots(self) -> int:
+        """Token slots per layer: ``n_pages * page_size``."""
+        return self.n_pages * self.page_size
+
+    @property
+    def mla_bytes_total(self) -> int:
+        """Bytes of the MLA storage, all layers."""
+        return self.mla.numel()
+
+    @property
+    def index_bytes_total(self) -> int:
+        """Bytes of the indexer K storage, all layers."""
+        return self.index.numel()
+
+    @property
+    def bytes_total(self) -> int:
+        return self.mla_bytes_total + self.index_bytes_total
+
+    def mla_bytes_for_pages(self, n_pages: int) -> int:
+        """MLA bytes that ``n_pages`` pages take over all layers of this pool."""
+        return self.n_layers * n_pages * self.layout.mla_page_bytes
+
+    def index_bytes_for_pages(self, n_pages: int) -> int:
+        """Indexer K bytes that ``n_pages`` pages take over all layers of this pool."""
+        return self.n_layers * n_pages * self.layout.index_page_bytes
+
+    def bytes_for_pages(self, n_pages: int) -> int:
+        """MLA + indexer K bytes of ``n_pages`` pages over all layers (``bytes_total`` at ``self.n_pages``)."""
+        return self.mla_bytes_for_pages(n_pages) + self.index_bytes_for_pages(n_pages)
+
+    # ---------------------------------------------------------------------------------------
+    # MLA
+    # ---------------------------------------------------------------------------------------
+
+    def write_mla(self, layer: int, locs: torch.Tensor, rows: torch.Tensor) -> None:
+        """Store packed rows ``uint8 [N, mla_bytes]`` at slots ``locs [N] int64`` of ``layer``."""
+        self._check_locs(layer, locs)
+        if rows.dtype != torch.uint8 or tuple(rows.shape) != (locs.shape[0], self.layout.mla_bytes):
+            raise ConfigError(
+                f"write_mla expects rows uint8 [{locs.shape[0]}, {self.layout.mla_bytes}], "
+                f"got {rows.dtype} {tuple(rows.shape)}"
+            )
+        self.mla[layer].index_copy_(0, locs, rows)
+
+    def read_mla(self, layer: int, locs: torch.Tensor) -> torch.Tensor:
+        """Packed rows at ``locs [N] int64`` of ``layer`` -> ``uint8 [N, mla_bytes]`` (a copy)."""
+        self._check_locs(layer, locs)
+        return self.mla[layer].index_select(0, locs)
+
+    # ---------------------------------------------------------------------------------------
+    # Indexer K
+    # ---------------------------------------------------------------------------------------
+
+    def write_index(self, layer: int, locs: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor) -> None:
+        """Store ``k_fp8 [N, 128] float8_e4m3fn`` and ``k_scale [N] float32`` of tokens at ``locs [N]``.
+
+        Token ``loc`` goes to page ``loc // page_size``, slot ``loc % page_size``: its 128 bytes at
+        ``slot * 128`` and its scale at ``page_size * 128 + 4 * slot`` of that page.
+        """
+        self._check_locs(layer, locs)
+        n, dim = locs.shape[0], self.layout.index_head_dim
+        if k_fp8.dtype != FP8_DTYPE or tuple(k_fp8.shape) != (n, dim):
+            raise ConfigError(
+                f"write_index expects k_fp8 float8_e4m3fn [{n}, {dim}], got {k_fp8.dtype} {tuple(k_fp8.shape)}"
+            )
+        if k_scale.dtype != torch.float32 or tuple(k_scale.shape) != (n,):
+            raise ConfigError(f"write_index expects k_scale float32 [{n}], got {k_scale.dtype} {tuple(k_scale.shape)}")
+        page, slot = locs // self.page_size, locs % self.page_size
+        self._index_values[layer][page, slot] = k_fp8.contiguous().view(torch.uint8)
+        self._index_scales[layer][page, slot] = k_scale.contiguous().view(torch.uint8).reshape(n, SCALE_BYTES)
+
+    def read_index(self, layer: int, locs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Indexer K of tokens at ``locs [N]`` -> ``(k_fp8 [N, 128] float8_e4m3fn, k_scale [N] float32)``."""
+        self._check_locs(layer, locs)
+        page, slot = locs // self.page_size, locs % self.page_size
+        values = self._index_values[layer][page, slot]  # advanced indexing: a fresh contiguous copy
+        scales = self._index_scales[layer][page, slot]
+        return values.view(FP8_DTYPE), scales.view(torch.float32).reshape(-1)
+
+    # ---------------------------------------------------------------------------------------
+    # Checks
+    # ---------------------------------------------------------------------------------------
+
+    def _check_locs(self, layer: int, locs: torch.Tensor) -> None:
+        if not 0 <= layer < self.n_layers:
+            raise LocOutOfRangeError(f"layer {layer} is outside this pool's {self.n_layers} layers")
+        if locs.dtype != torch.int64 or locs.dim() != 1:
+            raise ConfigError(f"locs must be a 1-D int64 tensor, got {locs.dtype} {tuple(locs.shape)}")
+        if locs.device != self.mla.device:
+            raise ConfigError(f"locs are on {locs.device}, the pool is on {self.mla.device}")
+        if self.debug and locs.numel():
+            lo, hi = int(locs.min()), int(locs.max())  # host sync: debug only
+            if lo < 0 or hi >= self.n_slots:
+                raise LocOutOfRangeError(
+                    f"locs span [{lo}, {hi}] but the pool has slots [0, {self.n_slots}) "
+                    f"({self.n_pages} pages of {self.page_size})"
+                )

@@ -1,0 +1,164 @@
+"""One DSA attention layer: MLA in absorbed (MQA) form plus the lightning indexer.
+
+Parameter names follow DeepSeek-V3.2's inference code (``wq_a, q_norm, wq_b, wkv_a, kv_norm,
+wkv_b, wo, indexer.{wq_b, wk, k_norm, weights_proj}``) so an attention state dict in bf16 loads
+with ``strict=True``. The layer is split into the two halves that context parallelism puts a
+collective between:
+
+* :meth:`DSAAttention.project` -- per-token work on the rank's own tokens: absorbed queries, the
+  576-wide latent KV entry and the 128-wide indexer key (rotated, not yet quantized), indexer
+  queries (FP8) and head weights.
+* :meth:`DSAAttention.attend` -- indexer top-k and sparse attention of those queries against a
+  **full view** (dense, sequence-ordered KV of whole requests), then the output projection.
+
+:meth:`DSAAttention.forward` is the documented single-device call: one request's hidden states
+with a start position, against a dense cache of the earlier tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from reference_impl.config import ModelConfig
+from reference_impl.kernels.dispatch import indexer_topk, sparse_mla_attention
+from reference_impl.model.fp8 import act_quant, hadamard_rotate
+from reference_impl.model.rope import apply_rope, rope_cos_sin, rope_frequencies
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 with a float32 weight (DeepSeek-V3.2's)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * y).to(x.dtype)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with bias, computed in float32 (the indexer's ``k_norm``)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
+        self.bias = nn.Parameter(torch.zeros(dim, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.layer_norm(x.float(), (x.shape[-1],), self.weight, self.bias, self.eps).to(x.dtype)
+
+
+def _linear(n_in: int, n_out: int, dtype: torch.dtype) -> nn.Linear:
+    return nn.Linear(n_in, n_out, bias=False, dtype=dtype)
+
+
+class Indexer(nn.Module):
+    """The lightning indexer's parameters (DeepSeek-V3.2 names)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.wq_b = _linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, dtype)
+        self.wk = _linear(cfg.dim, cfg.index_head_dim, dtype)
+        self.k_norm = LayerNorm(cfg.index_head_dim)
+        self.weights_proj = _linear(cfg.dim, cfg.index_n_heads, torch.float32)  # runs in fp32
+
+
+@dataclass
+class Projection:
+    """Per-token outputs of :meth:`DSAAttention.project` for ``T`` tokens."""
+
+    q: torch.Tensor  # [T, H, kv_lora + rope]: absorbed q_nope then roped q_pe (compute dtype)
+    kv: torch.Tensor  # [T, kv_lora + rope]: kv_norm(latent) then roped k_pe (compute dtype)
+    index_q_fp8: torch.Tensor  # [T, Hi, D] float8_e4m3fn
+    index_weights: torch.Tensor  # [T, Hi] float32 (head weights * Hi^-0.5 * D^-0.5 * q_scale)
+    index_k: torch.Tensor  # [T, D] rotated indexer key before quantization (compute dtype)
+
+
+class DSAAttention(nn.Module):
+    """MLA (absorbed) + lightning indexer for one layer; see the module docstring."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.n_heads
+        self.wq_a = _linear(cfg.dim, cfg.q_lora_rank, dtype)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+        self.wq_b = _linear(cfg.q_lora_rank, h * cfg.qk_head_dim, dtype)
+        self.wkv_a = _linear(cfg.dim, cfg.kv_width, dtype)
+        self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps)
+        self.wkv_b = _linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), dtype)
+        self.wo = _linear(h * cfg.v_head_dim, cfg.dim, dtype)
+        self.indexer = Indexer(cfg, dtype)
+        self.register_buffer("rope_freqs", rope_frequencies(cfg), persistent=False)
+
+    # ---- per-token half -----------------------------------------------------------------------
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> Projection:
+        """Project ``x [T, dim]`` at absolute ``positions [T]`` into queries and cache entries."""
+        cfg = self.cfg
+        n_tok, h = x.shape[0], cfg.n_heads
+        cos, sin = rope_cos_sin(self.rope_freqs, positions)
+
+        qr = self.q_norm(self.wq_a(x))  # [T, q_lora], shared by MLA and the indexer
+        q = self.wq_b(qr).view(n_tok, h, cfg.qk_head_dim)
+        q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)  # MLA: [nope, rope]
+        q_pe = apply_rope(q_pe, cos, sin, interleaved=True)
+        w_uk = self.wkv_b.weight.view(h, -1, cfg.kv_lora_rank)[:, : cfg.qk_nope_head_dim]  # [H, nope, c]
+        q_latent = torch.einsum("thd,hdc->thc", q_nope, w_uk)
+
+        latent, k_pe = self.wkv_a(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        k_pe = apply_rope(k_pe, cos, sin, interleaved=True)
+        kv = torch.cat([self.kv_norm(latent), k_pe], dim=-1)
+
+        iq, ik, iw = self._index_qkw(x, qr, cos, sin)
+        return Projection(torch.cat([q_latent, q_pe], dim=-1), kv, iq[0], iw, ik)
+
+    def _index_qkw(
+        self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor]:
+        cfg, idx = self.cfg, self.indexer
+        n_tok, hi, d, r = x.shape[0], cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
+        inter = cfg.index_rope_interleaved
+        q = idx.wq_b(qr).view(n_tok, hi, d)
+        q_pe, q_nope = q.split([r, d - r], dim=-1)  # indexer: [rope, nope], rope first
+        q = torch.cat([apply_rope(q_pe, cos, sin, inter), q_nope], dim=-1)
+        k = idx.k_norm(idx.wk(x))
+        k_pe, k_nope = k.split([r, d - r], dim=-1)
+        k = torch.cat([apply_rope(k_pe, cos, sin, inter), k_nope], dim=-1)
+        q_fp8, q_scale = act_quant(hadamard_rotate(q), 128, cfg.index_scale_fmt)  # scale [T, Hi, 1]
+        weights = idx.weights_proj(x.float()) * hi**-0.5
+        weights = weights * q_scale[..., 0] * d**-0.5
+        return (q_fp8, q_scale), hadamard_rotate(k), weights
+
+    # ---- full-view half -----------------------------------------------------------------------
+
+    def attend(
+        self,
+        proj: Projection,
+        kv_view: torch.Tensor,  # [S, kv_lora + rope] bf16 full view (dequantized cache)
+        index_k_fp8: torch.Tensor,  # [S, D] float8_e4m3fn full view
+        index_k_scale: torch.Tensor,  # [S] float32
+        key_start: torch.Tensor,  # [T] int64: first full-view row of the query's request
+        key_end: torch.Tensor,  # [T] int64: exclusive causal end (request start + prefix + j + 1)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Indexer top-k + sparse MLA for the projected queries -> ``(out [T, dim], topk [T, K] int32)``.
+
+        ``topk`` holds full-view rows (``-1`` for unused slots when fewer than K keys are visible).
+        """
+        cfg = self.cfg
+        topk = indexer_topk(
+            proj.index_q_fp8, proj.index_weights, index_k_fp8, index_k_scale, key_start, key_end, cfg.index_topk
+        )
+        o_latent, _ = sparse_mla_attention(
+            proj.q.to(kv_view.dtype), kv_view, topk, cfg.softmax_scale, cfg.kv_lora_rank
+        )
+        w_uv = self.wkv_b.weight.view(cfg.n_heads, -1, cfg.kv_lora_rank)[:, cfg.qk_nope_head_dim :]  # [H, v, c]
+        o = torch.einsum("thc,hdc->thd", o_latent.to(w_uv.dtype), w_uv)
+        return self.wo(o.flatten(1)), topk

@@ -1,0 +1,71 @@
+"""FP8 (e4m3) block quantization and the Hadamard rotation used by the lightning indexer.
+
+DeepSeek-V3.2's ``act_quant``: per block of ``block`` values, ``scale = amax / 448`` (``amax``
+clamped to at least 1e-4 so an all-zero block has a finite scale); with ``scale_fmt="ue8m0"`` the
+scale is rounded up to a power of two. ``x_fp8 = (x / scale)`` cast to ``float8_e4m3fn``.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+AMAX_FLOOR = 1e-4
+
+
+def block_scales(x: torch.Tensor, block: int, scale_fmt: str = "fp32") -> torch.Tensor:
+    """Per-block scales of ``x [..., n]`` -> ``[..., n // block]`` float32."""
+    n = x.shape[-1]
+    if n % block:
+        raise ValueError(f"last dim {n} is not a multiple of the quantization block {block}")
+    amax = x.float().unflatten(-1, (n // block, block)).abs().amax(dim=-1).clamp(min=AMAX_FLOOR)
+    scale = amax / FP8_MAX
+    if scale_fmt == "ue8m0":
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    elif scale_fmt != "fp32":
+        raise ValueError(f"unknown scale_fmt {scale_fmt!r}")
+    return scale
+
+
+def act_quant(x: torch.Tensor, block: int = 128, scale_fmt: str = "fp32") -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x [..., n]`` to e4m3 with one scale per ``block`` values.
+
+    Returns ``(x_fp8 [..., n] float8_e4m3fn, scale [..., n // block] float32)``.
+    """
+    scale = block_scales(x, block, scale_fmt)
+    n = x.shape[-1]
+    y = x.float().unflatten(-1, (n // block, block)) / scale.unsqueeze(-1)
+    y = y.clamp(-FP8_MAX, FP8_MAX).flatten(-2)
+    return y.to(FP8_DTYPE), scale
+
+
+def act_dequant(x_fp8: torch.Tensor, scale: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """Inverse of :func:`act_quant` in float32."""
+    n = x_fp8.shape[-1]
+    y = x_fp8.float().unflatten(-1, (n // block, block)) * scale.unsqueeze(-1)
+    return y.flatten(-2)
+
+
+@lru_cache(maxsize=8)
+def _hadamard_matrix(n: int, device_str: str) -> torch.Tensor:
+    if n & (n - 1):
+        raise ValueError(f"Hadamard size {n} is not a power of two")
+    h = torch.ones(1, 1, dtype=torch.float32)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h.to(device_str)
+
+
+def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
+    """``rotate_activation``: Sylvester Hadamard transform over the last dim, scaled by ``d^-0.5``.
+
+    Matches ``fast_hadamard_transform.hadamard_transform(x, scale=d**-0.5)``; computed in float32
+    and returned in ``x.dtype``.
+    """
+    d = x.shape[-1]
+    h = _hadamard_matrix(d, str(x.device))
+    return (x.float() @ h * (1.0 / math.sqrt(d))).to(x.dtype)

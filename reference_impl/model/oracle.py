@@ -1,0 +1,167 @@
+"""The single-device oracle: N DSA layers over a batch of requests on a dense cache.
+
+Every CP configuration is checked against this. A request's **prefix** (tokens already cached)
+is produced the way a serving engine produced it, by an earlier prefill of those tokens; then the
+**extend** part runs with ``start_pos = prefix``. The cache holds exactly the bytes of the KV
+layouts (:mod:`reference_impl.kvcache.layout`), dense and sequence-ordered per request, so a CP
+run's cache can be compared with it byte for byte.
+
+The model around the attention layers is the thinnest one that composes: ``h + attn(norm(h))``
+per layer (the MoE/MLP half of a DeepSeek block is not part of the CP story), then a final norm
+and an LM head for the logits of the output rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from reference_impl.config import KVDtype, ModelConfig
+from reference_impl.kvcache.layout import KVLayout
+from reference_impl.model.attention import DSAAttention, Projection, RMSNorm
+
+
+class DSABlock(nn.Module):
+    """``h + attn(attn_norm(h))``; the attention's parameters sit under ``attn.``."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = DSAAttention(cfg, dtype)
+
+
+class DSAModel(nn.Module):
+    """``n_layers`` DSA blocks, a final norm and an LM head."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layers = nn.ModuleList(DSABlock(cfg, dtype) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False, dtype=dtype)
+
+    @torch.no_grad()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of final hidden states ``[N, dim] -> [N, vocab]``."""
+        return self.head(self.norm(hidden)).float()
+
+
+@torch.no_grad()
+def init_weights(model: DSAModel, seed: int) -> DSAModel:
+    """Deterministic random weights: the same seed gives the same bytes in every process.
+
+    Linear weights ~ N(0, 1/fan_in); norm weights 1 + N(0, 0.1^2); the indexer's k_norm bias N(0, 0.1^2).
+    Drawn in a fixed order by a generator on the parameters' device (bytes match across processes
+    on the same kind of device, not between CPU and CUDA).
+    """
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        w = torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32)
+        if p.dim() == 2:
+            w /= p.shape[1] ** 0.5
+        elif name.endswith("bias"):
+            w *= 0.1
+        else:
+            w = 1.0 + 0.1 * w
+        p.copy_(w.to(p.dtype))
+    return model
+
+
+@dataclass
+class LayerCache:
+    """Dense cache of one request for one layer, in the KV byte layouts."""
+
+    layout: KVLayout
+    mla_rows: torch.Tensor  # uint8 [N, layout.mla_bytes]
+    index_fp8: torch.Tensor  # float8_e4m3fn [N, D]
+    index_scale: torch.Tensor  # float32 [N]
+
+    @classmethod
+    def empty(cls, layout: KVLayout, device: torch.device | str) -> "LayerCache":
+        d = layout.index_head_dim
+        return cls(
+            layout,
+            torch.empty(0, layout.mla_bytes, dtype=torch.uint8, device=device),
+            torch.empty(0, d, dtype=torch.float8_e4m3fn, device=device),
+            torch.empty(0, dtype=torch.float32, device=device),
+        )
+
+    def __len__(self) -> int:
+        return int(self.mla_rows.shape[0])
+
+    def append(self, proj: Projection) -> None:
+        """Quantize and append the projected tokens' KV and index K."""
+        k_fp8, k_scale = self.layout.quantize_index_k(proj.index_k)
+        self.mla_rows = torch.cat([self.mla_rows, self.layout.pack_mla(proj.kv)])
+        self.index_fp8 = torch.cat([self.index_fp8, k_fp8])
+        self.index_scale = torch.cat([self.index_scale, k_scale])
+
+    def kv_view(self) -> torch.Tensor:
+        """The full view of this request: dequantized ``[N, kv_lora + rope]`` bf16."""
+        return self.layout.dequantize_mla(self.mla_rows).to(torch.bfloat16)
+
+
+@torch.no_grad()
+def attention_forward(
+    attn: DSAAttention, x: torch.Tensor, start_pos: int, cache: LayerCache
+) -> tuple[torch.Tensor, torch.Tensor, Projection]:
+    """The single-device call: one request's tokens ``x [T, dim]`` at ``start_pos`` against ``cache``.
+
+    ``cache`` must hold exactly the request's first ``start_pos`` tokens; this call appends the
+    ``T`` new ones. Returns ``(out [T, dim], topk [T, K] int32 positions in the request, projection)``.
+    """
+    if len(cache) != start_pos:
+        raise ValueError(f"cache holds {len(cache)} tokens but start_pos is {start_pos}")
+    positions = torch.arange(start_pos, start_pos + x.shape[0], device=x.device)
+    proj = attn.project(x, positions)
+    cache.append(proj)
+    key_start = torch.zeros_like(positions)
+    out, topk = attn.attend(proj, cache.kv_view(), cache.index_fp8, cache.index_scale, key_start, positions + 1)
+    return out, topk, proj
+
+
+@dataclass
+class OracleResult:
+    """Everything a CP run is compared against."""
+
+    hidden: list[torch.Tensor]  # per request: final hidden states of the extend tokens [E, dim]
+    topk: list[list[torch.Tensor]]  # [layer][request]: [E, K] int32 positions within the request
+    caches: list[list[LayerCache]]  # [layer][request]: dense cache of prefix + extend tokens
+    projections: list[list[Projection]] = field(default_factory=list)  # [layer][request], extend part
+
+    def index_scores(self, layer: int, request: int, row: int) -> torch.Tensor:
+        """Index scores of extend row ``row`` of ``request`` at ``layer`` over its visible keys."""
+        from reference_impl.model.sparse_attention import indexer_scores
+
+        proj, cache = self.projections[layer][request], self.caches[layer][request]
+        return indexer_scores(
+            proj.index_q_fp8[row : row + 1], proj.index_weights[row : row + 1], cache.index_fp8, cache.index_scale
+        )[0]
+
+
+@torch.no_grad()
+def run_oracle(
+    model: DSAModel, prefix_lens: list[int], inputs: list[torch.Tensor], kv_dtype: KVDtype, page_size: int = 64
+) -> OracleResult:
+    """Run the batch on one device. ``inputs[i]`` is request i's layer-0 input ``[prefix + extend, dim]``."""
+    cfg = model.cfg
+    layout = KVLayout.from_config(cfg, kv_dtype, page_size)
+    device = inputs[0].device
+    caches = [[LayerCache.empty(layout, device) for _ in inputs] for _ in model.layers]
+    hidden, topks, projs = [], [[] for _ in model.layers], [[] for _ in model.layers]
+    for req, (x_all, prefix) in enumerate(zip(inputs, prefix_lens)):
+        for start, stop in ((0, prefix), (prefix, x_all.shape[0])):  # earlier prefill, then this chunk
+            if stop == start:
+                continue
+            h = x_all[start:stop]
+            for layer, block in enumerate(model.layers):
+                out, topk, proj = attention_forward(block.attn, block.attn_norm(h), start, caches[layer][req])
+                h = h + out
+                if start == prefix:
+                    topks[layer].append(topk)
+                    projs[layer].append(proj)
+        hidden.append(h)
+    return OracleResult(hidden, topks, caches, projs)

@@ -1,0 +1,96 @@
+"""Torch references for the two compute cores of a DSA layer: indexer top-k and sparse MLA attention.
+
+Both work on a **full view**: dense, sequence-ordered KV / index-K tensors of all requests of a
+batch, concatenated. A query ``t`` sees keys ``[key_start[t], key_end[t])`` of that view (its own
+request, causally: ``key_end = request start + prefix + j + 1``). Indices returned and consumed
+are absolute rows of the full view; ``-1`` marks an unused top-k slot.
+
+These functions are the contract the Triton kernels in :mod:`reference_impl.kernels` must match.
+They are chunked over query rows so that memory stays bounded at real shapes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def indexer_scores(
+    q_fp8: torch.Tensor,  # [T, Hi, D] float8_e4m3fn (Hadamard-rotated, quantized)
+    weights: torch.Tensor,  # [T, Hi] float32: weights_proj(x) * Hi^-0.5 * D^-0.5 * q_scale
+    k_fp8: torch.Tensor,  # [S, D] float8_e4m3fn
+    k_scale: torch.Tensor,  # [S] float32
+) -> torch.Tensor:
+    """Index scores ``I[t, s] = k_scale[s] * sum_h weights[t, h] * ReLU(q[t, h] . k[s])`` -> [T, S] f32."""
+    logits = torch.einsum("thd,sd->ths", q_fp8.float(), k_fp8.float())
+    return torch.einsum("ths,th->ts", logits.relu_(), weights) * k_scale.unsqueeze(0)
+
+
+def indexer_topk(
+    q_fp8: torch.Tensor,
+    weights: torch.Tensor,
+    k_fp8: torch.Tensor,
+    k_scale: torch.Tensor,
+    key_start: torch.Tensor,  # [T] int64
+    key_end: torch.Tensor,  # [T] int64, exclusive
+    topk: int,
+    rows_per_chunk: int = 0,
+) -> torch.Tensor:
+    """Top-``min(topk, visible)`` full-view rows per query by index score -> [T, topk] int32, -1 padded.
+
+    Indices within a row are ordered by descending score (``torch.topk`` order).
+    """
+    n_rows = q_fp8.shape[0]
+    out = torch.full((n_rows, topk), -1, dtype=torch.int32, device=q_fp8.device)
+    if n_rows == 0:
+        return out
+    if rows_per_chunk <= 0:
+        # Keep the [rows, Hi, keys] fp32 logits under ~512 MiB.
+        per_row = q_fp8.shape[1] * max(int(k_fp8.shape[0]), 1) * 4
+        rows_per_chunk = max(1, (512 << 20) // per_row)
+    for r0 in range(0, n_rows, rows_per_chunk):
+        r1 = min(n_rows, r0 + rows_per_chunk)
+        lo, hi = int(key_start[r0:r1].min()), int(key_end[r0:r1].max())
+        scores = indexer_scores(q_fp8[r0:r1], weights[r0:r1], k_fp8[lo:hi], k_scale[lo:hi])
+        cols = torch.arange(lo, hi, device=scores.device)
+        visible = (cols >= key_start[r0:r1, None]) & (cols < key_end[r0:r1, None])
+        scores = scores.masked_fill(~visible, float("-inf"))
+        k = min(topk, hi - lo)
+        vals, idx = scores.topk(k, dim=-1)
+        idx = torch.where(torch.isinf(vals), torch.full_like(idx, -1 - lo), idx) + lo
+        out[r0:r1, :k] = idx.to(torch.int32)
+    return out
+
+
+def sparse_mla_attention(
+    q: torch.Tensor,  # [T, H, Dqk] (absorbed: latent part then rope part; Dqk = 576)
+    kv: torch.Tensor,  # [S, Dqk] full view (latent then rope), dequantized
+    indices: torch.Tensor,  # [T, K] int32 rows of kv, -1 = unused
+    softmax_scale: float,
+    d_v: int,  # latent width that is also the value (512)
+    rows_per_chunk: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MQA attention over the selected rows -> (out [T, H, d_v] f32, lse [T, H] f32, natural log).
+
+    ``out[t, h] = sum_k softmax_k(scale * q[t,h] . kv[idx[t,k]]) * kv[idx[t,k], :d_v]``.
+    A row whose indices are all -1 gets ``out = 0`` and ``lse = -inf``.
+    """
+    n_rows, n_heads, _ = q.shape
+    topk = indices.shape[1]
+    out = torch.zeros(n_rows, n_heads, d_v, dtype=torch.float32, device=q.device)
+    lse = torch.full((n_rows, n_heads), float("-inf"), dtype=torch.float32, device=q.device)
+    if rows_per_chunk <= 0:
+        # Gathered [rows, K, Dqk] fp32 plus [rows, H, K] scores under ~512 MiB.
+        per_row = topk * (kv.shape[1] + n_heads) * 4
+        rows_per_chunk = max(1, (512 << 20) // per_row)
+    for r0 in range(0, n_rows, rows_per_chunk):
+        r1 = min(n_rows, r0 + rows_per_chunk)
+        idx = indices[r0:r1].long()
+        valid = idx >= 0
+        gathered = kv[idx.clamp(min=0)].float()  # [t, K, Dqk]
+        scores = torch.einsum("thd,tkd->thk", q[r0:r1].float(), gathered) * softmax_scale
+        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+        row_lse = torch.logsumexp(scores, dim=-1)  # [t, H]
+        probs = torch.exp(scores - row_lse.unsqueeze(-1)).nan_to_num_(0.0)
+        out[r0:r1] = torch.einsum("thk,tkd->thd", probs, gathered[..., :d_v])
+        lse[r0:r1] = row_lse
+    return out, lse

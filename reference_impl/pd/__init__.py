@@ -1,0 +1,1 @@
+"""Prefill -> decode transfer of the KV cache (planned with phase 2)."""

@@ -1,0 +1,151 @@
+"""The run report: one JSON object per run, and its table form for the CLI.
+
+Byte figures are the sizes of buffers the rank really holds or moves (pool storage, gathered
+buffers including padding, full-view tensors); see ``docs/report.md`` for each field.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import sys
+from typing import Any
+
+import torch
+
+from reference_impl.check import Agreement
+from reference_impl.config import RunConfig
+from reference_impl.cp.split import SplitMetadata
+from reference_impl.engine import RankResult
+from reference_impl.workload import compute_dtype, resolve_device
+
+PER_RANK_FIELDS = (
+    "kv_bytes",
+    "index_bytes",
+    "transient_peak_bytes",
+    "gather_bytes",
+    "materialized_bytes",
+    "output_gather_bytes",
+    "collectives",
+)
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
+def versions() -> dict[str, str]:
+    out = {"python": sys.version.split()[0], "torch": torch.__version__}
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+    except ImportError:  # pragma: no cover - triton is a dependency, but the report must not need it
+        out["triton"] = "absent"
+    return out
+
+
+def build_report(
+    run: RunConfig,
+    meta: SplitMetadata,
+    results: list[RankResult],
+    agreement: Agreement | None,
+    backend: str,
+    shared_gpu: bool,
+) -> dict[str, Any]:
+    device = resolve_device(run)
+    per_rank = []
+    for r in results:
+        entry: dict[str, Any] = {"rank": r.rank, **{k: r.stats[k] for k in PER_RANK_FIELDS}}
+        if "measured_peak_bytes" in r.stats:
+            entry["measured_peak_bytes"] = r.stats["measured_peak_bytes"]
+        entry["tokens"] = meta.rank_lengths[r.rank]
+        entry["layer_ms_median"] = statistics.median(r.timings["layer_ms"])
+        entry["tail_ms"] = r.timings["tail_ms"]
+        entry["total_ms"] = r.timings["total_ms"]
+        per_rank.append(entry)
+    report: dict[str, Any] = {
+        "config": {
+            "preset": run.preset,
+            "requests": [[r.prefix, r.extend] for r in run.requests],
+            "kv_dtype": run.kv_dtype,
+            "split_mode": run.split_mode,
+            "page_size": run.page_size,
+            "n_layers": run.model.n_layers,
+            "compute_dtype": str(compute_dtype(run, device)).removeprefix("torch."),
+            "seed": run.seed,
+            "debug": run.debug,
+            "input_logprobs": run.input_logprobs,
+            "return_hidden_states": run.return_hidden_states,
+        },
+        "cp_size": run.cp_size,
+        "phases": sorted(run.phases.enabled),
+        "phase_level": run.phases.max_level,
+        "device": device_name(device),
+        "backend": backend,
+        "ranks_share_device": shared_gpu or (device.type == "cuda" and run.cp_size > 1 and backend == "gloo"),
+        "tail_mode": results[0].tail_mode,
+        "matches_oracle": agreement.matches_oracle if agreement else None,
+        "max_abs_err": agreement.max_abs_err if agreement else None,
+        "logits_max_abs_err": agreement.logits_max_abs_err if agreement else None,
+        "topk_agreement": agreement.topk_agreement if agreement else None,
+        "topk_boundary_ties": agreement.topk_ties if agreement else None,
+        "cache_equal": agreement.cache_equal if agreement else None,
+        "problems": agreement.problems if agreement else [],
+        "collectives_identical": len({tuple(r.collectives) for r in results}) == 1,
+        "per_rank": per_rank,
+        "timings": {
+            "layer_ms_median": max(p["layer_ms_median"] for p in per_rank),
+            "tail_ms": max(p["tail_ms"] for p in per_rank),
+            "total_ms": max(p["total_ms"] for p in per_rank),
+            "note": "one run; per-layer median over layers; max over ranks",
+        },
+        "versions": versions(),
+    }
+    return report
+
+
+def _human_bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
+
+
+def format_table(reports: list[dict[str, Any]]) -> str:
+    """A readable table: one block per report, one row per rank."""
+    lines = []
+    for rep in reports:
+        cfg = rep["config"]
+        verdict = {True: "MATCHES oracle", False: "DIFFERS from oracle", None: "not checked"}[rep["matches_oracle"]]
+        lines.append(
+            f"phases {rep['phases'] or '[0]'} | cp={rep['cp_size']} {cfg['split_mode']} | {cfg['preset']} "
+            f"{cfg['kv_dtype']} | requests {cfg['requests']} | {rep['device']} / {rep['backend']}"
+            + (" (ranks share one device)" if rep["ranks_share_device"] else "")
+        )
+        if rep["matches_oracle"] is not None:
+            lines.append(
+                f"  {verdict}: max abs err {rep['max_abs_err']:.2e}, top-k agreement {rep['topk_agreement']:.4f}"
+                f" (+{rep['topk_boundary_ties']} boundary ties), cache equal {rep['cache_equal']}, tail {rep['tail_mode']}"
+            )
+        header = ["rank", "tokens", "kv", "index", "transient peak", "gather", "materialized", "tail gather", "colls", "layer ms"]
+        rows = [
+            [
+                str(p["rank"]), str(p["tokens"]), _human_bytes(p["kv_bytes"]), _human_bytes(p["index_bytes"]),
+                _human_bytes(p["transient_peak_bytes"]), _human_bytes(p["gather_bytes"]),
+                _human_bytes(p["materialized_bytes"]), _human_bytes(p["output_gather_bytes"]),
+                str(p["collectives"]), f"{p['layer_ms_median']:.2f}",
+            ]
+            for p in rep["per_rank"]
+        ]
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+        lines.append("  " + "  ".join(h.rjust(w) for h, w in zip(header, widths)))
+        lines.extend("  " + "  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)
+        for problem in rep["problems"]:
+            lines.append(f"  ! {problem}")
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,57 @@
+"""Run one CP prefill end to end: launch the ranks, run the oracle, compare, and report.
+
+This is what ``python -m reference_impl run`` and the notebooks call::
+
+    from reference_impl.config import RunConfig, PhaseSet
+    from reference_impl.runner import run_prefill
+    report = run_prefill(RunConfig(preset="tiny", cp_size=4, phases=PhaseSet.level(1)))
+    assert report["matches_oracle"]
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+from typing import Any
+
+import torch
+
+from reference_impl.check import compare
+from reference_impl.config import RunConfig
+from reference_impl.engine import RankResult, build_metadata, run_rank
+from reference_impl.launch import choose_backend, launch, under_torchrun
+from reference_impl.model.oracle import run_oracle
+from reference_impl.report import build_report
+from reference_impl.workload import build_inputs, build_model, compute_dtype, resolve_device
+
+logger = logging.getLogger(__name__)
+
+
+def _launch_plan_line(run: RunConfig) -> tuple[str, bool]:
+    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    plan = choose_backend(
+        run.cp_size, run.device, run.backend, cuda,
+        cuda_initialized=torch.cuda.is_initialized(), fork_available="fork" in mp.get_all_start_methods(),
+    )
+    return plan.backend, plan.shared_gpu
+
+
+def run_prefill(run: RunConfig, timeout_s: float = 600) -> dict[str, Any]:
+    """Run ``run`` on ``run.cp_size`` ranks and return the report (a JSON-ready dict).
+
+    Bad input raises :class:`~reference_impl.config.ConfigError` before any rank starts.
+    """
+    meta = build_metadata(run)  # validates the split in this process first
+    backend, shared_gpu = ("nccl" if torch.cuda.is_available() else "gloo", False) if under_torchrun() else _launch_plan_line(run)
+    results: list[RankResult] = launch(
+        run_rank, run.cp_size, run, device=run.device, backend=run.backend, timeout_s=timeout_s, debug=run.debug
+    )
+    agreement = None
+    if run.check:
+        device = resolve_device(run)
+        model = build_model(run, device)
+        oracle = run_oracle(model, [r.prefix for r in run.requests], build_inputs(run, device), run.kv_dtype, run.page_size)
+        agreement = compare(run, meta, model, oracle, results, compute_dtype(run, device))
+        if not agreement.matches_oracle:
+            logger.error("CP run disagrees with the oracle: %s", "; ".join(agreement.problems))
+    return build_report(run, meta, results, agreement, backend=backend, shared_gpu=shared_gpu)

@@ -1,0 +1,43 @@
+"""The workload of one run: device, compute dtype, model weights and layer-0 inputs.
+
+Everything is derived from the :class:`~reference_impl.config.RunConfig` and its seed, so every
+rank (and the oracle) builds the same model and inputs without exchanging them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from reference_impl.config import RunConfig
+from reference_impl.model.oracle import DSAModel, init_weights
+
+
+def resolve_device(run: RunConfig) -> torch.device:
+    """``auto`` picks CUDA when present, else CPU."""
+    if run.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(run.device)
+
+
+def compute_dtype(run: RunConfig, device: torch.device) -> torch.dtype:
+    """``auto``: float32 on CPU (tight oracle agreement), bfloat16 on CUDA (the real model's)."""
+    if run.compute_dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[run.compute_dtype]
+
+
+@torch.no_grad()
+def build_model(run: RunConfig, device: torch.device) -> DSAModel:
+    """The run's model with deterministic weights from ``run.seed``."""
+    with torch.device(device):
+        model = DSAModel(run.model, compute_dtype(run, device))
+    return init_weights(model, run.seed).eval()
+
+
+def build_inputs(run: RunConfig, device: torch.device) -> list[torch.Tensor]:
+    """Layer-0 hidden states per request, ``[prefix + extend, dim]``, ~N(0, 1), from ``run.seed + 1``."""
+    gen = torch.Generator(device=device).manual_seed(run.seed + 1)
+    dtype = compute_dtype(run, device)
+    return [
+        torch.randn(r.total, run.model.dim, generator=gen, device=device).to(dtype) for r in run.requests
+    ]

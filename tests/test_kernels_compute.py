@@ -1,0 +1,262 @@
+"""Triton compute kernels (sparse MLA attention, indexer top-k) under the CPU interpreter, and dispatch.
+
+The kernels are called directly at toy sizes and compared with the torch references in
+``reference_impl.model.sparse_attention``; the dispatch tests substitute a failing kernel.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere in this module
+
+import importlib
+import logging
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("triton")
+
+from reference_impl.kernels import dispatch  # noqa: E402
+from reference_impl.model import sparse_attention as ref  # noqa: E402
+from reference_impl.model.fp8 import act_quant  # noqa: E402
+
+
+def _interpreted(module_name: str) -> object:
+    """Import a kernel module so that its kernels are interpreter functions.
+
+    ``triton.jit`` picks interpreter or compiler when the module is imported; if another test
+    module imported it first without ``TRITON_INTERPRET=1``, import it again now.
+    """
+    module = importlib.import_module(module_name)
+    kernel = next(v for k, v in vars(module).items() if k.startswith("_") and k.endswith("_kernel"))
+    if type(kernel).__name__ != "InterpretedFunction":
+        module = importlib.reload(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def mla() -> object:
+    return _interpreted("reference_impl.kernels.sparse_mla_triton")
+
+
+@pytest.fixture(scope="module")
+def idx_mod() -> object:
+    return _interpreted("reference_impl.kernels.indexer_triton")
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
+
+
+def _attention_case(
+    gen: torch.Generator, n_tokens: int, n_heads: int, d_qk: int, n_kv: int, topk: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q = torch.randn(n_tokens, n_heads, d_qk, generator=gen).to(dtype)
+    kv = torch.randn(n_kv, d_qk, generator=gen).to(dtype)
+    indices = torch.randint(0, n_kv, (n_tokens, topk), generator=gen, dtype=torch.int32)
+    indices[1, 3 : topk // 2] = -1  # a hole in the middle
+    indices[2] = -1  # no valid index at all
+    indices[3, topk // 3 :] = -1  # -1 padded tail, as indexer_topk returns it
+    return q, kv, indices
+
+
+# ---- sparse MLA attention --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("dtype", "tol"),
+    [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)],
+)
+def test_sparse_mla_matches_reference(mla: object, dtype: torch.dtype, tol: float) -> None:
+    gen = torch.Generator().manual_seed(1)
+    d_qk, d_v, scale = 192, 128, 192**-0.5
+    q, kv, indices = _attention_case(gen, n_tokens=12, n_heads=6, d_qk=d_qk, n_kv=150, topk=40, dtype=dtype)
+    # block_k=16 gives three tiles, the last one partial; 6 heads in a 16-head block are masked.
+    out, lse = mla.sparse_mla_attention_triton(q, kv, indices, scale, d_v, block_k=16)  # type: ignore[attr-defined]
+    ref_out, ref_lse = ref.sparse_mla_attention(q, kv, indices, scale, d_v)
+    assert out.shape == (12, 6, d_v) and out.dtype == torch.float32 and lse.shape == (12, 6)
+    assert _rel_err(out, ref_out) < tol
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(finite, torch.isfinite(lse))
+    torch.testing.assert_close(lse[finite], ref_lse[finite], rtol=tol, atol=tol)
+    # The all -1 row: lse -inf, out exactly 0.
+    assert torch.isneginf(lse[2]).all() and (out[2] == 0).all()
+
+
+def test_sparse_mla_real_widths_several_head_blocks_bf16_out(mla: object) -> None:
+    """576/512 widths, 20 heads in two 16-head blocks (second partial), bf16 output."""
+    gen = torch.Generator().manual_seed(2)
+    q, kv, indices = _attention_case(gen, n_tokens=6, n_heads=20, d_qk=576, n_kv=64, topk=16, dtype=torch.bfloat16)
+    scale = 192**-0.5
+    out, lse = mla.sparse_mla_attention_triton(  # type: ignore[attr-defined]
+        q, kv, indices, scale, 512, out_dtype=torch.bfloat16, block_h=16, block_k=16
+    )
+    ref_out, ref_lse = ref.sparse_mla_attention(q, kv, indices, scale, 512)
+    assert out.dtype == torch.bfloat16
+    assert _rel_err(out, ref_out) < 1e-2
+    finite = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse[finite], ref_lse[finite], rtol=1e-3, atol=1e-3)
+    assert torch.isneginf(lse[2]).all() and (out[2] == 0).all()
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    n_tokens=st.integers(1, 5),
+    n_heads=st.integers(1, 17),
+    n_kv=st.integers(1, 90),
+    topk=st.integers(1, 33),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_sparse_mla_property_fp32(mla: object, n_tokens: int, n_heads: int, n_kv: int, topk: int, seed: int) -> None:
+    """Any shape, indices anywhere in [-1, S): fp32 kernel equals the reference tightly."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(n_tokens, n_heads, 80, generator=gen)
+    kv = torch.randn(n_kv, 80, generator=gen)
+    indices = torch.randint(-1, n_kv, (n_tokens, topk), generator=gen, dtype=torch.int32)
+    out, lse = mla.sparse_mla_attention_triton(q, kv, indices, 0.125, 64, block_k=16)  # type: ignore[attr-defined]
+    ref_out, ref_lse = ref.sparse_mla_attention(q, kv, indices, 0.125, 64)
+    torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)  # -inf where ref is -inf
+
+
+# ---- indexer ------------------------------------------------------------------------------------
+
+
+def _indexer_case(
+    gen: torch.Generator, n_heads: int = 4, d: int = 128
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two requests in one full view: A keys [0, 100) with prefix 88, B keys [100, 190) with prefix 60.
+
+    A's 12 queries see 89..100 keys, B's 14 queries see 61..74 keys (fewer than top-k 64 for none,
+    more than top-k for all): rows differ in range, start and length.
+    """
+    n_a, n_b = 12, 14
+    q_fp8, q_scale = act_quant(torch.randn(n_a + n_b, n_heads, d, generator=gen))
+    weights = torch.randn(n_a + n_b, n_heads, generator=gen) * q_scale.squeeze(-1) * (n_heads * d) ** -0.5
+    k_fp8, k_scale = act_quant(torch.randn(190, d, generator=gen))
+    key_start = torch.cat([torch.zeros(n_a), torch.full((n_b,), 100)]).long()
+    key_end = torch.cat([88 + torch.arange(n_a) + 1, 100 + 60 + torch.arange(n_b) + 1]).long()
+    return q_fp8, weights, k_fp8, k_scale.squeeze(-1), key_start, key_end
+
+
+def _assert_topk_sets_equal_up_to_ties(
+    got: torch.Tensor, want: torch.Tensor, scores: torch.Tensor, rel: float = 1e-5
+) -> None:
+    """Per row: same number of valid entries, and differing elements score within ``rel`` of the k-th."""
+    for row in range(want.shape[0]):
+        g = set(got[row][got[row] >= 0].tolist())
+        w = set(want[row][want[row] >= 0].tolist())
+        assert len(g) == len(w) == int((got[row] >= 0).sum()), f"row {row}: count or duplicates differ"
+        if g == w:
+            continue
+        kth = scores[row, sorted(w, key=lambda c: -float(scores[row, c]))[-1]]
+        for col in g ^ w:
+            assert abs(float(scores[row, col] - kth)) <= rel * abs(float(kth)), f"row {row}: {col} is not a tie"
+
+
+def test_indexer_logits_match_reference(idx_mod: object) -> None:
+    gen = torch.Generator().manual_seed(3)
+    q_fp8, weights, k_fp8, k_scale, key_start, key_end = _indexer_case(gen)
+    # Columns [40, 190): the window starts mid-request-A so some rows' ranges start before it.
+    logits = idx_mod.indexer_logits_triton(  # type: ignore[attr-defined]
+        q_fp8, weights, k_fp8, k_scale, key_start, key_end, 40, 190, block_t=16, block_s=32
+    )
+    scores = ref.indexer_scores(q_fp8, weights, k_fp8, k_scale)[:, 40:]
+    cols = torch.arange(40, 190)
+    visible = (cols >= key_start[:, None]) & (cols < key_end[:, None])
+    assert torch.isneginf(logits[~visible]).all()
+    torch.testing.assert_close(logits[visible], scores[visible], rtol=1e-5, atol=1e-5 * float(scores.abs().max()))
+
+
+@pytest.mark.parametrize("rows_per_chunk", [0, 5])
+def test_indexer_topk_matches_reference(idx_mod: object, rows_per_chunk: int) -> None:
+    gen = torch.Generator().manual_seed(4)
+    q_fp8, weights, k_fp8, k_scale, key_start, key_end = _indexer_case(gen)
+    topk = 64
+    got = idx_mod.indexer_topk_triton(  # type: ignore[attr-defined]
+        q_fp8, weights, k_fp8, k_scale, key_start, key_end, topk, rows_per_chunk
+    )
+    want = ref.indexer_topk(q_fp8, weights, k_fp8, k_scale, key_start, key_end, topk, rows_per_chunk)
+    assert got.shape == (26, topk) and got.dtype == torch.int32
+    visible = (key_end - key_start).clamp(max=topk)
+    assert torch.equal((got >= 0).sum(1), visible)
+    in_range = (got < 0) | ((got >= key_start[:, None]) & (got < key_end[:, None]))
+    assert in_range.all()
+    _assert_topk_sets_equal_up_to_ties(got, want, ref.indexer_scores(q_fp8, weights, k_fp8, k_scale))
+
+
+def test_indexer_topk_fewer_visible_than_topk(idx_mod: object) -> None:
+    """First query rows of a fresh request see 1..n keys: -1 padded beyond min(topk, visible)."""
+    gen = torch.Generator().manual_seed(5)
+    q_fp8, q_scale = act_quant(torch.randn(10, 2, 128, generator=gen))
+    weights = torch.rand(10, 2, generator=gen) * q_scale.squeeze(-1)
+    k_fp8, k_scale = act_quant(torch.randn(10, 128, generator=gen))
+    key_start = torch.zeros(10, dtype=torch.long)
+    key_end = torch.arange(10) + 1
+    got = idx_mod.indexer_topk_triton(  # type: ignore[attr-defined]
+        q_fp8, weights, k_fp8, k_scale.squeeze(-1), key_start, key_end, 16
+    )
+    want = ref.indexer_topk(q_fp8, weights, k_fp8, k_scale.squeeze(-1), key_start, key_end, 16)
+    assert torch.equal(got, want)  # visible <= topk: every row holds all its keys in score order
+    assert (got[:, 10:] == -1).all() and torch.equal((got >= 0).sum(1), key_end)
+
+
+# ---- dispatch -----------------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def fresh_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dispatch, "_WARNED", set())
+    monkeypatch.delenv("DSACP_FORCE_TORCH", raising=False)
+
+
+def _boom(*args: object, **kwargs: object) -> object:
+    raise RuntimeError("simulated kernel failure")
+
+
+def test_dispatch_failing_kernel_falls_back_with_one_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, fresh_warnings: None
+) -> None:
+    monkeypatch.setattr(dispatch, "_on_triton_device", lambda tensor: True)  # pretend CUDA
+    monkeypatch.setattr(dispatch, "_triton_sparse_mla", _boom)
+    monkeypatch.setattr(dispatch, "_triton_indexer_topk", _boom)
+    gen = torch.Generator().manual_seed(6)
+    q, kv, indices = _attention_case(gen, n_tokens=5, n_heads=3, d_qk=96, n_kv=30, topk=8, dtype=torch.float32)
+    iq, w, k, ks, kst, ke = _indexer_case(gen, n_heads=2)
+    with caplog.at_level(logging.WARNING, logger=dispatch.__name__):
+        for _ in range(3):
+            out, lse = dispatch.sparse_mla_attention(q, kv, indices, 0.1, 64)
+            top = dispatch.indexer_topk(iq, w, k, ks, kst, ke, 16)
+    ref_out, ref_lse = ref.sparse_mla_attention(q, kv, indices, 0.1, 64)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    assert torch.equal(top, ref.indexer_topk(iq, w, k, ks, kst, ke, 16))
+    records = [r for r in caplog.records if r.name == dispatch.__name__]
+    assert len(records) == 2, [r.getMessage() for r in records]  # one per kernel, not per call
+    assert {"sparse_mla_attention" in r.getMessage() for r in records} == {True, False}
+    assert all("simulated kernel failure" in r.getMessage() for r in records)
+
+
+def test_dispatch_force_torch_and_cpu_skip_the_kernel(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, fresh_warnings: None
+) -> None:
+    calls: list[str] = []
+
+    def spy(*args: object, **kwargs: object) -> object:
+        calls.append("kernel")
+        raise RuntimeError("must not run")
+
+    monkeypatch.setattr(dispatch, "_triton_sparse_mla", spy)
+    gen = torch.Generator().manual_seed(7)
+    q, kv, indices = _attention_case(gen, n_tokens=4, n_heads=2, d_qk=96, n_kv=20, topk=8, dtype=torch.float32)
+    with caplog.at_level(logging.DEBUG, logger=dispatch.__name__):
+        dispatch.sparse_mla_attention(q, kv, indices, 0.1, 64)  # CPU tensors: torch path
+        monkeypatch.setattr(dispatch, "_on_triton_device", lambda tensor: True)  # pretend CUDA
+        dispatch.sparse_mla_attention(q, kv, indices, 0.1, 64, force_torch=True)
+        monkeypatch.setenv("DSACP_FORCE_TORCH", "1")
+        dispatch.sparse_mla_attention(q, kv, indices, 0.1, 64)
+    assert calls == [] and not caplog.records
+    assert dispatch.triton_available() is True
