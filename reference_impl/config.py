@@ -216,6 +216,9 @@ class PhaseSet:
                     f"phase {p} ({PHASE_NAMES[p]}) needs phase(s) {missing} "
                     f"({', '.join(PHASE_NAMES[m] for m in missing)}) enabled"
                 )
+
+    def check_implemented(self) -> None:
+        """Refuse phases whose code does not exist in this version."""
         not_built = sorted(self.enabled - IMPLEMENTED_PHASES)
         if not_built:
             raise ConfigError(
@@ -345,8 +348,9 @@ class RunConfig:
             raise ConfigError(f"kv_dtype={self.kv_dtype!r}: use 'bf16' or 'fp8'")
         if self.split_mode not in ("in-seq", "round-robin"):
             raise ConfigError(f"split_mode={self.split_mode!r}: use 'in-seq' or 'round-robin'")
-        if self.page_size < 1 or self.page_size & (self.page_size - 1):
-            raise ConfigError(f"page_size={self.page_size}: must be a power of two")
+        from reference_impl.kvcache.layout import validate_page_size
+
+        validate_page_size(self.page_size)
         if not self.requests:
             raise ConfigError("a batch needs at least one request")
         sharded = {2, 3, 5, 6, 8} & self.phases.enabled
@@ -363,6 +367,7 @@ class RunConfig:
             raise ConfigError(f"backend={self.backend!r}: use 'auto', 'gloo' or 'nccl'")
         if self.n_layers is not None and self.n_layers < 1:
             raise ConfigError(f"n_layers={self.n_layers}: need at least one layer")
+        self.phases.check_implemented()
 
     @property
     def model(self) -> ModelConfig:

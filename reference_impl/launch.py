@@ -132,6 +132,11 @@ def choose_backend(
     return LaunchPlan(chosen, devices, start, shared)
 
 
+def rank_cpu_threads(world: int) -> int:
+    """Intra-op threads each of ``world`` CPU ranks uses (the oracle uses the same, for bitwise-equal math)."""
+    return max(1, (os.cpu_count() or 1) // world)
+
+
 def under_torchrun() -> bool:
     """True in a process that torchrun (or another env:// launcher) started."""
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
@@ -156,7 +161,7 @@ def launch(
         world = int(os.environ["WORLD_SIZE"])
         if cp_size != world:
             raise ConfigError(f"cp_size={cp_size} but torchrun started WORLD_SIZE={world} ranks")
-        return _run_torchrun_rank(fn, payload, backend, timeout_s, debug, gather=True)
+        return _run_torchrun_rank(fn, payload, device, backend, timeout_s, debug, gather=True)
 
     plan = choose_backend(
         cp_size,
@@ -179,6 +184,7 @@ def launch(
 def run_under_torchrun(
     fn: Callable[[CPGroup, Any], R],
     payload: Any = None,
+    device: str = "auto",
     backend: str = "auto",
     timeout_s: float = 1800,
     debug: bool | None = None,
@@ -189,7 +195,7 @@ def run_under_torchrun(
     """
     if not under_torchrun():
         raise ConfigError("run_under_torchrun: RANK, WORLD_SIZE and MASTER_ADDR are not set; start with torchrun")
-    return _run_torchrun_rank(fn, payload, backend, timeout_s, debug, gather=False)
+    return _run_torchrun_rank(fn, payload, device, backend, timeout_s, debug, gather=False)
 
 
 # ------------------------------------------------------------------------------------ internals
@@ -201,32 +207,37 @@ def _set_rank_env() -> None:
 
 
 def _run_torchrun_rank(
-    fn: Callable[[CPGroup, Any], Any], payload: Any, backend: str, timeout_s: float, debug: bool | None, gather: bool
+    fn: Callable[[CPGroup, Any], Any], payload: Any, device: str, backend: str, timeout_s: float,
+    debug: bool | None, gather: bool,
 ) -> Any:
     _set_rank_env()
-    owns_group = not dist.is_initialized()
-    device = "cpu"
-    if torch.cuda.is_available():
+    if device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"device={device!r}: use 'auto', 'cpu' or 'cuda'")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device='cuda' but no CUDA device is visible; use --device cpu")
+    rank_device = "cpu"
+    if device != "cpu" and torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        device = f"cuda:{local_rank}"
+        rank_device = f"cuda:{local_rank}"
         torch.cuda.set_device(local_rank)
+    owns_group = not dist.is_initialized()
     if owns_group:
-        chosen = backend if backend != "auto" else ("nccl" if device != "cpu" else "gloo")
-        if chosen == "nccl" and device == "cpu":
+        chosen = backend if backend != "auto" else ("nccl" if rank_device != "cpu" else "gloo")
+        if chosen == "nccl" and rank_device == "cpu":
             raise ConfigError("NCCL needs CUDA devices; use --backend gloo for CPU ranks")
         dist.init_process_group(chosen, init_method="env://", timeout=datetime.timedelta(seconds=timeout_s))
-    try:
-        group = CPGroup(device=device, debug=debug)
-        result = fn(group, payload)
-        group.check_consistent()
-        if not gather:
-            return result
+    # On failure the exception leaves without teardown: torchrun stops the other ranks, and a
+    # destroy while a peer sits in a collective could hang.
+    group = CPGroup(device=rank_device, debug=debug)
+    result = fn(group, payload)
+    group.check_consistent()
+    if gather:
         results: list[Any] = [None] * group.size
         dist.all_gather_object(results, _to_cpu(result))
-        return results
-    finally:
-        if owns_group:
-            dist.destroy_process_group()
+        result = results
+    if owns_group:
+        dist.destroy_process_group()
+    return result
 
 
 def _free_port() -> int:
@@ -259,7 +270,7 @@ def _rank_main(
             torch.cuda.set_device(torch.device(device))
         else:
             # Ranks share this machine's cores; oversubscribed intra-op threads only slow everyone.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+            torch.set_num_threads(rank_cpu_threads(world))
         dist.init_process_group(
             plan.backend, init_method=init_method, rank=rank, world_size=world,
             timeout=datetime.timedelta(seconds=max(timeout_s, 1.0)),

@@ -93,6 +93,7 @@ def build_report(
         "topk_agreement": agreement.topk_agreement if agreement else None,
         "topk_boundary_ties": agreement.topk_ties if agreement else None,
         "cache_equal": agreement.cache_equal if agreement else None,
+        "cache_max_abs_err": agreement.cache_max_abs_err if agreement else None,
         "problems": agreement.problems if agreement else [],
         "collectives_identical": len({tuple(r.collectives) for r in results}) == 1,
         "per_rank": per_rank,

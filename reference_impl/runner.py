@@ -19,7 +19,7 @@ import torch
 from reference_impl.check import compare
 from reference_impl.config import RunConfig
 from reference_impl.engine import RankResult, build_metadata, run_rank
-from reference_impl.launch import choose_backend, launch, under_torchrun
+from reference_impl.launch import choose_backend, launch, rank_cpu_threads, under_torchrun
 from reference_impl.model.oracle import run_oracle
 from reference_impl.report import build_report
 from reference_impl.workload import build_inputs, build_model, compute_dtype, resolve_device
@@ -49,8 +49,15 @@ def run_prefill(run: RunConfig, timeout_s: float = 600) -> dict[str, Any]:
     agreement = None
     if run.check:
         device = resolve_device(run)
-        model = build_model(run, device)
-        oracle = run_oracle(model, [r.prefix for r in run.requests], build_inputs(run, device), run.kv_dtype, run.page_size)
+        threads = torch.get_num_threads()
+        if device.type == "cpu" and run.cp_size > 1:
+            torch.set_num_threads(rank_cpu_threads(run.cp_size))  # same reduction splits as the ranks
+        try:
+            model = build_model(run, device)
+            prefixes = [r.prefix for r in run.requests]
+            oracle = run_oracle(model, prefixes, build_inputs(run, device), run.kv_dtype, run.page_size)
+        finally:
+            torch.set_num_threads(threads)
         agreement = compare(run, meta, model, oracle, results, compute_dtype(run, device))
         if not agreement.matches_oracle:
             logger.error("CP run disagrees with the oracle: %s", "; ".join(agreement.problems))

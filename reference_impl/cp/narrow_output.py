@@ -45,3 +45,19 @@ def collect_narrow(group: CPGroup, meta: SplitMetadata, x_local: torch.Tensor, s
     where = {g: i for i, g in enumerate(gathered_ids)}
     order = torch.tensor([where[g] for g in row_ids], dtype=torch.long, device=x_local.device)
     return TailOutput("narrow", row_ids, gathered.index_select(0, order), None)
+
+
+def tail_gather_bytes(meta: SplitMetadata, row_bytes: int, spec: OutputSpec, narrow: bool) -> int:
+    """Bytes of the tail all-gather buffer every rank holds: ``C x (rows per rank, padded) x row_bytes``.
+
+    The full gather pads to the longest rank's token count; the narrow gather to the largest
+    per-rank count of wanted rows. Pure metadata arithmetic: the engine's measured
+    ``output_gather_bytes`` must equal it (tested).
+    """
+    if meta.cp_size == 1:
+        return 0  # a single rank gathers nothing
+    if narrow and narrow_eligible(spec):
+        per_rank = max(len(sel) for sel in rows_per_rank(meta, spec.rows(meta)))
+    else:
+        per_rank = meta.max_rank_len
+    return meta.cp_size * per_rank * row_bytes

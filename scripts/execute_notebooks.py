@@ -1,0 +1,34 @@
+"""Pair every walkthrough (phases/*.py) with its notebook and execute it, rewriting the outputs.
+
+Run on a CUDA box to record the GPU figures that the committed notebooks show:
+
+    PYTHONPATH=. python3 scripts/execute_notebooks.py [phases/phase1_narrow_output.py ...]
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import jupytext
+import nbformat
+from nbclient import NotebookClient
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def execute(source: Path) -> Path:
+    notebook = jupytext.read(source)
+    target = ROOT / "notebooks" / (source.stem + ".ipynb")
+    start = time.time()
+    NotebookClient(notebook, timeout=1800, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
+    nbformat.write(notebook, target)
+    print(f"{source.name} -> {target.relative_to(ROOT)} in {time.time() - start:.0f} s", flush=True)
+    return target
+
+
+if __name__ == "__main__":
+    sources = [Path(p) for p in sys.argv[1:]] or sorted((ROOT / "phases").glob("*.py"))
+    for src in sources:
+        execute(src.resolve())
