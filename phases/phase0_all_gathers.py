@@ -91,7 +91,7 @@ for name in ("deepseek-v3.2", "glm-5"):
 # ## 4. Measured time of all-gather #1 (one layer) on this device
 #
 # One layer's gather of `[T/C, 576]` KV and `[T/C, 128]` index K (bf16 on GPU), trim and rerange;
-# median of 5 repeats, slowest rank. With one GPU the `C = 4` ranks share it through gloo (host
+# median of 3 repeats on the GPU (5 on CPU), slowest rank. With one GPU the `C = 4` ranks share it through gloo (host
 # staging included); with several GPUs each rank has its own and NCCL carries the gather.
 
 # %%
@@ -99,13 +99,14 @@ from reference_impl.bench.collectives import CollectiveBench, time_collectives
 from reference_impl.launch import choose_backend, launch
 
 cp = 4
-sizes = [4096, 16384, 65536, 131072] if ON_GPU else [1024, 4096]
+REPEATS = 3 if ON_GPU else 5
+sizes = [4096, 16384, 65536] if ON_GPU else [1024, 4096]
 points = []
 for tokens in sizes:
-    per_rank = launch(time_collectives, cp, CollectiveBench(tokens=tokens, repeats=5,
+    per_rank = launch(time_collectives, cp, CollectiveBench(tokens=tokens, repeats=REPEATS,
                       dtype=torch.bfloat16 if ON_GPU else torch.float32))
     points.append({"tokens": tokens, "layer_gather_ms": max(r["layer_gather_ms"] for r in per_rank)})
-print(json.dumps({"device": torch.cuda.get_device_name(0) if ON_GPU else "cpu", "cp_size": cp, "repeats": 5,
+print(json.dumps({"device": torch.cuda.get_device_name(0) if ON_GPU else "cpu", "cp_size": cp, "repeats": REPEATS,
                   "launch": choose_backend(cp, "auto", "auto", torch.cuda.device_count()).describe(),
                   "points": points}, indent=1))
 

@@ -106,7 +106,7 @@ plt.show()
 # ## 3. Measured time of the tail collection
 #
 # `time_collectives` runs on every rank: the full tail gather of `[T/C, 7168]` bf16 hidden states
-# versus the narrow gather of one row per request, median of 5 repeats after a warm-up, a barrier
+# versus the narrow gather of one row per request, median of 3 repeats on the GPU (5 on CPU) after a warm-up, a barrier
 # before each repeat. **How CP runs here:** with one GPU the `C = 4` ranks share it and talk through
 # gloo (NCCL refuses two ranks on one device), so the times include gloo's host staging; with
 # several GPUs the launcher gives each rank its own GPU and NCCL. On CPU the sizes are toy sizes and
@@ -117,14 +117,15 @@ from reference_impl.bench.collectives import CollectiveBench, time_collectives
 from reference_impl.launch import choose_backend, launch
 
 cp = 4
-sizes = [4096, 16384, 65536, 131072] if ON_GPU else [1024, 4096]
+REPEATS = 3 if ON_GPU else 5
+sizes = [4096, 16384, 65536] if ON_GPU else [1024, 4096]
 timings = []
 for tokens in sizes:
-    per_rank = launch(time_collectives, cp, CollectiveBench(tokens=tokens, repeats=5,
+    per_rank = launch(time_collectives, cp, CollectiveBench(tokens=tokens, repeats=REPEATS,
                       dtype=torch.bfloat16 if ON_GPU else torch.float32))
     slowest = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
     timings.append({"tokens": tokens, **slowest})
-print(json.dumps({"device": torch.cuda.get_device_name(0) if ON_GPU else "cpu", "cp_size": cp, "repeats": 5,
+print(json.dumps({"device": torch.cuda.get_device_name(0) if ON_GPU else "cpu", "cp_size": cp, "repeats": REPEATS,
                   "launch": choose_backend(cp, "auto", "auto", torch.cuda.device_count()).describe(),
                   "timings_ms": timings}, indent=1))
 

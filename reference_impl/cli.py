@@ -20,6 +20,7 @@ from reference_impl.config import (
     PhaseSet,
     RunConfig,
     available_levels,
+    env_flag,
     knob_names,
     parse_requests,
 )
@@ -56,10 +57,13 @@ def _add_run_flags(p: argparse.ArgumentParser, defaults: RunConfig) -> None:
     p.add_argument(_flag("device"), default=_env_default("device", defaults.device), help="auto | cpu | cuda")
     p.add_argument(_flag("backend"), default=_env_default("backend", defaults.backend), help="auto | gloo | nccl")
     p.add_argument(_flag("compute_dtype"), default=_env_default("compute_dtype", defaults.compute_dtype))
-    p.add_argument(_flag("debug"), action="store_true", default=_env_default("debug", "0") in ("1", "true", "yes", "on"))
-    p.add_argument("--no-check", dest="check", action="store_false", help="skip the oracle comparison")
-    p.add_argument(_flag("input_logprobs"), action="store_true", help="needs every row: full tail gather")
-    p.add_argument(_flag("return_hidden_states"), action="store_true", help="needs every row: full tail gather")
+    boolean = argparse.BooleanOptionalAction
+    p.add_argument(_flag("debug"), action=boolean, default=env_flag("debug"), help="syncing diagnostics, collective recorder")
+    p.add_argument(_flag("check"), action=boolean, default=env_flag("check", True), help="compare with the oracle")
+    p.add_argument(_flag("input_logprobs"), action=boolean, default=env_flag("input_logprobs"),
+                   help="needs every row: full tail gather")
+    p.add_argument(_flag("return_hidden_states"), action=boolean, default=env_flag("return_hidden_states"),
+                   help="needs every row: full tail gather")
     p.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
 
 
@@ -104,7 +108,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     cuda = torch.cuda.is_available() and args.device != "cpu"
     preset = "deepseek-v3.2" if cuda else "tiny"
     cp_size = max(2, torch.cuda.device_count()) if cuda else 4
-    requests = "0+8192,4096+4096" if cuda else "0+96,40+70,0+37"
+    requests = "0+4096,2048+2048" if cuda else "0+96,40+70,0+37"
     base = _run_config(args, preset, cp_size, requests, "0")
     if base.n_layers is None:
         base = base.replace(n_layers=2)

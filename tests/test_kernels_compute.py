@@ -67,16 +67,19 @@ def _attention_case(
 # ---- sparse MLA attention --------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("defer_pv", [True, False])
 @pytest.mark.parametrize(
     ("dtype", "tol"),
     [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)],
 )
-def test_sparse_mla_matches_reference(mla: object, dtype: torch.dtype, tol: float) -> None:
+def test_sparse_mla_matches_reference(mla: object, dtype: torch.dtype, tol: float, defer_pv: bool) -> None:
     gen = torch.Generator().manual_seed(1)
     d_qk, d_v, scale = 192, 128, 192**-0.5
     q, kv, indices = _attention_case(gen, n_tokens=12, n_heads=6, d_qk=d_qk, n_kv=150, topk=40, dtype=dtype)
     # block_k=16 gives three tiles, the last one partial; 6 heads in a 16-head block are masked.
-    out, lse = mla.sparse_mla_attention_triton(q, kv, indices, scale, d_v, block_k=16)  # type: ignore[attr-defined]
+    out, lse = mla.sparse_mla_attention_triton(  # type: ignore[attr-defined]
+        q, kv, indices, scale, d_v, block_k=16, defer_pv=defer_pv
+    )
     ref_out, ref_lse = ref.sparse_mla_attention(q, kv, indices, scale, d_v)
     assert out.shape == (12, 6, d_v) and out.dtype == torch.float32 and lse.shape == (12, 6)
     assert _rel_err(out, ref_out) < tol

@@ -212,9 +212,9 @@ def indexer_topk_triton(
         lo, hi = int(key_start[r0:r1].min()), int(key_end[r0:r1].max())
         if hi <= lo:
             continue
-        logits = indexer_logits_triton(
-            q_fp8[r0:r1], weights[r0:r1], k_fp8, k_scale, key_start[r0:r1], key_end[r0:r1], lo, hi, **launch  # type: ignore[arg-type]
-        )
+        rows = slice(r0, r1)
+        chunk = (q_fp8[rows], weights[rows], k_fp8, k_scale, key_start[rows], key_end[rows])
+        logits = indexer_logits_triton(*chunk, lo, hi, **launch)  # type: ignore[arg-type]
         k = min(topk, hi - lo)
         vals, idx = logits.topk(k, dim=-1)
         idx = torch.where(torch.isinf(vals), torch.full_like(idx, -1 - lo), idx) + lo

@@ -17,6 +17,13 @@ global memory) and reuses them for every head of the block, which turns the work
 products per tile, ``[BLOCK_H, D_qk] x [D_qk, BLOCK_K]`` then ``[BLOCK_H, BLOCK_K] x [BLOCK_K, d_v]``,
 with an online softmax in base 2 (scores pre-multiplied by ``scale * log2(e)``) between them.
 
+``DEFER_PV`` (default on GPU) performs each tile's value product one iteration late. Triton lays a
+product whose result feeds another product in the same iteration out over the M axis only; with
+``BLOCK_H = 64`` (one warp group tall) and 8 warps that repeats the score product in both warp
+groups. Deferred, the score product is split across the warp groups along the keys, the value
+product along ``d_v``, and the softmax of tile ``i`` overlaps the value product of tile ``i - 1``.
+The KV gathers are software-pipelined by Triton (``num_stages``) into shared memory.
+
 On GPU the products run on bf16 / fp16 operands with fp32 accumulation (probabilities are cast to
 the KV dtype for the second product, as FlashAttention does). Under the CPU interpreter
 (``TRITON_INTERPRET=1``) low-precision ``tl.dot`` is not faithful, so operands are upcast to fp32
@@ -32,10 +39,17 @@ import triton
 import triton.language as tl
 
 LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
 
-# (BLOCK_H, BLOCK_K, num_warps, num_stages, P_VIA_SCRATCH) used on GPU unless the caller overrides them.
-GPU_DEFAULT_CONFIG: tuple[int, int, int, int, bool] = (64, 64, 8, 2, True)
+# (BLOCK_H, BLOCK_K, num_warps, num_stages, DEFER_PV) used on GPU unless the caller overrides them.
+GPU_DEFAULT_CONFIG: tuple[int, int, int, int, bool] = (64, 32, 8, 3, True)
+
+
+@triton.jit
+def _pv_update(acc, p, kv, alpha, IEEE: tl.constexpr):
+    """``acc * alpha + p @ kv`` (the value product of one tile, accumulated in fp32)."""
+    if IEEE:
+        return tl.dot(p, kv, acc=acc * alpha[:, None], input_precision="ieee")
+    return tl.dot(p, kv, acc=acc * alpha[:, None])
 
 
 @triton.jit
@@ -45,13 +59,10 @@ def _sparse_mla_fwd_kernel(
     idx_ptr,
     out_ptr,
     lse_ptr,
-    scratch_ptr,
-    alpha_scratch_ptr,
     n_heads,
     n_kv,
     topk,
     n_head_blocks,
-    n_items,
     stride_qt,
     stride_qh,
     stride_kv,
@@ -66,103 +77,100 @@ def _sparse_mla_fwd_kernel(
     BLOCK_DR: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    P_VIA_SCRATCH: tl.constexpr,
+    DEFER_PV: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
 ):
+    pid = tl.program_id(0).to(tl.int64)
+    token = pid // n_head_blocks
+    head0 = (pid % n_head_blocks) * BLOCK_H
+    offs_h = head0 + tl.arange(0, BLOCK_H)
     offs_v = tl.arange(0, BLOCK_DV)
     offs_r = tl.arange(0, BLOCK_DR)
+    offs_kk = tl.arange(0, BLOCK_K)
+    h_mask = offs_h < n_heads
     v_mask = offs_v < D_V
     r_mask = offs_r < D_ROPE
-    offs_kk = tl.arange(0, BLOCK_K)
-    # This program's private [BLOCK_H, BLOCK_K] slot for the probabilities (P_VIA_SCRATCH).
-    p_slot = scratch_ptr + tl.program_id(0) * (BLOCK_H * BLOCK_K) + tl.arange(0, BLOCK_H)[:, None] * BLOCK_K + offs_kk[None, :]
-    alpha_slot = alpha_scratch_ptr + tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
 
-    # Persistent loop over (token, head block) work items, head blocks fastest.
-    for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
-        token = tl.full([], item, tl.int64) // n_head_blocks
-        head0 = (item % n_head_blocks) * BLOCK_H
-        offs_h = head0 + tl.arange(0, BLOCK_H)
-        h_mask = offs_h < n_heads
+    q_rows = q_ptr + token * stride_qt + offs_h[:, None] * stride_qh
+    q_nope = tl.load(q_rows + offs_v[None, :], mask=h_mask[:, None] & v_mask[None, :], other=0.0)
+    q_rope = tl.load(q_rows + D_V + offs_r[None, :], mask=h_mask[:, None] & r_mask[None, :], other=0.0)
+    if UPCAST:
+        q_nope = q_nope.to(tl.float32)
+        q_rope = q_rope.to(tl.float32)
 
-        q_rows = q_ptr + token * stride_qt + offs_h[:, None] * stride_qh
-        q_nope = tl.load(q_rows + offs_v[None, :], mask=h_mask[:, None] & v_mask[None, :], other=0.0)
-        q_rope = tl.load(q_rows + D_V + offs_r[None, :], mask=h_mask[:, None] & r_mask[None, :], other=0.0)
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+    if DEFER_PV:
+        # The previous tile's value product, done one iteration late (see below).
+        alpha_prev = tl.full([BLOCK_H], 1.0, dtype=tl.float32)
         if UPCAST:
-            q_nope = q_nope.to(tl.float32)
-            q_rope = q_rope.to(tl.float32)
+            p_prev = tl.zeros([BLOCK_H, BLOCK_K], dtype=tl.float32)
+            kv_prev = tl.zeros([BLOCK_K, BLOCK_DV], dtype=tl.float32)
+        else:
+            p_prev = tl.zeros([BLOCK_H, BLOCK_K], dtype=kv_ptr.dtype.element_ty)
+            kv_prev = tl.zeros([BLOCK_K, BLOCK_DV], dtype=kv_ptr.dtype.element_ty)
 
-        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+    idx_row = idx_ptr + token * stride_it
+    for k0 in range(0, topk, BLOCK_K):
+        offs_k = k0 + offs_kk
+        idx = tl.load(idx_row + offs_k, mask=offs_k < topk, other=-1)
+        valid = (idx >= 0) & (idx < n_kv)
+        # Invalid slots read nothing (masked) and point at row 0 so no address leaves the buffer.
+        kv_rows = kv_ptr + tl.where(valid, idx, 0).to(tl.int64)[:, None] * stride_kv
+        kv_nope = tl.load(kv_rows + offs_v[None, :], mask=valid[:, None] & v_mask[None, :], other=0.0)
+        kv_rope = tl.load(kv_rows + D_V + offs_r[None, :], mask=valid[:, None] & r_mask[None, :], other=0.0)
+        if UPCAST:
+            kv_nope = kv_nope.to(tl.float32)
+            kv_rope = kv_rope.to(tl.float32)
+        if DEFER_PV:
+            acc = _pv_update(acc, p_prev, kv_prev, alpha_prev, IEEE)
 
-        idx_row = idx_ptr + token * stride_it
-        for k0 in range(0, topk, BLOCK_K):
-            offs_k = k0 + offs_kk
-            idx = tl.load(idx_row + offs_k, mask=offs_k < topk, other=-1)
-            valid = (idx >= 0) & (idx < n_kv)
-            # Invalid slots read nothing (masked) and point at row 0 so no address leaves the buffer.
-            kv_rows = kv_ptr + tl.where(valid, idx, 0).to(tl.int64)[:, None] * stride_kv
-            kv_nope = tl.load(kv_rows + offs_v[None, :], mask=valid[:, None] & v_mask[None, :], other=0.0)
-            kv_rope = tl.load(kv_rows + D_V + offs_r[None, :], mask=valid[:, None] & r_mask[None, :], other=0.0)
-            if UPCAST:
-                kv_nope = kv_nope.to(tl.float32)
-                kv_rope = kv_rope.to(tl.float32)
+        # Two independent products, each scaled, then summed. Accumulating one into the other
+        # would make the first feed a product, and Triton lays out a product that feeds another
+        # one over the M axis only, which for BLOCK_H = 64 (one warp group tall) repeats it in
+        # every warp group; the multiplies also keep the sum out of the second's accumulator.
+        if IEEE:
+            s_nope = tl.dot(q_nope, tl.trans(kv_nope), input_precision="ieee")
+            s_rope = tl.dot(q_rope, tl.trans(kv_rope), input_precision="ieee")
+        else:
+            s_nope = tl.dot(q_nope, tl.trans(kv_nope))
+            s_rope = tl.dot(q_rope, tl.trans(kv_rope))
+        s = s_nope * qk_scale_log2 + s_rope * qk_scale_log2
+        s = tl.where(valid[None, :], s, float("-inf"))
 
-            # Two independent products, each scaled, then summed: written as one accumulating
-            # into the other, the first would feed a product and be laid out as a chained one
-            # (see P_VIA_SCRATCH); the multiplies keep the compiler from folding the sum into
-            # the second product's accumulator.
-            if IEEE:
-                s_nope = tl.dot(q_nope, tl.trans(kv_nope), input_precision="ieee")
-                s_rope = tl.dot(q_rope, tl.trans(kv_rope), input_precision="ieee")
-            else:
-                s_nope = tl.dot(q_nope, tl.trans(kv_nope))
-                s_rope = tl.dot(q_rope, tl.trans(kv_rope))
-            s = s_nope * qk_scale_log2 + s_rope * qk_scale_log2
-            s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row that has seen only invalid slots keeps m = -inf; subtract 0 instead so that
+        # exp2 gives 0 rather than NaN (-inf - -inf).
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+        if DEFER_PV:
+            # Hand P to the next iteration instead of using it now: with no same-iteration path
+            # from the score product to the value product, the score product is split across the
+            # warp groups along the keys (not repeated), and this tile's softmax overlaps the
+            # previous tile's value product.
+            p_prev = p.to(kv_nope.dtype)
+            kv_prev = kv_nope
+            alpha_prev = alpha
+        else:
+            acc = _pv_update(acc, p.to(kv_nope.dtype), kv_nope, alpha, IEEE)
+    if DEFER_PV:
+        acc = _pv_update(acc, p_prev, kv_prev, alpha_prev, IEEE)
 
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            # A row that has seen only invalid slots keeps m = -inf; subtract 0 instead so that
-            # exp2 gives 0 rather than NaN (-inf - -inf).
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            p = p.to(kv_nope.dtype)
-            if P_VIA_SCRATCH:
-                # Round-trip P and the rescale factor through this program's scratch slot (L2).
-                # That cuts every SSA path from the first product to the second, so Triton lays
-                # the first one out over all warp groups (split along keys) instead of repeating
-                # it in each warp group, which it does for chained products whose M (BLOCK_H) is
-                # a single warp group tall.
-                tl.store(p_slot, p)
-                tl.store(alpha_slot, alpha)
-                tl.debug_barrier()
-                p = tl.load(p_slot, volatile=True)
-                alpha = tl.load(alpha_slot, volatile=True)
-                tl.debug_barrier()
-            if IEEE:
-                acc = tl.dot(p, kv_nope, acc=acc * alpha[:, None], input_precision="ieee")
-            else:
-                acc = tl.dot(p, kv_nope, acc=acc * alpha[:, None])
-            m_i = m_new
-
-        has_any = l_i > 0.0
-        out = acc / tl.where(has_any, l_i, 1.0)[:, None]
-        lse = tl.where(has_any, (m_i + tl.log2(tl.where(has_any, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-        out_rows = out_ptr + token * stride_ot + offs_h[:, None] * stride_oh
-        tl.store(out_rows + offs_v[None, :], out, mask=h_mask[:, None] & v_mask[None, :])
-        tl.store(lse_ptr + token * stride_lt + offs_h, lse, mask=h_mask)
+    has_any = l_i > 0.0
+    out = acc / tl.where(has_any, l_i, 1.0)[:, None]
+    lse = tl.where(has_any, (m_i + tl.log2(tl.where(has_any, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    out_rows = out_ptr + token * stride_ot + offs_h[:, None] * stride_oh
+    tl.store(out_rows + offs_v[None, :], out, mask=h_mask[:, None] & v_mask[None, :])
+    tl.store(lse_ptr + token * stride_lt + offs_h, lse, mask=h_mask)
 
 
 def _pow2_at_least_16(n: int) -> int:
     return max(16, triton.next_power_of_2(max(int(n), 1)))
-
-
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def sparse_mla_attention_triton(
@@ -177,18 +185,17 @@ def sparse_mla_attention_triton(
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    p_via_scratch: bool | None = None,
-    programs_per_sm: int = 1,
+    defer_pv: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA attention with the Triton kernel -> (out [T, H, d_v] ``out_dtype``, lse [T, H] f32).
 
     Same semantics as the torch reference (see the module docstring). ``block_*``, ``num_*`` and
-    ``p_via_scratch`` override the launch configuration (benchmark sweeps); ``None`` picks the
-    defaults. The grid is persistent: ``programs_per_sm`` programs per multiprocessor on GPU.
+    ``defer_pv`` override the launch configuration (benchmark sweeps); ``None`` picks the defaults.
     """
     if q.dim() != 3 or kv.dim() != 2 or indices.dim() != 2:
         raise ValueError(
-            f"expected q [T,H,D], kv [S,D], indices [T,K]; got {tuple(q.shape)}, {tuple(kv.shape)}, {tuple(indices.shape)}"
+            "expected q [T,H,D], kv [S,D], indices [T,K]; "
+            f"got {tuple(q.shape)}, {tuple(kv.shape)}, {tuple(indices.shape)}"
         )
     n_tokens, n_heads, d_qk = q.shape
     if kv.shape[1] != d_qk or indices.shape[0] != n_tokens:
@@ -214,30 +221,20 @@ def sparse_mla_attention_triton(
     if n_tokens == 0 or n_heads == 0:
         return out, lse
 
-    dflt_h, dflt_k, dflt_warps, dflt_stages, dflt_scratch = GPU_DEFAULT_CONFIG if on_gpu else (64, 64, 4, 1, True)
+    dflt_h, dflt_k, dflt_warps, dflt_stages, dflt_defer = GPU_DEFAULT_CONFIG if on_gpu else (64, 64, 4, 1, True)
     block_h = block_h or min(dflt_h, _pow2_at_least_16(n_heads))
     block_k = block_k or min(dflt_k, _pow2_at_least_16(topk))
-    p_via_scratch = dflt_scratch if p_via_scratch is None else p_via_scratch
     n_head_blocks = triton.cdiv(n_heads, block_h)
-    n_items = n_tokens * n_head_blocks
-    # Persistent grid; on CPU a few programs so that the interpreter exercises the work loop.
-    n_programs = min(n_items, _num_sms(q.device) * programs_per_sm if on_gpu else 3)
-    scratch_dtype = torch.float32 if not on_gpu else kv.dtype
-    scratch = torch.empty(n_programs * block_h * block_k if p_via_scratch else 1, dtype=scratch_dtype, device=q.device)
-    alpha_scratch = torch.empty(n_programs * block_h if p_via_scratch else 1, dtype=torch.float32, device=q.device)
-    _sparse_mla_fwd_kernel[(n_programs,)](
+    _sparse_mla_fwd_kernel[(n_tokens * n_head_blocks,)](
         q,
         kv,
         indices,
         out,
         lse,
-        scratch,
-        alpha_scratch,
         n_heads,
         kv.shape[0],
         topk,
         n_head_blocks,
-        n_items,
         q.stride(0),
         q.stride(1),
         kv.stride(0),
@@ -252,7 +249,7 @@ def sparse_mla_attention_triton(
         BLOCK_DR=_pow2_at_least_16(d_rope),
         BLOCK_H=block_h,
         BLOCK_K=block_k,
-        P_VIA_SCRATCH=p_via_scratch,
+        DEFER_PV=dflt_defer if defer_pv is None else defer_pv,
         UPCAST=not on_gpu,
         IEEE=on_gpu and q.dtype == torch.float32,
         num_warps=num_warps or dflt_warps,

@@ -14,8 +14,11 @@ import torch
 from reference_impl.config import ModelConfig
 
 
-def rope_frequencies(cfg: ModelConfig, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Per-pair angular frequencies ``[qk_rope_head_dim // 2]`` float32, YaRN-corrected when enabled."""
+def rope_frequencies(cfg: ModelConfig, device: torch.device | str | None = None) -> torch.Tensor:
+    """Per-pair angular frequencies ``[qk_rope_head_dim // 2]`` float32, YaRN-corrected when enabled.
+
+    ``device=None`` allocates on the current default device (e.g. inside ``with torch.device(...)``).
+    """
     dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
     freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     if cfg.max_seq_len > cfg.original_seq_len and cfg.rope_factor > 1.0:
@@ -30,7 +33,7 @@ def rope_frequencies(cfg: ModelConfig, device: torch.device | str = "cpu") -> to
         ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
         smooth = 1 - ramp
         freqs = freqs / cfg.rope_factor * (1 - smooth) + freqs * smooth
-    return freqs.to(device)
+    return freqs if device is None else freqs.to(device)
 
 
 def rope_cos_sin(freqs: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,454 @@
+"""GPU benchmark of the two compute cores of a DSA layer: Triton kernels against the torch references.
+
+Usage::
+
+    python -m reference_impl.bench.compute --out results.json [--tokens 8192,32768,131072]
+        [--heads 128 --topk 2048] [--index-heads 64 --index-dim 128] [--sweep]
+
+For each query count ``T`` the full view holds ``S = T`` keys (one request, causal): query ``t``
+sees keys ``[0, t]``. Sparse attention gets, per query, ``topk`` indices drawn uniformly from its
+visible rows (``-1`` beyond ``t + 1`` when fewer are visible). FLOPs of sparse attention are
+counted as ``2 * T * topk * H * (576 + 512)`` (every slot, as the kernel computes every slot);
+FlashMLA's published sparse prefill rate, 640 TFLOPS, is the reference. The indexer computes
+``Hi x D`` logits over each query's visible keys, then top-k; its FLOPs are
+``2 * Hi * D * sum(visible keys)``. One more row, "one rank at C=8, 128K tokens", runs rank 0 of
+the zigzag split: ``T_local = 16384`` queries (blocks 0 and 15 of 16) against ``S = 131072`` keys.
+
+Before timing, each size checks the Triton result against the torch reference on a slice of rows
+(first, random and last). Times are medians of ``triton.testing.do_bench``; a call slower than
+``--slow-ms`` is timed instead as the median of 3 runs with CUDA events (recorded per row). The
+torch references run only up to ``--torch-max-tokens`` query rows: beyond that they take seconds
+per call (the indexer reference materializes ``[rows, Hi, keys]`` fp32 logits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from reference_impl.model import sparse_attention as ref
+
+FLASHMLA_TFLOPS = 640.0
+D_QK, D_V = 576, 512
+
+ATTN_SWEEP: list[tuple[int, int, int, int, bool]] = [
+    # (BLOCK_H, BLOCK_K, num_warps, num_stages, DEFER_PV)
+    (64, 32, 8, 3, True),
+    (64, 64, 8, 3, True),
+    (64, 16, 8, 4, True),
+    (64, 32, 8, 3, False),
+    (64, 64, 8, 2, False),
+]
+INDEXER_SWEEP: list[tuple[int, int, int, int, str]] = [
+    # (BLOCK_T, BLOCK_S, num_warps, num_stages, dot dtype)
+    (64, 128, 4, 3, "fp8"),
+    (128, 128, 8, 3, "fp8"),
+    (64, 256, 8, 3, "fp8"),
+    (128, 128, 8, 3, "bf16"),
+]
+
+
+def _time(fn: Callable[[], object], slow_ms: float) -> tuple[float, str]:
+    """Median milliseconds of ``fn`` and the method used."""
+    import triton.testing
+
+    if not torch.cuda.is_available():  # --device cpu dry run under the interpreter
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3, "cpu wall clock, one run (dry run)"
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()  # also the warm-up (compilation, autotuning caches)
+    end.record()
+    torch.cuda.synchronize()
+    first = start.elapsed_time(end)
+    if first > slow_ms:
+        times = []
+        for _ in range(3):
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times)[1], "cuda events, median of 3"
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")), "do_bench median"
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
+
+
+def _check_rows(n_rows: int, n_check: int, gen: torch.Generator) -> torch.Tensor:
+    third = max(1, n_check // 3)
+    head = torch.arange(min(third, n_rows))
+    tail = torch.arange(max(0, n_rows - third), n_rows)
+    rand = torch.randint(0, n_rows, (n_check - 2 * third,), generator=gen)
+    return torch.unique(torch.cat([head, rand, tail]))
+
+
+# ---- inputs -----------------------------------------------------------------------------------
+
+
+def attention_inputs(
+    positions: torch.Tensor, n_kv: int, n_heads: int, topk: int, gen: torch.Generator, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [T, H, 576] bf16, kv [S, 576] bf16, indices [T, topk] int32 drawn from rows [0, pos]."""
+    n_tokens = positions.numel()
+    q = torch.randn(n_tokens, n_heads, D_QK, device=device, dtype=torch.bfloat16)
+    kv = torch.randn(n_kv, D_QK, device=device, dtype=torch.bfloat16)
+    pos = positions.to(device)
+    visible = pos + 1
+    draw = torch.rand(n_tokens, topk, device=device)
+    indices = (draw * visible[:, None]).long().clamp_(max=(visible - 1)[:, None])
+    slot = torch.arange(topk, device=device)
+    indices = torch.where(slot[None, :] < visible[:, None], indices, -1).to(torch.int32)
+    return q, kv, indices
+
+
+def indexer_inputs(
+    positions: torch.Tensor, n_kv: int, n_heads: int, dim: int, device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    """q_fp8 [T, Hi, D], weights [T, Hi] f32, k_fp8 [S, D], k_scale [S] f32, key_start/key_end [T]."""
+    n_tokens = positions.numel()
+    q_fp8 = torch.randn(n_tokens, n_heads, dim, device=device).mul_(64).to(torch.float8_e4m3fn)
+    weights = torch.randn(n_tokens, n_heads, device=device) * (n_heads * dim) ** -0.5 / 64
+    k_fp8 = torch.randn(n_kv, dim, device=device).mul_(64).to(torch.float8_e4m3fn)
+    k_scale = torch.rand(n_kv, device=device) / 64 + 1 / 256
+    key_start = torch.zeros(n_tokens, dtype=torch.int64, device=device)
+    key_end = positions.to(device) + 1
+    return q_fp8, weights, k_fp8, k_scale, key_start, key_end
+
+
+# ---- sections ---------------------------------------------------------------------------------
+
+
+def bench_attention(
+    positions: torch.Tensor, n_kv: int, args: argparse.Namespace, config: dict[str, Any], gen: torch.Generator
+) -> dict[str, Any]:
+    from reference_impl.kernels.sparse_mla_triton import sparse_mla_attention_triton
+
+    device = torch.device(args.device)
+    n_tokens, scale = positions.numel(), 192**-0.5
+    q, kv, indices = attention_inputs(positions, n_kv, args.heads, args.topk, gen, device)
+
+    def run_triton() -> tuple[torch.Tensor, torch.Tensor]:
+        return sparse_mla_attention_triton(q, kv, indices, scale, D_V, out_dtype=torch.bfloat16, **config)
+
+    rows = _check_rows(n_tokens, args.check_rows, gen).to(device)
+    out, lse = sparse_mla_attention_triton(q[rows], kv, indices[rows], scale, D_V, **config)
+    ref_out, ref_lse = ref.sparse_mla_attention(q[rows], kv, indices[rows], scale, D_V)
+    finite = torch.isfinite(ref_lse)
+    check = {
+        "rows": int(rows.numel()),
+        "out_rel_err": _rel(out, ref_out),
+        "lse_max_abs_err": float((lse[finite] - ref_lse[finite]).abs().max()),
+        "lse_inf_match": bool(torch.equal(finite, torch.isfinite(lse))),
+    }
+    check["ok"] = check["out_rel_err"] < 1e-2 and check["lse_max_abs_err"] < 1e-2 and check["lse_inf_match"]
+    del out, lse, ref_out, ref_lse
+
+    flops = 2.0 * n_tokens * args.topk * args.heads * (D_QK + D_V)
+    ms, timer = _time(run_triton, args.slow_ms)
+    row: dict[str, Any] = {
+        "T": n_tokens,
+        "S": n_kv,
+        "H": args.heads,
+        "topk": args.topk,
+        "valid_slot_fraction": float((indices >= 0).float().mean()),
+        "config": config,
+        "check": check,
+        "triton_ms": ms,
+        "triton_tflops": flops / ms / 1e9,
+        "fraction_of_flashmla_640": flops / ms / 1e9 / FLASHMLA_TFLOPS,
+        "triton_timer": timer,
+    }
+    if n_tokens <= args.torch_max_tokens:
+        torch_ms, torch_timer = _time(lambda: ref.sparse_mla_attention(q, kv, indices, scale, D_V), args.slow_ms)
+        row.update(
+            torch_ms=torch_ms, torch_tflops=flops / torch_ms / 1e9, torch_timer=torch_timer, speedup=torch_ms / ms
+        )
+    else:
+        row["torch_ms"] = None
+        row["torch_skipped"] = f"T > --torch-max-tokens {args.torch_max_tokens}"
+    del q, kv, indices
+    torch.cuda.empty_cache()
+    return row
+
+
+def bench_indexer(
+    positions: torch.Tensor, n_kv: int, args: argparse.Namespace, config: dict[str, Any], gen: torch.Generator
+) -> dict[str, Any]:
+    from reference_impl.kernels.indexer_triton import indexer_logits_triton, indexer_topk_triton
+
+    device = torch.device(args.device)
+    n_tokens = positions.numel()
+    q_fp8, weights, k_fp8, k_scale, key_start, key_end = indexer_inputs(
+        positions, n_kv, args.index_heads, args.index_dim, device
+    )
+    rows = _check_rows(n_tokens, args.check_rows, gen).to(device)
+    lo, hi = 0, int(key_end[rows].max())
+    sub = (q_fp8[rows], weights[rows], k_fp8, k_scale, key_start[rows], key_end[rows])
+    logits = indexer_logits_triton(*sub, lo, hi, **config)
+    ref_scores = ref.indexer_scores(q_fp8[rows], weights[rows], k_fp8[lo:hi], k_scale[lo:hi])
+    cols = torch.arange(lo, hi, device=device)
+    visible = (cols >= key_start[rows, None]) & (cols < key_end[rows, None])
+    got = indexer_topk_triton(*sub, args.topk, **config)
+    want = ref.indexer_topk(*sub, args.topk)
+    overlaps, worst_gap = [], 0.0
+    masked = ref_scores.masked_fill(~visible, float("-inf"))
+    for i in range(rows.numel()):
+        g, w = set(got[i][got[i] >= 0].tolist()), set(want[i][want[i] >= 0].tolist())
+        overlaps.append(len(g & w) / max(1, len(w)))
+        if g != w:
+            kth = masked[i, [c - lo for c in w]].min()
+            diff = torch.tensor([c - lo for c in g ^ w], device=device)
+            worst_gap = max(worst_gap, float(((masked[i, diff] - kth).abs() / kth.abs().clamp(min=1e-30)).max()))
+    check = {
+        "rows": int(rows.numel()),
+        "logits_rel_err": _rel(logits[visible], ref_scores[visible]),
+        "masked_all_neg_inf": bool(torch.isneginf(logits[~visible]).all()),
+        "valid_counts_equal": bool(torch.equal((got >= 0).sum(1), (want >= 0).sum(1))),
+        "topk_set_overlap_min": min(overlaps),
+        "topk_set_overlap_mean": sum(overlaps) / len(overlaps),
+        "swapped_max_rel_score_gap_to_kth": worst_gap,
+    }
+    check["ok"] = (
+        check["logits_rel_err"] < 1e-3 and check["masked_all_neg_inf"] and check["valid_counts_equal"]
+        and check["topk_set_overlap_min"] > 0.99
+    )
+    del logits, ref_scores, got, want, masked
+
+    visible_keys = float((key_end - key_start).sum())
+    flops = 2.0 * args.index_heads * args.index_dim * visible_keys
+
+    def logits_only() -> None:
+        chunk = max(1, (1 << 30) // (n_kv * 4))
+        for r0 in range(0, n_tokens, chunk):
+            r1 = min(n_tokens, r0 + chunk)
+            indexer_logits_triton(
+                q_fp8[r0:r1], weights[r0:r1], k_fp8, k_scale, key_start[r0:r1], key_end[r0:r1],
+                int(key_start[r0:r1].min()), int(key_end[r0:r1].max()), **config,
+            )
+
+    full = (q_fp8, weights, k_fp8, k_scale, key_start, key_end)
+    ms, timer = _time(lambda: indexer_topk_triton(*full, args.topk, **config), args.slow_ms)
+    logits_ms, _ = _time(logits_only, args.slow_ms)
+    row: dict[str, Any] = {
+        "T": n_tokens,
+        "S": n_kv,
+        "Hi": args.index_heads,
+        "D": args.index_dim,
+        "topk": args.topk,
+        "config": config,
+        "check": check,
+        "triton_ms": ms,
+        "triton_logits_ms": logits_ms,
+        "topk_ms": ms - logits_ms,
+        "logits_tflops": flops / logits_ms / 1e9,
+        "triton_timer": timer,
+    }
+    if n_tokens <= args.torch_max_tokens:
+        torch_ms, torch_timer = _time(
+            lambda: ref.indexer_topk(q_fp8, weights, k_fp8, k_scale, key_start, key_end, args.topk), args.slow_ms
+        )
+        row.update(torch_ms=torch_ms, torch_timer=torch_timer, speedup=torch_ms / ms)
+    else:
+        row["torch_ms"] = None
+        row["torch_skipped"] = f"T > --torch-max-tokens {args.torch_max_tokens}"
+    del q_fp8, weights, k_fp8, k_scale
+    torch.cuda.empty_cache()
+    return row
+
+
+def measure_matmul_tflops(device: str) -> float:
+    n = 8192 if device == "cuda" else 256
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    ms, _ = _time(lambda: a @ b, slow_ms=1e9)
+    return 2 * n**3 / ms / 1e9
+
+
+def zigzag_rank0_positions(context: int, cp_size: int) -> torch.Tensor:
+    """Sequence positions of rank 0 under the in-seq split of one request: blocks 0 and 2C-1."""
+    blocks = torch.arange(context).tensor_split(2 * cp_size)
+    return torch.cat([blocks[0], blocks[-1]])
+
+
+# ---- driver -----------------------------------------------------------------------------------
+
+
+def _attn_config(c: tuple[int, int, int, int, bool]) -> dict[str, Any]:
+    return {"block_h": c[0], "block_k": c[1], "num_warps": c[2], "num_stages": c[3], "defer_pv": c[4]}
+
+
+def _idx_config(c: tuple[int, int, int, int, str]) -> dict[str, Any]:
+    return {"block_t": c[0], "block_s": c[1], "num_warps": c[2], "num_stages": c[3], "dot_dtype": c[4]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="JSON file to write")
+    parser.add_argument("--tokens", default="8192,32768,131072", help="query counts T (S = T), comma separated")
+    parser.add_argument("--heads", type=int, default=128)
+    parser.add_argument("--topk", type=int, default=2048)
+    parser.add_argument("--index-heads", type=int, default=64)
+    parser.add_argument("--index-dim", type=int, default=128)
+    parser.add_argument("--cp-size", type=int, default=8, help="the per-rank row: C of the zigzag split")
+    parser.add_argument("--cp-context", type=int, default=131072, help="the per-rank row: tokens of the request")
+    parser.add_argument("--torch-max-tokens", type=int, default=16384, help="time the torch references up to this T")
+    parser.add_argument("--check-rows", type=int, default=48, help="rows checked against the torch reference")
+    parser.add_argument("--slow-ms", type=float, default=250.0, help="above this, time with 3 event-timed runs")
+    parser.add_argument("--sweep", action="store_true", help="sweep launch configs at the smallest T first")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help=argparse.SUPPRESS)  # cpu: dry run
+    args = parser.parse_args(argv)
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: this benchmark needs a CUDA device", file=sys.stderr)
+        return 2
+    if args.device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # dry run of the script's logic at toy sizes
+    import triton
+
+    from reference_impl.kernels import indexer_triton, sparse_mla_triton
+
+    torch.manual_seed(args.seed)
+    gen = torch.Generator().manual_seed(args.seed)
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    on_gpu = args.device == "cuda"
+    result: dict[str, Any] = {
+        "command": "python -m reference_impl.bench.compute " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
+        "device": torch.cuda.get_device_name(0) if on_gpu else "cpu (interpreter dry run)",
+        "sm_count": torch.cuda.get_device_properties(0).multi_processor_count if on_gpu else None,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "seed": args.seed,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "flops_attention": "2 * T * topk * H * (576 + 512)",
+        "flops_indexer": "2 * Hi * D * sum over queries of visible keys",
+        "flashmla_reference_tflops": FLASHMLA_TFLOPS,
+        "attention_output_dtype": "bf16 (timed); the dispatch path returns fp32",
+        "shapes": {
+            "tokens": args.tokens, "heads": args.heads, "topk": args.topk, "d_qk": D_QK, "d_v": D_V,
+            "index_heads": args.index_heads, "index_dim": args.index_dim,
+        },
+        "timing": "median of triton.testing.do_bench (warmup 25 ms, rep 100 ms); calls slower than "
+        f"{args.slow_ms} ms: median of 3 CUDA-event-timed runs after one warm-up run",
+        "torch_reference_limit": f"torch references timed only for T <= {args.torch_max_tokens} query rows",
+    }
+
+    def save() -> None:
+        out_path.write_text(json.dumps(result, indent=2))
+
+    result["bf16_matmul_8192_tflops"] = measure_matmul_tflops(args.device)
+    save()
+    tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
+    attn_cfg = _attn_config(sparse_mla_triton.GPU_DEFAULT_CONFIG)
+    idx_cfg = _idx_config(indexer_triton.GPU_DEFAULT_CONFIG)
+
+    if args.sweep:
+        t0 = min(tokens)
+        pos = torch.arange(t0)
+        no_torch = argparse.Namespace(**{**vars(args), "torch_max_tokens": 0})
+        sweep_a, sweep_i = [], []
+        for c in ATTN_SWEEP:
+            try:
+                sweep_a.append(bench_attention(pos, t0, no_torch, _attn_config(c), gen))
+            except Exception as exc:  # a config that fails to compile or run is recorded, not fatal
+                sweep_a.append({"config": _attn_config(c), "error": f"{type(exc).__name__}: {exc}"[:500]})
+            last = sweep_a[-1]
+            print("sweep attention", last.get("config"), last.get("triton_tflops"), last.get("error", ""), flush=True)
+        for c in INDEXER_SWEEP:
+            try:
+                sweep_i.append(bench_indexer(pos, t0, no_torch, _idx_config(c), gen))
+            except Exception as exc:
+                sweep_i.append({"config": _idx_config(c), "error": f"{type(exc).__name__}: {exc}"[:500]})
+            last = sweep_i[-1]
+            print("sweep indexer", last.get("config"), last.get("triton_logits_ms"), last.get("error", ""), flush=True)
+        result["sweep"] = {"T": t0, "attention": sweep_a, "indexer": sweep_i}
+        good_a = [r for r in sweep_a if "error" not in r and r["check"]["ok"]]
+        good_i = [r for r in sweep_i if "error" not in r and r["check"]["ok"]]
+        if good_a:
+            attn_cfg = max(good_a, key=lambda r: r["triton_tflops"])["config"]
+        if good_i:
+            idx_cfg = min(good_i, key=lambda r: r["triton_logits_ms"])["config"]
+        save()
+
+    result["attention"], result["indexer"] = [], []
+    for t in tokens:
+        pos = torch.arange(t)
+        result["attention"].append(bench_attention(pos, t, args, attn_cfg, gen))
+        save()
+        result["indexer"].append(bench_indexer(pos, t, args, idx_cfg, gen))
+        save()
+        print(f"T={t} done", flush=True)
+
+    pos = zigzag_rank0_positions(args.cp_context, args.cp_size)
+    result["per_rank"] = {
+        "cp_size": args.cp_size,
+        "what": f"rank 0 of C={args.cp_size}, in-seq split of one {args.cp_context}-token request: "
+        f"{pos.numel()} local queries against {args.cp_context} keys",
+        "attention": bench_attention(pos, args.cp_context, args, attn_cfg, gen),
+        "indexer": bench_indexer(pos, args.cp_context, args, idx_cfg, gen),
+    }
+    result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    save()
+    print(format_table(result))
+    return 0
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def _status(row: dict[str, Any]) -> str:
+    check = "ok" if row["check"]["ok"] else "FAIL"
+    return f"{_fmt(row.get('torch_ms'), '>11.2f')}{_fmt(row.get('speedup'), '>8.1f')}x  {check}"
+
+
+def format_table(result: dict[str, Any]) -> str:
+    shapes = result["shapes"]
+    attn_title = f"sparse MLA attention (H={shapes['heads']}, topk={shapes['topk']})"
+    idx_title = f"indexer top-k (Hi={shapes['index_heads']}, D={shapes['index_dim']})"
+    lines = [
+        f"{result['device']}  torch {result['torch']}  triton {result['triton']}  "
+        f"bf16 matmul {result['bf16_matmul_8192_tflops']:.0f} TFLOPS",
+        f"{attn_title:<44}triton ms  TFLOPS  /640   torch ms  speedup  check",
+    ]
+    rows = [(f"T=S={r['T']}", r) for r in result["attention"]]
+    rank = result["per_rank"]
+    rows.append((f"rank0 C={rank['cp_size']} T={rank['attention']['T']} S={rank['attention']['S']}", rank["attention"]))
+    for name, r in rows:
+        lines.append(
+            f"  {name:<42}{r['triton_ms']:>9.2f}{r['triton_tflops']:>8.0f}{r['fraction_of_flashmla_640']:>6.0%}"
+            + _status(r)
+        )
+    lines.append(
+        f"{idx_title:<44}triton ms  logits ms  TFLOPS  topk ms   torch ms  speedup  check"
+    )
+    rows = [(f"T=S={r['T']}", r) for r in result["indexer"]]
+    rows.append((f"rank0 C={rank['cp_size']} T={rank['indexer']['T']} S={rank['indexer']['S']}", rank["indexer"]))
+    for name, r in rows:
+        lines.append(
+            f"  {name:<42}{r['triton_ms']:>9.2f}{r['triton_logits_ms']:>11.2f}{r['logits_tflops']:>8.0f}"
+            f"{r['topk_ms']:>9.2f}" + _status(r)
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
