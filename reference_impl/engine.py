@@ -27,6 +27,7 @@ from reference_impl.config import RunConfig
 from reference_impl.cp.batch import BatchPlan
 from reference_impl.cp.comm import CPGroup
 from reference_impl.cp.kv_replicated import ReplicatedKV
+from reference_impl.cp.kv_sharded import ShardedKV
 from reference_impl.cp.narrow_output import collect_narrow
 from reference_impl.cp.rerange import gather_current
 from reference_impl.cp.split import SplitMetadata, build_split, local_index_tensor
@@ -37,7 +38,7 @@ from reference_impl.workload import build_inputs, build_model
 
 logger = logging.getLogger(__name__)
 
-PER_LAYER_TAGS = ("kv", "index_k")
+PER_LAYER_TAGS = ("kv", "index_k", "materialize")
 
 
 def build_metadata(run: RunConfig) -> SplitMetadata:
@@ -72,13 +73,18 @@ class RankResult:
     stored: list[dict[int, tuple[torch.Tensor, ...]]] = field(default_factory=list)  # per layer (check runs)
 
 
-def make_kv_store(run: RunConfig, plan: BatchPlan, layout: KVLayout, group: CPGroup) -> ReplicatedKV:
-    """The KV store the phase set asks for (the baseline: a replica per rank)."""
+KVStore = ReplicatedKV | ShardedKV
+
+
+def make_kv_store(run: RunConfig, plan: BatchPlan, layout: KVLayout, group: CPGroup) -> KVStore:
+    """The KV store the phase set asks for: a replica per rank (baseline) or sharded (phase 2, 3)."""
+    if 2 in run.phases:
+        return ShardedKV(plan, layout, run.model.n_layers, group, group.debug, reuse_current=3 in run.phases)
     return ReplicatedKV(plan, layout, run.model.n_layers, group.device, group.debug)
 
 
 @torch.no_grad()
-def install_prefixes(run: RunConfig, model: Any, inputs: list[torch.Tensor], store: ReplicatedKV) -> None:
+def install_prefixes(run: RunConfig, model: Any, inputs: list[torch.Tensor], store: KVStore) -> None:
     """Fill the pools with every request's prefix, computed the way an earlier prefill would have.
 
     Each rank runs the single-device oracle over the prefix tokens (deterministic, so every rank
@@ -154,7 +160,7 @@ def run_rank(group: CPGroup, run: RunConfig) -> RankResult:
         out, topk = block.attn.attend(proj, view.kv, view.index_k_fp8, view.index_k_scale, key_start, key_end)
         x = x + out
         gathered_bytes = sum(t.numel() * t.element_size() for t in (kv_seq, index_k_seq))
-        transient_peak = max(transient_peak, gathered_bytes + view.nbytes)
+        transient_peak = max(transient_peak, gathered_bytes + view.nbytes + getattr(store, "transient_bytes", 0))
         if run.check:
             local_topk.append(torch.where(topk >= 0, topk - key_start[:, None].int(), topk).cpu())
         clock.mark()

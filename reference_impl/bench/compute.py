@@ -279,6 +279,40 @@ def measure_matmul_tflops(device: str) -> float:
     return 2 * n**3 / ms / 1e9
 
 
+def dispatch_smoke(device: str) -> dict[str, Any]:
+    """Both dispatch functions on a small input: Triton path taken (no fallback warning), result checked."""
+    import logging
+
+    from reference_impl.kernels import dispatch
+
+    records: list[logging.LogRecord] = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    handler = _Keep(level=logging.WARNING)
+    logging.getLogger(dispatch.__name__).addHandler(handler)
+    try:
+        gen = torch.Generator().manual_seed(1)
+        pos = torch.arange(300)
+        q, kv, indices = attention_inputs(pos, 300, 16, 64, gen, torch.device(device))
+        out, lse = dispatch.sparse_mla_attention(q, kv, indices, 192**-0.5, D_V)
+        ref_out, _ = ref.sparse_mla_attention(q, kv, indices, 192**-0.5, D_V)
+        iq = indexer_inputs(pos, 300, 8, 128, torch.device(device))
+        top = dispatch.indexer_topk(*iq, 64)
+        want = ref.indexer_topk(*iq, 64)
+    finally:
+        logging.getLogger(dispatch.__name__).removeHandler(handler)
+    return {
+        "triton_available": dispatch.triton_available(),
+        "fallback_warnings": [r.getMessage() for r in records],
+        "attention_out_dtype": str(out.dtype),
+        "attention_rel_err": _rel(out, ref_out),
+        "indexer_valid_counts_equal": bool(torch.equal((top >= 0).sum(1), (want >= 0).sum(1))),
+    }
+
+
 def zigzag_rank0_positions(context: int, cp_size: int) -> torch.Tensor:
     """Sequence positions of rank 0 under the in-seq split of one request: blocks 0 and 2C-1."""
     blocks = torch.arange(context).tensor_split(2 * cp_size)
@@ -355,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         out_path.write_text(json.dumps(result, indent=2))
 
     result["bf16_matmul_8192_tflops"] = measure_matmul_tflops(args.device)
+    result["dispatch_smoke"] = dispatch_smoke(args.device)
     save()
     tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
     attn_cfg = _attn_config(sparse_mla_triton.GPU_DEFAULT_CONFIG)

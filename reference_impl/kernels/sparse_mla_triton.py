@@ -124,8 +124,6 @@ def _sparse_mla_fwd_kernel(
         if UPCAST:
             kv_nope = kv_nope.to(tl.float32)
             kv_rope = kv_rope.to(tl.float32)
-        if DEFER_PV:
-            acc = _pv_update(acc, p_prev, kv_prev, alpha_prev, IEEE)
 
         # Two independent products, each scaled, then summed. Accumulating one into the other
         # would make the first feed a product, and Triton lays out a product that feeds another
@@ -137,6 +135,10 @@ def _sparse_mla_fwd_kernel(
         else:
             s_nope = tl.dot(q_nope, tl.trans(kv_nope))
             s_rope = tl.dot(q_rope, tl.trans(kv_rope))
+        if DEFER_PV:
+            # Issued after this tile's score products and before their softmax, so the value
+            # product of the previous tile can run on the tensor cores during that softmax.
+            acc = _pv_update(acc, p_prev, kv_prev, alpha_prev, IEEE)
         s = s_nope * qk_scale_log2 + s_rope * qk_scale_log2
         s = tl.where(valid[None, :], s, float("-inf"))
 

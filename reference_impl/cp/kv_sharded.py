@@ -1,0 +1,121 @@
+"""Phase 2 storage: KV sharded at rest (each rank stores only the pages it owns).
+
+Logical locs stay what the allocator handed out; physical storage is per rank: logical page ``p``
+lives on rank ``p % C`` at compact physical page ``p // C`` (:mod:`reference_impl.cp.ownership`).
+
+* **store**: after all-gather #1 every rank holds the whole current chunk, quantizes the tokens
+  whose pages it owns, and writes them at their physical locs;
+* **full view**: rebuilt per layer by :mod:`reference_impl.cp.materialize` (all pages), or, with
+  phase 3 (:mod:`reference_impl.cp.current_reuse`), current rows from the gathered chunk and only
+  the history pages materialized.
+
+Startup checks refuse what the layout cannot serve: a round-robin split (its materialization and
+PD-transfer contracts are not wired).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from reference_impl.config import ConfigError
+from reference_impl.cp.batch import BatchPlan
+from reference_impl.cp.comm import CPGroup
+from reference_impl.cp.current_reuse import BatchKind, classify_batch, fill_current, history_rows
+from reference_impl.cp.kv_replicated import FullView
+from reference_impl.cp.materialize import MaterializePlan, gather_pages, unpack_index_rows
+from reference_impl.cp.ownership import owned_page_count, page_owner, physical_locs
+from reference_impl.kvcache.layout import KVLayout
+from reference_impl.kvcache.pool import PagedKVPool
+
+
+class ShardedKV:
+    """Each rank stores the MLA latent and indexer K pages it owns (``page % C == rank``)."""
+
+    name = "sharded"
+
+    def __init__(
+        self, plan: BatchPlan, layout: KVLayout, n_layers: int, group: CPGroup, debug: bool, reuse_current: bool
+    ) -> None:
+        if plan.meta.mode != "in-seq":
+            raise ConfigError(f"sharded KV needs the in-seq split, got {plan.meta.mode!r}")
+        self.plan, self.layout, self.group = plan, layout, group
+        cp, rank, page_size = group.size, group.rank, plan.page_size
+        self.pool = PagedKVPool(n_layers, owned_page_count(plan.n_pages, rank, cp), page_size, layout, group.device, debug)
+
+        # Store path: which current tokens (sequence order) this rank owns, and where they go.
+        own = page_owner(plan.extend_locs // page_size, cp) == rank
+        self._store_rows = own.nonzero().flatten()
+        self._store_locs = physical_locs(plan.extend_locs[own], page_size, cp)
+
+        # Full-view path, decided once per batch (identical on every rank).
+        self.batch_kind: BatchKind = classify_batch(plan, plan.meta.total_tokens) if reuse_current else "fallback"
+        storage_rows = (
+            history_rows(plan)
+            if self.batch_kind != "fallback"
+            else torch.arange(plan.view_len, device=plan.view_locs.device)
+        )
+        self._mplan = MaterializePlan.build(plan, storage_rows, rank, cp) if storage_rows.numel() else None
+        self.materialized_bytes = 0
+        self.transient_bytes = 0
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.pool.mla_bytes_total
+
+    @property
+    def index_bytes(self) -> int:
+        return self.pool.index_bytes_total
+
+    def _owned(self, locs: torch.Tensor) -> torch.Tensor:
+        return page_owner(locs // self.plan.page_size, self.group.size) == self.group.rank
+
+    def write_prefix(self, layer: int, request: int, rows: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor) -> None:
+        """Install the owned part of a request's already-cached prefix."""
+        locs = self.plan.prefix_locs(request)
+        own = self._owned(locs)
+        phys = physical_locs(locs[own], self.plan.page_size, self.group.size)
+        self.pool.write_mla(layer, phys, rows[own])
+        self.pool.write_index(layer, phys, k_fp8[own], k_scale[own])
+
+    def store_current(self, layer: int, kv_seq: torch.Tensor, index_k_seq: torch.Tensor) -> None:
+        """Quantize and write only the current tokens whose pages this rank owns."""
+        kv = kv_seq.index_select(0, self._store_rows)
+        self.pool.write_mla(layer, self._store_locs, self.layout.pack_mla(kv))
+        k_fp8, k_scale = self.layout.quantize_index_k(index_k_seq.index_select(0, self._store_rows))
+        self.pool.write_index(layer, self._store_locs, k_fp8, k_scale)
+
+    def full_view(self, layer: int, kv_seq: torch.Tensor, index_k_seq: torch.Tensor) -> FullView:
+        """Materialize what storage must provide, then (phase 3) fill current rows from the chunk."""
+        n, layout, device = self.plan.view_len, self.layout, kv_seq.device
+        kv = torch.empty(n, layout.kv_width, dtype=torch.bfloat16, device=device)
+        index_fp8 = torch.empty(n, layout.index_head_dim, dtype=torch.float8_e4m3fn, device=device)
+        index_scale = torch.empty(n, dtype=torch.float32, device=device)
+        self.transient_bytes = 0
+        if self._mplan is not None:
+            mla_rows, index_pages = gather_pages(self.group, self.pool, layer, self._mplan)
+            rows, source = self._mplan.view_rows, self._mplan.row_source
+            kv[rows] = layout.dequantize_mla(mla_rows.index_select(0, source)).to(torch.bfloat16)
+            k_fp8, k_scale = unpack_index_rows(index_pages, source, layout)
+            index_fp8.view(torch.uint8)[rows] = k_fp8.view(torch.uint8)
+            index_scale[rows] = k_scale
+            self.transient_bytes = mla_rows.numel() + index_pages.numel()
+            self.materialized_bytes += self.transient_bytes
+        if self.batch_kind != "fallback":
+            fill_current(self.plan, layout, kv_seq, index_k_seq, kv, index_fp8, index_scale)
+        return FullView(kv, index_fp8, index_scale)
+
+    def owned_pages(self) -> torch.Tensor:
+        """Logical pages of this batch stored on this rank, ascending (their physical page is ``p // C``)."""
+        pages = torch.arange(self.plan.n_pages, device=self.plan.view_locs.device)
+        return pages[page_owner(pages, self.group.size) == self.group.rank]
+
+    def stored_rows(self, layer: int) -> dict[int, tuple[torch.Tensor, ...]]:
+        """Per request, the tokens this rank holds: ``(positions, mla rows, index bytes, index scale)``."""
+        out = {}
+        for req, locs in enumerate(self.plan.request_locs):
+            own = self._owned(locs)
+            phys = physical_locs(locs[own], self.plan.page_size, self.group.size)
+            k_fp8, k_scale = self.pool.read_index(layer, phys)
+            positions = own.nonzero().flatten()
+            out[req] = (positions, self.pool.read_mla(layer, phys), k_fp8.view(torch.uint8), k_scale)
+        return out

@@ -1,0 +1,75 @@
+"""Phase 2's materialization: rebuild the dense full view from pages sharded across ranks.
+
+The attention and top-k code keep their dense contract (a ``[S, 576]`` KV view and ``[S, 128]``
+index K in sequence order). With KV sharded at rest no rank holds all pages, so per layer every
+rank contributes the pages it owns among those the view needs, one padded all-gather moves them
+(MLA page bytes and index page bytes side by side in one row per page), and every rank unpacks
+the rows of the view from the gathered pages.
+
+The plan (which pages, who sends what, where each view row comes from) depends only on the batch
+plan and ``C``, so it is built once per forward, is identical on every rank, and is reused by
+every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from reference_impl.cp.batch import BatchPlan
+from reference_impl.cp.comm import CPGroup
+from reference_impl.cp.ownership import page_owner, physical_page
+from reference_impl.kvcache.layout import KVLayout
+from reference_impl.kvcache.pool import PagedKVPool
+
+
+@dataclass(frozen=True)
+class MaterializePlan:
+    """Which pages one rank sends and how the gathered pages map onto full-view rows."""
+
+    pages: torch.Tensor  # [n_need] logical pages the view needs, rank-major order (the gather's order)
+    counts: tuple[int, ...]  # pages each rank sends
+    send_physical: torch.Tensor  # [counts[rank]] this rank's physical pages to send
+    view_rows: torch.Tensor  # [R] full-view rows filled from storage
+    row_source: torch.Tensor  # [R] row in the gathered pages' token rows: page_index * P + slot
+
+    @property
+    def n_pages(self) -> int:
+        return int(self.pages.shape[0])
+
+    @classmethod
+    def build(cls, plan: BatchPlan, view_rows: torch.Tensor, rank: int, cp_size: int) -> "MaterializePlan":
+        """Plan the gather of the pages holding ``view_rows`` (full-view rows) of ``plan``."""
+        page_size = plan.page_size
+        locs = plan.view_locs.index_select(0, view_rows)
+        needed = torch.unique(locs // page_size)  # sorted logical pages
+        owner = page_owner(needed, cp_size)
+        per_rank = [needed[owner == r] for r in range(cp_size)]  # ascending within each rank
+        pages = torch.cat(per_rank)  # rank-major: the all-gather's order
+        counts = tuple(int(p.shape[0]) for p in per_rank)
+        mine = per_rank[rank]
+        # Where each page sits in the gathered buffer, then each row's token row in it.
+        position = torch.empty(int(needed.max()) + 1 if needed.numel() else 0, dtype=torch.long, device=locs.device)
+        position[pages] = torch.arange(pages.shape[0], device=locs.device)
+        row_source = position[locs // page_size] * page_size + locs % page_size
+        return cls(pages, counts, physical_page(mine, cp_size), view_rows, row_source)
+
+
+def gather_pages(
+    group: CPGroup, pool: PagedKVPool, layer: int, mplan: MaterializePlan
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One padded all-gather of the needed pages -> ``(mla [n_need * P, mla_bytes], index [n_need, page bytes])``."""
+    mla, index = pool.read_pages(layer, mplan.send_physical)
+    packed = torch.cat([mla, index], dim=1)  # one row per page: MLA page bytes then index page bytes
+    gathered = group.all_gather_padded(packed, mplan.counts, tag="materialize")  # rank-major = mplan.pages
+    split = mla.shape[1]
+    return gathered[:, :split].reshape(-1, pool.layout.mla_bytes), gathered[:, split:]
+
+
+def unpack_index_rows(index_pages: torch.Tensor, token_rows: torch.Tensor, layout: KVLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """Index K of token rows ``page_index * P + slot`` from raw index pages -> ``(k_fp8 [n, D], k_scale [n])``."""
+    page_size, dim = layout.page_size, layout.index_head_dim
+    values = index_pages[:, : page_size * dim].reshape(-1, dim).index_select(0, token_rows)
+    scales = index_pages[:, page_size * dim :].reshape(-1, 4).index_select(0, token_rows)
+    return values.view(torch.float8_e4m3fn), scales.view(torch.float32).reshape(-1)
