@@ -71,6 +71,7 @@ class RankResult:
     local_hidden: torch.Tensor | None = None  # [n_local, dim] (check runs only)
     local_topk: list[torch.Tensor] = field(default_factory=list)  # per layer [n_local, K], request positions
     stored: list[dict[int, tuple[torch.Tensor, ...]]] = field(default_factory=list)  # per layer (check runs)
+    store: KVStore | None = None  # the rank's KV store, only with ``run_rank(..., keep_store=True)`` (PD transfer)
 
 
 KVStore = ReplicatedKV | ShardedKV
@@ -125,8 +126,12 @@ class _LayerClock:
 
 
 @torch.no_grad()
-def run_rank(group: CPGroup, run: RunConfig) -> RankResult:
-    """Run the batch on this rank; see the module docstring for the per-layer steps."""
+def run_rank(group: CPGroup, run: RunConfig, *, keep_store: bool = False) -> RankResult:
+    """Run the batch on this rank; see the module docstring for the per-layer steps.
+
+    ``keep_store=True`` leaves the rank's KV store on ``result.store`` (device tensors, not for
+    pickling), for what runs after the prefill in the same process: the PD transfer.
+    """
     device = group.device
     meta = build_metadata(run)
     plan = BatchPlan.build(meta, device)
@@ -206,4 +211,5 @@ def run_rank(group: CPGroup, run: RunConfig) -> RankResult:
         ]
         if run.check
         else [],
+        store=store if keep_store else None,
     )

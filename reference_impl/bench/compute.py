@@ -44,6 +44,7 @@ D_QK, D_V = 576, 512
 ATTN_SWEEP: list[tuple[int, int, int, int, bool]] = [
     # (BLOCK_H, BLOCK_K, num_warps, num_stages, DEFER_PV)
     (64, 32, 8, 3, True),
+    (64, 32, 8, 2, True),
     (64, 64, 8, 3, True),
     (64, 16, 8, 4, True),
     (64, 32, 8, 3, False),

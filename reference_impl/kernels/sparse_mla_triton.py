@@ -20,9 +20,8 @@ with an online softmax in base 2 (scores pre-multiplied by ``scale * log2(e)``) 
 ``DEFER_PV`` (default on GPU) performs each tile's value product one iteration late. Triton lays a
 product whose result feeds another product in the same iteration out over the M axis only; with
 ``BLOCK_H = 64`` (one warp group tall) and 8 warps that repeats the score product in both warp
-groups. Deferred, the score product is split across the warp groups along the keys, the value
-product along ``d_v``, and the softmax of tile ``i`` overlaps the value product of tile ``i - 1``.
-The KV gathers are software-pipelined by Triton (``num_stages``) into shared memory.
+groups. Deferred, the score product is split across the warp groups along the keys and the value
+product along ``d_v``; the price is the previous tile's latent rows held in registers. The KV gathers are software-pipelined by Triton (``num_stages``) into shared memory.
 
 On GPU the products run on bf16 / fp16 operands with fp32 accumulation (probabilities are cast to
 the KV dtype for the second product, as FlashAttention does). Under the CPU interpreter
@@ -124,6 +123,8 @@ def _sparse_mla_fwd_kernel(
         if UPCAST:
             kv_nope = kv_nope.to(tl.float32)
             kv_rope = kv_rope.to(tl.float32)
+        if DEFER_PV:
+            acc = _pv_update(acc, p_prev, kv_prev, alpha_prev, IEEE)
 
         # Two independent products, each scaled, then summed. Accumulating one into the other
         # would make the first feed a product, and Triton lays out a product that feeds another
@@ -135,10 +136,6 @@ def _sparse_mla_fwd_kernel(
         else:
             s_nope = tl.dot(q_nope, tl.trans(kv_nope))
             s_rope = tl.dot(q_rope, tl.trans(kv_rope))
-        if DEFER_PV:
-            # Issued after this tile's score products and before their softmax, so the value
-            # product of the previous tile can run on the tensor cores during that softmax.
-            acc = _pv_update(acc, p_prev, kv_prev, alpha_prev, IEEE)
         s = s_nope * qk_scale_log2 + s_rope * qk_scale_log2
         s = tl.where(valid[None, :], s, float("-inf"))
 
@@ -153,8 +150,7 @@ def _sparse_mla_fwd_kernel(
         if DEFER_PV:
             # Hand P to the next iteration instead of using it now: with no same-iteration path
             # from the score product to the value product, the score product is split across the
-            # warp groups along the keys (not repeated), and this tile's softmax overlaps the
-            # previous tile's value product.
+            # warp groups along the keys instead of being repeated in each.
             p_prev = p.to(kv_nope.dtype)
             kv_prev = kv_nope
             alpha_prev = alpha
