@@ -95,17 +95,13 @@ for name in ("deepseek-v3.2", "glm-5"):
 # staging included); with several GPUs each rank has its own and NCCL carries the gather.
 
 # %%
-from reference_impl.bench.collectives import CollectiveBench, time_collectives
-from reference_impl.launch import choose_backend, launch
+from reference_impl.bench.collectives import sweep_collectives
+from reference_impl.launch import choose_backend
 
 cp = 4
 REPEATS = 3 if ON_GPU else 5
 sizes = [4096, 16384, 65536] if ON_GPU else [1024, 4096]
-points = []
-for tokens in sizes:
-    per_rank = launch(time_collectives, cp, CollectiveBench(tokens=tokens, repeats=REPEATS,
-                      dtype=torch.bfloat16 if ON_GPU else torch.float32))
-    points.append({"tokens": tokens, "layer_gather_ms": max(r["layer_gather_ms"] for r in per_rank)})
+points = sweep_collectives(cp, sizes, REPEATS, torch.bfloat16 if ON_GPU else torch.float32)
 print(json.dumps({"device": torch.cuda.get_device_name(0) if ON_GPU else "cpu", "cp_size": cp, "repeats": REPEATS,
                   "launch": choose_backend(cp, "auto", "auto", torch.cuda.device_count()).describe(),
                   "points": points}, indent=1))

@@ -113,18 +113,13 @@ plt.show()
 # the times say nothing about a GPU.
 
 # %%
-from reference_impl.bench.collectives import CollectiveBench, time_collectives
-from reference_impl.launch import choose_backend, launch
+from reference_impl.bench.collectives import sweep_collectives
+from reference_impl.launch import choose_backend
 
 cp = 4
 REPEATS = 3 if ON_GPU else 5
 sizes = [4096, 16384, 65536] if ON_GPU else [1024, 4096]
-timings = []
-for tokens in sizes:
-    per_rank = launch(time_collectives, cp, CollectiveBench(tokens=tokens, repeats=REPEATS,
-                      dtype=torch.bfloat16 if ON_GPU else torch.float32))
-    slowest = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
-    timings.append({"tokens": tokens, **slowest})
+timings = sweep_collectives(cp, sizes, REPEATS, torch.bfloat16 if ON_GPU else torch.float32)
 print(json.dumps({"device": torch.cuda.get_device_name(0) if ON_GPU else "cpu", "cp_size": cp, "repeats": REPEATS,
                   "launch": choose_backend(cp, "auto", "auto", torch.cuda.device_count()).describe(),
                   "timings_ms": timings}, indent=1))

@@ -29,6 +29,7 @@ from reference_impl.cp.comm import CPGroup
 from reference_impl.cp.kv_replicated import ReplicatedKV
 from reference_impl.cp.kv_sharded import ShardedKV
 from reference_impl.cp.narrow_output import collect_narrow
+from reference_impl.cp.page_aligned import build_page_aligned_split
 from reference_impl.cp.rerange import gather_current
 from reference_impl.cp.split import SplitMetadata, build_split, local_index_tensor
 from reference_impl.cp.tail import OutputSpec, collect_full
@@ -42,14 +43,12 @@ PER_LAYER_TAGS = ("kv", "index_k", "materialize")
 
 
 def build_metadata(run: RunConfig) -> SplitMetadata:
-    """The split of the run's batch (identical on every rank)."""
-    return build_split(
-        run.split_mode,
-        run.cp_size,
-        [r.extend for r in run.requests],
-        [r.prefix for r in run.requests],
-        page_size=run.page_size,
-    )
+    """The split of the run's batch (identical on every rank); page-aligned with phase 4."""
+    extend, prefix = [r.extend for r in run.requests], [r.prefix for r in run.requests]
+    meta = build_split(run.split_mode, run.cp_size, extend, prefix, page_size=run.page_size)
+    if 4 in run.phases:
+        return build_page_aligned_split(run.cp_size, extend, prefix, run.page_size)
+    return meta
 
 
 def output_spec(run: RunConfig) -> OutputSpec:

@@ -127,3 +127,12 @@ def test_materialize_plan_covers_each_needed_page_once(reqs: list, cp_size: int)
     for r, mp in enumerate(plans):
         assert mp.send_physical.numel() == mp.counts[r]
         assert torch.equal(mp.pages, pages)  # identical on every rank
+
+
+@pytest.mark.parametrize("level", [2, 3])
+def test_ranks_without_pages(report_of, level: int) -> None:
+    """More ranks than pages: some ranks own nothing, store nothing and send empty materializations."""
+    run = tiny(cp_size=4, requests=(Request(5, 20),), page_size=16, phases=PhaseSet.level(level))
+    rep = report_of(run)
+    assert rep["matches_oracle"] is True and rep["cache_equal"] is True
+    assert [e["kv_bytes"] > 0 for e in rep["per_rank"]] == [True, True, False, False]

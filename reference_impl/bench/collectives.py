@@ -76,3 +76,14 @@ def time_collectives(group: CPGroup, bench: CollectiveBench) -> dict[str, float]
         "tail_full_ms": _median_ms(group, lambda: collect_full(group, meta, hidden, spec), bench.repeats),
         "tail_narrow_ms": _median_ms(group, lambda: collect_narrow(group, meta, hidden, spec), bench.repeats),
     }
+
+
+def sweep_collectives(cp_size: int, sizes: list[int], repeats: int, dtype: torch.dtype) -> list[dict[str, float]]:
+    """``time_collectives`` on ``cp_size`` launched ranks for each size; the slowest rank's times."""
+    from reference_impl.launch import launch
+
+    points = []
+    for tokens in sizes:
+        per_rank = launch(time_collectives, cp_size, CollectiveBench(tokens=tokens, repeats=repeats, dtype=dtype))
+        points.append({"tokens": tokens, **{k: max(r[k] for r in per_rank) for k in per_rank[0]}})
+    return points

@@ -145,12 +145,12 @@ class PagedKVPool:
 
     def read_pages(self, layer: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Raw bytes of whole pages ``pages [n] int64`` -> ``(mla uint8 [n, P * mla_bytes], index uint8 [n, index_page_bytes])``."""
-        mla = self.mla[layer].view(self.n_pages, -1).index_select(0, pages)
+        mla = self.mla[layer].view(self.n_pages, self.layout.mla_page_bytes).index_select(0, pages)
         return mla, self.index[layer].index_select(0, pages)
 
     def write_pages(self, layer: int, pages: torch.Tensor, mla: torch.Tensor, index: torch.Tensor) -> None:
         """Store whole pages' raw bytes (the inverse of :meth:`read_pages`)."""
-        self.mla[layer].view(self.n_pages, -1).index_copy_(0, pages, mla)
+        self.mla[layer].view(self.n_pages, self.layout.mla_page_bytes).index_copy_(0, pages, mla)
         self.index[layer].index_copy_(0, pages, index)
 
     # ---------------------------------------------------------------------------------------

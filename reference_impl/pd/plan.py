@@ -86,11 +86,12 @@ class TransferPlan:
     def from_logical(
         cls, rank: int, cp_size: int, page_size: int, logical_pages: Sequence[int], n_layers: int,
         mla_page_bytes: int, index_page_bytes: int,
-    ) -> "TransferPlan":
+    ) -> TransferPlan:
         """The plan of ``rank`` for the given logical pages (the decode side's view of a header)."""
         pages = tuple(int(p) for p in logical_pages)
         return cls(
-            rank, cp_size, page_size, pages, tuple(p // cp_size for p in pages), n_layers, mla_page_bytes, index_page_bytes
+            rank, cp_size, page_size, pages, tuple(p // cp_size for p in pages),
+            n_layers, mla_page_bytes, index_page_bytes,
         )
 
 
@@ -132,9 +133,13 @@ def check_plans_cover(plans: Sequence[TransferPlan], n_pages: int) -> None:
         raise ConfigError("no transfer plans: a decode cache needs the pages of every prefill rank")
     first = plans[0]
     shape = (first.cp_size, first.page_size, first.n_layers, first.mla_page_bytes, first.index_page_bytes)
-    ranks = sorted(p.rank for p in plans)
-    if ranks != list(range(first.cp_size)):
-        raise ConfigError(f"transfer plans come from ranks {ranks}; a CP group of {first.cp_size} needs each rank once")
+    ranks = [p.rank for p in plans]
+    if sorted(ranks) != list(range(first.cp_size)):
+        absent = sorted(set(range(first.cp_size)) - set(ranks))
+        repeated = sorted({r for r in ranks if ranks.count(r) > 1})
+        raise ConfigError(
+            f"transfer plans of a CP group of {first.cp_size}: missing rank(s) {absent}, repeated rank(s) {repeated}"
+        )
     seen = [0] * n_pages
     for plan in plans:
         if (plan.cp_size, plan.page_size, plan.n_layers, plan.mla_page_bytes, plan.index_page_bytes) != shape:
@@ -146,4 +151,6 @@ def check_plans_cover(plans: Sequence[TransferPlan], n_pages: int) -> None:
     missing = [p for p, n in enumerate(seen) if n == 0]
     twice = [p for p, n in enumerate(seen) if n > 1]
     if missing or twice:
-        raise ConfigError(f"transfer plans do not partition {n_pages} pages: missing {missing[:8]}, repeated {twice[:8]}")
+        raise ConfigError(
+            f"transfer plans do not partition {n_pages} pages: missing {missing[:8]}, repeated {twice[:8]}"
+        )

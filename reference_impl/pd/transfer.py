@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -45,12 +45,13 @@ logger = logging.getLogger(__name__)
 
 HEADER_FIELDS = 4  # pages, layers, MLA page bytes, index page bytes
 RequestRows = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (mla uint8 [N, B], index uint8 [N, D], scale f32 [N])
-_PrefillOut = tuple[TransferPlan, RankResult]
-_DecodeOut = tuple[list[TransferPlan], list[dict[int, RequestRows]], int]  # plans received, rows, bytes
 
 
 def pack_pages(pool: PagedKVPool, physical_pages: torch.Tensor, layer: int) -> torch.Tensor:
     """Pages ``physical_pages [n] int64`` of ``layer`` -> ``uint8 [n, mla_page_bytes + index_page_bytes]``."""
+    if not physical_pages.numel():  # a rank may own no page (and a pool of 0 pages has no page view)
+        layout = pool.layout
+        return torch.empty(0, layout.mla_page_bytes + layout.index_page_bytes, dtype=torch.uint8, device=pool.device)
     mla, index = pool.read_pages(layer, physical_pages)
     return torch.cat([mla, index], dim=1)
 
@@ -86,7 +87,7 @@ class DecodeCache:
         self.plans.append(plan)
 
     def write(self, plan: TransferPlan, layer: int, rows: torch.Tensor) -> None:
-        """Install ``rows uint8 [plan.n_pages, page row bytes]`` (from :func:`pack_pages`) at ``plan``'s logical pages."""
+        """Install ``rows uint8 [plan.n_pages, page row bytes]`` (:func:`pack_pages`) at ``plan``'s logical pages."""
         if plan not in self.plans:
             self.add_plan(plan)
         if rows.dtype != torch.uint8 or tuple(rows.shape) != (plan.n_pages, plan.page_row_bytes):
@@ -111,7 +112,10 @@ class DecodeCache:
         missing = (self._received != 1).nonzero()
         if missing.numel():
             layer, page = missing[0].tolist()
-            raise ConfigError(f"decode cache incomplete: {missing.shape[0]} (layer, page) pairs missing, first layer {layer} page {page}")
+            raise ConfigError(
+                f"decode cache incomplete: {missing.shape[0]} (layer, page) pairs missing, "
+                f"first: layer {layer} page {page}"
+            )
 
     def request_rows(self, layer: int, locs: torch.Tensor) -> RequestRows:
         """Rows at logical ``locs``: ``(mla uint8 [N, mla_bytes], index fp8 bytes uint8 [N, D], scale float32 [N])``."""
@@ -176,7 +180,9 @@ def receive_pages(cache: DecodeCache, prefill_ranks: Sequence[int]) -> list[Tran
         pages = torch.empty(n, dtype=torch.long)
         if n:
             dist.recv(pages, src)
-        plan = TransferPlan.from_logical(cp_rank, cp_size, page_size, pages.tolist(), n_layers, mla_page_bytes, index_page_bytes)
+        plan = TransferPlan.from_logical(
+            cp_rank, cp_size, page_size, pages.tolist(), n_layers, mla_page_bytes, index_page_bytes
+        )
         cache.add_plan(plan)  # checks the layout before any page bytes arrive
         for layer in range(n_layers if n else 0):
             rows = torch.empty(n, plan.page_row_bytes, dtype=torch.uint8)
@@ -202,16 +208,27 @@ class PDResult:
         return not self.problems
 
 
-def _pd_rank(world: CPGroup, run: RunConfig) -> _PrefillOut | _DecodeOut:
+@dataclass
+class _RoleResult:
+    """What one process of the PD world returns: a prefill rank's plan and result, or the decode's rows."""
+
+    plans: list[TransferPlan]  # prefill: its own plan; decode: the plans it received, in rank order
+    prefill: RankResult | None = None
+    rows: list[dict[int, RequestRows]] = field(default_factory=list)
+    bytes_received: int = 0
+
+
+def _pd_rank(world: CPGroup, run: RunConfig) -> _RoleResult:
     """One process of the ``C + 1`` world: prefill (CP rank) when ``rank < C``, else decode."""
     cp_size = run.cp_size
     subgroup = dist.new_group(list(range(cp_size)))  # collective over the world: every rank calls it
     if world.rank < cp_size:
         result = run_rank(CPGroup(process_group=subgroup, device=world.device, debug=world.debug), run, keep_store=True)
-        store, result.store = result.store, None
-        plan = build_transfer_plan(store)
+        store, result.store = result.store, None  # the store stays in this process
+        plan = build_transfer_plan(store)  # refuses anything but a sharded store
+        assert isinstance(store, ShardedKV)
         send_owned_pages(plan, store.pool, decode_rank=cp_size)
-        return plan, result
+        return _RoleResult([plan], prefill=result)
     batch = BatchPlan.build(build_metadata(run), world.device)
     layout = KVLayout.from_config(run.model, run.kv_dtype, run.page_size)
     cache = DecodeCache(batch.n_pages, layout, run.model.n_layers, world.device, world.debug)
@@ -220,7 +237,7 @@ def _pd_rank(world: CPGroup, run: RunConfig) -> _PrefillOut | _DecodeOut:
         {req: cache.request_rows(layer, locs) for req, locs in enumerate(batch.request_locs)}
         for layer in range(run.model.n_layers)
     ]
-    return plans, rows, cache.bytes_received
+    return _RoleResult(plans, rows=rows, bytes_received=cache.bytes_received)
 
 
 def oracle_mismatches(rows: list[dict[int, RequestRows]], oracle: OracleResult) -> list[str]:
@@ -253,8 +270,8 @@ def run_prefill_and_decode(run: RunConfig, timeout_s: float = 300) -> PDResult:
     build_metadata(run)  # validates the split in this process before any rank starts
     world = run.cp_size + 1
     results = launch(_pd_rank, world, run, device="cpu", backend="gloo", timeout_s=timeout_s, debug=run.debug)
-    prefill = results[: run.cp_size]
-    plans, rows, bytes_received = results[run.cp_size]
+    prefill, decode = results[: run.cp_size], results[run.cp_size]
+    rows = decode.rows
     problems: list[str] = []
     if run.check:
         threads = torch.get_num_threads()
@@ -268,6 +285,8 @@ def run_prefill_and_decode(run: RunConfig, timeout_s: float = 300) -> PDResult:
         problems = oracle_mismatches(rows, oracle)
         if problems:
             logger.error("decode cache disagrees with the oracle: %s", "; ".join(problems[:5]))
-    if tuple(p for p, _ in prefill) != tuple(plans):
+    plans = tuple(p for r in prefill for p in r.plans)
+    if plans != tuple(decode.plans):
         problems.append("the plans the decode rank received differ from the ones the prefill ranks built")
-    return PDResult(tuple(p for p, _ in prefill), tuple(r for _, r in prefill), rows, bytes_received, problems)
+    ranks = tuple(r.prefill for r in prefill if r.prefill is not None)
+    return PDResult(plans, ranks, rows, decode.bytes_received, problems)
