@@ -63,6 +63,7 @@ class RankResult:
     stats: dict[str, int]
     timings: dict[str, Any]
     tail_mode: str
+    store_path: str  # "replicated", "gathered" (phase 2: owned share of the gathered chunk) or "direct" (phase 5)
     row_ids: tuple[int, ...]
     rows: torch.Tensor  # [n_rows, dim] hidden states of the output rows
     logits: torch.Tensor  # [n_rows, vocab] float32
@@ -77,9 +78,12 @@ KVStore = ReplicatedKV | ShardedKV
 
 
 def make_kv_store(run: RunConfig, plan: BatchPlan, layout: KVLayout, group: CPGroup) -> KVStore:
-    """The KV store the phase set asks for: a replica per rank (baseline) or sharded (phase 2, 3)."""
+    """The KV store the phase set asks for: a replica per rank (baseline) or sharded (phases 2, 3, 5)."""
     if 2 in run.phases:
-        return ShardedKV(plan, layout, run.model.n_layers, group, group.debug, reuse_current=3 in run.phases)
+        return ShardedKV(
+            plan, layout, run.model.n_layers, group, group.debug,
+            reuse_current=3 in run.phases, direct_write=5 in run.phases,
+        )
     return ReplicatedKV(plan, layout, run.model.n_layers, group.device, group.debug)
 
 
@@ -133,7 +137,7 @@ def run_rank(group: CPGroup, run: RunConfig, *, keep_store: bool = False) -> Ran
     """
     device = group.device
     meta = build_metadata(run)
-    plan = BatchPlan.build(meta, device)
+    plan = BatchPlan.build(meta, device, compute_owner=5 in run.phases)
     layout = KVLayout.from_config(run.model, run.kv_dtype, run.page_size)
     model = build_model(run, device)
     inputs = build_inputs(run, device)
@@ -159,7 +163,7 @@ def run_rank(group: CPGroup, run: RunConfig, *, keep_store: bool = False) -> Ran
         proj = block.attn.project(block.attn_norm(x), positions)
         kv_seq = gather_current(group, meta, proj.kv, tag="kv")  # [T, 576] sequence order
         index_k_seq = gather_current(group, meta, proj.index_k, tag="index_k")  # [T, 128]
-        store.store_current(layer, kv_seq, index_k_seq)
+        store.store_current(layer, kv_seq, index_k_seq, proj.kv, proj.index_k)
         view = store.full_view(layer, kv_seq, index_k_seq)
         out, topk = block.attn.attend(proj, view.kv, view.index_k_fp8, view.index_k_scale, key_start, key_end)
         x = x + out
@@ -198,6 +202,7 @@ def run_rank(group: CPGroup, run: RunConfig, *, keep_store: bool = False) -> Ran
         stats=stats,
         timings={"total_ms": total_ms, "layer_ms": layer_ms, "tail_ms": tail_ms},
         tail_mode=tail.mode,
+        store_path="direct" if getattr(store, "direct_write", False) else store.name.replace("sharded", "gathered"),
         row_ids=tail.row_ids,
         rows=tail.rows.float().cpu(),
         logits=logits.cpu(),

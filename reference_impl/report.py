@@ -87,6 +87,7 @@ def build_report(
         "backend": backend,
         "ranks_share_device": shared_gpu or (device.type == "cuda" and run.cp_size > 1 and backend == "gloo"),
         "tail_mode": results[0].tail_mode,
+        "store_path": results[0].store_path,
         "matches_oracle": agreement.matches_oracle if agreement else None,
         "max_abs_err": agreement.max_abs_err if agreement else None,
         "logits_max_abs_err": agreement.logits_max_abs_err if agreement else None,

@@ -44,9 +44,7 @@ D_QK, D_V = 576, 512
 ATTN_SWEEP: list[tuple[int, int, int, int, bool]] = [
     # (BLOCK_H, BLOCK_K, num_warps, num_stages, DEFER_PV)
     (64, 32, 8, 3, True),
-    (64, 32, 8, 2, True),
     (64, 64, 8, 3, True),
-    (64, 16, 8, 4, True),
     (64, 32, 8, 3, False),
     (64, 64, 8, 2, False),
 ]
@@ -54,7 +52,6 @@ INDEXER_SWEEP: list[tuple[int, int, int, int, str]] = [
     # (BLOCK_T, BLOCK_S, num_warps, num_stages, dot dtype)
     (64, 128, 4, 3, "fp8"),
     (128, 128, 8, 3, "fp8"),
-    (64, 256, 8, 3, "fp8"),
     (128, 128, 8, 3, "bf16"),
 ]
 

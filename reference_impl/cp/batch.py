@@ -22,7 +22,7 @@ class BatchPlan:
 
     meta: SplitMetadata
     page_size: int
-    n_pages: int  # logical pages the batch occupies
+    n_pages: int  # logical page-id space of the batch (ids 0 .. n_pages-1; phase 5 may leave holes)
     request_locs: tuple[torch.Tensor, ...]  # per request: logical locs of its prefix + extend tokens
     view_offsets: tuple[int, ...]  # first full-view row of each request
     view_len: int  # S: rows of the full view
@@ -33,15 +33,22 @@ class BatchPlan:
     key_end: torch.Tensor  # [T] exclusive causal end (request start + prefix + j + 1)
 
     @classmethod
-    def build(cls, meta: SplitMetadata, device: torch.device | str = "cpu") -> "BatchPlan":
+    def build(cls, meta: SplitMetadata, device: torch.device | str = "cpu", compute_owner: bool = False) -> "BatchPlan":
+        """Allocate the batch's logical locs: lowest free pages, or (phase 5) compute-owner lanes."""
         page_size = meta.page_size
         totals = [p + e for p, e in zip(meta.prefix_lens, meta.extend_lens)]
-        n_pages = sum(-(-n // page_size) for n in totals)
-        table = RequestPageTable(PageAllocator(n_pages, page_size))
-        request_locs = []
-        for req, n in enumerate(totals):
-            table.extend(req, n)
-            request_locs.append(table.locs(req).to(device))
+        if compute_owner:
+            from reference_impl.cp.compute_owner import allocate_compute_owner
+
+            cpu_locs, n_pages = allocate_compute_owner(meta)
+            request_locs = [locs.to(device) for locs in cpu_locs]
+        else:
+            n_pages = sum(-(-n // page_size) for n in totals)
+            table = RequestPageTable(PageAllocator(n_pages, page_size))
+            request_locs = []
+            for req, n in enumerate(totals):
+                table.extend(req, n)
+                request_locs.append(table.locs(req).to(device))
         offsets = [0]
         for n in totals[:-1]:
             offsets.append(offsets[-1] + n)
@@ -70,6 +77,11 @@ class BatchPlan:
     def prefix_locs(self, request: int) -> torch.Tensor:
         """Logical locs of request ``request``'s prefix tokens."""
         return self.request_locs[request][: self.meta.prefix_lens[request]]
+
+    @property
+    def used_pages(self) -> int:
+        """Logical pages actually holding tokens (``n_pages`` minus holes)."""
+        return int(torch.unique(self.view_locs // self.page_size).numel())
 
     @property
     def has_prefix(self) -> bool:

@@ -57,8 +57,18 @@ class ReplicatedKV:
         self.pool.write_mla(layer, locs, rows)
         self.pool.write_index(layer, locs, k_fp8, k_scale)
 
-    def store_current(self, layer: int, kv_seq: torch.Tensor, index_k_seq: torch.Tensor) -> None:
-        """Quantize the all-gathered current chunk ``[T, 576]``/``[T, D]`` and write all of it."""
+    def store_current(
+        self,
+        layer: int,
+        kv_seq: torch.Tensor,
+        index_k_seq: torch.Tensor,
+        kv_local: torch.Tensor | None = None,
+        index_k_local: torch.Tensor | None = None,
+    ) -> None:
+        """Quantize the all-gathered current chunk ``[T, 576]``/``[T, D]`` and write all of it.
+
+        (``kv_local``/``index_k_local`` are for phase 5's direct writes; a replica needs the whole chunk.)
+        """
         self.pool.write_mla(layer, self.plan.extend_locs, self.layout.pack_mla(kv_seq))
         k_fp8, k_scale = self.layout.quantize_index_k(index_k_seq)
         self.pool.write_index(layer, self.plan.extend_locs, k_fp8, k_scale)

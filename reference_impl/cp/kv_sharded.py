@@ -20,10 +20,12 @@ import torch
 from reference_impl.config import ConfigError
 from reference_impl.cp.batch import BatchPlan
 from reference_impl.cp.comm import CPGroup
+from reference_impl.cp.compute_owner import direct_write_ok
 from reference_impl.cp.current_reuse import BatchKind, classify_batch, fill_current, history_rows
 from reference_impl.cp.kv_replicated import FullView
 from reference_impl.cp.materialize import MaterializePlan, gather_pages, unpack_index_rows
 from reference_impl.cp.ownership import owned_page_count, page_owner, physical_locs
+from reference_impl.cp.split import local_index_tensor
 from reference_impl.kvcache.layout import KVLayout
 from reference_impl.kvcache.pool import PagedKVPool
 
@@ -34,7 +36,14 @@ class ShardedKV:
     name = "sharded"
 
     def __init__(
-        self, plan: BatchPlan, layout: KVLayout, n_layers: int, group: CPGroup, debug: bool, reuse_current: bool
+        self,
+        plan: BatchPlan,
+        layout: KVLayout,
+        n_layers: int,
+        group: CPGroup,
+        debug: bool,
+        reuse_current: bool,
+        direct_write: bool = False,
     ) -> None:
         if plan.meta.mode != "in-seq":
             raise ConfigError(f"sharded KV needs the in-seq split, got {plan.meta.mode!r}")
@@ -46,6 +55,11 @@ class ShardedKV:
         own = page_owner(plan.extend_locs // page_size, cp) == rank
         self._store_rows = own.nonzero().flatten()
         self._store_locs = physical_locs(plan.extend_locs[own], page_size, cp)
+        # Phase 5: the rank owns every token it computed, so it writes its local rows directly.
+        self.direct_write = direct_write and direct_write_ok(plan.meta, plan.extend_locs)
+        if self.direct_write:
+            local = local_index_tensor(plan.meta, rank, plan.extend_locs.device)
+            self._local_locs = physical_locs(plan.extend_locs.index_select(0, local), page_size, cp)
 
         # Full-view path, decided once per batch (identical on every rank).
         self.batch_kind: BatchKind = classify_batch(plan, plan.meta.total_tokens) if reuse_current else "fallback"
@@ -77,8 +91,21 @@ class ShardedKV:
         self.pool.write_mla(layer, phys, rows[own])
         self.pool.write_index(layer, phys, k_fp8[own], k_scale[own])
 
-    def store_current(self, layer: int, kv_seq: torch.Tensor, index_k_seq: torch.Tensor) -> None:
-        """Quantize and write only the current tokens whose pages this rank owns."""
+    def store_current(
+        self,
+        layer: int,
+        kv_seq: torch.Tensor,
+        index_k_seq: torch.Tensor,
+        kv_local: torch.Tensor | None = None,
+        index_k_local: torch.Tensor | None = None,
+    ) -> None:
+        """Quantize and write the current tokens this rank owns: its own computed rows (phase 5
+        direct write, ``kv_local`` in local order) or its share of the gathered chunk (phase 2)."""
+        if self.direct_write and kv_local is not None and index_k_local is not None:
+            self.pool.write_mla(layer, self._local_locs, self.layout.pack_mla(kv_local))
+            k_fp8, k_scale = self.layout.quantize_index_k(index_k_local)
+            self.pool.write_index(layer, self._local_locs, k_fp8, k_scale)
+            return
         kv = kv_seq.index_select(0, self._store_rows)
         self.pool.write_mla(layer, self._store_locs, self.layout.pack_mla(kv))
         k_fp8, k_scale = self.layout.quantize_index_k(index_k_seq.index_select(0, self._store_rows))

@@ -10,7 +10,7 @@ token order: a request's first tokens are its prefix, and a later chunk of chunk
 from __future__ import annotations
 
 import heapq
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Sequence
 
 import torch
 
@@ -49,6 +49,30 @@ class PageAllocator:
         self._free_set.difference_update(pages)
         return pages
 
+    def alloc_in_lane(self, n: int, lane: int, n_lanes: int) -> list[int]:
+        """Take ``n`` free pages with ``page % n_lanes == lane``, lowest first (phase 5's owner lanes).
+
+        A lane that cannot satisfy the request is a :class:`ConfigError`: the caller must not fall
+        back to a page of another lane, which would give the page the wrong owner.
+        """
+        lane_free = sorted(p for p in self._free_set if p % n_lanes == lane)
+        if n > len(lane_free):
+            raise ConfigError(
+                f"out of KV pages in lane {lane} of {n_lanes}: asked for {n}, {len(lane_free)} free in the lane "
+                f"({self.n_free} free overall)"
+            )
+        pages = lane_free[:n]
+        self._free_set.difference_update(pages)
+        self._free_heap = sorted(self._free_set)
+        return pages
+
+    def lane_free_counts(self, n_lanes: int) -> list[int]:
+        """Free pages per lane ``page % n_lanes`` (fragmentation report)."""
+        counts = [0] * n_lanes
+        for p in self._free_set:
+            counts[p % n_lanes] += 1
+        return counts
+
     def free(self, pages: Iterable[int]) -> None:
         """Return pages to the free list; a page out of range or already free is a :class:`ConfigError`."""
         pages = list(pages)
@@ -76,17 +100,32 @@ class RequestPageTable:
     def __contains__(self, req_id: object) -> bool:
         return req_id in self._pages
 
-    def extend(self, req_id: Hashable, n_tokens: int) -> torch.Tensor:
+    def extend(
+        self, req_id: Hashable, n_tokens: int, lanes: Sequence[int] | None = None, n_lanes: int = 1
+    ) -> torch.Tensor:
         """Append ``n_tokens`` tokens to ``req_id`` (new request if unknown) -> their locs ``[n_tokens] int64``.
 
-        New pages are allocated only once the last page is full. On exhaustion nothing changes.
+        New pages are allocated only once the last page is full; ``lanes`` (one per new page) takes
+        each from the lane ``page % n_lanes`` given, else the lowest free ids. On exhaustion nothing changes.
         """
         if n_tokens < 0:
             raise ConfigError(f"request {req_id!r}: cannot extend by {n_tokens} tokens")
         pages = self._pages.get(req_id, [])
         old = self._n_tokens.get(req_id, 0)
         needed = -(-(old + n_tokens) // self.page_size) - len(pages)
-        new_pages = self.allocator.alloc(needed) if needed > 0 else []
+        if lanes is not None and needed > 0:
+            if len(lanes) != needed:
+                raise ConfigError(f"request {req_id!r}: {len(lanes)} lanes for {needed} new pages")
+            new_pages = []
+            try:
+                for lane in lanes:
+                    new_pages += self.allocator.alloc_in_lane(1, lane, n_lanes)
+            except ConfigError:
+                if new_pages:
+                    self.allocator.free(new_pages)
+                raise
+        else:
+            new_pages = self.allocator.alloc(needed) if needed > 0 else []
         self._pages[req_id] = pages + new_pages
         self._n_tokens[req_id] = old + n_tokens
         return self.locs(req_id)[old:]

@@ -1,0 +1,54 @@
+"""Phase 5: compute-owner allocation and direct writes, with the phase-2 store path as fallback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import tiny
+from reference_impl.config import ConfigError, PhaseSet, Request
+from reference_impl.cp.batch import BatchPlan
+from reference_impl.cp.compute_owner import direct_write_ok
+from reference_impl.cp.page_aligned import build_page_aligned_split
+from reference_impl.kvcache.allocator import PageAllocator
+
+
+@pytest.mark.parametrize("cp_size", [2, 3, 4])
+def test_direct_write_matches_oracle(report_of, cp_size: int) -> None:
+    rep = report_of(tiny(cp_size=cp_size, requests=(Request(16, 150), Request(0, 130)), page_size=8, phases=PhaseSet.level(5)))
+    assert rep["store_path"] == "direct"
+    assert rep["matches_oracle"] is True and rep["cache_equal"] is True
+
+
+def test_partial_prefix_page_owned_elsewhere_takes_phase2_store_path(report_of) -> None:
+    rep = report_of(tiny(cp_size=3, requests=(Request(13, 150), Request(40, 130)), page_size=8, phases=PhaseSet.level(5)))
+    assert rep["store_path"] == "gathered"  # the prefix's partial page is owned by a rank that does not compute it
+    assert rep["matches_oracle"] is True and rep["cache_equal"] is True
+
+
+def test_short_request_is_not_page_aligned_so_no_direct_write(report_of) -> None:
+    rep = report_of(tiny(cp_size=2, requests=(Request(0, 150), Request(0, 20)), page_size=8, phases=PhaseSet.level(5)))
+    assert rep["store_path"] == "gathered" and rep["matches_oracle"] is True
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5).map(lambda k: 8 * k), st.integers(64, 200)), min_size=1, max_size=3),
+       st.integers(1, 4))
+def test_current_pages_get_their_compute_rank_as_owner(reqs, cp_size) -> None:
+    meta = build_page_aligned_split(cp_size, [e for _, e in reqs], [p for p, _ in reqs], 8)
+    plan = BatchPlan.build(meta, compute_owner=True)
+    assert meta.page_aligned and direct_write_ok(meta, plan.extend_locs)  # page-multiple prefixes: always
+    for rank, tokens in enumerate(meta.rank_tokens):
+        pages = plan.extend_locs[list(tokens)] // 8
+        assert bool((pages % cp_size == rank).all())
+    assert len(set(torch.cat(plan.request_locs).tolist())) == plan.view_len  # no loc handed out twice
+
+
+def test_lane_exhaustion_is_a_clear_error_and_frees_nothing_wrong() -> None:
+    alloc = PageAllocator(8, 4)
+    assert alloc.alloc_in_lane(2, 1, 4) == [1, 5]
+    with pytest.raises(ConfigError, match="out of KV pages in lane 1 of 4"):
+        alloc.alloc_in_lane(1, 1, 4)
+    assert alloc.lane_free_counts(4) == [2, 0, 2, 2]
