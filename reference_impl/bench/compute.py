@@ -445,7 +445,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _fmt(x: float | None, spec: str) -> str:
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+    if x is None or math.isnan(x):
+        width = "".join(ch for ch in spec.split(".")[0] if ch.isdigit())
+        return "-".rjust(int(width or 0))
+    return format(x, spec)
 
 
 def _status(row: dict[str, Any]) -> str:

@@ -1,0 +1,73 @@
+"""Per-layer store path: phase 2 (owned share of the gathered chunk) vs phase 5 (direct write).
+
+The store path has no collective, so one process measures one rank's work exactly: rank 0 of a
+``C``-rank group with a page-aligned split of one request. Phase 2 selects the tokens whose pages
+it owns from the gathered ``[T, 576]`` / ``[T, 128]`` chunk, quantizes and scatters them; phase 5
+quantizes and writes the ``T / C`` rows it computed itself. Timed with
+``triton.testing.do_bench`` (median) on CUDA, ``perf_counter`` medians on CPU.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from reference_impl.config import KVDtype, get_preset
+from reference_impl.cp.batch import BatchPlan
+from reference_impl.cp.kv_sharded import ShardedKV
+from reference_impl.cp.page_aligned import build_page_aligned_split
+from reference_impl.cp.split import local_index_tensor
+from reference_impl.kvcache.layout import KVLayout
+
+
+@dataclass(frozen=True)
+class RankIdentity:
+    """What a store reads from its CP group (rank, size, device); storing needs no collective."""
+
+    rank: int
+    size: int
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+
+def _median_ms(fn: Callable[[], None], device: torch.device, repeats: int) -> float:
+    if device.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def time_store_paths(
+    tokens: int, cp_size: int, device: str, preset: str = "deepseek-v3.2", kv_dtype: KVDtype = "fp8", repeats: int = 5
+) -> dict[str, float]:
+    """Median ms and bytes written of one layer's store on rank 0, phase 2 vs phase 5."""
+    dev = torch.device(device)
+    cfg = get_preset(preset)
+    meta = build_page_aligned_split(cp_size, [tokens], [0], 64)
+    plan = BatchPlan.build(meta, dev, compute_owner=True)
+    layout = KVLayout.from_config(cfg, kv_dtype, 64)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    kv_seq = torch.randn(tokens, layout.kv_width, device=dev).to(dtype)
+    index_seq = torch.randn(tokens, layout.index_head_dim, device=dev).to(dtype)
+    local = local_index_tensor(meta, 0, dev)
+    kv_local, index_local = kv_seq.index_select(0, local), index_seq.index_select(0, local)
+    out: dict[str, float] = {"tokens": tokens, "cp_size": cp_size, "local_tokens": int(local.numel())}
+    for name, direct in (("phase2", False), ("phase5", True)):
+        store = ShardedKV(plan, layout, 1, RankIdentity(0, cp_size, dev), debug=False, reuse_current=True, direct_write=direct)  # type: ignore[arg-type]
+        assert store.direct_write == direct
+        out[f"{name}_ms"] = _median_ms(lambda: store.store_current(0, kv_seq, index_seq, kv_local, index_local), dev, repeats)
+    # Bytes each path reads (its bf16 input rows) and writes (packed rows): the same rows here.
+    row_in = (layout.kv_width + layout.index_head_dim) * (2 if dtype == torch.bfloat16 else 4)
+    out["bytes_in_out"] = int(local.numel()) * (row_in + layout.mla_bytes + layout.index_bytes)
+    return out
