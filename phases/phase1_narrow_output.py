@@ -118,7 +118,7 @@ from reference_impl.launch import choose_backend
 
 cp = 4
 REPEATS = 3 if ON_GPU else 5
-sizes = [4096, 16384, 65536] if ON_GPU else [1024, 4096]
+sizes = [4096, 16384, 32768] if ON_GPU else [1024, 4096]
 timings = sweep_collectives(cp, sizes, REPEATS, torch.bfloat16 if ON_GPU else torch.float32)
 print(json.dumps({"device": torch.cuda.get_device_name(0) if ON_GPU else "cpu", "cp_size": cp, "repeats": REPEATS,
                   "launch": choose_backend(cp, "auto", "auto", torch.cuda.device_count()).describe(),

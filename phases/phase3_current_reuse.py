@@ -70,7 +70,7 @@ from reference_impl.launch import choose_backend, launch
 
 cp = 4
 if ON_GPU:
-    cases = [("current-only", 0, 16384), ("current-only", 0, 65536), ("prefix-heavy", 16384, 2048), ("prefix-heavy", 65536, 4096)]
+    cases = [("current-only", 0, 32768), ("prefix-heavy", 32768, 4096)]
     repeats = 3
 else:
     cases = [("current-only", 0, 1024), ("prefix-heavy", 2048, 256)]

@@ -108,7 +108,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     cuda = torch.cuda.is_available() and args.device != "cpu"
     preset = "deepseek-v3.2" if cuda else "tiny"
     cp_size = max(2, torch.cuda.device_count()) if cuda else 4
-    requests = "0+4096,2048+2048" if cuda else "0+96,40+70,0+37"
+    requests = "0+2048,1024+1024" if cuda else "0+96,40+70,0+37"
     base = _run_config(args, preset, cp_size, requests, "0")
     if base.n_layers is None:
         base = base.replace(n_layers=2)

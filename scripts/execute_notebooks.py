@@ -22,7 +22,15 @@ def execute(source: Path) -> Path:
     notebook = jupytext.read(source)
     target = ROOT / "notebooks" / (source.stem + ".ipynb")
     start = time.time()
-    NotebookClient(notebook, timeout=1800, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
+
+    def log_cell(cell, cell_index, **_):  # progress on stderr: which cell finished, after how long
+        print(f"  {source.stem} cell {cell_index} done at {time.time() - start:.0f} s", file=sys.stderr, flush=True)
+
+    client = NotebookClient(
+        notebook, timeout=1800, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}},
+        on_cell_executed=log_cell,
+    )
+    client.execute()
     nbformat.write(notebook, target)
     print(f"{source.name} -> {target.relative_to(ROOT)} in {time.time() - start:.0f} s", flush=True)
     return target
