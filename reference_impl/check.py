@@ -43,10 +43,12 @@ def _scaled_err(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     return err, max(1.0, ref.float().abs().max().item() if ref.numel() else 1.0)
 
 
-def _assemble(meta: SplitMetadata, per_rank: list[torch.Tensor]) -> torch.Tensor:
-    """Local-order tensors of every rank -> sequence order."""
-    order = torch.tensor(meta.gather_position, dtype=torch.long)
-    full = torch.empty((meta.total_tokens, *per_rank[0].shape[1:]), dtype=per_rank[0].dtype)
+def _assemble(results: list[RankResult], per_rank: list[torch.Tensor], total: int) -> torch.Tensor:
+    """Every rank's rows (in its ``token_ids`` order) -> run-global token order; each token exactly once."""
+    order = torch.tensor([g for r in results for g in r.token_ids], dtype=torch.long)
+    if sorted(order.tolist()) != list(range(total)):
+        raise AssertionError("the ranks' token ids do not cover every token exactly once")
+    full = torch.empty((total, *per_rank[0].shape[1:]), dtype=per_rank[0].dtype)
     full[order] = torch.cat(per_rank)
     return full
 
@@ -76,7 +78,7 @@ def compare(
     problems: list[str] = []
 
     ref_hidden = torch.cat(oracle.hidden).float().cpu()
-    hidden = _assemble(meta, [r.local_hidden for r in results if r.local_hidden is not None])
+    hidden = _assemble(results, [r.local_hidden for r in results if r.local_hidden is not None], meta.total_tokens)
     err, scale = _scaled_err(hidden, ref_hidden)
     if err > tol * scale:
         problems.append(f"hidden states differ: max abs err {err:.3g} > {tol * scale:.3g}")
@@ -96,7 +98,7 @@ def compare(
 
     rows_total = rows_equal = ties = 0
     n_layers = len(oracle.topk)
-    per_layer = [_assemble(meta, [r.local_topk[layer] for r in results]) for layer in range(n_layers)]
+    per_layer = [_assemble(results, [r.local_topk[layer] for r in results], meta.total_tokens) for layer in range(n_layers)]
     for layer in range(n_layers):
         for g in range(meta.total_tokens):
             req, j = meta.token_request[g], meta.token_position[g] - meta.prefix_lens[meta.token_request[g]]

@@ -53,6 +53,8 @@ def _add_run_flags(p: argparse.ArgumentParser, defaults: RunConfig) -> None:
     p.add_argument(_flag("split_mode"), default=_env_default("split_mode", defaults.split_mode), help="in-seq | round-robin")
     p.add_argument(_flag("page_size"), type=int, default=_env_default("page_size", defaults.page_size))
     p.add_argument(_flag("n_layers"), type=int, default=_env_default("n_layers", None), help="default: the preset's")
+    p.add_argument(_flag("chunk_size"), type=int, default=_env_default("chunk_size", None),
+                   help="chunked prefill: extend tokens per request per chunk (default: one chunk)")
     p.add_argument(_flag("seed"), type=int, default=_env_default("seed", defaults.seed))
     p.add_argument(_flag("device"), default=_env_default("device", defaults.device), help="auto | cpu | cuda")
     p.add_argument(_flag("backend"), default=_env_default("backend", defaults.backend), help="auto | gloo | nccl")
@@ -77,6 +79,7 @@ def _run_config(args: argparse.Namespace, preset: str, cp_size: int, requests: s
         phases=PhaseSet.parse(str(args.phases if args.phases is not None else phases)),
         page_size=int(args.page_size),
         n_layers=int(args.n_layers) if args.n_layers is not None else None,
+        chunk_size=int(args.chunk_size) if args.chunk_size is not None else None,
         seed=int(args.seed),
         debug=bool(args.debug),
         device=args.device,

@@ -330,6 +330,7 @@ class RunConfig:
     phases: PhaseSet = field(default_factory=PhaseSet)
     page_size: int = 64
     n_layers: int | None = None  # None: the preset's layer count
+    chunk_size: int | None = None  # chunked prefill: extend tokens per request per chunk (None: one chunk)
     seed: int = 0
     debug: bool = False
     device: str = "auto"  # "auto" | "cpu" | "cuda"
@@ -367,6 +368,8 @@ class RunConfig:
             raise ConfigError(f"backend={self.backend!r}: use 'auto', 'gloo' or 'nccl'")
         if self.n_layers is not None and self.n_layers < 1:
             raise ConfigError(f"n_layers={self.n_layers}: need at least one layer")
+        if self.chunk_size is not None and self.chunk_size < 1:
+            raise ConfigError(f"chunk_size={self.chunk_size}: need at least one token per chunk")
         self.phases.check_implemented()
 
     @property

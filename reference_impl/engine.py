@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from reference_impl.config import RunConfig
-from reference_impl.cp.batch import BatchPlan
+from reference_impl.cp.batch import BatchPlan, new_page_table
 from reference_impl.cp.comm import CPGroup
 from reference_impl.cp.kv_replicated import ReplicatedKV
 from reference_impl.cp.kv_sharded import ShardedKV
@@ -33,8 +33,10 @@ from reference_impl.cp.page_aligned import build_page_aligned_split
 from reference_impl.cp.rerange import gather_current
 from reference_impl.cp.split import SplitMetadata, build_split, local_index_tensor
 from reference_impl.cp.tail import OutputSpec, collect_full
+from reference_impl.kvcache.allocator import RequestPageTable
 from reference_impl.kvcache.layout import KVLayout
 from reference_impl.model.oracle import run_oracle
+from reference_impl.schedule import Chunk, chunk_schedule
 from reference_impl.workload import build_inputs, build_model
 
 logger = logging.getLogger(__name__)
@@ -64,11 +66,12 @@ class RankResult:
     timings: dict[str, Any]
     tail_mode: str
     store_path: str  # "replicated", "gathered" (phase 2: owned share of the gathered chunk) or "direct" (phase 5)
-    row_ids: tuple[int, ...]
+    row_ids: tuple[int, ...]  # run-global token ids of ``rows`` (every chunk's output rows)
     rows: torch.Tensor  # [n_rows, dim] hidden states of the output rows
     logits: torch.Tensor  # [n_rows, vocab] float32
     collectives: list[str]  # "op:tag:shape:dtype" in issue order
-    local_hidden: torch.Tensor | None = None  # [n_local, dim] (check runs only)
+    token_ids: tuple[int, ...] = ()  # run-global ids of this rank's tokens, all chunks, in local order
+    local_hidden: torch.Tensor | None = None  # [n_local, dim] rows of token_ids (check runs only)
     local_topk: list[torch.Tensor] = field(default_factory=list)  # per layer [n_local, K], request positions
     stored: list[dict[int, tuple[torch.Tensor, ...]]] = field(default_factory=list)  # per layer (check runs)
     store: KVStore | None = None  # the rank's KV store, only with ``run_rank(..., keep_store=True)`` (PD transfer)
@@ -128,36 +131,140 @@ class _LayerClock:
         return [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:])]
 
 
+@dataclass
+class _Accumulated:
+    """Per-rank outputs gathered over the chunks of a run (run-global token ids)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    hidden: list[torch.Tensor] = field(default_factory=list)
+    topk: list[list[torch.Tensor]] = field(default_factory=list)  # [chunk][layer]
+    row_ids: list[int] = field(default_factory=list)
+    rows: list[torch.Tensor] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
+    layer_ms: list[float] = field(default_factory=list)
+    tail_ms: float = 0.0
+    transient_peak: int = 0
+    tail_mode: str = ""
+    store_paths: set[str] = field(default_factory=set)
+
+
+def chunk_metadata(run: RunConfig, chunk: Chunk) -> SplitMetadata:
+    """The split of one chunk (identical on every rank); page-aligned with phase 4."""
+    extend, prefix = list(chunk.extend_lens), list(chunk.prefix_lens)
+    meta = build_split(run.split_mode, run.cp_size, extend, prefix, page_size=run.page_size)
+    if 4 in run.phases:
+        return build_page_aligned_split(run.cp_size, extend, prefix, run.page_size)
+    return meta
+
+
+def replay_page_table(run: RunConfig) -> RequestPageTable:
+    """The logical page table a run ends with, rebuilt without running it (pure metadata).
+
+    Every rank allocates identically, so a process outside the CP group (the decode side of a PD
+    transfer) derives the same logical locs from the config alone.
+    """
+    table = new_page_table([r.total for r in run.requests], run.page_size, run.cp_size, 5 in run.phases)
+    for chunk in chunk_schedule(run):
+        BatchPlan.build(chunk_metadata(run, chunk), "cpu", 5 in run.phases, table=table, request_ids=chunk.requests)
+    return table
+
+
 @torch.no_grad()
 def run_rank(group: CPGroup, run: RunConfig, *, keep_store: bool = False) -> RankResult:
-    """Run the batch on this rank; see the module docstring for the per-layer steps.
+    """Run the batch on this rank, chunk by chunk; see the module docstring for the per-layer steps.
 
     ``keep_store=True`` leaves the rank's KV store on ``result.store`` (device tensors, not for
     pickling), for what runs after the prefill in the same process: the PD transfer.
     """
     device = group.device
-    meta = build_metadata(run)
-    plan = BatchPlan.build(meta, device, compute_owner=5 in run.phases)
     layout = KVLayout.from_config(run.model, run.kv_dtype, run.page_size)
     model = build_model(run, device)
     inputs = build_inputs(run, device)
-    store = make_kv_store(run, plan, layout, group)
-    install_prefixes(run, model, inputs, store)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats(device)
-        base_allocated = torch.cuda.memory_allocated(device)
+    chunks = chunk_schedule(run)
+    table = new_page_table([r.total for r in run.requests], run.page_size, run.cp_size, 5 in run.phases)
+    store: KVStore | None = None
+    acc = _Accumulated()
+    start = time.perf_counter()
+    for chunk in chunks:
+        meta = chunk_metadata(run, chunk)
+        plan = BatchPlan.build(meta, device, 5 in run.phases, table=table, request_ids=chunk.requests)
+        if store is None:
+            store = make_kv_store(run, plan, layout, group)
+            install_prefixes(run, model, inputs, store)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats(device)
+                base_allocated = torch.cuda.memory_allocated(device)
+            start = time.perf_counter()
+        else:
+            store.bind(plan)
+        _run_chunk(group, run, model, inputs, chunk, meta, plan, store, acc)
+    assert store is not None
+    total_ms = (time.perf_counter() - start) * 1e3
+    if group.debug:
+        group.check_consistent()
 
+    stats = {
+        "kv_bytes": store.kv_bytes,
+        "index_bytes": store.index_bytes,
+        "transient_peak_bytes": acc.transient_peak,
+        "gather_bytes": sum(s.buffer_bytes for s in group.stats if s.tag in PER_LAYER_TAGS),
+        "materialized_bytes": store.materialized_bytes,
+        "output_gather_bytes": sum(s.buffer_bytes for s in group.stats if s.tag == "tail"),
+        "collectives": len(group.stats),
+    }
+    if device.type == "cuda":
+        stats["measured_peak_bytes"] = torch.cuda.max_memory_allocated(device) - base_allocated
+    all_locs = [table.locs(req).to(device) for req in range(len(run.requests))]
+    n_layers = run.model.n_layers
+    return RankResult(
+        rank=group.rank,
+        stats=stats,
+        timings={"total_ms": total_ms, "layer_ms": acc.layer_ms, "tail_ms": acc.tail_ms, "chunks": len(chunks)},
+        tail_mode=acc.tail_mode,
+        store_path="+".join(sorted(acc.store_paths)),
+        row_ids=tuple(acc.row_ids),
+        rows=torch.cat(acc.rows),
+        logits=torch.cat(acc.logits),
+        collectives=[f"{s.op}:{s.tag}:{tuple(s.shape)}:{s.dtype}" for s in group.stats],
+        token_ids=tuple(acc.token_ids),
+        local_hidden=torch.cat(acc.hidden) if run.check else None,
+        local_topk=[torch.cat([c[layer] for c in acc.topk]) for layer in range(n_layers)] if run.check else [],
+        stored=[
+            {req: tuple(t.cpu() for t in rows) for req, rows in store.stored_rows(layer, all_locs).items()}
+            for layer in range(n_layers)
+        ]
+        if run.check
+        else [],
+        store=store if keep_store else None,
+    )
+
+
+def _run_chunk(
+    group: CPGroup,
+    run: RunConfig,
+    model: Any,
+    inputs: list[torch.Tensor],
+    chunk: Chunk,
+    meta: SplitMetadata,
+    plan: BatchPlan,
+    store: KVStore,
+    acc: _Accumulated,
+) -> None:
+    """One CP batch through every layer, then its tail collection; appends to ``acc``."""
+    device = group.device
     local = local_index_tensor(meta, group.rank, device)
-    extend_tokens = torch.cat([x[r.prefix :] for x, r in zip(inputs, run.requests)])  # [T, dim]
-    x = extend_tokens.index_select(0, local)
+    chunk_tokens = torch.cat(
+        [inputs[req][p : p + n] for req, p, n in zip(chunk.requests, chunk.prefix_lens, chunk.extend_lens)]
+    )  # [T_chunk, dim], chunk sequence order
+    x = chunk_tokens.index_select(0, local)
     positions = torch.tensor(meta.local_positions(group.rank), dtype=torch.long, device=device)
     key_start, key_end = plan.key_start.index_select(0, local), plan.key_end.index_select(0, local)
+    # Top-k rows relative to the request's first full-view row, i.e. token positions in the request.
+    request_start = key_start[:, None].int()
 
     clock = _LayerClock(device)
-    transient_peak = 0
-    local_topk: list[torch.Tensor] = []
-    start = time.perf_counter()
+    topk_per_layer: list[torch.Tensor] = []
     clock.mark()
     for layer, block in enumerate(model.layers):
         proj = block.attn.project(block.attn_norm(x), positions)
@@ -168,52 +275,24 @@ def run_rank(group: CPGroup, run: RunConfig, *, keep_store: bool = False) -> Ran
         out, topk = block.attn.attend(proj, view.kv, view.index_k_fp8, view.index_k_scale, key_start, key_end)
         x = x + out
         gathered_bytes = sum(t.numel() * t.element_size() for t in (kv_seq, index_k_seq))
-        transient_peak = max(transient_peak, gathered_bytes + view.nbytes + getattr(store, "transient_bytes", 0))
+        acc.transient_peak = max(acc.transient_peak, gathered_bytes + view.nbytes + getattr(store, "transient_bytes", 0))
         if run.check:
-            local_topk.append(torch.where(topk >= 0, topk - key_start[:, None].int(), topk).cpu())
+            topk_per_layer.append(torch.where(topk >= 0, topk - request_start, topk).cpu())
         clock.mark()
-    layer_ms = clock.intervals_ms()
+    acc.layer_ms.extend(clock.intervals_ms())
 
-    spec = output_spec(run)
     tail_start = time.perf_counter()
     collect = collect_narrow if 1 in run.phases else collect_full
-    tail = collect(group, meta, x, spec)
+    tail = collect(group, meta, x, output_spec(run))
     if device.type == "cuda":
         torch.cuda.synchronize()
-    tail_ms = (time.perf_counter() - tail_start) * 1e3
-    logits = model.logits(tail.rows)
-    total_ms = (time.perf_counter() - start) * 1e3
-    if group.debug:
-        group.check_consistent()
-
-    stats = {
-        "kv_bytes": store.kv_bytes,
-        "index_bytes": store.index_bytes,
-        "transient_peak_bytes": transient_peak,
-        "gather_bytes": sum(s.buffer_bytes for s in group.stats if s.tag in PER_LAYER_TAGS),
-        "materialized_bytes": store.materialized_bytes,
-        "output_gather_bytes": sum(s.buffer_bytes for s in group.stats if s.tag == "tail"),
-        "collectives": len(group.stats),
-    }
-    if device.type == "cuda":
-        stats["measured_peak_bytes"] = torch.cuda.max_memory_allocated(device) - base_allocated
-    return RankResult(
-        rank=group.rank,
-        stats=stats,
-        timings={"total_ms": total_ms, "layer_ms": layer_ms, "tail_ms": tail_ms},
-        tail_mode=tail.mode,
-        store_path="direct" if getattr(store, "direct_write", False) else store.name.replace("sharded", "gathered"),
-        row_ids=tail.row_ids,
-        rows=tail.rows.float().cpu(),
-        logits=logits.cpu(),
-        collectives=[f"{s.op}:{s.tag}:{tuple(s.shape)}:{s.dtype}" for s in group.stats],
-        local_hidden=x.float().cpu() if run.check else None,
-        local_topk=local_topk,
-        stored=[
-            {req: tuple(t.cpu() for t in rows) for req, rows in store.stored_rows(layer).items()}
-            for layer in range(run.model.n_layers)
-        ]
-        if run.check
-        else [],
-        store=store if keep_store else None,
-    )
+    acc.tail_ms += (time.perf_counter() - tail_start) * 1e3
+    acc.tail_mode = tail.mode
+    acc.store_paths.add("direct" if getattr(store, "direct_write", False) else store.name.replace("sharded", "gathered"))
+    acc.row_ids.extend(chunk.token_ids[g] for g in tail.row_ids)
+    acc.rows.append(tail.rows.float().cpu())
+    acc.logits.append(model.logits(tail.rows).cpu())
+    acc.token_ids.extend(chunk.token_ids[g] for g in meta.local_tokens(group.rank))
+    if run.check:
+        acc.hidden.append(x.float().cpu())
+        acc.topk.append(topk_per_layer)

@@ -61,7 +61,7 @@ def build_report(
         entry: dict[str, Any] = {"rank": r.rank, **{k: r.stats[k] for k in PER_RANK_FIELDS}}
         if "measured_peak_bytes" in r.stats:
             entry["measured_peak_bytes"] = r.stats["measured_peak_bytes"]
-        entry["tokens"] = meta.rank_lengths[r.rank]
+        entry["tokens"] = len(r.token_ids)
         entry["layer_ms_median"] = statistics.median(r.timings["layer_ms"])
         entry["tail_ms"] = r.timings["tail_ms"]
         entry["total_ms"] = r.timings["total_ms"]
@@ -76,6 +76,8 @@ def build_report(
             "n_layers": run.model.n_layers,
             "compute_dtype": str(compute_dtype(run, device)).removeprefix("torch."),
             "seed": run.seed,
+            "chunk_size": run.chunk_size,
+            "chunks": results[0].timings.get("chunks", 1),
             "debug": run.debug,
             "input_logprobs": run.input_logprobs,
             "return_hidden_states": run.return_hidden_states,

@@ -18,7 +18,8 @@ import torch
 
 from reference_impl.check import compare
 from reference_impl.config import RunConfig
-from reference_impl.engine import RankResult, build_metadata, run_rank
+from reference_impl.engine import RankResult, build_metadata, chunk_metadata, run_rank
+from reference_impl.schedule import chunk_schedule
 from reference_impl.launch import choose_backend, launch, rank_cpu_threads, under_torchrun
 from reference_impl.model.oracle import run_oracle
 from reference_impl.report import build_report
@@ -41,7 +42,9 @@ def run_prefill(run: RunConfig, timeout_s: float = 600) -> dict[str, Any]:
 
     Bad input raises :class:`~reference_impl.config.ConfigError` before any rank starts.
     """
-    meta = build_metadata(run)  # validates the split in this process first
+    meta = build_metadata(run)  # the whole batch's token numbering
+    for chunk in chunk_schedule(run):
+        chunk_metadata(run, chunk)  # validates every chunk's split in this process, before any rank starts
     backend, shared_gpu = ("nccl" if torch.cuda.is_available() else "gloo", False) if under_torchrun() else _launch_plan_line(run)
     results: list[RankResult] = launch(
         run_rank, run.cp_size, run, device=run.device, backend=run.backend, timeout_s=timeout_s, debug=run.debug
@@ -55,7 +58,9 @@ def run_prefill(run: RunConfig, timeout_s: float = 600) -> dict[str, Any]:
         try:
             model = build_model(run, device)
             prefixes = [r.prefix for r in run.requests]
-            oracle = run_oracle(model, prefixes, build_inputs(run, device), run.kv_dtype, run.page_size)
+            oracle = run_oracle(
+                model, prefixes, build_inputs(run, device), run.kv_dtype, run.page_size, chunk_size=run.chunk_size
+            )
         finally:
             torch.set_num_threads(threads)
         agreement = compare(run, meta, model, oracle, results, compute_dtype(run, device))

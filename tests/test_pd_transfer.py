@@ -263,3 +263,13 @@ def test_multiprocess_transfer_equals_oracle(
     assert res.bytes_received == full.bytes_total
     assert all(r.store is None for r in res.prefill)  # the store stays in its process
     assert [p.n_pages == 0 for p in res.plans] == [r >= batch.n_pages for r in range(cp_size)]
+
+
+def test_multiprocess_transfer_after_chunked_compute_owner_prefill() -> None:
+    """Phase 5 lanes and chunked prefill change the logical locs; the decode side derives the same ones."""
+    run = RunConfig(
+        preset="tiny", cp_size=2, phases=PhaseSet.level(5), page_size=8, chunk_size=64, device="cpu",
+        requests=(Request(16, 150), Request(8, 100)),
+    )
+    result = run_prefill_and_decode(run)
+    assert result.problems == [] and result.matches_oracle

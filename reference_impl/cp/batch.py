@@ -12,8 +12,21 @@ from dataclasses import dataclass
 
 import torch
 
+from reference_impl.config import ConfigError
 from reference_impl.cp.split import SplitMetadata
 from reference_impl.kvcache.allocator import PageAllocator, RequestPageTable
+
+
+def new_page_table(final_lens: list[int], page_size: int, cp_size: int, compute_owner: bool) -> RequestPageTable:
+    """A page table with room for requests of ``final_lens`` tokens (prefix + every chunk).
+
+    Compute-owner lanes (phase 5) need slack: a lane can run out while others have room. Two
+    pages per rank per request (plus one) cover the zigzag's per-rank imbalance; a lane that still
+    runs out is a clear ``ConfigError``, never a page with the wrong owner.
+    """
+    exact = sum(-(-n // page_size) for n in final_lens)
+    slack = 2 * cp_size * (len(final_lens) + 1) if compute_owner else 0
+    return RequestPageTable(PageAllocator(exact + slack, page_size))
 
 
 @dataclass(frozen=True)
@@ -33,22 +46,42 @@ class BatchPlan:
     key_end: torch.Tensor  # [T] exclusive causal end (request start + prefix + j + 1)
 
     @classmethod
-    def build(cls, meta: SplitMetadata, device: torch.device | str = "cpu", compute_owner: bool = False) -> "BatchPlan":
-        """Allocate the batch's logical locs: lowest free pages, or (phase 5) compute-owner lanes."""
+    def build(
+        cls,
+        meta: SplitMetadata,
+        device: torch.device | str = "cpu",
+        compute_owner: bool = False,
+        table: RequestPageTable | None = None,
+        request_ids: tuple[int, ...] | None = None,
+    ) -> "BatchPlan":
+        """Allocate this batch's logical locs and derive the full-view coordinates.
+
+        ``table`` is the page table that persists across the chunks of a chunked prefill (request
+        ``request_ids[i]`` is this batch's request ``i``); a request seen for the first time gets
+        its prefix allocated first. Without a table, one sized exactly for this batch is used.
+        New pages come from the lowest free ids, or (phase 5) from each page's compute-owner lane.
+        """
         page_size = meta.page_size
         totals = [p + e for p, e in zip(meta.prefix_lens, meta.extend_lens)]
-        if compute_owner:
-            from reference_impl.cp.compute_owner import allocate_compute_owner
+        if table is None:
+            table = new_page_table(totals, page_size, meta.cp_size, compute_owner)
+        ids = request_ids if request_ids is not None else tuple(range(len(totals)))
+        for i, (req, prefix, extend) in enumerate(zip(ids, meta.prefix_lens, meta.extend_lens)):
+            if req not in table:
+                table.extend(req, prefix)
+            elif table.n_tokens(req) != prefix:
+                raise ConfigError(f"request {req}: the page table holds {table.n_tokens(req)} tokens, the batch says {prefix}")
+            if compute_owner:
+                from reference_impl.cp.compute_owner import new_page_lanes
 
-            cpu_locs, n_pages = allocate_compute_owner(meta)
-            request_locs = [locs.to(device) for locs in cpu_locs]
+                table.extend(req, extend, lanes=new_page_lanes(meta, i, table.n_tokens(req)), n_lanes=meta.cp_size)
+            else:
+                table.extend(req, extend)
+        request_locs = [table.locs(req).to(device) for req in ids]
+        if request_ids is not None:
+            n_pages = table.allocator.n_pages  # a chunked run's id space is fixed across its chunks
         else:
-            n_pages = sum(-(-n // page_size) for n in totals)
-            table = RequestPageTable(PageAllocator(n_pages, page_size))
-            request_locs = []
-            for req, n in enumerate(totals):
-                table.extend(req, n)
-                request_locs.append(table.locs(req).to(device))
+            n_pages = max(int(locs.max()) // page_size for locs in request_locs) + 1
         offsets = [0]
         for n in totals[:-1]:
             offsets.append(offsets[-1] + n)

@@ -19,7 +19,6 @@ import torch
 
 from reference_impl.cp.ownership import page_owner
 from reference_impl.cp.split import SplitMetadata
-from reference_impl.kvcache.allocator import PageAllocator, RequestPageTable
 
 
 def current_page_lanes(meta: SplitMetadata, request: int) -> dict[int, int]:
@@ -36,25 +35,16 @@ def current_page_lanes(meta: SplitMetadata, request: int) -> dict[int, int]:
     return lanes
 
 
-def allocate_compute_owner(meta: SplitMetadata) -> tuple[list[torch.Tensor], int]:
-    """Logical locs per request with each new current page in its compute rank's lane.
+def new_page_lanes(meta: SplitMetadata, request: int, cached_tokens: int) -> list[int]:
+    """Lanes (compute ranks) of the pages that request ``request``'s extend opens beyond ``cached_tokens``.
 
-    Prefix pages (cached earlier) take the lowest free ids. Returns ``(request_locs, n_pages)`` where
-    ``n_pages`` is the logical id space the batch spans (``max id + 1``; unused ids are holes).
+    The page holding ``cached_tokens`` itself, when partial, already exists: it keeps its owner.
     """
-    cp, page_size = meta.cp_size, meta.page_size
-    totals = [p + e for p, e in zip(meta.prefix_lens, meta.extend_lens)]
-    capacity = cp * sum(-(-n // page_size) + 1 for n in totals)  # room for lane imbalance
-    table = RequestPageTable(PageAllocator(capacity, page_size))
-    for req, (prefix, extend) in enumerate(zip(meta.prefix_lens, meta.extend_lens)):
-        table.extend(req, prefix)
-        lanes = current_page_lanes(meta, req)
-        first_new = -(-prefix // page_size)  # pages before this index already exist
-        new_pages = range(first_new, -(-(prefix + extend) // page_size))
-        table.extend(req, extend, lanes=[lanes[k] for k in new_pages], n_lanes=cp)
-    request_locs = [table.locs(req) for req in range(len(totals))]
-    n_pages = max(int(locs.max()) // page_size for locs in request_locs) + 1
-    return request_locs, n_pages
+    page_size = meta.page_size
+    lanes = current_page_lanes(meta, request)
+    first_new = -(-cached_tokens // page_size)
+    last = -(-(cached_tokens + meta.extend_lens[request]) // page_size)
+    return [lanes[k] for k in range(first_new, last)]
 
 
 def direct_write_ok(meta: SplitMetadata, extend_locs: torch.Tensor) -> bool:

@@ -43,6 +43,12 @@ class ReplicatedKV:
         self.pool = PagedKVPool(n_layers, plan.n_pages, plan.page_size, layout, device, debug)
         self.materialized_bytes = 0  # bytes read from storage to build full views, all layers
 
+    def bind(self, plan: BatchPlan) -> None:
+        """Serve the next chunk of a chunked prefill (same page-id space, same pool)."""
+        if plan.n_pages != self.plan.n_pages:
+            raise ValueError(f"chunk plan spans {plan.n_pages} pages, the pool was built for {self.plan.n_pages}")
+        self.plan = plan
+
     @property
     def kv_bytes(self) -> int:
         return self.pool.mla_bytes_total
@@ -80,14 +86,15 @@ class ReplicatedKV:
         self.materialized_bytes += rows.numel() + k_fp8.numel() + k_scale.numel() * 4
         return FullView(self.layout.dequantize_mla(rows).to(torch.bfloat16), k_fp8, k_scale)
 
-    def stored_rows(self, layer: int) -> dict[int, tuple[torch.Tensor, ...]]:
+    def stored_rows(self, layer: int, request_locs: list[torch.Tensor] | None = None) -> dict[int, tuple[torch.Tensor, ...]]:
         """What this rank holds for ``layer``, per request: ``(positions, mla rows, index fp8, index scale)``.
 
+        ``request_locs`` (default: this batch's) lists each request's logical locs.
         ``positions`` are token positions within the request; the replica holds all of them. The index
         values come as raw bytes (uint8) so they pickle across processes.
         """
         out = {}
-        for req, locs in enumerate(self.plan.request_locs):
+        for req, locs in enumerate(request_locs if request_locs is not None else self.plan.request_locs):
             k_fp8, k_scale = self.pool.read_index(layer, locs)
             positions = torch.arange(locs.shape[0], device=locs.device)
             out[req] = (positions, self.pool.read_mla(layer, locs), k_fp8.view(torch.uint8), k_scale)

@@ -47,30 +47,44 @@ class ShardedKV:
     ) -> None:
         if plan.meta.mode != "in-seq":
             raise ConfigError(f"sharded KV needs the in-seq split, got {plan.meta.mode!r}")
-        self.plan, self.layout, self.group = plan, layout, group
-        cp, rank, page_size = group.size, group.rank, plan.page_size
-        self.pool = PagedKVPool(n_layers, owned_page_count(plan.n_pages, rank, cp), page_size, layout, group.device, debug)
+        self.layout, self.group = layout, group
+        self.plan = plan
+        self.reuse_current, self.allow_direct_write = reuse_current, direct_write
+        self.pool = PagedKVPool(
+            n_layers, owned_page_count(plan.n_pages, group.rank, group.size), plan.page_size, layout, group.device, debug
+        )
+        self.materialized_bytes = 0
+        self.transient_bytes = 0
+        self.bind(plan)
+
+    def bind(self, plan: BatchPlan) -> None:
+        """Derive this batch's store and full-view plans (once per batch; every layer reuses them).
+
+        Called again for each chunk of a chunked prefill: same page-id space, same pool.
+        """
+        if plan.n_pages != self.plan.n_pages:
+            raise ConfigError(f"chunk plan spans {plan.n_pages} pages, the pool was built for {self.plan.n_pages}")
+        self.plan = plan
+        cp, rank, page_size = self.group.size, self.group.rank, plan.page_size
 
         # Store path: which current tokens (sequence order) this rank owns, and where they go.
         own = page_owner(plan.extend_locs // page_size, cp) == rank
         self._store_rows = own.nonzero().flatten()
         self._store_locs = physical_locs(plan.extend_locs[own], page_size, cp)
         # Phase 5: the rank owns every token it computed, so it writes its local rows directly.
-        self.direct_write = direct_write and direct_write_ok(plan.meta, plan.extend_locs)
+        self.direct_write = self.allow_direct_write and direct_write_ok(plan.meta, plan.extend_locs)
         if self.direct_write:
             local = local_index_tensor(plan.meta, rank, plan.extend_locs.device)
             self._local_locs = physical_locs(plan.extend_locs.index_select(0, local), page_size, cp)
 
         # Full-view path, decided once per batch (identical on every rank).
-        self.batch_kind: BatchKind = classify_batch(plan, plan.meta.total_tokens) if reuse_current else "fallback"
+        self.batch_kind: BatchKind = classify_batch(plan, plan.meta.total_tokens) if self.reuse_current else "fallback"
         storage_rows = (
             history_rows(plan)
             if self.batch_kind != "fallback"
             else torch.arange(plan.view_len, device=plan.view_locs.device)
         )
         self._mplan = MaterializePlan.build(plan, storage_rows, rank, cp) if storage_rows.numel() else None
-        self.materialized_bytes = 0
-        self.transient_bytes = 0
 
     @property
     def kv_bytes(self) -> int:
@@ -136,10 +150,11 @@ class ShardedKV:
         pages = torch.arange(self.plan.n_pages, device=self.plan.view_locs.device)
         return pages[page_owner(pages, self.group.size) == self.group.rank]
 
-    def stored_rows(self, layer: int) -> dict[int, tuple[torch.Tensor, ...]]:
-        """Per request, the tokens this rank holds: ``(positions, mla rows, index bytes, index scale)``."""
+    def stored_rows(self, layer: int, request_locs: list[torch.Tensor] | None = None) -> dict[int, tuple[torch.Tensor, ...]]:
+        """Per request (``request_locs``, default this batch's), the tokens this rank holds:
+        ``(positions, mla rows, index bytes, index scale)``."""
         out = {}
-        for req, locs in enumerate(self.plan.request_locs):
+        for req, locs in enumerate(request_locs if request_locs is not None else self.plan.request_locs):
             own = self._owned(locs)
             phys = physical_locs(locs[own], self.plan.page_size, self.group.size)
             k_fp8, k_scale = self.pool.read_index(layer, phys)

@@ -144,24 +144,58 @@ class OracleResult:
 
 @torch.no_grad()
 def run_oracle(
-    model: DSAModel, prefix_lens: list[int], inputs: list[torch.Tensor], kv_dtype: KVDtype, page_size: int = 64
+    model: DSAModel,
+    prefix_lens: list[int],
+    inputs: list[torch.Tensor],
+    kv_dtype: KVDtype,
+    page_size: int = 64,
+    chunk_size: int | None = None,
 ) -> OracleResult:
-    """Run the batch on one device. ``inputs[i]`` is request i's layer-0 input ``[prefix + extend, dim]``."""
+    """Run the batch on one device. ``inputs[i]`` is request i's layer-0 input ``[prefix + extend, dim]``.
+
+    ``chunk_size`` runs each extend in chunks (chunked prefill), the way a CP run with the same
+    ``chunk_size`` does; the math is the same causal function either way, and matching chunk
+    boundaries also makes the floating-point reductions, hence the cache bytes, match.
+    """
     cfg = model.cfg
     layout = KVLayout.from_config(cfg, kv_dtype, page_size)
     device = inputs[0].device
     caches = [[LayerCache.empty(layout, device) for _ in inputs] for _ in model.layers]
     hidden, topks, projs = [], [[] for _ in model.layers], [[] for _ in model.layers]
     for req, (x_all, prefix) in enumerate(zip(inputs, prefix_lens)):
-        for start, stop in ((0, prefix), (prefix, x_all.shape[0])):  # earlier prefill, then this chunk
+        total = x_all.shape[0]
+        step = chunk_size or max(total - prefix, 1)
+        spans = [(0, prefix)] + [(s, min(s + step, total)) for s in range(prefix, total, step)]
+        outs: list[list[torch.Tensor]] = [[] for _ in model.layers]
+        proj_parts: list[list[Projection]] = [[] for _ in model.layers]
+        hs = []
+        for start, stop in spans:  # the earlier prefill (the prefix), then this run's chunks
             if stop == start:
                 continue
             h = x_all[start:stop]
             for layer, block in enumerate(model.layers):
                 out, topk, proj = attention_forward(block.attn, block.attn_norm(h), start, caches[layer][req])
                 h = h + out
-                if start == prefix:
-                    topks[layer].append(topk)
-                    projs[layer].append(proj)
-        hidden.append(h)
+                if start >= prefix:
+                    outs[layer].append(topk)
+                    proj_parts[layer].append(proj)
+            if start >= prefix:
+                hs.append(h)
+        for layer in range(len(model.layers)):
+            topks[layer].append(torch.cat([_pad_topk(t, model.cfg.index_topk) for t in outs[layer]]))
+            projs[layer].append(_cat_projections(proj_parts[layer]))
+        hidden.append(torch.cat(hs))
     return OracleResult(hidden, topks, caches, projs)
+
+
+def _pad_topk(topk: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-k rows padded with -1 to ``k`` columns (early rows of a short view select fewer)."""
+    if topk.shape[1] == k:
+        return topk
+    return torch.cat([topk, topk.new_full((topk.shape[0], k - topk.shape[1]), -1)], dim=1)
+
+
+def _cat_projections(parts: list[Projection]) -> Projection:
+    if len(parts) == 1:
+        return parts[0]
+    return Projection(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "kv", "index_q_fp8", "index_weights", "index_k")))

@@ -29,10 +29,9 @@ import torch
 import torch.distributed as dist
 
 from reference_impl.config import ConfigError, RunConfig
-from reference_impl.cp.batch import BatchPlan
 from reference_impl.cp.comm import CPGroup
 from reference_impl.cp.kv_sharded import ShardedKV
-from reference_impl.engine import RankResult, build_metadata, run_rank
+from reference_impl.engine import RankResult, build_metadata, replay_page_table, run_rank
 from reference_impl.kvcache.layout import KVLayout
 from reference_impl.kvcache.pool import PagedKVPool
 from reference_impl.launch import launch, rank_cpu_threads
@@ -229,12 +228,13 @@ def _pd_rank(world: CPGroup, run: RunConfig) -> _RoleResult:
         assert isinstance(store, ShardedKV)
         send_owned_pages(plan, store.pool, decode_rank=cp_size)
         return _RoleResult([plan], prefill=result)
-    batch = BatchPlan.build(build_metadata(run), world.device)
+    table = replay_page_table(run)  # the logical locs every prefill rank allocated
+    request_locs = [table.locs(req, world.device) for req in range(len(run.requests))]
     layout = KVLayout.from_config(run.model, run.kv_dtype, run.page_size)
-    cache = DecodeCache(batch.n_pages, layout, run.model.n_layers, world.device, world.debug)
+    cache = DecodeCache(table.allocator.n_pages, layout, run.model.n_layers, world.device, world.debug)
     plans = receive_pages(cache, list(range(cp_size)))
     rows = [
-        {req: cache.request_rows(layer, locs) for req, locs in enumerate(batch.request_locs)}
+        {req: cache.request_rows(layer, locs) for req, locs in enumerate(request_locs)}
         for layer in range(run.model.n_layers)
     ]
     return _RoleResult(plans, rows=rows, bytes_received=cache.bytes_received)
@@ -279,7 +279,8 @@ def run_prefill_and_decode(run: RunConfig, timeout_s: float = 300) -> PDResult:
         try:
             model = build_model(run, torch.device("cpu"))
             inputs = build_inputs(run, torch.device("cpu"))
-            oracle = run_oracle(model, [r.prefix for r in run.requests], inputs, run.kv_dtype, run.page_size)
+            prefixes = [r.prefix for r in run.requests]
+            oracle = run_oracle(model, prefixes, inputs, run.kv_dtype, run.page_size, chunk_size=run.chunk_size)
         finally:
             torch.set_num_threads(threads)
         problems = oracle_mismatches(rows, oracle)
