@@ -354,6 +354,8 @@ class RunConfig:
         validate_page_size(self.page_size)
         if not self.requests:
             raise ConfigError("a batch needs at least one request")
+        if self.split_mode == "round-robin" and 4 in self.phases:
+            raise ConfigError("round-robin split cannot run phase 4 (page-aligned split): it is an in-seq split; use --split-mode in-seq")
         sharded = {2, 3, 5, 6, 8} & self.phases.enabled
         if self.split_mode == "round-robin" and sharded:
             raise ConfigError(

@@ -165,8 +165,14 @@ def replay_page_table(run: RunConfig) -> RequestPageTable:
     """
     table = new_page_table([r.total for r in run.requests], run.page_size, run.cp_size, 5 in run.phases)
     for chunk in chunk_schedule(run):
-        BatchPlan.build(chunk_metadata(run, chunk), "cpu", 5 in run.phases, table=table, request_ids=chunk.requests)
+        BatchPlan.build(chunk_metadata(run, chunk), "cpu", 5 in run.phases, table=table, request_ids=chunk.requests,
+                        id_space=table.allocator.n_pages)
     return table
+
+
+def run_id_space(table: RequestPageTable, n_requests: int) -> int:
+    """Logical page ids a run's pools must cover: its highest page id + 1 (lane holes below it remain)."""
+    return max(max(table.pages(req)) for req in range(n_requests)) + 1
 
 
 @torch.no_grad()
@@ -181,13 +187,14 @@ def run_rank(group: CPGroup, run: RunConfig, *, keep_store: bool = False) -> Ran
     model = build_model(run, device)
     inputs = build_inputs(run, device)
     chunks = chunk_schedule(run)
+    id_space = run_id_space(replay_page_table(run), len(run.requests))  # pure metadata: same on every rank
     table = new_page_table([r.total for r in run.requests], run.page_size, run.cp_size, 5 in run.phases)
     store: KVStore | None = None
     acc = _Accumulated()
     start = time.perf_counter()
     for chunk in chunks:
         meta = chunk_metadata(run, chunk)
-        plan = BatchPlan.build(meta, device, 5 in run.phases, table=table, request_ids=chunk.requests)
+        plan = BatchPlan.build(meta, device, 5 in run.phases, table=table, request_ids=chunk.requests, id_space=id_space)
         if store is None:
             store = make_kv_store(run, plan, layout, group)
             install_prefixes(run, model, inputs, store)

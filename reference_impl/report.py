@@ -99,6 +99,7 @@ def build_report(
         "cache_max_abs_err": agreement.cache_max_abs_err if agreement else None,
         "problems": agreement.problems if agreement else [],
         "collectives_identical": len({tuple(r.collectives) for r in results}) == 1,
+        "store_path_identical": len({r.store_path for r in results}) == 1,
         "per_rank": per_rank,
         "timings": {
             "layer_ms_median": max(p["layer_ms_median"] for p in per_rank),

@@ -52,3 +52,20 @@ def test_lane_exhaustion_is_a_clear_error_and_frees_nothing_wrong() -> None:
     with pytest.raises(ConfigError, match="out of KV pages in lane 1 of 4"):
         alloc.alloc_in_lane(1, 1, 4)
     assert alloc.lane_free_counts(4) == [2, 0, 2, 2]
+
+
+def test_compute_owner_pools_stay_within_the_sharded_bound(report_of) -> None:
+    """Lane allocation may leave holes, but no rank holds more than ceil(pages / C) + 1 per request."""
+    requests = (Request(16, 150), Request(0, 130))
+    run = tiny(cp_size=3, requests=requests, page_size=8, phases=PhaseSet.level(5))
+    rep = report_of(run)
+    bound_pages = sum(-(-(-(-r.total // 8)) // 3) + 1 for r in requests)
+    for entry in rep["per_rank"]:
+        assert entry["kv_bytes"] <= run.model.n_layers * bound_pages * 8 * 260
+
+
+def test_round_robin_refuses_page_aligned_split() -> None:
+    from reference_impl.config import RunConfig
+
+    with pytest.raises(ConfigError, match="round-robin split cannot run phase 4"):
+        RunConfig(split_mode="round-robin", phases=PhaseSet(frozenset({4})))

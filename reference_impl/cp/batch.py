@@ -53,12 +53,15 @@ class BatchPlan:
         compute_owner: bool = False,
         table: RequestPageTable | None = None,
         request_ids: tuple[int, ...] | None = None,
+        id_space: int | None = None,
     ) -> "BatchPlan":
         """Allocate this batch's logical locs and derive the full-view coordinates.
 
         ``table`` is the page table that persists across the chunks of a chunked prefill (request
         ``request_ids[i]`` is this batch's request ``i``); a request seen for the first time gets
         its prefix allocated first. Without a table, one sized exactly for this batch is used.
+        ``id_space`` fixes ``n_pages`` (the logical page-id space the pools are built for) across
+        the chunks of a run; by default it is this batch's highest page id + 1.
         New pages come from the lowest free ids, or (phase 5) from each page's compute-owner lane.
         """
         page_size = meta.page_size
@@ -78,10 +81,7 @@ class BatchPlan:
             else:
                 table.extend(req, extend)
         request_locs = [table.locs(req).to(device) for req in ids]
-        if request_ids is not None:
-            n_pages = table.allocator.n_pages  # a chunked run's id space is fixed across its chunks
-        else:
-            n_pages = max(int(locs.max()) // page_size for locs in request_locs) + 1
+        n_pages = id_space if id_space is not None else max(int(locs.max()) // page_size for locs in request_locs) + 1
         offsets = [0]
         for n in totals[:-1]:
             offsets.append(offsets[-1] + n)

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from reference_impl.config import ConfigError, RunConfig
 from reference_impl.cp.comm import CPGroup
 from reference_impl.cp.kv_sharded import ShardedKV
-from reference_impl.engine import RankResult, build_metadata, replay_page_table, run_rank
+from reference_impl.engine import RankResult, build_metadata, replay_page_table, run_id_space, run_rank
 from reference_impl.kvcache.layout import KVLayout
 from reference_impl.kvcache.pool import PagedKVPool
 from reference_impl.launch import launch, rank_cpu_threads
@@ -231,7 +231,8 @@ def _pd_rank(world: CPGroup, run: RunConfig) -> _RoleResult:
     table = replay_page_table(run)  # the logical locs every prefill rank allocated
     request_locs = [table.locs(req, world.device) for req in range(len(run.requests))]
     layout = KVLayout.from_config(run.model, run.kv_dtype, run.page_size)
-    cache = DecodeCache(table.allocator.n_pages, layout, run.model.n_layers, world.device, world.debug)
+    id_space = run_id_space(table, len(run.requests))
+    cache = DecodeCache(id_space, layout, run.model.n_layers, world.device, world.debug)
     plans = receive_pages(cache, list(range(cp_size)))
     rows = [
         {req: cache.request_rows(layer, locs) for req, locs in enumerate(request_locs)}

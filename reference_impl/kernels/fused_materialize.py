@@ -1,0 +1,156 @@
+"""Fused materialize (phase 7): gathered owned pages -> full-view rows in one pass.
+
+After the materialization all-gather (:func:`reference_impl.cp.materialize.gather_pages`) every rank
+holds the needed pages' raw bytes. The torch path then selects token rows (``index_select``: a
+copy), dequantizes them in fp32 (another buffer), casts to bf16 (another) and scatters them into
+the view, and does the same select + scatter for the index bytes and scales. The kernel reads each
+needed byte once and writes each view byte once:
+
+* ``kv_view[view_rows[i]] = bf16(dequantize(mla row row_source[i]))`` (FP8: ``e4m3 * scale`` per
+  128-value block in fp32, rounded to bf16, rope copied; BF16: the row's bf16 values copied);
+* ``index_fp8[view_rows[i]]`` = the token's 128 fp8 bytes, ``index_scale[view_rows[i]]`` = its scale,
+
+where token row ``row_source[i] = page_index * P + slot`` addresses the gathered pages. The MLA bytes
+come either as token rows ``[n_pages * P, mla_bytes]`` or as page rows ``[n_pages, P * mla_bytes]``
+with any page stride (e.g. ``gathered[:, :split]``, the MLA half of the packed gather buffer, with
+no copy); the index pages likewise as ``[n_pages, P * 132]`` with any page stride.
+
+Equal to :func:`reference_impl.kernels.fused_torch.materialize_rows_torch` bit for bit (the fp32
+product is the same IEEE multiply; bf16 rounding is to nearest even, in software under the CPU
+interpreter: see :mod:`.fused_store`). Rows whose source or destination is out of range are skipped.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from reference_impl.kernels.fused_store import _bf16_bits
+from reference_impl.kernels.fused_torch import check_materialize_args, mla_strides
+from reference_impl.kvcache.layout import INDEX_HEAD_DIM, KVLayout
+
+# (BLOCK_M rows per program, num_warps): fixed, no autotuning.
+GPU_MATERIALIZE_CONFIG: tuple[int, int] = (32, 4)
+CPU_MATERIALIZE_CONFIG: tuple[int, int] = (16, 1)
+
+
+@triton.jit
+def _materialize_kernel(
+    mla_ptr,
+    index_ptr,
+    source_ptr,
+    view_rows_ptr,
+    kv_ptr,
+    index_out_ptr,
+    scale_out_ptr,
+    n_rows,
+    n_source_rows,
+    n_view_rows,
+    stride_mla_page,
+    stride_mla_row,
+    stride_index_page,
+    stride_kv,
+    stride_index_out,
+    stride_scale_out,
+    L: tl.constexpr,
+    R: tl.constexpr,
+    P: tl.constexpr,
+    D: tl.constexpr,
+    FP8: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    SOFT: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    in_range = rows < n_rows
+    source = tl.load(source_ptr + rows, mask=in_range, other=-1)
+    target = tl.load(view_rows_ptr + rows, mask=in_range, other=-1)
+    ok = in_range & (source >= 0) & (source < n_source_rows) & (target >= 0) & (target < n_view_rows)
+    source = tl.where(ok, source, 0)
+    target = tl.where(ok, target, 0)
+    page, slot = source // P, source % P
+    mla_row = mla_ptr + page * stride_mla_page + slot * stride_mla_row
+    kv_row = kv_ptr + target * stride_kv  # kv_view as int16: bf16 bit patterns
+    if FP8:
+        cols = tl.arange(0, 128)
+        for b in tl.static_range(L // 128):
+            q = tl.load(mla_row[:, None] + (b * 128 + cols)[None, :], mask=ok[:, None], other=0)
+            scale = tl.load((mla_row + L + 4 * b).to(tl.pointer_type(tl.float32)), mask=ok, other=0.0)
+            value = q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None]
+            tl.store(kv_row[:, None] + (b * 128 + cols)[None, :], _bf16_bits(value, SOFT), mask=ok[:, None])
+        if R > 0:
+            rcols = tl.arange(0, BLOCK_R)
+            rmask = ok[:, None] & (rcols < R)[None, :]
+            rope = (mla_row + L + 4 * (L // 128)).to(tl.pointer_type(tl.int16))
+            bits = tl.load(rope[:, None] + rcols[None, :], mask=rmask, other=0)
+            tl.store(kv_row[:, None] + (L + rcols)[None, :], bits, mask=rmask)
+    else:
+        mla16 = mla_row.to(tl.pointer_type(tl.int16))
+        for c0 in tl.static_range(0, L + R, BLOCK_C):
+            cols = c0 + tl.arange(0, BLOCK_C)
+            mask = ok[:, None] & (cols < L + R)[None, :]
+            bits = tl.load(mla16[:, None] + cols[None, :], mask=mask, other=0)
+            tl.store(kv_row[:, None] + cols[None, :], bits, mask=mask)
+    # Indexer K: the token's D fp8 bytes and its float32 scale.
+    icols = tl.arange(0, D)
+    index_page = index_ptr + page * stride_index_page
+    values = tl.load((index_page + slot * D)[:, None] + icols[None, :], mask=ok[:, None], other=0)
+    tl.store((index_out_ptr + target * stride_index_out)[:, None] + icols[None, :], values, mask=ok[:, None])
+    k_scale = tl.load((index_page + P * D + 4 * slot).to(tl.pointer_type(tl.float32)), mask=ok, other=0.0)
+    tl.store(scale_out_ptr + target * stride_scale_out, k_scale, mask=ok)
+
+
+def materialize_rows_triton(
+    mla_pages: torch.Tensor,
+    index_pages: torch.Tensor,
+    row_source: torch.Tensor,
+    view_rows: torch.Tensor,
+    kv_view: torch.Tensor,
+    index_fp8: torch.Tensor,
+    index_scale: torch.Tensor,
+    layout: KVLayout,
+    *,
+    soft: bool | None = None,
+    block_m: int | None = None,
+    num_warps: int | None = None,
+) -> None:
+    """Fill ``kv_view``, ``index_fp8`` and ``index_scale`` at ``view_rows`` from gathered rows ``row_source`` (in place)."""
+    n_source = check_materialize_args(mla_pages, index_pages, row_source, view_rows, kv_view, index_fp8, index_scale, layout)
+    n = row_source.shape[0]
+    if n == 0:
+        return
+    stride_page, stride_row, _ = mla_strides(mla_pages, layout)
+    soft = not kv_view.is_cuda if soft is None else soft
+    default = GPU_MATERIALIZE_CONFIG if kv_view.is_cuda else CPU_MATERIALIZE_CONFIG
+    block, warps = block_m or default[0], num_warps or default[1]
+    index_bytes = index_fp8.view(torch.uint8)
+    _materialize_kernel[(triton.cdiv(n, block),)](
+        mla_pages,
+        index_pages,
+        row_source,
+        view_rows,
+        kv_view.view(torch.int16),
+        index_bytes,
+        index_scale,
+        n,
+        n_source,
+        kv_view.shape[0],
+        stride_page,
+        stride_row,
+        index_pages.stride(0),
+        kv_view.stride(0),
+        index_bytes.stride(0),
+        index_scale.stride(0),
+        L=layout.kv_lora,
+        R=layout.rope,
+        P=layout.page_size,
+        D=INDEX_HEAD_DIM,
+        FP8=layout.kv_dtype == "fp8",
+        BLOCK_R=triton.next_power_of_2(max(layout.rope, 1)),
+        BLOCK_C=min(128, triton.next_power_of_2(layout.kv_width)),
+        BLOCK_M=block,
+        SOFT=soft,
+        num_warps=warps,
+    )

@@ -1,0 +1,294 @@
+"""Fused store (phase 7): quantize + pack + scatter the MLA latent and the indexer K in one pass each.
+
+Contracts (the torch paths in :mod:`.fused_torch` are the reference, byte for byte):
+
+* :func:`store_mla_triton`: rows ``kv[src_rows]`` (``kv [N, kv_lora + rope]``, bf16 / fp16 / fp32)
+  packed as :func:`reference_impl.kvcache.layout.pack_mla` packs them (FP8: e4m3 latent, one
+  float32 scale ``max(amax, 1e-4) / 448`` per 128 values, bf16 rope; BF16: every value as bf16) and
+  written to rows ``dst_locs`` of ``pool_mla [n_slots, mla_bytes]`` uint8 (one layer's slice of
+  :attr:`PagedKVPool.mla`), the bytes that ``pack_mla`` then :meth:`PagedKVPool.write_mla` write.
+* :func:`store_index_triton`: ``k[src_rows]`` (``k [N, 128]``) quantized as
+  :func:`~reference_impl.kvcache.layout.quantize_index_k` does (one scale per token, ``fp32`` or
+  ``ue8m0``) and written into ``pool_index [n_pages, P * 132]`` uint8 at page ``loc // P``, slot
+  ``loc % P``: values at ``slot * 128``, the scale at ``P * 128 + 4 * slot`` (what
+  :meth:`PagedKVPool.write_index` writes).
+
+``src_rows`` is ``None`` (all ``N`` rows, in order) or ``int64 [M]``; ``dst_locs`` is ``int64 [M]``.
+One program handles ``BLOCK_M`` rows: it reads each input row once and writes each output byte
+once; nothing round-trips through global memory. Rows whose loc is outside the pool are skipped
+(the torch path raises there; debug mode takes the torch path).
+
+Rounding, and why the interpreter needs help. Every step equals torch's: ``amax`` is exact, the
+scale and ``x / scale`` are IEEE divisions (``tl.math.div_rn``: Triton's ``/`` on fp32 compiles to
+the approximate ``div.full.f32``), the clamp to +-448 precedes the cast, and the fp32 -> e4m3 and
+fp32 -> bf16 casts round to nearest even. On GPU the casts are the hardware conversions
+(``cvt.rn.satfinite``). The CPU interpreter (``TRITON_INTERPRET=1``) rounds both casts wrongly (it
+truncates), so under it (``soft=True``, the default for CPU tensors) the kernels convert with
+explicit round-to-nearest-even arithmetic on the int32 bit pattern (:func:`_e4m3_bits`,
+:func:`_bf16_bits`), which the interpreter executes exactly; the CPU tests check that path byte for
+byte and the GPU benchmark checks the hardware path. ``soft=True`` also runs on GPU (slower: a
+dozen integer operations per value).
+
+One known difference: with ``ue8m0`` the kernel rounds the scale up to a power of two exactly
+(exponent + 1 when the mantissa is non-zero, as DeepSeek's kernels do), while torch computes
+``exp2(ceil(log2(s)))`` in fp32, whose ``log2`` rounds to the integer when ``s`` lies within a few
+ulps above a power of two (e.g. ``s = 2**-10 * (1 + 2**-22)``): there torch's scale is half the
+kernel's. Measured on CPU: 60 of 106496 scales within 4096 ulps above powers of two differ; random
+data hits it with probability ~1e-6 per token.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from reference_impl.kernels.fused_torch import check_store_args
+from reference_impl.kvcache.layout import INDEX_HEAD_DIM, MLA_QUANT_BLOCK, SCALE_BYTES, KVLayout
+
+# (BLOCK_M rows per program, num_warps): one fixed launch config (no autotuning; the CPU
+# interpreter runs one config).
+GPU_STORE_CONFIG: tuple[int, int] = (32, 4)
+CPU_STORE_CONFIG: tuple[int, int] = (16, 1)
+
+
+# ---- conversions (shared with fused_materialize) ------------------------------------------------
+
+
+@triton.jit
+def _bf16_bits(x, SOFT: tl.constexpr):
+    """fp32 ``x`` -> its bf16 bit pattern as int16, round to nearest even (NaN -> 0x7FC0, as torch)."""
+    if SOFT:
+        bits = x.to(tl.int32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        out = tl.where(x != x, 0x7FC0, rounded & 0xFFFF)
+        return out.to(tl.int16)
+    else:
+        return x.to(tl.bfloat16).to(tl.int16, bitcast=True)
+
+
+@triton.jit
+def _e4m3_bits(y, SOFT: tl.constexpr):
+    """fp32 ``y`` with ``|y| <= 448`` -> its e4m3fn bit pattern as uint8, round to nearest even."""
+    if SOFT:
+        bits = y.to(tl.int32, bitcast=True)
+        sign = (bits >> 24) & 0x80
+        mag_bits = bits & 0x7FFFFFFF
+        # Normal range (|y| >= 2**-6): rebias the exponent (127 -> 7) and keep 3 mantissa bits, RNE.
+        normal = (mag_bits + 0x7FFFF + ((mag_bits >> 20) & 1) - 0x3C000000) >> 20
+        # Subnormals are multiples of 2**-9: round |y| * 512 to an integer (adding 2**23 makes the
+        # fp32 adder round to nearest even, and the integer sits in the low mantissa bits).
+        mag = mag_bits.to(tl.float32, bitcast=True)
+        sub = (mag * 512.0 + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
+        out = tl.minimum(tl.where(mag_bits >= 0x3C800000, normal, sub), 0x7E) | sign
+        out = tl.where(y != y, sign | 0x7F, out)
+        return out.to(tl.uint8)
+    else:
+        return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+
+
+@triton.jit
+def _quantize_block(x, UE8M0: tl.constexpr, SOFT: tl.constexpr):
+    """fp32 ``x [BLOCK_M, 128]`` -> (e4m3 bits uint8 ``[BLOCK_M, 128]``, scale fp32 ``[BLOCK_M]``), as ``act_quant``."""
+    amax = tl.max(tl.abs(x), axis=1)
+    scale = tl.math.div_rn(tl.maximum(amax, 1e-4), 448.0)
+    if UE8M0:
+        sbits = scale.to(tl.int32, bitcast=True)
+        exponent = (sbits >> 23) + ((sbits & 0x7FFFFF) != 0).to(tl.int32)
+        scale = (exponent << 23).to(tl.float32, bitcast=True)
+    y = tl.math.div_rn(x, scale[:, None])
+    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    return _e4m3_bits(y, SOFT), scale
+
+
+@triton.jit
+def _row_ids(src_ptr, dst_ptr, n_rows, n_slots, BLOCK_M: tl.constexpr, HAS_SRC: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    in_range = rows < n_rows
+    if HAS_SRC:
+        src = tl.load(src_ptr + rows, mask=in_range, other=0)
+    else:
+        src = rows
+    dst = tl.load(dst_ptr + rows, mask=in_range, other=-1)
+    ok = in_range & (dst >= 0) & (dst < n_slots)
+    return tl.where(ok, src, 0), tl.where(ok, dst, 0), ok
+
+
+# ---- kernels --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _store_mla_fp8_kernel(
+    kv_ptr,
+    src_ptr,
+    dst_ptr,
+    out_ptr,
+    n_rows,
+    n_slots,
+    stride_kv,
+    stride_kv_col,
+    stride_out,
+    L: tl.constexpr,
+    R: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HAS_SRC: tl.constexpr,
+    SOFT: tl.constexpr,
+):
+    src, dst, ok = _row_ids(src_ptr, dst_ptr, n_rows, n_slots, BLOCK_M, HAS_SRC)
+    in_row = kv_ptr + src * stride_kv
+    out_row = out_ptr + dst * stride_out
+    cols = tl.arange(0, 128)
+    for b in tl.static_range(L // 128):
+        x = tl.load(in_row[:, None] + (b * 128 + cols)[None, :] * stride_kv_col, mask=ok[:, None], other=0.0)
+        q, scale = _quantize_block(x.to(tl.float32), False, SOFT)
+        tl.store(out_row[:, None] + (b * 128 + cols)[None, :], q, mask=ok[:, None])
+        tl.store((out_row + L + 4 * b).to(tl.pointer_type(tl.float32)), scale, mask=ok)
+    if R > 0:
+        rcols = tl.arange(0, BLOCK_R)
+        rmask = ok[:, None] & (rcols < R)[None, :]
+        x = tl.load(in_row[:, None] + (L + rcols)[None, :] * stride_kv_col, mask=rmask, other=0.0)
+        rope_out = (out_row + L + 4 * (L // 128)).to(tl.pointer_type(tl.int16))
+        tl.store(rope_out[:, None] + rcols[None, :], _bf16_bits(x.to(tl.float32), SOFT), mask=rmask)
+
+
+@triton.jit
+def _store_mla_bf16_kernel(
+    kv_ptr,
+    src_ptr,
+    dst_ptr,
+    out_ptr,
+    n_rows,
+    n_slots,
+    stride_kv,
+    stride_kv_col,
+    stride_out,
+    W: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HAS_SRC: tl.constexpr,
+    IN_BF16: tl.constexpr,
+    SOFT: tl.constexpr,
+):
+    src, dst, ok = _row_ids(src_ptr, dst_ptr, n_rows, n_slots, BLOCK_M, HAS_SRC)
+    in_row = kv_ptr + src * stride_kv
+    out_row = (out_ptr + dst * stride_out).to(tl.pointer_type(tl.int16))
+    for c0 in tl.static_range(0, W, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        mask = ok[:, None] & (cols < W)[None, :]
+        x = tl.load(in_row[:, None] + cols[None, :] * stride_kv_col, mask=mask, other=0.0)
+        if IN_BF16:
+            bits = x.to(tl.int16, bitcast=True)  # already bf16: copy the bits
+        else:
+            bits = _bf16_bits(x.to(tl.float32), SOFT)
+        tl.store(out_row[:, None] + cols[None, :], bits, mask=mask)
+
+
+@triton.jit
+def _store_index_kernel(
+    k_ptr,
+    src_ptr,
+    dst_ptr,
+    out_ptr,
+    n_rows,
+    n_slots,
+    stride_k,
+    stride_k_col,
+    stride_page,
+    D: tl.constexpr,
+    P: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HAS_SRC: tl.constexpr,
+    UE8M0: tl.constexpr,
+    SOFT: tl.constexpr,
+):
+    src, dst, ok = _row_ids(src_ptr, dst_ptr, n_rows, n_slots, BLOCK_M, HAS_SRC)
+    cols = tl.arange(0, D)
+    x = tl.load((k_ptr + src * stride_k)[:, None] + cols[None, :] * stride_k_col, mask=ok[:, None], other=0.0)
+    q, scale = _quantize_block(x.to(tl.float32), UE8M0, SOFT)
+    page_base = out_ptr + (dst // P) * stride_page
+    slot = dst % P
+    tl.store((page_base + slot * D)[:, None] + cols[None, :], q, mask=ok[:, None])
+    tl.store((page_base + P * D + 4 * slot).to(tl.pointer_type(tl.float32)), scale, mask=ok)
+
+
+# ---- launchers ------------------------------------------------------------------------------------
+
+
+def _config(tensor: torch.Tensor, block_m: int | None, num_warps: int | None) -> tuple[int, int]:
+    default = GPU_STORE_CONFIG if tensor.is_cuda else CPU_STORE_CONFIG
+    return block_m or default[0], num_warps or default[1]
+
+
+def store_mla_triton(
+    kv: torch.Tensor,
+    src_rows: torch.Tensor | None,
+    dst_locs: torch.Tensor,
+    pool_mla: torch.Tensor,
+    layout: KVLayout,
+    *,
+    soft: bool | None = None,
+    block_m: int | None = None,
+    num_warps: int | None = None,
+) -> None:
+    """Pack ``kv[src_rows]`` as ``layout`` says and write it to ``pool_mla[dst_locs]`` (in place)."""
+    check_store_args(kv, layout.kv_width, src_rows, dst_locs, pool_mla, layout.mla_bytes, "store_mla")
+    n = dst_locs.shape[0]
+    if n == 0:
+        return
+    soft = not kv.is_cuda if soft is None else soft
+    block, warps = _config(kv, block_m, num_warps)
+    common = dict(BLOCK_M=block, HAS_SRC=src_rows is not None, SOFT=soft, num_warps=warps)
+    src = src_rows if src_rows is not None else dst_locs  # unused when HAS_SRC is false
+    args = (kv, src, dst_locs, pool_mla, n, pool_mla.shape[0], kv.stride(0), kv.stride(1), pool_mla.stride(0))
+    grid = (triton.cdiv(n, block),)
+    if layout.kv_dtype == "fp8":
+        rope_block = triton.next_power_of_2(max(layout.rope, 1))
+        _store_mla_fp8_kernel[grid](*args, L=layout.kv_lora, R=layout.rope, BLOCK_R=rope_block, **common)
+    else:
+        width = layout.kv_width
+        _store_mla_bf16_kernel[grid](
+            *args, W=width, BLOCK_C=min(128, triton.next_power_of_2(width)), IN_BF16=kv.dtype == torch.bfloat16, **common
+        )
+
+
+def store_index_triton(
+    k: torch.Tensor,
+    src_rows: torch.Tensor | None,
+    dst_locs: torch.Tensor,
+    pool_index: torch.Tensor,
+    layout: KVLayout,
+    *,
+    soft: bool | None = None,
+    block_m: int | None = None,
+    num_warps: int | None = None,
+) -> None:
+    """Quantize ``k[src_rows]`` (``layout.index_scale_fmt``) into the index pages at ``dst_locs`` (in place)."""
+    check_store_args(k, INDEX_HEAD_DIM, src_rows, dst_locs, pool_index, layout.index_page_bytes, "store_index")
+    n = dst_locs.shape[0]
+    if n == 0:
+        return
+    soft = not k.is_cuda if soft is None else soft
+    block, warps = _config(k, block_m, num_warps)
+    page_size = layout.page_size
+    _store_index_kernel[(triton.cdiv(n, block),)](
+        k,
+        src_rows if src_rows is not None else dst_locs,
+        dst_locs,
+        pool_index,
+        n,
+        pool_index.shape[0] * page_size,
+        k.stride(0),
+        k.stride(1),
+        pool_index.stride(0),
+        D=INDEX_HEAD_DIM,
+        P=page_size,
+        BLOCK_M=block,
+        HAS_SRC=src_rows is not None,
+        UE8M0=layout.index_scale_fmt == "ue8m0",
+        SOFT=soft,
+        num_warps=warps,
+    )
+
+
+assert MLA_QUANT_BLOCK == 128 and SCALE_BYTES == 4  # the kernels hard-code both
