@@ -123,6 +123,7 @@ def fused_store_mla(
     ``kv [N, kv_lora + rope]`` float; ``src_rows int64 [M]`` or ``None`` (all rows); ``dst_locs
     int64 [M]`` physical slots; ``pool_mla uint8 [n_slots, mla_bytes]`` (e.g. ``pool.mla[layer]``).
     """
+    fused_torch.check_store_args(kv, layout.kv_width, src_rows, dst_locs, pool_mla, layout.mla_bytes, "store_mla")
     if debug:
         _check_range("dst_locs", dst_locs, pool_mla.shape[0])
     if _fused(kv, debug, force_torch):
@@ -144,6 +145,7 @@ def fused_store_index(
 ) -> None:
     """Quantize ``k[src_rows]`` (``k [N, 128]``) and write it at ``dst_locs`` of ``pool_index
     uint8 [n_pages, P * 132]`` (e.g. ``pool.index[layer]``) in place, as ``write_index`` does."""
+    fused_torch.check_store_args(k, layout.index_head_dim, src_rows, dst_locs, pool_index, layout.index_page_bytes, "store_index")
     if debug:
         _check_range("dst_locs", dst_locs, pool_index.shape[0] * layout.page_size)
     if _fused(k, debug, force_torch):
@@ -160,6 +162,7 @@ def rerange_padded(
 
     ``raw`` is :meth:`CPGroup.all_gather_rows_padded_raw`'s result for the split ``meta``.
     """
+    fused_torch.check_rerange_args(raw, meta)
     if _fused(raw, debug, force_torch):
         index = rerange_tensor(meta, raw.device, padded=True)
         ran, out = _run_triton("rerange_padded", lambda: _triton_rerange(raw, index))
@@ -187,11 +190,11 @@ def materialize_rows(
     ``index_pages`` uint8 ``[n_pages, P * 132]``; ``kv_view`` bf16 ``[S, kv_width]``;
     ``index_fp8`` float8_e4m3fn ``[S, 128]``; ``index_scale`` float32 ``[S]``.
     """
+    args = (mla_pages, index_pages, row_source, view_rows, kv_view, index_fp8, index_scale, layout)
+    n_source = fused_torch.check_materialize_args(*args)
     if debug:
-        n_source = index_pages.shape[0] * layout.page_size
         _check_range("row_source", row_source, n_source)
         _check_range("view_rows", view_rows, kv_view.shape[0])
-    args = (mla_pages, index_pages, row_source, view_rows, kv_view, index_fp8, index_scale, layout)
     if _fused(kv_view, debug, force_torch):
         ran, _ = _run_triton("materialize_rows", lambda: _triton_materialize(*args))
         if ran:
