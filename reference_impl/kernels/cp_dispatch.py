@@ -20,7 +20,7 @@ log nothing (the ops run once per layer per rank).
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -55,8 +55,7 @@ def _warn_once(kernel: str, exc: BaseException) -> None:
         return
     _WARNED.add(kernel)
     logger.warning(
-        "Triton %s failed (%s: %s); falling back to the torch path "
-        "(later failures of this kernel fall back silently)",
+        "Triton %s failed (%s: %s); falling back to the torch path (later failures of this kernel fall back silently)",
         kernel,
         type(exc).__name__,
         exc,
@@ -145,11 +144,15 @@ def fused_store_index(
 ) -> None:
     """Quantize ``k[src_rows]`` (``k [N, 128]``) and write it at ``dst_locs`` of ``pool_index
     uint8 [n_pages, P * 132]`` (e.g. ``pool.index[layer]``) in place, as ``write_index`` does."""
-    fused_torch.check_store_args(k, layout.index_head_dim, src_rows, dst_locs, pool_index, layout.index_page_bytes, "store_index")
+    fused_torch.check_store_args(
+        k, layout.index_head_dim, src_rows, dst_locs, pool_index, layout.index_page_bytes, "store_index"
+    )
     if debug:
         _check_range("dst_locs", dst_locs, pool_index.shape[0] * layout.page_size)
     if _fused(k, debug, force_torch):
-        ran, _ = _run_triton("fused_store_index", lambda: _triton_store_index(k, src_rows, dst_locs, pool_index, layout))
+        ran, _ = _run_triton(
+            "fused_store_index", lambda: _triton_store_index(k, src_rows, dst_locs, pool_index, layout)
+        )
         if ran:
             return
     fused_torch.store_index_torch(k, src_rows, dst_locs, pool_index, layout)

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from reference_impl.kernels.fused_store import _bf16_bits
+from reference_impl.kernels.fused_store import _bf16_bits, check_aligned
 from reference_impl.kernels.fused_torch import check_materialize_args, mla_strides
 from reference_impl.kvcache.layout import INDEX_HEAD_DIM, KVLayout
 
@@ -116,12 +116,16 @@ def materialize_rows_triton(
     block_m: int | None = None,
     num_warps: int | None = None,
 ) -> None:
-    """Fill ``kv_view``, ``index_fp8`` and ``index_scale`` at ``view_rows`` from gathered rows ``row_source`` (in place)."""
-    n_source = check_materialize_args(mla_pages, index_pages, row_source, view_rows, kv_view, index_fp8, index_scale, layout)
+    """Fill ``kv_view``, ``index_fp8``, ``index_scale`` at ``view_rows`` from gathered ``row_source`` (in place)."""
+    n_source = check_materialize_args(
+        mla_pages, index_pages, row_source, view_rows, kv_view, index_fp8, index_scale, layout
+    )
     n = row_source.shape[0]
     if n == 0:
         return
     stride_page, stride_row, _ = mla_strides(mla_pages, layout)
+    check_aligned("materialize MLA bytes", mla_pages, (stride_page, stride_row))
+    check_aligned("materialize index pages", index_pages, (index_pages.stride(0),))
     soft = not kv_view.is_cuda if soft is None else soft
     default = GPU_MATERIALIZE_CONFIG if kv_view.is_cuda else CPU_MATERIALIZE_CONFIG
     block, warps = block_m or default[0], num_warps or default[1]

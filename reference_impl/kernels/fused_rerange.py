@@ -95,7 +95,9 @@ def rerange_padded_triton(
     if out is None:
         out = torch.empty((n_out, *row_shape), dtype=raw.dtype, device=raw.device)
     elif out.shape != (n_out, *row_shape) or out.dtype != raw.dtype or not out.is_contiguous():
-        raise ConfigError(f"rerange: out must be contiguous {raw.dtype} {(n_out, *row_shape)}, got {out.dtype} {tuple(out.shape)}")
+        raise ConfigError(
+            f"rerange: out must be contiguous {raw.dtype} {(n_out, *row_shape)}, got {out.dtype} {tuple(out.shape)}"
+        )
     if n_out == 0 or out.numel() == 0:
         return out
     src_bytes = _flat_rows(raw).view(torch.uint8)

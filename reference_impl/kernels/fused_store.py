@@ -19,15 +19,16 @@ once; nothing round-trips through global memory. Rows whose loc is outside the p
 (the torch path raises there; debug mode takes the torch path).
 
 Rounding, and why the interpreter needs help. Every step equals torch's: ``amax`` is exact, the
-scale and ``x / scale`` are IEEE divisions (``tl.math.div_rn``: Triton's ``/`` on fp32 compiles to
-the approximate ``div.full.f32``), the clamp to +-448 precedes the cast, and the fp32 -> e4m3 and
-fp32 -> bf16 casts round to nearest even. On GPU the casts are the hardware conversions
-(``cvt.rn.satfinite``). The CPU interpreter (``TRITON_INTERPRET=1``) rounds both casts wrongly (it
+scale and ``x / scale`` are IEEE divisions (``tl.math.div_rn``; Triton's ``/`` on fp32 may compile
+to the approximate ``div.full.f32``), the clamp to +-448 precedes the cast, and the fp32 -> e4m3 and
+fp32 -> bf16 casts round to nearest even. On GPU the casts are Triton's hardware conversions
+(round to nearest even, saturating for fp8). The CPU interpreter (``TRITON_INTERPRET=1``) rounds both casts wrongly (it
 truncates), so under it (``soft=True``, the default for CPU tensors) the kernels convert with
 explicit round-to-nearest-even arithmetic on the int32 bit pattern (:func:`_e4m3_bits`,
 :func:`_bf16_bits`), which the interpreter executes exactly; the CPU tests check that path byte for
-byte and the GPU benchmark checks the hardware path. ``soft=True`` also runs on GPU (slower: a
-dozen integer operations per value).
+byte and the GPU benchmark checks the hardware path (and times ``soft=True`` on GPU too: a dozen
+integer operations per value, the fallback if a hardware conversion ever differed). NaN inputs give
+NaN outputs, not necessarily torch's NaN bit pattern (torch's own CPU and CUDA patterns differ).
 
 One known difference: with ``ue8m0`` the kernel rounds the scale up to a power of two exactly
 (exponent + 1 when the mantissa is non-zero, as DeepSeek's kernels do), while torch computes
@@ -57,14 +58,14 @@ CPU_STORE_CONFIG: tuple[int, int] = (16, 1)
 
 @triton.jit
 def _bf16_bits(x, SOFT: tl.constexpr):
-    """fp32 ``x`` -> its bf16 bit pattern as int16, round to nearest even (NaN -> 0x7FC0, as torch)."""
+    """fp32 ``x`` -> its bf16 bit pattern as int16, round to nearest even (NaN stays a NaN)."""
     if SOFT:
         bits = x.to(tl.int32, bitcast=True)
         rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        out = tl.where(x != x, 0x7FC0, rounded & 0xFFFF)
-        return out.to(tl.int16)
+        out = tl.where(x != x, 0x7FC0, rounded & 0xFFFF).to(tl.int16)
     else:
-        return x.to(tl.bfloat16).to(tl.int16, bitcast=True)
+        out = x.to(tl.bfloat16).to(tl.int16, bitcast=True)
+    return out
 
 
 @triton.jit
@@ -80,11 +81,11 @@ def _e4m3_bits(y, SOFT: tl.constexpr):
         # fp32 adder round to nearest even, and the integer sits in the low mantissa bits).
         mag = mag_bits.to(tl.float32, bitcast=True)
         sub = (mag * 512.0 + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
-        out = tl.minimum(tl.where(mag_bits >= 0x3C800000, normal, sub), 0x7E) | sign
-        out = tl.where(y != y, sign | 0x7F, out)
-        return out.to(tl.uint8)
+        code = tl.minimum(tl.where(mag_bits >= 0x3C800000, normal, sub), 0x7E) | sign
+        out = tl.where(y != y, sign | 0x7F, code).to(tl.uint8)
     else:
-        return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        out = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    return out
 
 
 @triton.jit
@@ -96,7 +97,10 @@ def _quantize_block(x, UE8M0: tl.constexpr, SOFT: tl.constexpr):
         sbits = scale.to(tl.int32, bitcast=True)
         exponent = (sbits >> 23) + ((sbits & 0x7FFFFF) != 0).to(tl.int32)
         scale = (exponent << 23).to(tl.float32, bitcast=True)
-    y = tl.math.div_rn(x, scale[:, None])
+        # Dividing by a power of two is multiplying by its exact reciprocal: same rounding, no division.
+        y = x * ((254 - exponent) << 23).to(tl.float32, bitcast=True)[:, None]
+    else:
+        y = tl.math.div_rn(x, scale[:, None])
     y = tl.minimum(tl.maximum(y, -448.0), 448.0)
     return _e4m3_bits(y, SOFT), scale
 
@@ -215,6 +219,13 @@ def _store_index_kernel(
 # ---- launchers ------------------------------------------------------------------------------------
 
 
+def check_aligned(what: str, tensor: torch.Tensor, strides: tuple[int, ...] = ()) -> None:
+    """The kernels store float32 scales and bf16 values through cast pointers: base address and byte
+    strides must be multiples of 4 (every layout's rows are; a slice of a pool at a row offset is)."""
+    if tensor.data_ptr() % 4 or any(stride % 4 for stride in strides):
+        raise ValueError(f"{what}: the fused kernels need 4-byte aligned rows (base and byte strides)")
+
+
 def _config(tensor: torch.Tensor, block_m: int | None, num_warps: int | None) -> tuple[int, int]:
     default = GPU_STORE_CONFIG if tensor.is_cuda else CPU_STORE_CONFIG
     return block_m or default[0], num_warps or default[1]
@@ -233,12 +244,13 @@ def store_mla_triton(
 ) -> None:
     """Pack ``kv[src_rows]`` as ``layout`` says and write it to ``pool_mla[dst_locs]`` (in place)."""
     check_store_args(kv, layout.kv_width, src_rows, dst_locs, pool_mla, layout.mla_bytes, "store_mla")
+    check_aligned("store_mla pool", pool_mla, (pool_mla.stride(0),))
     n = dst_locs.shape[0]
     if n == 0:
         return
     soft = not kv.is_cuda if soft is None else soft
     block, warps = _config(kv, block_m, num_warps)
-    common = dict(BLOCK_M=block, HAS_SRC=src_rows is not None, SOFT=soft, num_warps=warps)
+    common = {"BLOCK_M": block, "HAS_SRC": src_rows is not None, "SOFT": soft, "num_warps": warps}
     src = src_rows if src_rows is not None else dst_locs  # unused when HAS_SRC is false
     args = (kv, src, dst_locs, pool_mla, n, pool_mla.shape[0], kv.stride(0), kv.stride(1), pool_mla.stride(0))
     grid = (triton.cdiv(n, block),)
@@ -248,7 +260,11 @@ def store_mla_triton(
     else:
         width = layout.kv_width
         _store_mla_bf16_kernel[grid](
-            *args, W=width, BLOCK_C=min(128, triton.next_power_of_2(width)), IN_BF16=kv.dtype == torch.bfloat16, **common
+            *args,
+            W=width,
+            BLOCK_C=min(128, triton.next_power_of_2(width)),
+            IN_BF16=kv.dtype == torch.bfloat16,
+            **common,
         )
 
 
@@ -265,6 +281,7 @@ def store_index_triton(
 ) -> None:
     """Quantize ``k[src_rows]`` (``layout.index_scale_fmt``) into the index pages at ``dst_locs`` (in place)."""
     check_store_args(k, INDEX_HEAD_DIM, src_rows, dst_locs, pool_index, layout.index_page_bytes, "store_index")
+    check_aligned("store_index pool", pool_index, (pool_index.stride(0),))
     n = dst_locs.shape[0]
     if n == 0:
         return

@@ -24,16 +24,23 @@ from reference_impl.cp.split import SplitMetadata, rerange_tensor
 from reference_impl.kvcache.layout import INDEX_HEAD_DIM, SCALE_BYTES, KVLayout
 from reference_impl.model.fp8 import FP8_DTYPE
 
-
 # ---- argument checks (metadata only: no device sync), shared with the kernels --------------------
 
 
 def check_store_args(
-    values: torch.Tensor, width: int, src_rows: torch.Tensor | None, dst_locs: torch.Tensor, pool: torch.Tensor, pool_cols: int, what: str
+    values: torch.Tensor,
+    width: int,
+    src_rows: torch.Tensor | None,
+    dst_locs: torch.Tensor,
+    pool: torch.Tensor,
+    pool_cols: int,
+    what: str,
 ) -> None:
     """Metadata-only checks (no device sync) shared by the kernels and the torch paths."""
     if values.dim() != 2 or values.shape[1] != width or not values.is_floating_point():
-        raise ConfigError(f"{what}: input must be a float [N, {width}] tensor, got {values.dtype} {tuple(values.shape)}")
+        raise ConfigError(
+            f"{what}: input must be a float [N, {width}] tensor, got {values.dtype} {tuple(values.shape)}"
+        )
     if dst_locs.dtype != torch.int64 or dst_locs.dim() != 1:
         raise ConfigError(f"{what}: dst_locs must be int64 [M], got {dst_locs.dtype} {tuple(dst_locs.shape)}")
     n = values.shape[0] if src_rows is None else src_rows.shape[0]
@@ -55,7 +62,9 @@ def mla_strides(mla_pages: torch.Tensor, layout: KVLayout) -> tuple[int, int, in
     bad = mla_pages.dtype != torch.uint8 or mla_pages.dim() != 2 or mla_pages.stride(1) != 1
     if not bad and mla_pages.shape[1] == layout.mla_bytes:
         if mla_pages.shape[0] % layout.page_size:
-            raise ConfigError(f"materialize: {mla_pages.shape[0]} MLA token rows are not whole pages of {layout.page_size}")
+            raise ConfigError(
+                f"materialize: {mla_pages.shape[0]} MLA token rows are not whole pages of {layout.page_size}"
+            )
         return layout.page_size * mla_pages.stride(0), mla_pages.stride(0), mla_pages.shape[0]
     if not bad and mla_pages.shape[1] == layout.mla_page_bytes:
         return mla_pages.stride(0), layout.mla_bytes, mla_pages.shape[0] * layout.page_size
@@ -79,7 +88,8 @@ def check_materialize_args(
     n_source = mla_strides(mla_pages, layout)[2]
     if index_pages.dtype != torch.uint8 or index_pages.dim() != 2 or index_pages.shape[1] != layout.index_page_bytes:
         raise ConfigError(
-            f"materialize: index pages must be uint8 [n, {layout.index_page_bytes}], got {index_pages.dtype} {tuple(index_pages.shape)}"
+            f"materialize: index pages must be uint8 [n, {layout.index_page_bytes}], "
+            f"got {index_pages.dtype} {tuple(index_pages.shape)}"
         )
     if index_pages.shape[0] * layout.page_size != n_source or index_pages.stride(1) != 1:
         raise ConfigError(f"materialize: {index_pages.shape[0]} index pages for {n_source} MLA token rows")
@@ -88,11 +98,19 @@ def check_materialize_args(
             raise ConfigError(f"materialize: {name} must be int64 [R] like row_source, got {t.dtype} {tuple(t.shape)}")
     n_view = kv_view.shape[0]
     if kv_view.dtype != torch.bfloat16 or kv_view.shape != (n_view, layout.kv_width) or kv_view.stride(1) != 1:
-        raise ConfigError(f"materialize: kv_view must be bf16 [S, {layout.kv_width}] with contiguous rows, got {kv_view.dtype} {tuple(kv_view.shape)}")
+        raise ConfigError(
+            f"materialize: kv_view must be bf16 [S, {layout.kv_width}] with contiguous rows, "
+            f"got {kv_view.dtype} {tuple(kv_view.shape)}"
+        )
     if index_fp8.dtype != FP8_DTYPE or index_fp8.shape != (n_view, INDEX_HEAD_DIM) or index_fp8.stride(1) != 1:
-        raise ConfigError(f"materialize: index_fp8 must be float8_e4m3fn [{n_view}, {INDEX_HEAD_DIM}], got {index_fp8.dtype} {tuple(index_fp8.shape)}")
+        raise ConfigError(
+            f"materialize: index_fp8 must be float8_e4m3fn [{n_view}, {INDEX_HEAD_DIM}], "
+            f"got {index_fp8.dtype} {tuple(index_fp8.shape)}"
+        )
     if index_scale.dtype != torch.float32 or index_scale.shape != (n_view,):
-        raise ConfigError(f"materialize: index_scale must be float32 [{n_view}], got {index_scale.dtype} {tuple(index_scale.shape)}")
+        raise ConfigError(
+            f"materialize: index_scale must be float32 [{n_view}], got {index_scale.dtype} {tuple(index_scale.shape)}"
+        )
     return n_source
 
 

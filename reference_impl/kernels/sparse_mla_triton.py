@@ -161,6 +161,7 @@ def _sparse_mla_fwd_kernel(
 
     has_any = l_i > 0.0
     out = acc / tl.where(has_any, l_i, 1.0)[:, None]
+    # m_i and log2(l_i) are base-2 quantities; times ln(2) gives the natural-log LSE.
     lse = tl.where(has_any, (m_i + tl.log2(tl.where(has_any, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     out_rows = out_ptr + token * stride_ot + offs_h[:, None] * stride_oh
     tl.store(out_rows + offs_v[None, :], out, mask=h_mask[:, None] & v_mask[None, :])
