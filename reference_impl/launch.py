@@ -72,7 +72,8 @@ class RankFailedError(RuntimeError):
 @dataclass(frozen=True)
 class LaunchPlan:
     """How the ranks run: ``backend`` ("none" in-process, "gloo", "nccl"), one device per rank,
-    ``start_method`` ("inline", "fork", "spawn"), and whether ranks share GPUs."""
+    ``start_method`` ("inline", "fork", "forkserver" inside a Jupyter kernel, "spawn"), and whether
+    ranks share GPUs."""
 
     backend: str
     device_per_rank: tuple[str, ...]
@@ -121,7 +122,14 @@ def choose_backend(
     if kind == "cpu":
         devices = ("cpu",) * cp_size
         chosen, shared = "gloo", False
-        start = "fork" if fork_available and not cuda_initialized else "spawn"
+        if not fork_available or cuda_initialized:
+            start = "spawn"
+        elif in_jupyter_kernel():
+            # Forking a Jupyter kernel copies its ZMQ sockets into the ranks; seen killing the kernel
+            # (ENOTSOCK) on the GPU box. A fork server starts clean and then forks cheaply.
+            start = "forkserver"
+        else:
+            start = "fork"
     else:
         devices = tuple(f"cuda:{r % cuda_count}" for r in range(cp_size))
         chosen = "nccl" if backend != "gloo" and cuda_count >= cp_size else "gloo"
@@ -135,6 +143,15 @@ def choose_backend(
 def rank_cpu_threads(world: int) -> int:
     """Intra-op threads each of ``world`` CPU ranks uses (the oracle uses the same, for bitwise-equal math)."""
     return max(1, (os.cpu_count() or 1) // world)
+
+
+def in_jupyter_kernel() -> bool:
+    """True inside a running Jupyter kernel (the walkthrough notebooks), not merely with ipykernel imported."""
+    import sys
+
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    return shell is not None and getattr(shell, "kernel", None) is not None
 
 
 def under_torchrun() -> bool:

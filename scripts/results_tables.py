@@ -1,0 +1,69 @@
+"""Render the benchmark JSON files under docs/results/ as markdown tables (no number typed by hand).
+
+    python3 scripts/results_tables.py compute docs/results/compute_bench.json
+    python3 scripts/results_tables.py kernels docs/results/kernels_bench.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def compute(doc: dict) -> str:
+    lines = [
+        f"Device: {doc['device']}, torch {doc['torch']}, triton {doc['triton']}; timer: {doc['timing']}.",
+        f"Command: `{doc['command']}`. bf16 matmul 8192^3 on the same device: {doc['bf16_matmul_8192_tflops']:.0f} TFLOPS.",
+        "",
+        "| kernel | T queries | S keys | Triton ms | TFLOPS | / 640 | torch ms | speed-up | check |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    rows = [("sparse MLA", a) for a in doc["attention"]] + [("sparse MLA, rank 0 of C=8", doc["per_rank"]["attention"])]
+    for name, a in rows:
+        torch_ms = f"{a['torch_ms']:.1f}" if a.get("torch_ms") else "-"
+        speed = f"{a['speedup']:.1f}x" if a.get("speedup") else "-"
+        lines.append(
+            f"| {name} | {a['T']} | {a['S']} | {a['triton_ms']:.2f} | {a['triton_tflops']:.0f} | "
+            f"{a['fraction_of_flashmla_640']:.0%} | {torch_ms} | {speed} | {'ok' if a['check']['ok'] else 'FAIL'} |"
+        )
+    rows = [("indexer top-k", i) for i in doc["indexer"]] + [("indexer top-k, rank 0 of C=8", doc["per_rank"]["indexer"])]
+    lines += ["", "| kernel | T queries | S keys | Triton ms (logits + top-k) | logits TFLOPS | torch ms | speed-up | check |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, i in rows:
+        torch_ms = f"{i['torch_ms']:.1f}" if i.get("torch_ms") else "-"
+        speed = f"{i['speedup']:.1f}x" if i.get("speedup") else "-"
+        lines.append(
+            f"| {name} | {i['T']} | {i['S']} | {i['triton_ms']:.2f} ({i['triton_logits_ms']:.2f} + {i['topk_ms']:.2f}) | "
+            f"{i['logits_tflops']:.0f} | {torch_ms} | {speed} | {'ok' if i['check']['ok'] else 'FAIL'} |"
+        )
+    return "\n".join(lines)
+
+
+def kernels(doc: dict) -> str:
+    copy = doc["copy"]
+    lines = [
+        f"Device: {doc['device']}, torch {doc['torch']}, triton {doc['triton']}; timer: {doc['timing']}.",
+        f"Command: `{doc['command']}`. Device copy bandwidth: {copy['gbps']:.0f} GB/s (read + write). Bar: {doc['bar']}.",
+        "",
+        "| op | T | Triton ms | GB/s | / copy | torch ms | GB/s | speed-up | bytes equal to torch |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for k in doc["kernels"]:
+        check = "yes" if k["check"].get("bytes_equal", k["check"].get("ok", False)) else f"no ({k['check'].get('differing_bytes')} B differ)"
+        lines.append(
+            f"| {k['op']} | {k['T']} | {k['triton_ms']:.3f} | {k['triton_gbps']:.0f} | {k['triton_fraction_of_copy']:.0%} | "
+            f"{k['torch_ms']:.3f} | {k['torch_gbps']:.0f} | {k['speedup']:.1f}x | {check} |"
+        )
+    lines += ["", "| remap (phase 6) | T | sort + searchsorted ms | page-inverse ms | per call | per layer | per forward (61 layers) |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in doc["remap"]:
+        lines.append(
+            f"| {'equal' if r['equal'] else 'DIFFER'} | {r['T']} | {r['sorted_ms']:.4f} | {r['page_inverse_ms']:.4f} | "
+            f"{r['per_call_ratio']:.1f}x | {r['per_layer_ratio']:.1f}x | {r['per_forward_ratio']:.0f}x |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    kind, path = sys.argv[1], sys.argv[2]
+    print({"compute": compute, "kernels": kernels}[kind](json.load(open(path))))
