@@ -16,6 +16,7 @@ output rows back; phase 1 narrows it (:mod:`reference_impl.cp.narrow_output`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from reference_impl.cp.narrow_output import collect_narrow
 from reference_impl.cp.page_aligned import build_page_aligned_split
 from reference_impl.cp.rerange import gather_current
 from reference_impl.cp.split import SplitMetadata, build_split, local_index_tensor
+from reference_impl.cp.sync_audit import HostSyncCounter
 from reference_impl.cp.tail import OutputSpec, collect_full
 from reference_impl.kvcache.allocator import RequestPageTable
 from reference_impl.kvcache.layout import KVLayout
@@ -146,6 +148,18 @@ class _Accumulated:
     transient_peak: int = 0
     tail_mode: str = ""
     store_paths: set[str] = field(default_factory=set)
+    host_syncs: int = 0
+
+
+class HostSyncError(AssertionError):
+    """The phase-6 layer loop synchronized with the host (debug-mode audit)."""
+
+
+def _host_key_range(meta: SplitMetadata, plan: BatchPlan, rank: int) -> tuple[int, int]:
+    """Host bounds of the local queries' key ranges, from metadata alone (phase 6: no device reads)."""
+    starts = [plan.view_offsets[meta.token_request[g]] for g in meta.local_tokens(rank)]
+    ends = [plan.view_offsets[meta.token_request[g]] + meta.token_position[g] + 1 for g in meta.local_tokens(rank)]
+    return min(starts), max(ends)
 
 
 def chunk_metadata(run: RunConfig, chunk: Chunk) -> SplitMetadata:
@@ -220,6 +234,8 @@ def run_rank(group: CPGroup, run: RunConfig, *, keep_store: bool = False) -> Ran
         "output_gather_bytes": sum(s.buffer_bytes for s in group.stats if s.tag == "tail"),
         "collectives": len(group.stats),
     }
+    if 6 in run.phases and group.debug:
+        stats["host_syncs_in_layer_loop"] = acc.host_syncs
     if device.type == "cuda":
         stats["measured_peak_bytes"] = torch.cuda.max_memory_allocated(device) - base_allocated
     all_locs = [table.locs(req).to(device) for req in range(len(run.requests))]
@@ -270,22 +286,32 @@ def _run_chunk(
     # Top-k rows relative to the request's first full-view row, i.e. token positions in the request.
     request_start = key_start[:, None].int()
 
+    key_range = _host_key_range(meta, plan, group.rank) if 6 in run.phases else None
+
     clock = _LayerClock(device)
     topk_per_layer: list[torch.Tensor] = []
-    clock.mark()
-    for layer, block in enumerate(model.layers):
-        proj = block.attn.project(block.attn_norm(x), positions)
-        kv_seq = gather_current(group, meta, proj.kv, tag="kv")  # [T, 576] sequence order
-        index_k_seq = gather_current(group, meta, proj.index_k, tag="index_k")  # [T, 128]
-        store.store_current(layer, kv_seq, index_k_seq, proj.kv, proj.index_k)
-        view = store.full_view(layer, kv_seq, index_k_seq)
-        out, topk = block.attn.attend(proj, view.kv, view.index_k_fp8, view.index_k_scale, key_start, key_end)
-        x = x + out
-        gathered_bytes = sum(t.numel() * t.element_size() for t in (kv_seq, index_k_seq))
-        acc.transient_peak = max(acc.transient_peak, gathered_bytes + view.nbytes + getattr(store, "transient_bytes", 0))
-        if run.check:
-            topk_per_layer.append(torch.where(topk >= 0, topk - request_start, topk).cpu())
+    audit = HostSyncCounter() if (6 in run.phases and group.debug) else contextlib.nullcontext()
+    with audit:
         clock.mark()
+        for layer, block in enumerate(model.layers):
+            proj = block.attn.project(block.attn_norm(x), positions)
+            kv_seq = gather_current(group, meta, proj.kv, tag="kv")  # [T, 576] sequence order
+            index_k_seq = gather_current(group, meta, proj.index_k, tag="index_k")  # [T, 128]
+            store.store_current(layer, kv_seq, index_k_seq, proj.kv, proj.index_k)
+            view = store.full_view(layer, kv_seq, index_k_seq)
+            out, topk = block.attn.attend(
+                proj, view.kv, view.index_k_fp8, view.index_k_scale, key_start, key_end, key_range
+            )
+            x = x + out
+            gathered_bytes = sum(t.numel() * t.element_size() for t in (kv_seq, index_k_seq))
+            acc.transient_peak = max(acc.transient_peak, gathered_bytes + view.nbytes + store.transient_bytes)
+            if run.check:
+                topk_per_layer.append(torch.where(topk >= 0, topk - request_start, topk))  # stays on device
+            clock.mark()
+    if isinstance(audit, HostSyncCounter):
+        acc.host_syncs += audit.count
+        if audit.count:
+            raise HostSyncError(f"{audit.count} host sync(s) in the phase-6 layer loop: {'; '.join(audit.sites)}")
     acc.layer_ms.extend(clock.intervals_ms())
 
     tail_start = time.perf_counter()
@@ -302,4 +328,4 @@ def _run_chunk(
     acc.token_ids.extend(chunk.token_ids[g] for g in meta.local_tokens(group.rank))
     if run.check:
         acc.hidden.append(x.float().cpu())
-        acc.topk.append(topk_per_layer)
+        acc.topk.append([t.cpu() for t in topk_per_layer])

@@ -59,8 +59,9 @@ def build_report(
     per_rank = []
     for r in results:
         entry: dict[str, Any] = {"rank": r.rank, **{k: r.stats[k] for k in PER_RANK_FIELDS}}
-        if "measured_peak_bytes" in r.stats:
-            entry["measured_peak_bytes"] = r.stats["measured_peak_bytes"]
+        for optional in ("measured_peak_bytes", "host_syncs_in_layer_loop"):
+            if optional in r.stats:
+                entry[optional] = r.stats[optional]
         entry["tokens"] = len(r.token_ids)
         entry["layer_ms_median"] = statistics.median(r.timings["layer_ms"])
         entry["tail_ms"] = r.timings["tail_ms"]

@@ -42,6 +42,7 @@ class ReplicatedKV:
         self.layout = layout
         self.pool = PagedKVPool(n_layers, plan.n_pages, plan.page_size, layout, device, debug)
         self.materialized_bytes = 0  # bytes read from storage to build full views, all layers
+        self.transient_bytes = 0  # no gather buffers beyond the full view
 
     def bind(self, plan: BatchPlan) -> None:
         """Serve the next chunk of a chunked prefill (same page-id space, same pool)."""

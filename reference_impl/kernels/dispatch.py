@@ -78,10 +78,11 @@ def _triton_indexer_topk(
     key_end: torch.Tensor,
     topk: int,
     rows_per_chunk: int,
+    key_range: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     from reference_impl.kernels.indexer_triton import indexer_topk_triton
 
-    return indexer_topk_triton(q_fp8, weights, k_fp8, k_scale, key_start, key_end, topk, rows_per_chunk)
+    return indexer_topk_triton(q_fp8, weights, k_fp8, k_scale, key_start, key_end, topk, rows_per_chunk, key_range)
 
 
 def _try_triton(kernel: str, fn: Callable[[], object]) -> object | None:
@@ -124,6 +125,7 @@ def indexer_topk(
     topk: int,
     rows_per_chunk: int = 0,
     *,
+    key_range: tuple[int, int] | None = None,
     force_torch: bool = False,
 ) -> torch.Tensor:
     """Top-``min(topk, visible)`` full-view rows per query -> [T, topk] int32, -1 padded.
@@ -133,8 +135,10 @@ def indexer_topk(
     if _use_triton(q_fp8, force_torch):
         result = _try_triton(
             "indexer_topk",
-            lambda: _triton_indexer_topk(q_fp8, weights, k_fp8, k_scale, key_start, key_end, topk, rows_per_chunk),
+            lambda: _triton_indexer_topk(
+                q_fp8, weights, k_fp8, k_scale, key_start, key_end, topk, rows_per_chunk, key_range
+            ),
         )
         if result is not None:
             return result  # type: ignore[return-value]
-    return torch_ref.indexer_topk(q_fp8, weights, k_fp8, k_scale, key_start, key_end, topk, rows_per_chunk)
+    return torch_ref.indexer_topk(q_fp8, weights, k_fp8, k_scale, key_start, key_end, topk, rows_per_chunk, key_range)

@@ -190,6 +190,7 @@ def indexer_topk_triton(
     key_end: torch.Tensor,
     topk: int,
     rows_per_chunk: int = 0,
+    key_range: tuple[int, int] | None = None,
     *,
     max_chunk_bytes: int = 1 << 30,
     **launch: object,
@@ -209,7 +210,7 @@ def indexer_topk_triton(
     key_end = key_end.to(torch.int64)
     for r0 in range(0, n_rows, rows_per_chunk):
         r1 = min(n_rows, r0 + rows_per_chunk)
-        lo, hi = int(key_start[r0:r1].min()), int(key_end[r0:r1].max())
+        lo, hi = key_range if key_range is not None else (int(key_start[r0:r1].min()), int(key_end[r0:r1].max()))
         if hi <= lo:
             continue
         rows = slice(r0, r1)

@@ -147,6 +147,7 @@ class DSAAttention(nn.Module):
         index_k_scale: torch.Tensor,  # [S] float32
         key_start: torch.Tensor,  # [T] int64: first full-view row of the query's request
         key_end: torch.Tensor,  # [T] int64: exclusive causal end (request start + prefix + j + 1)
+        key_range: tuple[int, int] | None = None,  # host bounds of all rows' key ranges (no host sync)
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Indexer top-k + sparse MLA for the projected queries -> ``(out [T, dim], topk [T, K] int32)``.
 
@@ -154,7 +155,8 @@ class DSAAttention(nn.Module):
         """
         cfg = self.cfg
         topk = indexer_topk(
-            proj.index_q_fp8, proj.index_weights, index_k_fp8, index_k_scale, key_start, key_end, cfg.index_topk
+            proj.index_q_fp8, proj.index_weights, index_k_fp8, index_k_scale, key_start, key_end, cfg.index_topk,
+            key_range=key_range,
         )
         o_latent, _ = sparse_mla_attention(
             proj.q.to(kv_view.dtype), kv_view, topk, cfg.softmax_scale, cfg.kv_lora_rank

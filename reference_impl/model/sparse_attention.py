@@ -34,10 +34,13 @@ def indexer_topk(
     key_end: torch.Tensor,  # [T] int64, exclusive
     topk: int,
     rows_per_chunk: int = 0,
+    key_range: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Top-``min(topk, visible)`` full-view rows per query by index score -> [T, topk] int32, -1 padded.
 
-    Indices within a row are ordered by descending score (``torch.topk`` order).
+    Indices within a row are ordered by descending score (``torch.topk`` order). ``key_range``
+    (host ints covering every row's ``[key_start, key_end)``) spares the per-chunk device reads
+    of the bounds, i.e. the host syncs; without it each chunk reads its own tighter bounds.
     """
     n_rows = q_fp8.shape[0]
     out = torch.full((n_rows, topk), -1, dtype=torch.int32, device=q_fp8.device)
@@ -49,7 +52,7 @@ def indexer_topk(
         rows_per_chunk = max(1, (512 << 20) // per_row)
     for r0 in range(0, n_rows, rows_per_chunk):
         r1 = min(n_rows, r0 + rows_per_chunk)
-        lo, hi = int(key_start[r0:r1].min()), int(key_end[r0:r1].max())
+        lo, hi = key_range if key_range is not None else (int(key_start[r0:r1].min()), int(key_end[r0:r1].max()))
         scores = indexer_scores(q_fp8[r0:r1], weights[r0:r1], k_fp8[lo:hi], k_scale[lo:hi])
         cols = torch.arange(lo, hi, device=scores.device)
         visible = (cols >= key_start[r0:r1, None]) & (cols < key_end[r0:r1, None])
