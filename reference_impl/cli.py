@@ -1,4 +1,4 @@
-"""Command line: ``python -m reference_impl {run,split,demo} ...``.
+"""Command line: ``python -m reference_impl {run,split,demo,plan} ...``.
 
 Every run flag is a :class:`~reference_impl.config.RunConfig` field: ``--cp-size`` is the field
 ``cp_size`` and the environment variable ``DSACP_CP_SIZE`` (an environment variable sets the
@@ -162,6 +162,53 @@ def _int_list(text: str, flag: str) -> list[int]:
         raise ConfigError(f"malformed {flag} {text!r}: use comma-separated integers") from None
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    """Capacity planner: predictions per phase level (:mod:`reference_impl.planner`); nothing runs."""
+    from reference_impl.planner import PlanConfig, format_plan, load_rates, parse_contexts, plan_capacity
+
+    config = PlanConfig(
+        preset=args.preset,
+        cp_size=int(args.cp_size),
+        hbm_gib=float(args.hbm_gib),
+        reserved_gib=None if args.reserved_gib is None else float(args.reserved_gib),
+        kv_budget_fraction=None if args.kv_budget_fraction is None else float(args.kv_budget_fraction),
+        contexts=parse_contexts(str(args.contexts)),
+        kv_dtype=args.kv_dtype,
+        page_size=int(args.page_size),
+    )
+    rates = load_rates(args.rates)
+    if args.interconnect_gbps is not None:
+        rates = rates.override({"interconnect_gbps": args.interconnect_gbps}, "--interconnect-gbps")
+    plan = plan_capacity(config, rates)
+    print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
+    return 0
+
+
+def _add_plan_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(_flag("preset"), default=_env_default("preset", "deepseek-v3.2"), help="deepseek-v3.2 | glm-5 | tiny")
+    p.add_argument(_flag("cp_size"), "--cp", dest="cp_size", type=int, default=_env_default("cp_size", 8), help="CP ranks C")
+    p.add_argument(_flag("hbm_gib"), type=float, default=_env_default("hbm_gib", 141.0), help="HBM per GPU, GiB")
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument(
+        _flag("reserved_gib"), type=float, default=_env_default("reserved_gib", None),
+        help="GiB of HBM kept for weights, activations and workspace; KV gets the rest (default 93)",
+    )
+    budget.add_argument(
+        _flag("kv_budget_fraction"), type=float, default=_env_default("kv_budget_fraction", None),
+        help="instead of --reserved-gib: the fraction of HBM given to the KV cache",
+    )
+    p.add_argument(_flag("contexts"), default=_env_default("contexts", "8192,131072,1048576"),
+                   help="request lengths, comma separated (K = 1024, M = 1024^2 allowed)")
+    p.add_argument(_flag("kv_dtype"), default=_env_default("kv_dtype", "fp8"), help="fp8 | bf16")
+    p.add_argument(_flag("page_size"), type=int, default=_env_default("page_size", 64))
+    env_rates = _env_default("rates", None)
+    p.add_argument(_flag("rates"), action="append", default=[env_rates] if env_rates else None, metavar="FILE.json",
+                   help="override rates: a compute_bench.json, a kernels_bench.json or {field: value}; repeatable")
+    p.add_argument(_flag("interconnect_gbps"), type=float, default=_env_default("interconnect_gbps", None),
+                   help="all-gather bandwidth per GPU per direction, GB/s (assumed default 450: NVLink 4)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m reference_impl", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
@@ -176,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--prefix", default="", help="prefix lengths, comma separated (default 0)")
     sp.add_argument("--page-size", type=int, default=64)
     sp.add_argument("--json", action="store_true")
+    _add_plan_flags(sub.add_parser("plan", help="capacity planner: KV per rank, max context, per-layer time per level"))
     return parser
 
 
@@ -183,7 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        return {"run": _cmd_run, "demo": _cmd_demo, "split": _cmd_split}[args.command](args)
+        return {"run": _cmd_run, "demo": _cmd_demo, "split": _cmd_split, "plan": _cmd_plan}[args.command](args)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

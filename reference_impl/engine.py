@@ -87,9 +87,9 @@ def make_kv_store(run: RunConfig, plan: BatchPlan, layout: KVLayout, group: CPGr
     if 2 in run.phases:
         return ShardedKV(
             plan, layout, run.model.n_layers, group, group.debug,
-            reuse_current=3 in run.phases, direct_write=5 in run.phases,
+            reuse_current=3 in run.phases, direct_write=5 in run.phases, fused=7 in run.phases,
         )
-    return ReplicatedKV(plan, layout, run.model.n_layers, group.device, group.debug)
+    return ReplicatedKV(plan, layout, run.model.n_layers, group.device, group.debug, fused=7 in run.phases)
 
 
 @torch.no_grad()
@@ -295,8 +295,9 @@ def _run_chunk(
         clock.mark()
         for layer, block in enumerate(model.layers):
             proj = block.attn.project(block.attn_norm(x), positions)
-            kv_seq = gather_current(group, meta, proj.kv, tag="kv")  # [T, 576] sequence order
-            index_k_seq = gather_current(group, meta, proj.index_k, tag="index_k")  # [T, 128]
+            fused = 7 in run.phases
+            kv_seq = gather_current(group, meta, proj.kv, "kv", fused, group.debug)  # [T, 576] sequence order
+            index_k_seq = gather_current(group, meta, proj.index_k, "index_k", fused, group.debug)  # [T, 128]
             store.store_current(layer, kv_seq, index_k_seq, proj.kv, proj.index_k)
             view = store.full_view(layer, kv_seq, index_k_seq)
             out, topk = block.attn.attend(

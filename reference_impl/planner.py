@@ -48,6 +48,7 @@ one row).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -230,6 +231,7 @@ def load_rates(paths: list[str] | None = None, results_dir: Path | None = RESULT
 # --------------------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=256)
 def zigzag_blocks(context: int, cp_size: int, page_size: int, page_aligned: bool) -> tuple[int, ...]:
     """The ``2C`` block sizes of one request of ``context`` tokens (no prefix).
 
@@ -304,7 +306,7 @@ def projection_macs(cfg: ModelConfig) -> dict[str, int]:
     """Multiply-adds per token of each linear map of the attention slice (DeepSeek-V3.2 names).
 
     ``wkv_b`` runs absorbed: ``q_nope`` (``H x nope``) into the latent (``H x nope x kv_lora``) and
-    the attention output back (``H x kv_lora x v``). V3.2 sums to 201,392,128 per token.
+    the attention output back (``H x kv_lora x v``). V3.2 sums to 201,064,448 per token.
     """
     h, c = cfg.n_heads, cfg.kv_lora_rank
     return {
@@ -378,3 +380,257 @@ def transient_bytes(
     view = context * (cfg.kv_width * 2 + cfg.index_head_dim + 4)
     pages = -(-context // page_size) * page_bytes(cfg, kv_dtype, page_size) if level == 2 else 0
     return gathered + view + pages
+
+
+# --------------------------------------------------------------------------------------------
+# Per-layer time of one rank at one phase level
+# --------------------------------------------------------------------------------------------
+
+
+def level_status(level: int) -> str:
+    """``"built"`` when every phase of the cumulative level exists in this version."""
+    return "built" if set(range(1, level + 1)) <= IMPLEMENTED_PHASES else "predicted, not built"
+
+
+def layer_terms(
+    cfg: ModelConfig, rates: PlannerRates, cp_size: int, context: int, level: int, rank: int,
+    kv_dtype: KVDtype = "fp8", page_size: int = 64,
+) -> dict[str, float]:
+    """Milliseconds of each part of one layer on ``rank`` at phase ``level`` (see the module docstring)."""
+    layout = KVLayout.from_config(cfg, kv_dtype, page_size)
+    blocks = zigzag_blocks(context, cp_size, page_size, page_aligned=level >= 4)
+    ranges = rank_ranges(blocks, rank)
+    t_local = sum(b - a for a, b in ranges)
+    t_pad = max(blocks[r] + blocks[len(blocks) - 1 - r] for r in range(cp_size))
+    fused, sharded = level >= 7, level >= 2
+    terms = {
+        "projections": ms_for_flops(projection_flops(cfg, t_local), rates.matmul_tflops),
+        "indexer_logits": ms_for_flops(indexer_flops(cfg, visible_keys(ranges)), rates.indexer_logits_tflops),
+        "indexer_topk": topk_ms(rates, t_local, context),
+        "attention": ms_for_flops(attention_flops(cfg, t_local, context), rates.attention_tflops),
+        "allgather1": ms_for_bytes(allgather1_bytes(cfg, cp_size, t_pad), rates.interconnect_gbps),
+    }
+    kv_b, index_b = rerange_bytes(cfg, context)
+    terms["rerange"] = ms_for_bytes(kv_b, rates.gbps("rerange_kv", fused)) + ms_for_bytes(
+        index_b, rates.gbps("rerange_index", fused)
+    )
+    # Rows this rank writes: the whole chunk (replica), its owned pages' tokens picked from the
+    # gathered chunk (levels 2-4), or the rows it computed, written directly (level >= 5).
+    rows = context if not sharded else owned_tokens(context, rank, cp_size, page_size) if level < 5 else t_local
+    mla_b, index_b = store_bytes(cfg, layout, rows)
+    terms["select"] = ms_for_bytes(rows * gather_row_bytes(cfg) * 2, rates.copy_gbps) if 2 <= level < 5 else 0.0
+    terms["store"] = ms_for_bytes(mla_b, rates.gbps(f"store_mla_{kv_dtype}", fused)) + ms_for_bytes(
+        index_b, rates.gbps("store_index", fused)
+    )
+    remap_scale = context / rates.remap_ref_tokens
+    if not sharded:
+        terms["remap"] = 0.0  # physical == logical
+    elif level < 6:
+        terms["remap"] = 2 * rates.remap_sort_ms * remap_scale
+    else:
+        terms["remap"] = rates.remap_page_inverse_ms * remap_scale / cfg.n_layers
+    one_page = page_bytes(cfg, kv_dtype, page_size)
+    comm = materialize_comm_bytes(context, cp_size, page_size, one_page) if level == 2 else 0
+    terms["materialize_comm"] = ms_for_bytes(comm, rates.interconnect_gbps)
+    terms["full_view"] = ms_for_bytes(view_bytes(cfg, layout, context), rates.gbps("materialize", fused))
+    return terms
+
+
+def slowest_rank(
+    cfg: ModelConfig, rates: PlannerRates, cp_size: int, context: int, level: int, kv_dtype: KVDtype = "fp8", page_size: int = 64
+) -> tuple[int, dict[str, float]]:
+    """The rank with the longest layer and its terms (ties: the lowest rank)."""
+    best: tuple[int, dict[str, float]] | None = None
+    for rank in range(cp_size):
+        terms = layer_terms(cfg, rates, cp_size, context, level, rank, kv_dtype, page_size)
+        if best is None or sum(terms.values()) > sum(best[1].values()) + 1e-12:
+            best = (rank, terms)
+    assert best is not None
+    return best
+
+
+def tail_ms(cfg: ModelConfig, rates: PlannerRates, cp_size: int, context: int, level: int, page_size: int = 64) -> float:
+    """All-gather #2 once per forward: ``(C - 1) x rows x hidden x 2`` B over the interconnect,
+    ``rows = T_pad`` at level 0 and 1 (the last token of the one request) from level 1."""
+    blocks = zigzag_blocks(context, cp_size, page_size, page_aligned=level >= 4)
+    rows = max(blocks[r] + blocks[len(blocks) - 1 - r] for r in range(cp_size)) if level == 0 else 1
+    return ms_for_bytes((cp_size - 1) * rows * cfg.dim * ACT_BYTES, rates.interconnect_gbps)
+
+
+# --------------------------------------------------------------------------------------------
+# The plan
+# --------------------------------------------------------------------------------------------
+
+
+def parse_contexts(spec: str) -> tuple[int, ...]:
+    """``"8192,128K,1M"`` -> ``(8192, 131072, 1048576)`` (``K`` = 1024, ``M`` = 1024^2)."""
+    out = []
+    for item in (s.strip() for s in spec.split(",")):
+        if not item:
+            continue
+        scale = {"k": 1024, "m": 1024**2}.get(item[-1].lower(), 1)
+        try:
+            out.append(int(item[:-1] if scale > 1 else item) * scale)
+        except ValueError:
+            raise ConfigError(f"malformed context {item!r} in --contexts: use integers like 8192, 128K or 1M") from None
+    if not out:
+        raise ConfigError(f"malformed --contexts {spec!r}: no context")
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """The planner's knobs (each field is a CLI flag ``--field-name`` and ``DSACP_FIELD_NAME``).
+
+    The KV budget per GPU is ``hbm_gib - reserved_gib`` GiB, or ``hbm_gib x kv_budget_fraction``
+    when the fraction is given (then ``reserved_gib`` must be ``None``). ``reserved_gib`` stands for
+    weights, activations and workspace; ``None`` for both means ``DEFAULT_RESERVED_GIB`` (93).
+    """
+
+    preset: str = "deepseek-v3.2"
+    cp_size: int = 8
+    hbm_gib: float = 141.0
+    reserved_gib: float | None = None
+    kv_budget_fraction: float | None = None
+    contexts: tuple[int, ...] = DEFAULT_CONTEXTS
+    kv_dtype: KVDtype = "fp8"
+    page_size: int = 64
+
+    def __post_init__(self) -> None:
+        get_preset(self.preset)
+        if self.cp_size < 1:
+            raise ConfigError(f"cp_size={self.cp_size}: need at least one rank")
+        if not self.hbm_gib > 0:
+            raise ConfigError(f"hbm_gib={self.hbm_gib}: HBM per GPU must be a positive number of GiB")
+        if self.reserved_gib is not None and self.kv_budget_fraction is not None:
+            raise ConfigError("give reserved_gib or kv_budget_fraction, not both")
+        if self.kv_budget_fraction is not None and not 0 < self.kv_budget_fraction <= 1:
+            raise ConfigError(f"kv_budget_fraction={self.kv_budget_fraction}: need a fraction in (0, 1]")
+        if self.reserved_gib is not None and self.reserved_gib < 0:
+            raise ConfigError(f"reserved_gib={self.reserved_gib}: need >= 0 GiB")
+        if self.kv_budget_fraction is None and self.reserved >= self.hbm_gib:
+            raise ConfigError(
+                f"reserved_gib={self.reserved:g} (weights, activations) is not below hbm_gib={self.hbm_gib:g}: "
+                "no HBM left for the KV cache"
+            )
+        if self.kv_dtype not in ("bf16", "fp8"):
+            raise ConfigError(f"kv_dtype={self.kv_dtype!r}: use 'bf16' or 'fp8'")
+        validate_page_size(self.page_size)
+        small = [c for c in self.contexts if c < 2 * self.cp_size]
+        if not self.contexts or small:
+            raise ConfigError(f"contexts {small or '()'}: each needs at least 2C = {2 * self.cp_size} tokens")
+
+    @property
+    def reserved(self) -> float:
+        return DEFAULT_RESERVED_GIB if self.reserved_gib is None else self.reserved_gib
+
+    @property
+    def kv_budget_bytes(self) -> int:
+        if self.kv_budget_fraction is not None:
+            return int(self.hbm_gib * self.kv_budget_fraction * GIB)
+        return int((self.hbm_gib - self.reserved) * GIB)
+
+    @property
+    def budget_rule(self) -> str:
+        if self.kv_budget_fraction is not None:
+            return f"{self.hbm_gib:g} GiB HBM x {self.kv_budget_fraction:g}"
+        default = " (default)" if self.reserved_gib is None else ""
+        return f"{self.hbm_gib:g} GiB HBM - {self.reserved:g} GiB reserved for weights and activations{default}"
+
+
+def plan_capacity(config: PlanConfig, rates: PlannerRates) -> dict[str, Any]:
+    """Predictions for every phase level 0..8 at every context -> a JSON-ready dict.
+
+    Per level: ``max_context`` (tokens of one request whose KV fits the budget on every rank) and,
+    per context, ``kv_bytes_per_rank``, ``transient_bytes_per_layer``, ``fits`` (KV + transient
+    within the budget), ``layer_ms`` with its ``terms_ms`` on ``slowest_rank``, and
+    ``tail_ms_per_forward``.
+    """
+    cfg, c, dt, ps = get_preset(config.preset), config.cp_size, config.kv_dtype, config.page_size
+    budget = config.kv_budget_bytes
+    levels = []
+    for level in LEVELS:
+        sharded = level >= 2
+        points = []
+        for ctx in config.contexts:
+            rank, terms = slowest_rank(cfg, rates, c, ctx, level, dt, ps)
+            kv = kv_bytes_per_rank(cfg, ctx, c, sharded, dt, ps)
+            transient = transient_bytes(cfg, ctx, level, dt, ps)
+            points.append({
+                "context": ctx, "kv_bytes_per_rank": kv, "transient_bytes_per_layer": transient,
+                "fits": kv + transient <= budget, "layer_ms": sum(terms.values()), "slowest_rank": rank,
+                "terms_ms": terms, "tail_ms_per_forward": tail_ms(cfg, rates, c, ctx, level, ps),
+            })
+        levels.append({
+            "level": level, "adds": PHASE_NAMES.get(level, "baseline"), "status": level_status(level),
+            "kv_at_rest": "sharded" if sharded else "replicated",
+            "max_context": max_context_per_rank(cfg, budget, c, sharded, dt, ps), "contexts": points,
+        })
+    return {
+        "inputs": {**dataclasses.asdict(config), "reserved_gib": None if config.kv_budget_fraction else config.reserved,
+                   "kv_budget_bytes": budget, "budget_rule": config.budget_rule, "n_layers": cfg.n_layers,
+                   "page_bytes": page_bytes(cfg, dt, ps), "max_seq_len": cfg.max_seq_len},
+        "rates": {k: {"value": v, "source": rates.sources[k]} for k, v in rates.values().items()},
+        "scenario": "one request of S tokens prefilled in one chunk (no prefix), in-seq split; slowest rank",
+        "levels": levels,
+    }
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.2f}"
+
+
+def format_plan(plan: dict[str, Any]) -> str:
+    """The plan as text: a memory table and a time table (one row per level), then the inputs."""
+    inp, levels = plan["inputs"], plan["levels"]
+    ctxs = [f"{c:,}" for c in inp["contexts"]]
+    lines = [
+        f"Capacity plan: {inp['preset']}, C={inp['cp_size']}, {inp['kv_dtype']} KV, page {inp['page_size']}, "
+        f"{inp['n_layers']} layers. Scenario: {plan['scenario']}.",
+        f"KV budget per GPU: {inp['budget_rule']} = {_gib(inp['kv_budget_bytes'])} GiB. "
+        "Every figure is a prediction from the inputs listed below.",
+        "",
+        "Memory per rank: KV at rest, all layers (GiB; * = KV + one layer's transient exceed the budget) "
+        "| transient per layer (GiB) | max context",
+        "| level | adds | status | " + " | ".join(f"KV @ {c}" for c in ctxs) + " | "
+        + " | ".join(f"transient @ {c}" for c in ctxs) + " | max context |",
+        "|" + " --- |" * (4 + 2 * len(ctxs)),
+    ]
+    for lv in levels:
+        kv = [_gib(p["kv_bytes_per_rank"]) + ("" if p["fits"] else " *") for p in lv["contexts"]]
+        tr = [_gib(p["transient_bytes_per_layer"]) for p in lv["contexts"]]
+        lines.append(f"| {lv['level']} | {lv['adds']} | {lv['status']} | " + " | ".join(kv + tr) + f" | {lv['max_context']:,} |")
+    lines += [
+        "",
+        "Time per layer, slowest rank (ms; attention slice + CP data movement) | all-gather #2 per forward (ms)",
+        "| level | status | " + " | ".join(f"layer @ {c}" for c in ctxs) + " | "
+        + " | ".join(f"tail @ {c}" for c in ctxs) + " |",
+        "|" + " --- |" * (2 + 2 * len(ctxs)),
+    ]
+    for lv in levels:
+        ms = [f"{p['layer_ms']:.2f}" for p in lv["contexts"]] + [f"{p['tail_ms_per_forward']:.3g}" for p in lv["contexts"]]
+        lines.append(f"| {lv['level']} | {lv['status']} | " + " | ".join(ms) + " |")
+    last = inp["contexts"][-1]
+    names = list(levels[0]["contexts"][-1]["terms_ms"])
+    lines += [
+        "",
+        f"Per-layer terms at {last:,} tokens (ms, slowest rank)",
+        "| level | " + " | ".join(names) + " |",
+        "|" + " --- |" * (1 + len(names)),
+    ]
+    for lv in levels:
+        terms = lv["contexts"][-1]["terms_ms"]
+        lines.append(f"| {lv['level']} | " + " | ".join(f"{terms[n]:.3f}" for n in names) + " |")
+    lines += ["", "Inputs (rate = value: source)"]
+    lines += [f"  {k} = {v['value']:g}: {v['source']}" for k, v in plan["rates"].items()]
+    lines += [
+        "Assumptions",
+        f"  KV budget: {inp['budget_rule']}.",
+        "  Terms are added (no overlap of compute and communication); the MoE/MLP half of the layer is not modeled.",
+        "  Levels 0-1 rebuild the full view from the local replica; levels >= 3 fill it from the gathered chunk "
+        "(current-only: no history), so phase 8 has nothing to prefetch and level 8 equals level 7.",
+    ]
+    if last > inp["max_seq_len"]:
+        lines.append(f"  Contexts above the preset's max_seq_len ({inp['max_seq_len']:,}) exceed the model's "
+                     "trained context; the arithmetic still holds.")
+    return "\n".join(lines)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from reference_impl.cp.batch import BatchPlan
+from reference_impl.kernels.cp_dispatch import fused_store
 from reference_impl.kvcache.layout import KVLayout
 from reference_impl.kvcache.pool import PagedKVPool
 
@@ -37,8 +38,11 @@ class ReplicatedKV:
 
     name = "replicated"
 
-    def __init__(self, plan: BatchPlan, layout: KVLayout, n_layers: int, device: torch.device, debug: bool) -> None:
+    def __init__(
+        self, plan: BatchPlan, layout: KVLayout, n_layers: int, device: torch.device, debug: bool, fused: bool = False
+    ) -> None:
         self.plan = plan
+        self.fused, self.debug = fused, debug  # phase 7: the fused store kernels
         self.layout = layout
         self.pool = PagedKVPool(n_layers, plan.n_pages, plan.page_size, layout, device, debug)
         self.materialized_bytes = 0  # bytes read from storage to build full views, all layers
@@ -76,6 +80,9 @@ class ReplicatedKV:
 
         (``kv_local``/``index_k_local`` are for phase 5's direct writes; a replica needs the whole chunk.)
         """
+        if self.fused:
+            fused_store(self.pool, layer, kv_seq, index_k_seq, None, self.plan.extend_locs, self.debug)
+            return
         self.pool.write_mla(layer, self.plan.extend_locs, self.layout.pack_mla(kv_seq))
         k_fp8, k_scale = self.layout.quantize_index_k(index_k_seq)
         self.pool.write_index(layer, self.plan.extend_locs, k_fp8, k_scale)

@@ -26,6 +26,7 @@ from reference_impl.cp.kv_replicated import FullView
 from reference_impl.cp.materialize import MaterializePlan, gather_pages, unpack_index_rows
 from reference_impl.cp.ownership import owned_page_count, page_owner, physical_locs
 from reference_impl.cp.split import local_index_tensor
+from reference_impl.kernels.cp_dispatch import fused_store, materialize_rows
 from reference_impl.kvcache.layout import KVLayout
 from reference_impl.kvcache.pool import PagedKVPool
 
@@ -44,12 +45,14 @@ class ShardedKV:
         debug: bool,
         reuse_current: bool,
         direct_write: bool = False,
+        fused: bool = False,
     ) -> None:
         if plan.meta.mode != "in-seq":
             raise ConfigError(f"sharded KV needs the in-seq split, got {plan.meta.mode!r}")
         self.layout, self.group = layout, group
         self.plan = plan
         self.reuse_current, self.allow_direct_write = reuse_current, direct_write
+        self.fused, self.debug = fused, debug  # phase 7: fused store / materialize kernels
         self.pool = PagedKVPool(
             n_layers, owned_page_count(plan.n_pages, group.rank, group.size), plan.page_size, layout, group.device, debug
         )
@@ -116,9 +119,15 @@ class ShardedKV:
         """Quantize and write the current tokens this rank owns: its own computed rows (phase 5
         direct write, ``kv_local`` in local order) or its share of the gathered chunk (phase 2)."""
         if self.direct_write and kv_local is not None and index_k_local is not None:
+            if self.fused:
+                fused_store(self.pool, layer, kv_local, index_k_local, None, self._local_locs, self.debug)
+                return
             self.pool.write_mla(layer, self._local_locs, self.layout.pack_mla(kv_local))
             k_fp8, k_scale = self.layout.quantize_index_k(index_k_local)
             self.pool.write_index(layer, self._local_locs, k_fp8, k_scale)
+            return
+        if self.fused:
+            fused_store(self.pool, layer, kv_seq, index_k_seq, self._store_rows, self._store_locs, self.debug)
             return
         kv = kv_seq.index_select(0, self._store_rows)
         self.pool.write_mla(layer, self._store_locs, self.layout.pack_mla(kv))
@@ -135,10 +144,13 @@ class ShardedKV:
         if self._mplan is not None:
             mla_rows, index_pages = gather_pages(self.group, self.pool, layer, self._mplan)
             rows, source = self._mplan.view_rows, self._mplan.row_source
-            kv[rows] = layout.dequantize_mla(mla_rows.index_select(0, source)).to(torch.bfloat16)
-            k_fp8, k_scale = unpack_index_rows(index_pages, source, layout)
-            index_fp8.view(torch.uint8)[rows] = k_fp8.view(torch.uint8)
-            index_scale[rows] = k_scale
+            if self.fused:
+                materialize_rows(mla_rows, index_pages, source, rows, kv, index_fp8, index_scale, layout, debug=self.debug)
+            else:
+                kv[rows] = layout.dequantize_mla(mla_rows.index_select(0, source)).to(torch.bfloat16)
+                k_fp8, k_scale = unpack_index_rows(index_pages, source, layout)
+                index_fp8.view(torch.uint8)[rows] = k_fp8.view(torch.uint8)
+                index_scale[rows] = k_scale
             self.transient_bytes = mla_rows.numel() + index_pages.numel()
             self.materialized_bytes += self.transient_bytes
         if self.batch_kind != "fallback":

@@ -20,6 +20,17 @@ def rerange(gathered: torch.Tensor, meta: SplitMetadata) -> torch.Tensor:
     return gathered.index_select(0, rerange_tensor(meta, gathered.device))
 
 
-def gather_current(group: CPGroup, meta: SplitMetadata, local: torch.Tensor, tag: str) -> torch.Tensor:
-    """All-gather each rank's ``local [n_local, W]`` rows and return ``[T, W]`` in sequence order."""
+def gather_current(
+    group: CPGroup, meta: SplitMetadata, local: torch.Tensor, tag: str, fused: bool = False, debug: bool = False
+) -> torch.Tensor:
+    """All-gather each rank's ``local [n_local, W]`` rows and return ``[T, W]`` in sequence order.
+
+    ``fused`` (phase 7) reranges straight from the padded buffer in one pass (Triton on CUDA)
+    instead of trimming, then reordering.
+    """
+    if fused:
+        from reference_impl.kernels.cp_dispatch import rerange_padded
+
+        raw = group.all_gather_rows_padded_raw(local, meta.rank_lengths, tag=tag)
+        return rerange_padded(raw, meta, debug=debug)
     return rerange(group.all_gather_padded(local, meta.rank_lengths, tag=tag), meta)
