@@ -196,7 +196,7 @@ PHASE_REQUIRES: dict[int, frozenset[int]] = {
 }
 
 # Phases whose code exists in this version of the package; asking for another is refused.
-IMPLEMENTED_PHASES: frozenset[int] = frozenset({1, 2, 3, 4, 5, 6, 7})
+IMPLEMENTED_PHASES: frozenset[int] = frozenset({1, 2, 3, 4, 5, 6, 7, 8})
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from reference_impl.cp.kv_replicated import ReplicatedKV
 from reference_impl.cp.kv_sharded import ShardedKV
 from reference_impl.cp.narrow_output import collect_narrow
 from reference_impl.cp.page_aligned import build_page_aligned_split
+from reference_impl.cp.prefetch import MlaPrefetcher
 from reference_impl.cp.rerange import gather_current
 from reference_impl.cp.split import SplitMetadata, build_split, local_index_tensor
 from reference_impl.cp.sync_audit import HostSyncCounter
@@ -43,7 +44,7 @@ from reference_impl.workload import build_inputs, build_model
 
 logger = logging.getLogger(__name__)
 
-PER_LAYER_TAGS = ("kv", "index_k", "materialize")
+PER_LAYER_TAGS = ("kv", "index_k", "materialize", "prefetch_mla", "materialize_index")
 
 
 def build_metadata(run: RunConfig) -> SplitMetadata:
@@ -291,18 +292,28 @@ def _run_chunk(
     clock = _LayerClock(device)
     topk_per_layer: list[torch.Tensor] = []
     audit = HostSyncCounter() if (6 in run.phases and group.debug) else contextlib.nullcontext()
+    prefetch = MlaPrefetcher(store, len(model.layers)) if (8 in run.phases and isinstance(store, ShardedKV)) else None
     with audit:
         clock.mark()
+        if prefetch is not None:
+            prefetch.launch(0)
         for layer, block in enumerate(model.layers):
+            if prefetch is not None:
+                prefetch.launch(layer + 1)  # overlaps this layer's compute
             proj = block.attn.project(block.attn_norm(x), positions)
             fused = 7 in run.phases
             kv_seq = gather_current(group, meta, proj.kv, "kv", fused, group.debug)  # [T, 576] sequence order
             index_k_seq = gather_current(group, meta, proj.index_k, "index_k", fused, group.debug)  # [T, 128]
             store.store_current(layer, kv_seq, index_k_seq, proj.kv, proj.index_k)
-            view = store.full_view(layer, kv_seq, index_k_seq)
+            if prefetch is not None:
+                view = store.full_view(layer, kv_seq, index_k_seq, prefetch.consume(layer))
+            else:
+                view = store.full_view(layer, kv_seq, index_k_seq)
             out, topk = block.attn.attend(
                 proj, view.kv, view.index_k_fp8, view.index_k_scale, key_start, key_end, key_range
             )
+            if prefetch is not None:
+                prefetch.release(layer)
             x = x + out
             gathered_bytes = sum(t.numel() * t.element_size() for t in (kv_seq, index_k_seq))
             acc.transient_peak = max(acc.transient_peak, gathered_bytes + view.nbytes + store.transient_bytes)

@@ -17,8 +17,9 @@ blocks from level 4. Times are those of the slowest rank.
   of id space) is not counted.
 * Max context: :func:`~reference_impl.capacity.max_context_per_rank` for the KV budget
   ``hbm_gib - reserved_gib`` (or ``hbm_gib * kv_budget_fraction``). The reserved part stands for
-  weights, activations and workspace; its default (93 GiB: DeepSeek-V3.2's FP8 weights over 8
-  GPUs, about 78 GiB, plus 15 GiB) is an assumption and leaves 48 GiB of a 141 GiB GPU for KV.
+  weights, activations and workspace. Its default, 93 GiB whatever the preset and ``C``, is an
+  assumption (DeepSeek-V3.2's 671e9 FP8 weight bytes over 8 GPUs, 78 GiB, plus 15 GiB): it leaves
+  48 GiB of a 141 GiB GPU for KV, the budget the phase 2 walkthrough uses. Pass your own.
 * Transient per layer (what a layer holds besides the pool, counted as the engine counts it): the
   gathered chunk ``T x (576 + 128) x 2`` B (bf16), the full view ``S x (576 x 2 + 132)`` B, and at
   level 2 the gathered pages ``pages x page_bytes``. From level 3 a current-only batch gathers no page.
@@ -30,8 +31,12 @@ blocks from level 4. Times are those of the slowest rank.
   the measured ms scaled linearly in ``T_local x S``;
 * projections: the GEMM FLOPs of the layer's linear maps for ``T_local`` tokens / bf16 matmul TFLOPS;
 * all-gather #1: ``(C - 1) x T_pad x 1408`` B received, over the interconnect (assumed, 450 GB/s);
-* rerange, store and full-view build: bytes as the kernel benchmark counts them (each byte read
-  and written once) / GB/s of the torch path below level 7, of the fused kernels from level 7;
+* rerange and store: bytes as the kernel benchmark counts them (each byte read and written once)
+  / GB/s of the torch path below level 7, of the fused kernels from level 7, except the FP8 MLA
+  store, which this package keeps on torch (:data:`FUSED_FP8_MLA_STORE`);
+* full-view build: ``S x (mla_bytes + 132 + 1152 + 132)`` B at the torch materialize GB/s at every
+  level: its rows come from the replica (0-1), gathered pages (2) or the gathered chunk (>= 3),
+  none through the fused materialize kernel, which serves history pages only;
 * level 2 only: the materialize all-gather, ``(C - 1) x max owned pages x page_bytes``, over the
   interconnect (from level 3 a current-only batch materializes nothing);
 * levels 2-4: selecting the owned rows from the gathered chunk, at device copy GB/s;
@@ -67,6 +72,9 @@ RESULTS_DIR = Path(__file__).resolve().parent.parent / "docs" / "results"
 DEFAULT_RESERVED_GIB = 93.0
 DEFAULT_CONTEXTS = (8192, 131072, 1048576)
 LEVELS = tuple(range(9))
+# Phase 7 keeps the FP8 MLA store on the torch path on CUDA (kernels/cp_dispatch.fused_store: the
+# kernel's bytes differed from torch's on the H200); the BF16 MLA and index stores are fused.
+FUSED_FP8_MLA_STORE = False
 
 # --------------------------------------------------------------------------------------------
 # Inputs: measured rates and assumptions
@@ -84,12 +92,12 @@ _RATE_PATHS: dict[str, tuple[str, str]] = {
     "matmul_tflops": (_COMPUTE, "bf16_matmul_8192_tflops"),
     "copy_gbps": (_KERNELS, "copy.gbps"),
     **{
-        f"{op}_{path}_gbps": (_KERNELS, f"kernels[op={bench_op},T=max].{'torch' if path == 'torch' else 'triton'}_gbps")
+        f"{op}_{impl}_gbps": (_KERNELS, f"kernels[op={bench_op},T=max].{bench_impl}_gbps")
         for op, bench_op in (
             ("store_mla_fp8", "store_mla_fp8"), ("store_mla_bf16", "store_mla_bf16"), ("store_index", "store_index"),
             ("rerange_kv", "rerange_kv"), ("rerange_index", "rerange_index"), ("materialize", "materialize_fp8"),
         )
-        for path in ("torch", "fused")
+        for impl, bench_impl in (("torch", "torch"), ("fused", "triton"))
     },
     "remap_sort_ms": (_KERNELS, "remap[T=max].sorted_ms"),
     "remap_page_inverse_ms": (_KERNELS, "remap[T=max].page_inverse_ms"),
@@ -138,8 +146,11 @@ class PlannerRates:
         for f in dataclasses.fields(self):
             if f.name != "sources" and not getattr(self, f.name) > 0:
                 raise ConfigError(f"rate {f.name}={getattr(self, f.name)!r} must be a positive number")
-        sources = {name: f"built-in copy of the H200 value in {file}: {path}" for name, (file, path) in _RATE_PATHS.items()}
-        sources.update(_ASSUMED)
+        sources = {
+            f.name: _ASSUMED.get(f.name) or "built-in copy of the H200 value in {}: {}".format(*_RATE_PATHS[f.name])
+            if getattr(self, f.name) == f.default else "given in code"
+            for f in dataclasses.fields(self) if f.name != "sources"
+        }
         sources.update(self.sources)
         object.__setattr__(self, "sources", sources)
 
@@ -150,7 +161,7 @@ class PlannerRates:
     def values(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "sources"}
 
-    def override(self, values: dict[str, Any], source: str) -> "PlannerRates":
+    def override(self, values: dict[str, Any], source: str) -> PlannerRates:
         """Replace some rates (``{field: number}``), recording ``source: field`` as their origin."""
         unknown = sorted(set(values) - set(self.values()))
         if unknown:
@@ -161,7 +172,7 @@ class PlannerRates:
             raise ConfigError(f"{source}: rates must be numbers") from None
         return self.with_sourced(sourced)
 
-    def with_sourced(self, sourced: dict[str, tuple[float, str]]) -> "PlannerRates":
+    def with_sourced(self, sourced: dict[str, tuple[float, str]]) -> PlannerRates:
         """Replace rates from ``{field: (value, source)}``."""
         values = {k: v for k, (v, _) in sourced.items()}
         return dataclasses.replace(self, **values, sources={**self.sources, **{k: s for k, (_, s) in sourced.items()}})
@@ -207,7 +218,8 @@ def load_rates(paths: list[str] | None = None, results_dir: Path | None = RESULT
     for name in (_COMPUTE, _KERNELS) if results_dir is not None else ():
         path = results_dir / name
         if path.is_file():
-            found.update(rates_from_bench(json.loads(path.read_text()), name, f"docs/results/{name}"))
+            label = f"docs/results/{name}" if results_dir == RESULTS_DIR else str(path)
+            found.update(rates_from_bench(json.loads(path.read_text()), name, label))
     rates = rates.with_sourced(found)
     for path_str in paths or []:
         try:
@@ -356,7 +368,8 @@ def store_bytes(cfg: ModelConfig, layout: KVLayout, rows: int) -> tuple[int, int
 
 
 def view_bytes(cfg: ModelConfig, layout: KVLayout, rows: int) -> int:
-    """Bytes of building ``rows`` full-view rows from cache bytes: ``rows x (656 + 132 + 1152 + 132)`` in FP8."""
+    """Bytes of building ``rows`` full-view rows from cache bytes: ``rows x (656 + 132 + 1152 + 132)`` in FP8
+    (packed MLA and index read, bf16 view and index written), as ``materialize_fp8`` is benchmarked."""
     return rows * (layout.mla_bytes + layout.index_bytes + cfg.kv_width * 2 + layout.index_bytes)
 
 
@@ -419,7 +432,8 @@ def layer_terms(
     rows = context if not sharded else owned_tokens(context, rank, cp_size, page_size) if level < 5 else t_local
     mla_b, index_b = store_bytes(cfg, layout, rows)
     terms["select"] = ms_for_bytes(rows * gather_row_bytes(cfg) * 2, rates.copy_gbps) if 2 <= level < 5 else 0.0
-    terms["store"] = ms_for_bytes(mla_b, rates.gbps(f"store_mla_{kv_dtype}", fused)) + ms_for_bytes(
+    mla_fused = fused and (kv_dtype != "fp8" or FUSED_FP8_MLA_STORE)
+    terms["store"] = ms_for_bytes(mla_b, rates.gbps(f"store_mla_{kv_dtype}", mla_fused)) + ms_for_bytes(
         index_b, rates.gbps("store_index", fused)
     )
     remap_scale = context / rates.remap_ref_tokens
@@ -432,7 +446,10 @@ def layer_terms(
     one_page = page_bytes(cfg, kv_dtype, page_size)
     comm = materialize_comm_bytes(context, cp_size, page_size, one_page) if level == 2 else 0
     terms["materialize_comm"] = ms_for_bytes(comm, rates.interconnect_gbps)
-    terms["full_view"] = ms_for_bytes(view_bytes(cfg, layout, context), rates.gbps("materialize", fused))
+    # The view's S rows come from the local replica (levels 0-1), gathered pages (level 2) or the
+    # gathered chunk (level >= 3, fill_current): all on the torch path. The fused materialize
+    # kernel serves gathered history pages only, and a current-only batch has none from level 3.
+    terms["full_view"] = ms_for_bytes(view_bytes(cfg, layout, context), rates.gbps("materialize", fused=False))
     return terms
 
 
@@ -572,65 +589,85 @@ def plan_capacity(config: PlanConfig, rates: PlannerRates) -> dict[str, Any]:
                    "page_bytes": page_bytes(cfg, dt, ps), "max_seq_len": cfg.max_seq_len},
         "rates": {k: {"value": v, "source": rates.sources[k]} for k, v in rates.values().items()},
         "scenario": "one request of S tokens prefilled in one chunk (no prefix), in-seq split; slowest rank",
+        "assumptions": _assumptions(config, cfg),
         "levels": levels,
     }
+
+
+def _assumptions(config: PlanConfig, cfg: ModelConfig) -> list[str]:
+    out = [
+        f"KV budget: {config.budget_rule}; the reserved part is not modeled, only subtracted.",
+        ("Terms are added: no overlap of compute and communication. Not modeled: the MoE/MLP half of the layer, "
+         "norms, RoPE, Hadamard and q quantization, launch overheads."),
+        (f"Projections: {sum(projection_macs(cfg).values()):,} multiply-adds per token at the bf16 8192^3 matmul "
+         "rate (skinny or FP8 GEMMs run at other rates)."),
+        "Top-k and remap scale linearly from their measured points (T_local x S, and T).",
+        ("Levels 0-1 rebuild the full view from the local replica; from level 3 it is filled from the gathered "
+         "chunk (no history), so phase 8 has nothing to prefetch and level 8 equals level 7."),
+        ("Level >= 7: fused rerange and index store; the FP8 MLA store and the full-view fill stay on the torch "
+         "path, as in this package."),
+        ("Levels 2-5 remap with sort + searchsorted per layer (the production baseline phase 6 replaces; "
+         "this package computes locs arithmetically)."),
+    ]
+    if config.kv_dtype == "bf16":
+        out.append("The full-view build of a bf16 cache runs at the measured fp8 materialize rate (bf16 not measured).")
+    if max(config.contexts) > cfg.max_seq_len:
+        out.append(
+            f"Contexts above the preset's max_seq_len ({cfg.max_seq_len:,}) exceed the model's trained context; "
+            "the arithmetic still holds."
+        )
+    return out
 
 
 def _gib(n: float) -> str:
     return f"{n / GIB:.2f}"
 
 
+def _row(*cells: object) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def _rule(n_cells: int) -> str:
+    return "|" + " --- |" * n_cells
+
+
 def format_plan(plan: dict[str, Any]) -> str:
-    """The plan as text: a memory table and a time table (one row per level), then the inputs."""
+    """The plan as text: memory, time and a per-term breakdown (one row per level), then the inputs."""
     inp, levels = plan["inputs"], plan["levels"]
     ctxs = [f"{c:,}" for c in inp["contexts"]]
     lines = [
-        f"Capacity plan: {inp['preset']}, C={inp['cp_size']}, {inp['kv_dtype']} KV, page {inp['page_size']}, "
-        f"{inp['n_layers']} layers. Scenario: {plan['scenario']}.",
-        f"KV budget per GPU: {inp['budget_rule']} = {_gib(inp['kv_budget_bytes'])} GiB. "
-        "Every figure is a prediction from the inputs listed below.",
+        (f"Capacity plan: {inp['preset']}, C={inp['cp_size']}, {inp['kv_dtype']} KV, page {inp['page_size']}, "
+         f"{inp['n_layers']} layers. Scenario: {plan['scenario']}."),
+        (f"KV budget per GPU: {inp['budget_rule']} = {_gib(inp['kv_budget_bytes'])} GiB. "
+         "Every figure is a prediction from the inputs listed at the end."),
         "",
-        "Memory per rank: KV at rest, all layers (GiB; * = KV + one layer's transient exceed the budget) "
-        "| transient per layer (GiB) | max context",
-        "| level | adds | status | " + " | ".join(f"KV @ {c}" for c in ctxs) + " | "
-        + " | ".join(f"transient @ {c}" for c in ctxs) + " | max context |",
-        "|" + " --- |" * (4 + 2 * len(ctxs)),
+        ("Memory per rank (GiB): KV at rest, all layers (* = KV + one layer's transient exceed the budget); "
+         "transient of one layer; max context = longest request whose KV fits (tokens)"),
+        _row("level", "adds", "status", *(f"KV @ {c}" for c in ctxs), *(f"transient @ {c}" for c in ctxs), "max context"),
+        _rule(4 + 2 * len(ctxs)),
     ]
     for lv in levels:
         kv = [_gib(p["kv_bytes_per_rank"]) + ("" if p["fits"] else " *") for p in lv["contexts"]]
         tr = [_gib(p["transient_bytes_per_layer"]) for p in lv["contexts"]]
-        lines.append(f"| {lv['level']} | {lv['adds']} | {lv['status']} | " + " | ".join(kv + tr) + f" | {lv['max_context']:,} |")
+        lines.append(_row(lv["level"], lv["adds"], lv["status"], *kv, *tr, f"{lv['max_context']:,}"))
     lines += [
         "",
-        "Time per layer, slowest rank (ms; attention slice + CP data movement) | all-gather #2 per forward (ms)",
-        "| level | status | " + " | ".join(f"layer @ {c}" for c in ctxs) + " | "
-        + " | ".join(f"tail @ {c}" for c in ctxs) + " |",
-        "|" + " --- |" * (2 + 2 * len(ctxs)),
+        ("Time (ms): one layer on the slowest rank (attention slice + CP data movement); "
+         "all-gather #2 (tail) once per forward"),
+        _row("level", "status", *(f"layer @ {c}" for c in ctxs), *(f"tail @ {c}" for c in ctxs)),
+        _rule(2 + 2 * len(ctxs)),
     ]
     for lv in levels:
-        ms = [f"{p['layer_ms']:.2f}" for p in lv["contexts"]] + [f"{p['tail_ms_per_forward']:.3g}" for p in lv["contexts"]]
-        lines.append(f"| {lv['level']} | {lv['status']} | " + " | ".join(ms) + " |")
+        layer = [f"{p['layer_ms']:.2f}" for p in lv["contexts"]]
+        tail = [f"{p['tail_ms_per_forward']:.3g}" for p in lv["contexts"]]
+        lines.append(_row(lv["level"], lv["status"], *layer, *tail))
     last = inp["contexts"][-1]
     names = list(levels[0]["contexts"][-1]["terms_ms"])
-    lines += [
-        "",
-        f"Per-layer terms at {last:,} tokens (ms, slowest rank)",
-        "| level | " + " | ".join(names) + " |",
-        "|" + " --- |" * (1 + len(names)),
-    ]
+    lines += ["", f"Per-layer terms at {last:,} tokens (ms, slowest rank)", _row("level", *names), _rule(1 + len(names))]
     for lv in levels:
         terms = lv["contexts"][-1]["terms_ms"]
-        lines.append(f"| {lv['level']} | " + " | ".join(f"{terms[n]:.3f}" for n in names) + " |")
+        lines.append(_row(lv["level"], *(f"{terms[n]:.3f}" for n in names)))
     lines += ["", "Inputs (rate = value: source)"]
     lines += [f"  {k} = {v['value']:g}: {v['source']}" for k, v in plan["rates"].items()]
-    lines += [
-        "Assumptions",
-        f"  KV budget: {inp['budget_rule']}.",
-        "  Terms are added (no overlap of compute and communication); the MoE/MLP half of the layer is not modeled.",
-        "  Levels 0-1 rebuild the full view from the local replica; levels >= 3 fill it from the gathered chunk "
-        "(current-only: no history), so phase 8 has nothing to prefetch and level 8 equals level 7.",
-    ]
-    if last > inp["max_seq_len"]:
-        lines.append(f"  Contexts above the preset's max_seq_len ({inp['max_seq_len']:,}) exceed the model's "
-                     "trained context; the arithmetic still holds.")
+    lines += ["Assumptions"] + [f"  {a}" for a in plan["assumptions"]]
     return "\n".join(lines)

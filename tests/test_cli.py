@@ -40,7 +40,7 @@ def test_run_json_report_fields(capsys) -> None:
         (["run", "--preset", "nope"], "unknown preset 'nope'"),
         (["run", "--requests", "3+x"], "malformed request '3+x'"),
         (["run", "--requests", "1+2+3"], "malformed request"),
-        (["run", "--phases", "8"], "not implemented"),
+        (["run", "--phases", "9"], "out of range"),
         (["run", "--page-size", "48"], "power of two"),
         (["split", "--cp", "4", "--extend", "3"], "larger than the tokens allow"),
         (["split", "--cp", "2", "--extend", "a,b"], "malformed --extend"),

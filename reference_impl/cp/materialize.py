@@ -73,3 +73,19 @@ def unpack_index_rows(index_pages: torch.Tensor, token_rows: torch.Tensor, layou
     values = index_pages[:, : page_size * dim].reshape(-1, dim).index_select(0, token_rows)
     scales = index_pages[:, page_size * dim :].reshape(-1, 4).index_select(0, token_rows)
     return values.view(torch.float8_e4m3fn), scales.view(torch.float32).reshape(-1)
+
+
+def gather_page_part(
+    group: CPGroup, pool: PagedKVPool, layer: int, mplan: MaterializePlan, part: str
+) -> torch.Tensor:
+    """One padded all-gather of one buffer of the needed pages (phase 8 splits MLA from index K).
+
+    ``part="mla"`` -> token rows ``[n_need * P, mla_bytes]``; ``part="index"`` -> ``[n_need, page bytes]``.
+    """
+    mla, index = pool.read_pages(layer, mplan.send_physical)
+    if part == "mla":
+        gathered = group.all_gather_padded(mla, mplan.counts, tag="prefetch_mla")
+        return gathered.reshape(-1, pool.layout.mla_bytes)
+    if part == "index":
+        return group.all_gather_padded(index, mplan.counts, tag="materialize_index")
+    raise ValueError(f"unknown page part {part!r}")

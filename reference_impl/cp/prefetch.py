@@ -1,0 +1,117 @@
+"""Phase 8: one-layer-ahead prefetch of the history MLA KV.
+
+With phases 2-3 every layer materializes its history (the prefix pages) synchronously before its
+attention can start. The history does not depend on the layer's own computation (the prefix was
+cached before this forward), so while layer ``l`` computes, a side stream materializes layer
+``l + 1``'s history MLA rows into the other of **two alternating buffers**; layer ``l + 1`` waits on
+an event only when it consumes its buffer. One wait policy: wait at consumption, nowhere else.
+
+* MLA only: the indexer K history stays synchronous (v1 scope).
+* The materialization plan is the store's, built once per batch and shared by every layer.
+* Buffer reuse is safe: before the side stream overwrites a slot it waits for the event the main
+  stream recorded after the slot's previous consumer (two layers back) used it.
+* On CPU (and where no CUDA stream exists) the same code runs synchronously and stays correct.
+
+Collectives: the prefetch's all-gather (tag ``prefetch_mla``) is issued at the start of layer
+``l`` for layer ``l + 1``, in the same place on every rank, so the collective order is identical.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from reference_impl.cp.kv_sharded import ShardedKV
+
+
+class Stream(Protocol):
+    """Where the prefetch work runs: ``submit`` returns a handle that ``wait`` blocks the consumer on."""
+
+    def submit(self, work: Callable[[], None], slot: int) -> Any: ...
+    def wait(self, handle: Any) -> None: ...
+    def release(self, slot: int) -> None: ...
+
+
+class InlineStream:
+    """CPU: run the work at once; nothing to wait for."""
+
+    def submit(self, work: Callable[[], None], slot: int) -> Any:
+        work()
+        return None
+
+    def wait(self, handle: Any) -> None:
+        return None
+
+    def release(self, slot: int) -> None:
+        return None
+
+
+class CudaSideStream:
+    """A CUDA side stream with per-slot events: consumer waits on the producer, producer on the last consumer."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.side = torch.cuda.Stream(device=device)
+        self._consumed: list[torch.cuda.Event | None] = [None, None]
+
+    def submit(self, work: Callable[[], None], slot: int) -> Any:
+        released = self._consumed[slot]
+        if released is not None:
+            self.side.wait_event(released)  # the slot's previous consumer has finished reading it
+        else:
+            self.side.wait_stream(torch.cuda.current_stream())  # inputs written on the main stream
+        with torch.cuda.stream(self.side):
+            work()
+        done = torch.cuda.Event()
+        done.record(self.side)
+        return done
+
+    def wait(self, handle: Any) -> None:
+        torch.cuda.current_stream().wait_event(handle)
+
+    def release(self, slot: int) -> None:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream())
+        self._consumed[slot] = event
+
+
+class MlaPrefetcher:
+    """Prefetch ``store``'s history MLA rows one layer ahead into two alternating buffers."""
+
+    def __init__(self, store: ShardedKV, n_layers: int, stream: Stream | None = None) -> None:
+        self.store, self.n_layers = store, n_layers
+        self.active = store.materialize_plan is not None and store.batch_kind != "fallback"
+        if stream is None:
+            device = store.pool.mla.device
+            stream = CudaSideStream(device) if device.type == "cuda" else InlineStream()
+        self.stream = stream
+        self._buffers: list[torch.Tensor | None] = [None, None]
+        self._handles: list[Any] = [None, None]
+
+    def launch(self, layer: int) -> None:
+        """Start materializing ``layer``'s history into slot ``layer % 2`` (no-op past the last layer)."""
+        if not self.active or layer >= self.n_layers:
+            return
+        slot = layer % 2
+
+        def work() -> None:
+            rows = self.store.history_mla_rows(layer)
+            if rows.device.type == "cuda":
+                rows.record_stream(torch.cuda.current_stream())  # allocated on the side stream
+            self._buffers[slot] = rows
+
+        self._handles[slot] = self.stream.submit(work, slot)
+
+    def consume(self, layer: int) -> torch.Tensor | None:
+        """The prefetched rows of ``layer``, after waiting for them (the one wait)."""
+        if not self.active:
+            return None
+        slot = layer % 2
+        self.stream.wait(self._handles[slot])
+        return self._buffers[slot]
+
+    def release(self, layer: int) -> None:
+        """Mark ``layer``'s slot free once its consumer (this layer's attention) has been issued."""
+        if self.active:
+            self.stream.release(layer % 2)

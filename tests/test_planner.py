@@ -1,0 +1,218 @@
+"""The capacity planner: KV bytes from capacity.py, max context monotone, hand-checked times, the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from reference_impl import capacity
+from reference_impl.cli import main
+from reference_impl.config import PhaseSet, Request, RunConfig, get_preset
+from reference_impl.planner import (
+    RESULTS_DIR,
+    PlanConfig,
+    PlannerRates,
+    layer_terms,
+    level_status,
+    load_rates,
+    owned_tokens,
+    parse_contexts,
+    plan_capacity,
+    projection_macs,
+    transient_bytes,
+)
+
+V32 = get_preset("deepseek-v3.2")
+
+
+@pytest.mark.parametrize(
+    "config",
+    [PlanConfig(), PlanConfig(preset="glm-5", cp_size=3, kv_dtype="bf16", page_size=128, contexts=(1000, 70001))],
+)
+def test_kv_bytes_and_max_context_come_from_capacity(config: PlanConfig) -> None:
+    plan = plan_capacity(config, PlannerRates())
+    cfg = get_preset(config.preset)
+    assert [lv["level"] for lv in plan["levels"]] == list(range(9))
+    for lv in plan["levels"]:
+        sharded = lv["level"] >= 2
+        assert lv["max_context"] == capacity.max_context_per_rank(
+            cfg, config.kv_budget_bytes, config.cp_size, sharded, config.kv_dtype, config.page_size
+        )
+        for point in lv["contexts"]:
+            assert point["kv_bytes_per_rank"] == capacity.kv_bytes_per_rank(
+                cfg, point["context"], config.cp_size, sharded, config.kv_dtype, config.page_size
+            )
+
+
+def test_published_v32_figures() -> None:
+    """The numbers docs/benchmarks.md and the phase 2 page quote: 48 GiB budget, 128K and 1M at C=8."""
+    plan = plan_capacity(PlanConfig(), PlannerRates())
+    assert plan["inputs"]["kv_budget_bytes"] == 48 * 2**30
+    base, sharded = plan["levels"][0], plan["levels"][2]
+    assert base["max_context"] == 1_072_192 and sharded["max_context"] == 8_577_536
+    assert sharded["contexts"][1]["kv_bytes_per_rank"] == 787_546_112
+    assert sharded["contexts"][2]["kv_bytes_per_rank"] == 6_300_368_896
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    cp_size=st.integers(1, 16),
+    hbm=st.floats(1, 200),
+    reserved_share=st.floats(0, 0.95),
+    more_budget=st.floats(0, 50),
+)
+def test_max_context_monotone_in_cp_size_and_budget(cp_size: int, hbm: float, reserved_share: float, more_budget: float) -> None:
+    def max_contexts(c: int, hbm_gib: float) -> list[int]:
+        config = PlanConfig(cp_size=c, hbm_gib=hbm_gib, reserved_gib=hbm * reserved_share, contexts=(64,))
+        return [lv["max_context"] for lv in plan_capacity(config, PlannerRates())["levels"]]
+
+    base = max_contexts(cp_size, hbm)
+    more_ranks = max_contexts(cp_size + 1, hbm)
+    more_hbm = max_contexts(cp_size, hbm + more_budget)
+    for level in range(9):
+        assert more_hbm[level] >= base[level]
+        if level >= 2:  # sharded: every added rank adds capacity
+            assert more_ranks[level] >= base[level] and base[level] >= base[0]
+        else:  # replicated: C does not matter
+            assert more_ranks[level] == base[level]
+
+
+def test_compute_terms_equal_the_hand_formula() -> None:
+    """Level 0, DeepSeek-V3.2, C=8, S=131072, rank 0 (blocks 0 and 15 of 8192 tokens), round rates."""
+    rates = PlannerRates(attention_tflops=200, indexer_logits_tflops=800, topk_ms=10, matmul_tflops=500, interconnect_gbps=400)
+    terms = layer_terms(V32, rates, 8, 131072, level=0, rank=0)
+    t_local = 16384
+    assert terms["attention"] == pytest.approx(2 * t_local * 2048 * 128 * (576 + 512) / 200e12 * 1e3, rel=1e-12)
+    visible = 8192 * 8193 // 2 + (131072 * 131073 - 122880 * 122881) // 2
+    assert terms["indexer_logits"] == pytest.approx(2 * 64 * 128 * visible / 800e12 * 1e3, rel=1e-12)
+    assert terms["indexer_topk"] == pytest.approx(10.0)  # the reference point itself
+    assert sum(projection_macs(V32).values()) == 201_064_448
+    assert terms["projections"] == pytest.approx(2 * t_local * 201_064_448 / 500e12 * 1e3, rel=1e-12)
+    assert terms["allgather1"] == pytest.approx(7 * t_local * 1408 / 400e9 * 1e3, rel=1e-12)
+    assert terms["materialize_comm"] == 0.0 and terms["remap"] == 0.0  # replicated
+
+
+@pytest.mark.skipif(not (RESULTS_DIR / "compute_bench.json").is_file(), reason="needs docs/results")
+def test_default_rates_reproduce_the_measured_per_rank_point() -> None:
+    """At the benchmark's own shape (rank 0 of C=8, 128K) the model returns the measured times."""
+    measured = json.loads((RESULTS_DIR / "compute_bench.json").read_text())["per_rank"]
+    rates = load_rates()
+    assert rates.sources["attention_tflops"] == "docs/results/compute_bench.json: per_rank.attention.triton_tflops"
+    terms = layer_terms(V32, rates, 8, 131072, level=0, rank=0)
+    assert terms["attention"] == pytest.approx(measured["attention"]["triton_ms"], rel=1e-9)
+    assert terms["indexer_logits"] == pytest.approx(measured["indexer"]["triton_logits_ms"], rel=1e-9)
+    assert terms["indexer_topk"] == pytest.approx(measured["indexer"]["topk_ms"], rel=1e-9)
+
+
+def test_level_effects_on_data_movement() -> None:
+    rates = PlannerRates()
+    by_level = [layer_terms(V32, rates, 8, 65536, level, rank=0) for level in range(9)]
+    assert by_level[2]["materialize_comm"] > 0 and all(t["materialize_comm"] == 0 for t in by_level[3:])
+    assert by_level[5]["select"] == 0 < by_level[4]["select"]
+    assert by_level[6]["remap"] < by_level[5]["remap"] / 10
+    for name in ("rerange", "store"):
+        assert by_level[7][name] < by_level[6][name]
+    assert by_level[7]["full_view"] == by_level[6]["full_view"]  # current-only: the fill stays on torch
+    assert by_level[8] == by_level[7]  # no history in a current-only batch: nothing to prefetch
+
+
+@pytest.mark.parametrize("level", [0, 2, 3])
+def test_transient_bytes_equal_the_engine_report(report_of, level: int) -> None:
+    run = RunConfig(preset="tiny", cp_size=2, requests=(Request(0, 512),), phases=PhaseSet.level(level), n_layers=1, check=False)
+    rep = report_of(run)
+    # CPU runs compute in fp32: the gathered chunk is 4 bytes per value.
+    want = transient_bytes(get_preset("tiny"), 512, level, "fp8", 64, act_bytes=4)
+    assert [r["transient_peak_bytes"] for r in rep["per_rank"]] == [want, want]
+
+
+def test_rates_files_override_with_sources(tmp_path: Path) -> None:
+    flat = tmp_path / "mine.json"
+    flat.write_text(json.dumps({"interconnect_gbps": 300, "attention_tflops": 500}))
+    rates = load_rates([str(flat)], results_dir=None)
+    assert rates.interconnect_gbps == 300 and rates.attention_tflops == 500
+    assert rates.sources["interconnect_gbps"] == f"{flat}: interconnect_gbps"
+    assert rates.sources["matmul_tflops"].startswith("built-in copy")
+    bench = tmp_path / "compute.json"
+    bench.write_text(json.dumps({"per_rank": {"attention": {"triton_tflops": 321.0},
+                                              "indexer": {"logits_tflops": 1.0, "topk_ms": 2.0, "T": 8, "S": 16}},
+                                 "bf16_matmul_8192_tflops": 654.0}))
+    rates = load_rates([str(bench)], results_dir=None)
+    assert rates.attention_tflops == 321.0 and rates.matmul_tflops == 654.0
+    assert rates.sources["attention_tflops"] == f"{bench}: per_rank.attention.triton_tflops"
+
+
+def test_parse_contexts() -> None:
+    assert parse_contexts("8192, 128K,1m") == (8192, 131072, 1048576)
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["plan", "--hbm-gib", "-1"], "hbm_gib=-1.0"),
+        (["plan", "--preset", "nope"], "unknown preset 'nope'"),
+        (["plan", "--hbm-gib", "80", "--reserved-gib", "90"], "no HBM left for the KV cache"),
+        (["plan", "--kv-budget-fraction", "1.5"], "kv_budget_fraction=1.5"),
+        (["plan", "--contexts", "8K,lots"], "malformed context 'lots'"),
+        (["plan", "--cp", "8", "--contexts", "10"], "at least 2C = 16 tokens"),
+        (["plan", "--kv-dtype", "int4"], "kv_dtype='int4'"),
+        (["plan", "--rates", "/nonexistent/rates.json"], "--rates /nonexistent/rates.json"),
+        (["plan", "--interconnect-gbps", "0"], "interconnect_gbps=0.0 must be a positive number"),
+    ],
+)
+def test_plan_bad_input_is_one_line_exit_2(capsys, argv: list[str], words: str) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and words in err and err.count("\n") == 1
+
+
+def test_plan_rates_file_unknown_field(capsys, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"warp_speed": 9}))
+    assert main(["plan", "--rates", str(bad)]) == 2
+    assert "unknown rate(s) ['warp_speed']" in capsys.readouterr().err
+
+
+def test_plan_json_parses(capsys) -> None:
+    assert main(["plan", "--preset", "deepseek-v3.2", "--cp", "8", "--hbm-gib", "141", "--contexts", "8K,128K", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["inputs"]["cp_size"] == 8 and doc["inputs"]["contexts"] == [8192, 131072]
+    assert doc["rates"]["interconnect_gbps"]["source"].startswith("assumption")
+    for lv in doc["levels"]:
+        assert lv["status"] == level_status(lv["level"])
+        for point in lv["contexts"]:
+            assert math.isclose(point["layer_ms"], sum(point["terms_ms"].values()))
+            assert point["layer_ms"] > 0 and isinstance(point["fits"], bool)
+
+
+def test_plan_table_lists_levels_and_inputs(capsys) -> None:
+    assert main(["plan", "--cp", "4", "--kv-budget-fraction", "0.5", "--contexts", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert "141 GiB HBM x 0.5 = 70.50 GiB" in out
+    for level in range(9):
+        assert f"\n| {level} | " in out
+    if level_status(8) != "built":
+        assert "predicted, not built" in out
+    assert "interconnect_gbps = 450: assumption" in out
+
+
+@settings(max_examples=60, deadline=None)
+@given(context=st.integers(1, 5000), cp_size=st.integers(1, 9), page_size=st.sampled_from([4, 16, 64]))
+def test_owned_tokens_partition_the_request(context: int, cp_size: int, page_size: int) -> None:
+    counts = [owned_tokens(context, r, cp_size, page_size) for r in range(cp_size)]
+    assert sum(counts) == context and min(counts) >= 0
+
+
+@pytest.mark.parametrize(("kv_dtype", "mla_bytes", "mla_rate"), [("fp8", 656, "store_mla_fp8_torch_gbps"),
+                                                                 ("bf16", 1152, "store_mla_bf16_fused_gbps")])
+def test_level7_store_uses_the_paths_the_package_runs(kv_dtype: str, mla_bytes: int, mla_rate: str) -> None:
+    """Level 7 fuses the index store and the BF16 MLA store; the FP8 MLA store stays on torch."""
+    rates = PlannerRates()
+    terms = layer_terms(V32, rates, 8, 131072, level=7, rank=0, kv_dtype=kv_dtype)  # type: ignore[arg-type]
+    rows = 16384  # page-aligned blocks of 128 pages: the rank writes the 2 x 8192 rows it computed
+    want = rows * (1152 + mla_bytes) / getattr(rates, mla_rate) / 1e6 + rows * (256 + 132) / rates.store_index_fused_gbps / 1e6
+    assert terms["store"] == pytest.approx(want, rel=1e-12)
