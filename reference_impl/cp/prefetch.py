@@ -96,10 +96,7 @@ class MlaPrefetcher:
         slot = layer % 2
 
         def work() -> None:
-            rows = self.store.history_mla_rows(layer)
-            if rows.device.type == "cuda":
-                rows.record_stream(torch.cuda.current_stream())  # allocated on the side stream
-            self._buffers[slot] = rows
+            self._buffers[slot] = self.store.history_mla_rows(layer)  # allocated on the side stream
 
         self._handles[slot] = self.stream.submit(work, slot)
 
@@ -109,7 +106,10 @@ class MlaPrefetcher:
             return None
         slot = layer % 2
         self.stream.wait(self._handles[slot])
-        return self._buffers[slot]
+        rows = self._buffers[slot]
+        if rows is not None and rows.device.type == "cuda":
+            rows.record_stream(torch.cuda.current_stream())  # used on the main stream: keep it alive for it
+        return rows
 
     def release(self, layer: int) -> None:
         """Mark ``layer``'s slot free once its consumer (this layer's attention) has been issued."""
