@@ -42,3 +42,8 @@ def test_phase7_triton_kernels_match_oracle(monkeypatch, kv_dtype: str, cp_size:
     if cp_size == 1:  # the ranks' calls happen in this process only without forking
         assert {"fused_store_index", "rerange_padded", "materialize_rows"} <= set(calls)
         assert ("fused_store_mla" in calls) == (kv_dtype == "bf16")  # FP8 MLA store stays on torch (GPU mismatch)
+
+
+def test_phase7_debug_takes_torch_paths_and_audits_clean(report_of) -> None:
+    rep = report_of(tiny(cp_size=2, requests=MIXED, page_size=8, debug=True, phases=PhaseSet.level(7)))
+    assert rep["matches_oracle"] is True and rep["per_rank"][0]["host_syncs_in_layer_loop"] == 0

@@ -220,7 +220,7 @@ def fused_store(
     at physical locs ``dst_locs`` of ``pool`` (both buffers, one call each).
 
     The FP8 MLA kernel stays on the torch path on CUDA: on the H200 it differed from the torch
-    path in 0.3% of bytes (docs/results/kernels_bench.json) while matching on CPU; until the cause
+    path in 0.45% of bytes (docs/results/kernels_bench.json) while matching on CPU; until the cause
     is found the store keeps the torch bytes. The BF16 MLA and the index stores use the kernels.
     """
     layout = pool.layout
