@@ -12,6 +12,11 @@ SPMD: every rank runs :func:`run_rank` with the same :class:`RunConfig`; they di
 
 After the last layer, **all-gather #2** (the tail, :mod:`reference_impl.cp.tail`) brings the
 output rows back; phase 1 narrows it (:mod:`reference_impl.cp.narrow_output`).
+
+Where the phases plug in: the KV store chosen by :func:`make_kv_store` (phase 2 sharding, phase 3
+current reuse, phase 5 direct writes, phase 7 fused ops), the split (:func:`chunk_metadata`, phase 4),
+the layer loop of :func:`_run_chunk` (phase 6 host key ranges and the debug sync audit, phase 7
+fused rerange, phase 8 prefetch), and the chunk schedule (:mod:`reference_impl.schedule`).
 """
 
 from __future__ import annotations
@@ -48,12 +53,10 @@ PER_LAYER_TAGS = ("kv", "index_k", "materialize", "prefetch_mla", "materialize_i
 
 
 def build_metadata(run: RunConfig) -> SplitMetadata:
-    """The split of the run's batch (identical on every rank); page-aligned with phase 4."""
-    extend, prefix = [r.extend for r in run.requests], [r.prefix for r in run.requests]
-    meta = build_split(run.split_mode, run.cp_size, extend, prefix, page_size=run.page_size)
-    if 4 in run.phases:
-        return build_page_aligned_split(run.cp_size, extend, prefix, run.page_size)
-    return meta
+    """The split of the run's whole batch as one chunk (the token numbering reports and checks use)."""
+    extend = tuple(r.extend for r in run.requests)
+    whole = Chunk(tuple(range(len(extend))), tuple(r.prefix for r in run.requests), extend, tuple(range(sum(extend))))
+    return chunk_metadata(run, whole)
 
 
 def output_spec(run: RunConfig) -> OutputSpec:
@@ -166,7 +169,7 @@ def _host_key_range(meta: SplitMetadata, plan: BatchPlan, rank: int) -> tuple[in
 def chunk_metadata(run: RunConfig, chunk: Chunk) -> SplitMetadata:
     """The split of one chunk (identical on every rank); page-aligned with phase 4."""
     extend, prefix = list(chunk.extend_lens), list(chunk.prefix_lens)
-    meta = build_split(run.split_mode, run.cp_size, extend, prefix, page_size=run.page_size)
+    meta = build_split(run.split_mode, run.cp_size, extend, prefix, page_size=run.page_size)  # validates the batch
     if 4 in run.phases:
         return build_page_aligned_split(run.cp_size, extend, prefix, run.page_size)
     return meta
