@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run under the interpreter on CPU
@@ -26,3 +27,16 @@ def report_of():
 def tiny(**changes) -> RunConfig:
     base = RunConfig(preset="tiny", cp_size=2, requests=(Request(0, 96), Request(40, 70)), phases=PhaseSet())
     return base.replace(**changes)
+
+
+def interpreted(module_name: str) -> object:
+    """Import a Triton kernel module so that its kernels run under the interpreter.
+
+    ``triton.jit`` picks interpreter or compiler when the module is imported; if another test
+    module imported it first without ``TRITON_INTERPRET=1``, import it again now.
+    """
+    module = importlib.import_module(module_name)
+    kernel = next(v for k, v in vars(module).items() if k.startswith("_") and k.endswith("_kernel"))
+    if type(kernel).__name__ != "InterpretedFunction":
+        module = importlib.reload(module)
+    return module

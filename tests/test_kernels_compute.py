@@ -10,10 +10,11 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere in this module
 
-import importlib
 import logging
 
 import pytest
+
+from conftest import interpreted
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -25,27 +26,14 @@ from reference_impl.model import sparse_attention as ref  # noqa: E402
 from reference_impl.model.fp8 import act_quant  # noqa: E402
 
 
-def _interpreted(module_name: str) -> object:
-    """Import a kernel module so that its kernels are interpreter functions.
-
-    ``triton.jit`` picks interpreter or compiler when the module is imported; if another test
-    module imported it first without ``TRITON_INTERPRET=1``, import it again now.
-    """
-    module = importlib.import_module(module_name)
-    kernel = next(v for k, v in vars(module).items() if k.startswith("_") and k.endswith("_kernel"))
-    if type(kernel).__name__ != "InterpretedFunction":
-        module = importlib.reload(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def mla() -> object:
-    return _interpreted("reference_impl.kernels.sparse_mla_triton")
+    return interpreted("reference_impl.kernels.sparse_mla_triton")
 
 
 @pytest.fixture(scope="module")
 def idx_mod() -> object:
-    return _interpreted("reference_impl.kernels.indexer_triton")
+    return interpreted("reference_impl.kernels.indexer_triton")
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

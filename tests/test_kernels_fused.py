@@ -19,6 +19,8 @@ import logging
 from pathlib import Path
 
 import pytest
+
+from conftest import interpreted
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -43,29 +45,19 @@ from reference_impl.kvcache.pool import LocOutOfRangeError, PagedKVPool  # noqa:
 SETTINGS = settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-def _interpreted(module_name: str) -> object:
-    """Import a kernel module so that its kernels are interpreter functions (reload if another test
-    module imported it compiled)."""
-    module = importlib.import_module(module_name)
-    kernel = next(v for k, v in vars(module).items() if k.startswith("_") and k.endswith("_kernel"))
-    if type(kernel).__name__ != "InterpretedFunction":
-        module = importlib.reload(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def fs() -> object:
-    return _interpreted("reference_impl.kernels.fused_store")
+    return interpreted("reference_impl.kernels.fused_store")
 
 
 @pytest.fixture(scope="module")
 def fr() -> object:
-    return _interpreted("reference_impl.kernels.fused_rerange")
+    return interpreted("reference_impl.kernels.fused_rerange")
 
 
 @pytest.fixture(scope="module")
 def fm(fs: object) -> object:
-    module = _interpreted("reference_impl.kernels.fused_materialize")
+    module = interpreted("reference_impl.kernels.fused_materialize")
     if module._bf16_bits is not fs._bf16_bits:  # type: ignore[attr-defined]  # fused_store was reloaded
         module = importlib.reload(module)
     return module
