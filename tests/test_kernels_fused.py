@@ -197,9 +197,9 @@ def _log2_rounding_amax() -> float | None:
     return None
 
 
-def test_store_index_ue8m0_scale_is_the_exact_power_of_two(fs: object) -> None:
-    """The documented difference: the kernel rounds ue8m0 scales up exactly; torch's fp32 log2
-    rounds to the integer a few ulps above a power of two and returns a scale below amax / 448."""
+def test_store_index_ue8m0_edge_case_is_exact_on_both_paths(fs: object) -> None:
+    """A scale a few ulps above a power of two, where float32 ``exp2(ceil(log2(s)))`` would round
+    down: both the kernel and the torch path (``fp8.round_up_pow2``) round up exactly, identically."""
     amax = _log2_rounding_amax()
     if amax is None:
         pytest.skip("torch's log2 rounds exactly here: no difference to show")
@@ -213,10 +213,8 @@ def test_store_index_ue8m0_scale_is_the_exact_power_of_two(fs: object) -> None:
     fused_torch.store_index_torch(k, None, torch.arange(3), want, layout)
     scales, want_scales = pool[0, 4 * 128 :].view(torch.float32), want[0, 4 * 128 :].view(torch.float32)
     exact = torch.tensor(amax / 448, dtype=torch.float32)
-    assert float(scales[1]) >= float(exact) and float(scales[1]) == 2 * float(want_scales[1])
-    assert float(want_scales[1]) < float(exact)
-    assert torch.equal(scales[[0, 2]], want_scales[[0, 2]])  # other tokens: identical bytes
-    assert torch.equal(pool[0, :128], want[0, :128]) and torch.equal(pool[0, 256:512], want[0, 256:512])
+    assert float(scales[1]) >= float(exact) and float(scales[1]) < 2 * float(exact)
+    assert torch.equal(pool, want)  # identical bytes, the edge token included
 
 
 def test_store_matches_sharded_store_current(fs: object) -> None:

@@ -6,7 +6,7 @@
 * :func:`materialize_rows` — gathered owned pages -> full-view rows.
 
 Each takes the same arguments whichever path runs and produces the same bytes (see the kernel
-modules for the one documented ``ue8m0`` edge case). The Triton path runs when
+modules). The Triton path runs when
 :func:`use_fused_kernels` says so: the tensors are on CUDA, Triton imports, ``debug`` is off, and
 neither ``force_torch=True`` nor ``DSACP_FORCE_TORCH=1`` asks for torch. Debug mode takes the torch
 path and range-checks the locs / rows on the host (a device sync), raising

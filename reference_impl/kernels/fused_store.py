@@ -30,12 +30,9 @@ byte and the GPU benchmark checks the hardware path (and times ``soft=True`` on 
 integer operations per value, the fallback if a hardware conversion ever differed). NaN inputs give
 NaN outputs, not necessarily torch's NaN bit pattern (torch's own CPU and CUDA patterns differ).
 
-One known difference: with ``ue8m0`` the kernel rounds the scale up to a power of two exactly
-(exponent + 1 when the mantissa is non-zero, as DeepSeek's kernels do), while torch computes
-``exp2(ceil(log2(s)))`` in fp32, whose ``log2`` rounds to the integer when ``s`` lies within a few
-ulps above a power of two (e.g. ``s = 2**-10 * (1 + 2**-22)``): there torch's scale is half the
-kernel's. Measured on CPU: 60 of 106496 scales within 4096 ulps above powers of two differ; random
-data hits it with probability ~1e-6 per token.
+With ``ue8m0`` the kernel rounds the scale up to a power of two exactly (exponent + 1 when the
+mantissa is non-zero, as DeepSeek's kernels do), the same rule as the torch path
+(:func:`reference_impl.model.fp8.round_up_pow2`), so the two agree on every scale.
 """
 
 from __future__ import annotations

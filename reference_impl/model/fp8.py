@@ -2,7 +2,8 @@
 
 DeepSeek-V3.2's ``act_quant``: per block of ``block`` values, ``scale = amax / 448`` (``amax``
 clamped to at least 1e-4 so an all-zero block has a finite scale); with ``scale_fmt="ue8m0"`` the
-scale is rounded up to a power of two. ``x_fp8 = (x / scale)`` cast to ``float8_e4m3fn``.
+scale is rounded up to a power of two (exactly, by exponent bits: :func:`round_up_pow2`).
+``x_fp8 = (x / scale)`` cast to ``float8_e4m3fn``.
 """
 
 from __future__ import annotations
@@ -25,10 +26,22 @@ def block_scales(x: torch.Tensor, block: int, scale_fmt: str = "fp32") -> torch.
     amax = x.float().unflatten(-1, (n // block, block)).abs().amax(dim=-1).clamp(min=AMAX_FLOOR)
     scale = amax / FP8_MAX
     if scale_fmt == "ue8m0":
-        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+        scale = round_up_pow2(scale)
     elif scale_fmt != "fp32":
         raise ValueError(f"unknown scale_fmt {scale_fmt!r}")
     return scale
+
+
+def round_up_pow2(scale: torch.Tensor) -> torch.Tensor:
+    """Smallest power of two ``>= scale`` (positive normal float32), by exponent bits.
+
+    DeepSeek's ``fast_log2_ceil``: the exponent plus one when any mantissa bit is set. Exact,
+    unlike ``exp2(ceil(log2(s)))`` in float32, whose ``log2`` rounds to an integer a few ulps
+    above a power of two and then returns half the right scale.
+    """
+    bits = scale.float().contiguous().view(torch.int32)
+    exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    return (exponent << 23).view(torch.float32)
 
 
 def act_quant(x: torch.Tensor, block: int = 128, scale_fmt: str = "fp32") -> tuple[torch.Tensor, torch.Tensor]:
