@@ -1,0 +1,256 @@
+"""The planner's formulas: the split, FLOPs and bytes of one layer, and its milliseconds per rank.
+
+Every function is arithmetic on one request of ``S`` tokens prefilled in one chunk (the scenario of
+:mod:`reference_impl.planner`): the zigzag blocks and the keys each rank's queries see, the FLOPs
+of the attention slice, the bytes each CP data movement reads and writes (counted as
+``bench/kernels.py`` counts them), and :func:`layer_terms`, which divides them by the
+:class:`~reference_impl.planner.rates.PlannerRates` of the path each phase level takes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from reference_impl.capacity import page_bytes
+from reference_impl.config import KVDtype, ModelConfig
+from reference_impl.cp.ownership import owned_page_count
+from reference_impl.cp.page_aligned import page_aligned_block_sizes
+from reference_impl.cp.split import in_seq_block_sizes
+from reference_impl.kvcache.layout import KVLayout
+from reference_impl.planner.rates import PlannerRates
+
+ACT_BYTES = 2  # bf16 activations on the GPU
+# Phase 7 keeps the FP8 MLA store on the torch path on CUDA (kernels/cp_dispatch.fused_store: the
+# kernel's bytes differed from torch's on the H200); the BF16 MLA and index stores are fused.
+FUSED_FP8_MLA_STORE = False
+
+
+# --------------------------------------------------------------------------------------------
+# The split: local queries per rank
+# --------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=256)
+def zigzag_blocks(context: int, cp_size: int, page_size: int, page_aligned: bool) -> tuple[int, ...]:
+    """The ``2C`` block sizes of one request of ``context`` tokens (no prefix).
+
+    Page-aligned (level >= 4) where the request has at least ``2C`` pages, else token-balanced.
+    """
+    if page_aligned:
+        sizes = page_aligned_block_sizes(0, context, cp_size, page_size)
+        if sizes is not None:
+            return sizes
+    return in_seq_block_sizes(context, cp_size)
+
+
+def rank_ranges(blocks: tuple[int, ...], rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Positions ``[start, stop)`` of rank ``r``'s two blocks: ``r`` ("prev") and ``2C-1-r`` ("next")."""
+    starts = [sum(blocks[:b]) for b in range(len(blocks))]
+    other = len(blocks) - 1 - rank
+    return (starts[rank], starts[rank] + blocks[rank]), (starts[other], starts[other] + blocks[other])
+
+
+def visible_keys(ranges: tuple[tuple[int, int], ...]) -> int:
+    """Causal keys seen by the queries at positions ``[a, b)``: query ``j`` sees ``j + 1`` keys.
+
+    ``sum(j + 1 for j in [a, b)) = (b (b + 1) - a (a + 1)) / 2``; for ``[0, 8192)`` that is
+    ``8192 x 8193 / 2 = 33,558,528``.
+    """
+    return sum((b * (b + 1) - a * (a + 1)) // 2 for a, b in ranges)
+
+
+def owned_tokens(context: int, rank: int, cp_size: int, page_size: int) -> int:
+    """Tokens of the request stored on ``rank`` when pages are sharded: owned pages x ``P``, less
+    the unfilled tail of the last page when ``rank`` owns it."""
+    pages = -(-context // page_size)
+    tokens = owned_page_count(pages, rank, cp_size) * page_size
+    return tokens - (pages * page_size - context) if pages and (pages - 1) % cp_size == rank else tokens
+
+
+# --------------------------------------------------------------------------------------------
+# Compute: FLOPs, and time at a rate
+# --------------------------------------------------------------------------------------------
+
+
+def ms_for_flops(flops: float, tflops: float) -> float:
+    """``flops / (tflops x 1e12)`` seconds, in ms: ``flops / tflops / 1e9``."""
+    return flops / tflops / 1e9
+
+
+def ms_for_bytes(nbytes: float, gbps: float) -> float:
+    """``nbytes / (gbps x 1e9)`` seconds, in ms: ``nbytes / gbps / 1e6``."""
+    return nbytes / gbps / 1e6
+
+
+def attention_flops(cfg: ModelConfig, t_local: int, context: int) -> float:
+    """Sparse MLA FLOPs as FlashMLA counts them: ``2 x T_local x K x H x (576 + 512)``, ``K = min(topk, S)``.
+
+    DeepSeek-V3.2, ``T_local = 16384``: ``2 x 16384 x 2048 x 128 x 1088 = 9.35e12``.
+    """
+    topk = min(cfg.index_topk, context)
+    return 2.0 * t_local * topk * cfg.n_heads * (cfg.kv_width + cfg.kv_lora_rank)
+
+
+def indexer_flops(cfg: ModelConfig, n_visible: int) -> float:
+    """Indexer logits FLOPs: ``2 x Hi x D x sum(visible keys)`` (``2 x 64 x 128 x ...`` for V3.2)."""
+    return 2.0 * cfg.index_n_heads * cfg.index_head_dim * n_visible
+
+
+def topk_ms(rates: PlannerRates, t_local: int, context: int) -> float:
+    """Top-k time scaled linearly in the logits matrix size: ``topk_ms x (T_local x S) / (T_ref x S_ref)``."""
+    return rates.topk_ms * (t_local * context) / (rates.topk_ref_queries * rates.topk_ref_keys)
+
+
+def projection_macs(cfg: ModelConfig) -> dict[str, int]:
+    """Multiply-adds per token of each linear map of the attention slice (DeepSeek-V3.2 names).
+
+    ``wkv_b`` runs absorbed: ``q_nope`` (``H x nope``) into the latent (``H x nope x kv_lora``) and
+    the attention output back (``H x kv_lora x v``). V3.2 sums to 201,064,448 per token.
+    """
+    h, c = cfg.n_heads, cfg.kv_lora_rank
+    return {
+        "wq_a": cfg.dim * cfg.q_lora_rank,
+        "wq_b": cfg.q_lora_rank * h * cfg.qk_head_dim,
+        "wkv_a": cfg.dim * cfg.kv_width,
+        "wkv_b (absorb q)": h * cfg.qk_nope_head_dim * c,
+        "wkv_b (absorb out)": h * c * cfg.v_head_dim,
+        "wo": h * cfg.v_head_dim * cfg.dim,
+        "indexer.wq_b": cfg.q_lora_rank * cfg.index_n_heads * cfg.index_head_dim,
+        "indexer.wk": cfg.dim * cfg.index_head_dim,
+        "indexer.weights_proj": cfg.dim * cfg.index_n_heads,
+    }
+
+
+def projection_flops(cfg: ModelConfig, t_local: int) -> float:
+    """GEMM FLOPs for ``T_local`` tokens: ``2 x T_local x sum(projection_macs)``."""
+    return 2.0 * t_local * sum(projection_macs(cfg).values())
+
+
+# --------------------------------------------------------------------------------------------
+# Data movement: bytes per layer (counted as bench/kernels.py counts them)
+# --------------------------------------------------------------------------------------------
+
+
+def gather_row_bytes(cfg: ModelConfig) -> int:
+    """Bytes of one token in all-gather #1: ``(576 + 128) x 2 = 1408`` (bf16)."""
+    return (cfg.kv_width + cfg.index_head_dim) * ACT_BYTES
+
+
+def allgather1_bytes(cfg: ModelConfig, cp_size: int, t_pad: int) -> int:
+    """Bytes one rank receives in all-gather #1: ``(C - 1) x T_pad x 1408`` (every slot padded to ``T_pad``)."""
+    return (cp_size - 1) * t_pad * gather_row_bytes(cfg)
+
+
+def rerange_bytes(cfg: ModelConfig, tokens: int) -> tuple[int, int]:
+    """(KV, index) bytes of the rerange to sequence order, read + written: ``T x 576 x 2 x 2``, ``T x 128 x 2 x 2``."""
+    return tokens * cfg.kv_width * ACT_BYTES * 2, tokens * cfg.index_head_dim * ACT_BYTES * 2
+
+
+def store_bytes(cfg: ModelConfig, layout: KVLayout, rows: int) -> tuple[int, int]:
+    """(MLA, index) bytes of quantize + pack + scatter of ``rows`` tokens: bf16 in, cache bytes out.
+
+    FP8: ``rows x (1152 + 656)`` and ``rows x (256 + 132)``.
+    """
+    return rows * (cfg.kv_width * ACT_BYTES + layout.mla_bytes), rows * (cfg.index_head_dim * ACT_BYTES + layout.index_bytes)
+
+
+def view_bytes(cfg: ModelConfig, layout: KVLayout, rows: int) -> int:
+    """Bytes of building ``rows`` full-view rows from cache bytes: ``rows x (656 + 132 + 1152 + 132)`` in FP8
+    (packed MLA and index read, bf16 view and index written), as ``materialize_fp8`` is benchmarked."""
+    return rows * (layout.mla_bytes + layout.index_bytes + cfg.kv_width * 2 + layout.index_bytes)
+
+
+def materialize_comm_bytes(context: int, cp_size: int, page_size: int, one_page_bytes: int) -> int:
+    """Bytes one rank receives in phase 2's materialize all-gather of every page:
+    ``(C - 1) x ceil(pages / C) x page_bytes`` (slots padded to the largest owner)."""
+    pages = -(-context // page_size)
+    return (cp_size - 1) * owned_page_count(pages, 0, cp_size) * one_page_bytes
+
+
+def transient_bytes(
+    cfg: ModelConfig, context: int, level: int, kv_dtype: KVDtype = "fp8", page_size: int = 64, act_bytes: int = ACT_BYTES
+) -> int:
+    """Transient bytes of one layer, as the engine's ``transient_peak_bytes`` counts them.
+
+    ``T x (576 + 128) x act_bytes`` (gathered chunk) + ``S x (576 x 2 + 132)`` (bf16 full view and
+    FP8 index) + at level 2 ``pages x page_bytes`` (every page gathered; none from level 3 when the
+    batch is current-only).
+    """
+    gathered = context * (cfg.kv_width + cfg.index_head_dim) * act_bytes
+    view = context * (cfg.kv_width * 2 + cfg.index_head_dim + 4)
+    pages = -(-context // page_size) * page_bytes(cfg, kv_dtype, page_size) if level == 2 else 0
+    return gathered + view + pages
+
+
+# --------------------------------------------------------------------------------------------
+# Per-layer time of one rank at one phase level
+# --------------------------------------------------------------------------------------------
+
+
+def layer_terms(
+    cfg: ModelConfig, rates: PlannerRates, cp_size: int, context: int, level: int, rank: int,
+    kv_dtype: KVDtype = "fp8", page_size: int = 64,
+) -> dict[str, float]:
+    """Milliseconds of each part of one layer on ``rank`` at phase ``level`` (see the module docstring)."""
+    layout = KVLayout.from_config(cfg, kv_dtype, page_size)
+    blocks = zigzag_blocks(context, cp_size, page_size, page_aligned=level >= 4)
+    ranges = rank_ranges(blocks, rank)
+    t_local = sum(b - a for a, b in ranges)
+    t_pad = max(blocks[r] + blocks[len(blocks) - 1 - r] for r in range(cp_size))
+    fused, sharded = level >= 7, level >= 2
+    terms = {
+        "projections": ms_for_flops(projection_flops(cfg, t_local), rates.matmul_tflops),
+        "indexer_logits": ms_for_flops(indexer_flops(cfg, visible_keys(ranges)), rates.indexer_logits_tflops),
+        "indexer_topk": topk_ms(rates, t_local, context),
+        "attention": ms_for_flops(attention_flops(cfg, t_local, context), rates.attention_tflops),
+        "allgather1": ms_for_bytes(allgather1_bytes(cfg, cp_size, t_pad), rates.interconnect_gbps),
+    }
+    kv_b, index_b = rerange_bytes(cfg, context)
+    terms["rerange"] = ms_for_bytes(kv_b, rates.gbps("rerange_kv", fused)) + ms_for_bytes(
+        index_b, rates.gbps("rerange_index", fused)
+    )
+    # Rows this rank writes: the whole chunk (replica), its owned pages' tokens picked from the
+    # gathered chunk (levels 2-4), or the rows it computed, written directly (level >= 5).
+    rows = context if not sharded else owned_tokens(context, rank, cp_size, page_size) if level < 5 else t_local
+    mla_b, index_b = store_bytes(cfg, layout, rows)
+    terms["select"] = ms_for_bytes(rows * gather_row_bytes(cfg) * 2, rates.copy_gbps) if 2 <= level < 5 else 0.0
+    mla_fused = fused and (kv_dtype != "fp8" or FUSED_FP8_MLA_STORE)
+    terms["store"] = ms_for_bytes(mla_b, rates.gbps(f"store_mla_{kv_dtype}", mla_fused)) + ms_for_bytes(
+        index_b, rates.gbps("store_index", fused)
+    )
+    remap_scale = context / rates.remap_ref_tokens
+    if not sharded:
+        terms["remap"] = 0.0  # physical == logical
+    elif level < 6:
+        terms["remap"] = 2 * rates.remap_sort_ms * remap_scale
+    else:
+        terms["remap"] = rates.remap_page_inverse_ms * remap_scale / cfg.n_layers
+    one_page = page_bytes(cfg, kv_dtype, page_size)
+    comm = materialize_comm_bytes(context, cp_size, page_size, one_page) if level == 2 else 0
+    terms["materialize_comm"] = ms_for_bytes(comm, rates.interconnect_gbps)
+    # The view's S rows come from the local replica (levels 0-1), gathered pages (level 2) or the
+    # gathered chunk (level >= 3, fill_current): all on the torch path. The fused materialize
+    # kernel serves gathered history pages only, and a current-only batch has none from level 3.
+    terms["full_view"] = ms_for_bytes(view_bytes(cfg, layout, context), rates.gbps("materialize", fused=False))
+    return terms
+
+
+def slowest_rank(
+    cfg: ModelConfig, rates: PlannerRates, cp_size: int, context: int, level: int, kv_dtype: KVDtype = "fp8", page_size: int = 64
+) -> tuple[int, dict[str, float]]:
+    """The rank with the longest layer and its terms (ties: the lowest rank)."""
+    best: tuple[int, dict[str, float]] | None = None
+    for rank in range(cp_size):
+        terms = layer_terms(cfg, rates, cp_size, context, level, rank, kv_dtype, page_size)
+        if best is None or sum(terms.values()) > sum(best[1].values()) + 1e-12:
+            best = (rank, terms)
+    assert best is not None
+    return best
+
+
+def tail_ms(cfg: ModelConfig, rates: PlannerRates, cp_size: int, context: int, level: int, page_size: int = 64) -> float:
+    """All-gather #2 once per forward: ``(C - 1) x rows x hidden x 2`` B over the interconnect,
+    ``rows = T_pad`` at level 0 and 1 (the last token of the one request) from level 1."""
+    blocks = zigzag_blocks(context, cp_size, page_size, page_aligned=level >= 4)
+    rows = max(blocks[r] + blocks[len(blocks) - 1 - r] for r in range(cp_size)) if level == 0 else 1
+    return ms_for_bytes((cp_size - 1) * rows * cfg.dim * ACT_BYTES, rates.interconnect_gbps)

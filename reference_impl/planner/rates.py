@@ -1,0 +1,176 @@
+"""Planner inputs: the measured rates the time model divides by, and where each one comes from.
+
+:class:`PlannerRates` holds every rate with a built-in H200 default; :func:`load_rates` replaces the
+defaults with the values in ``docs/results/compute_bench.json`` and ``kernels_bench.json`` (where
+they exist), then with each ``--rates`` file in order. ``sources`` records each value's origin: a
+JSON path, a built-in copy, a file given on the command line, or an assumption (the interconnect).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from reference_impl.config import ConfigError
+
+RESULTS_DIR = Path(__file__).resolve().parent.parent.parent / "docs" / "results"
+
+_COMPUTE, _KERNELS = "compute_bench.json", "kernels_bench.json"
+# Where each measured rate lives in the benchmark JSONs. "list[k=v,T=max]" picks, among the list's
+# entries with k == v, the one with the largest T (the longest measured sequence).
+_RATE_PATHS: dict[str, tuple[str, str]] = {
+    "attention_tflops": (_COMPUTE, "per_rank.attention.triton_tflops"),
+    "indexer_logits_tflops": (_COMPUTE, "per_rank.indexer.logits_tflops"),
+    "topk_ms": (_COMPUTE, "per_rank.indexer.topk_ms"),
+    "topk_ref_queries": (_COMPUTE, "per_rank.indexer.T"),
+    "topk_ref_keys": (_COMPUTE, "per_rank.indexer.S"),
+    "matmul_tflops": (_COMPUTE, "bf16_matmul_8192_tflops"),
+    "copy_gbps": (_KERNELS, "copy.gbps"),
+    **{
+        f"{op}_{impl}_gbps": (_KERNELS, f"kernels[op={bench_op},T=max].{bench_impl}_gbps")
+        for op, bench_op in (
+            ("store_mla_fp8", "store_mla_fp8"), ("store_mla_bf16", "store_mla_bf16"), ("store_index", "store_index"),
+            ("rerange_kv", "rerange_kv"), ("rerange_index", "rerange_index"), ("materialize", "materialize_fp8"),
+        )
+        for impl, bench_impl in (("torch", "torch"), ("fused", "triton"))
+    },
+    "remap_sort_ms": (_KERNELS, "remap[T=max].sorted_ms"),
+    "remap_page_inverse_ms": (_KERNELS, "remap[T=max].page_inverse_ms"),
+    "remap_ref_tokens": (_KERNELS, "remap[T=max].T"),
+}
+_ASSUMED = {
+    "interconnect_gbps": "assumption: NVLink 4, 450 GB/s per direction per GPU (peak, not measured; "
+    "NCCL all-gathers reach less)",
+}
+
+
+@dataclass(frozen=True)
+class PlannerRates:
+    """Rates the time model divides by. Defaults: H200 values (rounded copies of the JSONs).
+
+    TFLOPS are 1e12 FLOP/s, GB/s are 1e9 B/s, ms are milliseconds. ``sources`` maps each field to
+    where its value came from (``file: json path``, a built-in copy, or an assumption).
+    """
+
+    attention_tflops: float = 235.9  # sparse MLA, one rank of C=8 at 128K
+    indexer_logits_tflops: float = 931.4
+    topk_ms: float = 13.36  # torch.topk of [topk_ref_queries, topk_ref_keys] logits
+    topk_ref_queries: float = 16384
+    topk_ref_keys: float = 131072
+    matmul_tflops: float = 783.7  # bf16 8192^3
+    copy_gbps: float = 4221.1  # device copy, read + write
+    store_mla_fp8_torch_gbps: float = 158.7
+    store_mla_fp8_fused_gbps: float = 2340.6
+    store_mla_bf16_torch_gbps: float = 713.6
+    store_mla_bf16_fused_gbps: float = 3419.3
+    store_index_torch_gbps: float = 123.4
+    store_index_fused_gbps: float = 2653.2
+    rerange_kv_torch_gbps: float = 3298.6
+    rerange_kv_fused_gbps: float = 3705.2
+    rerange_index_torch_gbps: float = 797.9
+    rerange_index_fused_gbps: float = 3075.0
+    materialize_torch_gbps: float = 159.0
+    materialize_fused_gbps: float = 2993.6
+    remap_sort_ms: float = 0.1155  # one sort + searchsorted call over remap_ref_tokens locs
+    remap_page_inverse_ms: float = 0.0464
+    remap_ref_tokens: float = 131072
+    interconnect_gbps: float = 450.0
+    sources: dict[str, str] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if f.name != "sources" and not getattr(self, f.name) > 0:
+                raise ConfigError(f"rate {f.name}={getattr(self, f.name)!r} must be a positive number")
+        sources = {
+            f.name: _ASSUMED.get(f.name) or "built-in copy of the H200 value in {}: {}".format(*_RATE_PATHS[f.name])
+            if getattr(self, f.name) == f.default else "given in code"
+            for f in dataclasses.fields(self) if f.name != "sources"
+        }
+        sources.update(self.sources)
+        object.__setattr__(self, "sources", sources)
+
+    def gbps(self, op: str, fused: bool) -> float:
+        """GB/s of a memory-bound op (``store_mla_fp8``, ``rerange_kv``, ...) on the chosen path."""
+        return float(getattr(self, f"{op}_{'fused' if fused else 'torch'}_gbps"))
+
+    def values(self) -> dict[str, float]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "sources"}
+
+    def override(self, values: dict[str, Any], source: str) -> PlannerRates:
+        """Replace some rates (``{field: number}``), recording ``source: field`` as their origin."""
+        unknown = sorted(set(values) - set(self.values()))
+        if unknown:
+            raise ConfigError(f"{source}: unknown rate(s) {unknown}; known: {', '.join(sorted(self.values()))}")
+        try:
+            sourced = {k: (float(v), f"{source}: {k}") for k, v in values.items()}
+        except (TypeError, ValueError):
+            raise ConfigError(f"{source}: rates must be numbers") from None
+        return self.with_sourced(sourced)
+
+    def with_sourced(self, sourced: dict[str, tuple[float, str]]) -> PlannerRates:
+        """Replace rates from ``{field: (value, source)}``."""
+        values = {k: v for k, (v, _) in sourced.items()}
+        return dataclasses.replace(self, **values, sources={**self.sources, **{k: s for k, (_, s) in sourced.items()}})
+
+
+def _lookup(doc: Any, path: str) -> tuple[Any, str]:
+    """Resolve a ``_RATE_PATHS`` path in a benchmark JSON -> ``(value, path with T=max resolved)``."""
+    resolved = []
+    for part in path.split("."):
+        key, _, flt = part.partition("[")
+        doc = doc[key]
+        if flt:
+            conds = dict(c.split("=") for c in flt.rstrip("]").split(","))
+            rows = [r for r in doc if all(str(r.get(k)) == v for k, v in conds.items() if v != "max")]
+            doc = max(rows, key=lambda r: r["T"])
+            part = part.replace("T=max", f"T={doc['T']}")
+        resolved.append(part)
+    return doc, ".".join(resolved)
+
+
+def rates_from_bench(doc: dict[str, Any], file: str, label: str) -> dict[str, tuple[float, str]]:
+    """The rates a benchmark JSON (``file`` is its kind, by name) provides -> ``{field: (value, source)}``."""
+    out = {}
+    for name, (kind, path) in _RATE_PATHS.items():
+        if kind != file:
+            continue
+        try:
+            value, where = _lookup(doc, path)
+        except (KeyError, TypeError, ValueError, IndexError):
+            raise ConfigError(f"{label}: no {path} in this {file}") from None
+        out[name] = (float(value), f"{label}: {where}")
+    return out
+
+
+def load_rates(paths: list[str] | None = None, results_dir: Path | None = RESULTS_DIR) -> PlannerRates:
+    """Defaults from ``results_dir`` (where the files exist), then each of ``paths`` in order.
+
+    A file in ``paths`` is a ``compute_bench.json`` (has ``per_rank``), a ``kernels_bench.json``
+    (has ``kernels``), or a flat ``{field: value}`` object of :class:`PlannerRates` fields.
+    """
+    rates = PlannerRates()
+    found: dict[str, tuple[float, str]] = {}
+    for name in (_COMPUTE, _KERNELS) if results_dir is not None else ():
+        path = results_dir / name
+        if path.is_file():
+            label = f"docs/results/{name}" if results_dir == RESULTS_DIR else str(path)
+            found.update(rates_from_bench(json.loads(path.read_text()), name, label))
+    rates = rates.with_sourced(found)
+    for path_str in paths or []:
+        try:
+            doc = json.loads(Path(path_str).read_text())
+        except OSError as exc:
+            raise ConfigError(f"--rates {path_str}: {exc.strerror or exc}") from None
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--rates {path_str}: not JSON ({exc.msg} at line {exc.lineno})") from None
+        if not isinstance(doc, dict):
+            raise ConfigError(f"--rates {path_str}: expected a JSON object")
+        kind = _COMPUTE if "per_rank" in doc else _KERNELS if "kernels" in doc else None
+        if kind is None:
+            rates = rates.override(doc, path_str)
+        else:
+            rates = rates.with_sourced(rates_from_bench(doc, kind, path_str))
+    return rates
