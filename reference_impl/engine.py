@@ -291,6 +291,7 @@ def _run_chunk(
     request_start = key_start[:, None].int()
 
     key_range = _host_key_range(meta, plan, group.rank) if 6 in run.phases else None
+    fused = 7 in run.phases  # phase 7: one-pass rerange of the per-layer all-gathers
 
     clock = _LayerClock(device)
     topk_per_layer: list[torch.Tensor] = []
@@ -304,7 +305,6 @@ def _run_chunk(
             if prefetch is not None:
                 prefetch.launch(layer + 1)  # overlaps this layer's compute
             proj = block.attn.project(block.attn_norm(x), positions)
-            fused = 7 in run.phases
             kv_seq = gather_current(group, meta, proj.kv, "kv", fused, group.debug)  # [T, 576] sequence order
             index_k_seq = gather_current(group, meta, proj.index_k, "index_k", fused, group.debug)  # [T, 128]
             store.store_current(layer, kv_seq, index_k_seq, proj.kv, proj.index_k)
