@@ -207,6 +207,19 @@ def test_index_quant_scales_fp32_and_ue8m0() -> None:
         quantize_index_k(k, "e5m2")
 
 
+def test_block_scales_are_correctly_rounded_divisions() -> None:
+    """``amax / 448`` rounded once (IEEE), not ``amax * (1 / 448)``: CUDA torch computes a division by a
+    Python scalar as the latter, which is one ulp off for some amax, and the fused kernels divide."""
+    from reference_impl.model.fp8 import block_scales
+
+    amax = torch.linspace(1.0, 2.0, 4097)  # one binade, every 2**-12 step
+    x = torch.zeros(amax.numel(), 128)
+    x[:, 0] = amax
+    want = (amax.double() / 448).float()
+    assert torch.equal(block_scales(x, 128).flatten(), want)
+    assert not torch.equal(amax * torch.tensor(1 / 448, dtype=torch.float32), want)  # the input can tell
+
+
 def test_index_page_offsets_p64() -> None:
     n, page = 100, 64
     k_fp8, k_scale = quantize_index_k(_rand((n, 128), seed=9), "fp32")

@@ -207,10 +207,10 @@ def test_owned_tokens_partition_the_request(context: int, cp_size: int, page_siz
     assert sum(counts) == context and min(counts) >= 0
 
 
-@pytest.mark.parametrize(("kv_dtype", "mla_bytes", "mla_rate"), [("fp8", 656, "store_mla_fp8_torch_gbps"),
+@pytest.mark.parametrize(("kv_dtype", "mla_bytes", "mla_rate"), [("fp8", 656, "store_mla_fp8_fused_gbps"),
                                                                  ("bf16", 1152, "store_mla_bf16_fused_gbps")])
 def test_level7_store_uses_the_paths_the_package_runs(kv_dtype: str, mla_bytes: int, mla_rate: str) -> None:
-    """Level 7 fuses the index store and the BF16 MLA store; the FP8 MLA store stays on torch."""
+    """Level 7 fuses the index store and the MLA store (FP8 and BF16)."""
     rates = PlannerRates()
     terms = layer_terms(V32, rates, 8, 131072, level=7, rank=0, kv_dtype=kv_dtype)  # type: ignore[arg-type]
     rows = 16384  # page-aligned blocks of 128 pages: the rank writes the 2 x 8192 rows it computed

@@ -217,12 +217,7 @@ def fused_store(
     debug: bool,
 ) -> None:
     """Phase 7's store of one layer: MLA rows and indexer K of ``kv[src_rows]`` / ``index_k[src_rows]``
-    at physical locs ``dst_locs`` of ``pool`` (both buffers, one call each).
-
-    The FP8 MLA kernel stays on the torch path on CUDA: on the H200 it differed from the torch
-    path in 0.45% of bytes (docs/results/kernels_bench.json) while matching on CPU; until the cause
-    is found the store keeps the torch bytes. The BF16 MLA and the index stores use the kernels.
-    """
+    at physical locs ``dst_locs`` of ``pool`` (both buffers, one call each)."""
     layout = pool.layout
-    fused_store_mla(kv, src_rows, dst_locs, pool.mla[layer], layout, debug=debug, force_torch=layout.kv_dtype == "fp8")
+    fused_store_mla(kv, src_rows, dst_locs, pool.mla[layer], layout, debug=debug)
     fused_store_index(index_k, src_rows, dst_locs, pool.index[layer], layout, debug=debug)

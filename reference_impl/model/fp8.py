@@ -24,7 +24,10 @@ def block_scales(x: torch.Tensor, block: int, scale_fmt: str = "fp32") -> torch.
     if n % block:
         raise ValueError(f"last dim {n} is not a multiple of the quantization block {block}")
     amax = x.float().unflatten(-1, (n // block, block)).abs().amax(dim=-1).clamp(min=AMAX_FLOOR)
-    scale = amax / FP8_MAX
+    # Divide by a tensor, not the Python scalar: CUDA torch computes ``t / scalar`` as
+    # ``t * (1 / scalar)`` (one ulp off for some amax), CPU torch divides. An elementwise tensor
+    # division is IEEE on every device, like the Triton kernels' ``div_rn``.
+    scale = amax / amax.new_full((1,), FP8_MAX)
     if scale_fmt == "ue8m0":
         scale = round_up_pow2(scale)
     elif scale_fmt != "fp32":

@@ -32,8 +32,7 @@ blocks from level 4. Times are those of the slowest rank.
 * projections: the GEMM FLOPs of the layer's linear maps for ``T_local`` tokens / bf16 matmul TFLOPS;
 * all-gather #1: ``(C - 1) x T_pad x 1408`` B received, over the interconnect (assumed, 450 GB/s);
 * rerange and store: bytes as the kernel benchmark counts them (each byte read and written once)
-  / GB/s of the torch path below level 7, of the fused kernels from level 7, except the FP8 MLA
-  store, which this package keeps on torch (:data:`FUSED_FP8_MLA_STORE`);
+  / GB/s of the torch path below level 7, of the fused kernels from level 7;
 * full-view build: ``S x (mla_bytes + 132 + 1152 + 132)`` B at the torch materialize GB/s at every
   level: its rows come from the replica (0-1), gathered pages (2) or the gathered chunk (>= 3),
   none through the fused materialize kernel, which serves history pages only;
@@ -60,7 +59,6 @@ from __future__ import annotations
 from .format import format_plan
 from .model import (
     ACT_BYTES,
-    FUSED_FP8_MLA_STORE,
     allgather1_bytes,
     attention_flops,
     gather_row_bytes,
@@ -99,7 +97,6 @@ __all__ = [
     "ACT_BYTES",
     "DEFAULT_CONTEXTS",
     "DEFAULT_RESERVED_GIB",
-    "FUSED_FP8_MLA_STORE",
     "GIB",
     "LEVELS",
     "RESULTS_DIR",

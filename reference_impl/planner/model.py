@@ -20,9 +20,6 @@ from reference_impl.kvcache.layout import KVLayout
 from reference_impl.planner.rates import PlannerRates
 
 ACT_BYTES = 2  # bf16 activations on the GPU
-# Phase 7 keeps the FP8 MLA store on the torch path on CUDA (kernels/cp_dispatch.fused_store: the
-# kernel's bytes differed from torch's on the H200); the BF16 MLA and index stores are fused.
-FUSED_FP8_MLA_STORE = False
 
 
 # --------------------------------------------------------------------------------------------
@@ -214,8 +211,7 @@ def layer_terms(
     rows = context if not sharded else owned_tokens(context, rank, cp_size, page_size) if level < 5 else t_local
     mla_b, index_b = store_bytes(cfg, layout, rows)
     terms["select"] = ms_for_bytes(rows * gather_row_bytes(cfg) * 2, rates.copy_gbps) if 2 <= level < 5 else 0.0
-    mla_fused = fused and (kv_dtype != "fp8" or FUSED_FP8_MLA_STORE)
-    terms["store"] = ms_for_bytes(mla_b, rates.gbps(f"store_mla_{kv_dtype}", mla_fused)) + ms_for_bytes(
+    terms["store"] = ms_for_bytes(mla_b, rates.gbps(f"store_mla_{kv_dtype}", fused)) + ms_for_bytes(
         index_b, rates.gbps("store_index", fused)
     )
     remap_scale = context / rates.remap_ref_tokens

@@ -153,7 +153,7 @@ def _assumptions(config: PlanConfig, cfg: ModelConfig) -> list[str]:
         "Top-k and remap scale linearly from their measured points (T_local x S, and T).",
         ("Levels 0-1 rebuild the full view from the local replica; from level 3 it is filled from the gathered "
          "chunk (no history), so phase 8 has nothing to prefetch and level 8 equals level 7."),
-        ("Level >= 7: fused rerange and index store; the FP8 MLA store and the full-view fill stay on the torch "
+        ("Level >= 7: fused rerange and stores; the full-view fill from the gathered chunk stays on the torch "
          "path, as in this package."),
         ("Levels 2-5 remap with sort + searchsorted per layer (the production baseline phase 6 replaces; "
          "this package computes locs arithmetically)."),
