@@ -54,10 +54,19 @@ for prefix in (16, 13):
 # ## 2. Store path per layer: phase 2 vs phase 5
 #
 # Rank 0 of `C = 8`, one request, DeepSeek-V3.2 dims, FP8 cache. Both paths write the same rows
-# (the ones rank 0 owns); phase 2 first selects them from the gathered chunk. One process measures
-# it exactly: the store path has no collective. `triton.testing.do_bench` median on the GPU.
+# (the ones rank 0 owns and computed); phase 2 first selects them from the gathered chunk, which on
+# the torch path is one more read and write of those rows (`index_select`). With phase 7 the
+# selection moves inside the fused kernel (`src_rows`), so the two paths then move the same bytes.
+# One process measures it exactly: the store path has no collective. On the GPU each store is
+# captured in a CUDA graph and its replays are timed (`triton.testing.do_bench` median), so the
+# figure is device time: eager, one store is ~20 launches and the host's launch rate would be timed.
 
 # %%
 sizes = [8192, 32768, 131072] if ON_GPU else [4096]
 points = [time_store_paths(n, 8, "cuda" if ON_GPU else "cpu") for n in sizes]
 print(json.dumps({"device": torch.cuda.get_device_name(0) if ON_GPU else "cpu", "points": points}, indent=1))
+print(f"{'tokens':>7} {'rows':>6} | {'path':>14} {'MB moved':>9} {'ms':>7} {'GB/s':>6}")
+for p in points:
+    for path in ("phase2", "phase5", "phase2_fused", "phase5_fused"):
+        mb, ms = p[f"{path}_bytes"] / 1e6, p[f"{path}_ms"]
+        print(f"{p['tokens']:>7} {p['local_tokens']:>6} | {path:>14} {mb:>9.1f} {ms:>7.3f} {mb / ms:>6.0f}")

@@ -208,10 +208,7 @@ class CPGroup:
         # Reinterpret rows as raw bytes: a gather is pure data movement and gloo lacks some dtypes.
         send_bytes = send.reshape(max_len, -1).view(torch.uint8)
         out_bytes = out.view(self._size, max_len, -1).view(torch.uint8)
-        if self._fused_gather:
-            _all_gather_single(out_bytes, send_bytes, group=self._pg)
-        else:
-            dist.all_gather(list(out_bytes.unbind(0)), send_bytes, group=self._pg)
+        self._exchange(out_bytes, send_bytes)
 
         padded = max_len * row_bytes
         self.stats.append(
@@ -241,6 +238,13 @@ class CPGroup:
         if all(n == max_len for n in lengths):
             return raw.reshape(self._size * max_len, *raw.shape[2:])  # no padding: a view
         return torch.cat([raw[r, :n] for r, n in enumerate(lengths)])
+
+    def _exchange(self, out_bytes: torch.Tensor, send_bytes: torch.Tensor) -> None:
+        """The wire: ``send_bytes [max_len, row_bytes]`` of every rank into ``out_bytes [C, max_len, row_bytes]``."""
+        if self._fused_gather:
+            _all_gather_single(out_bytes, send_bytes, group=self._pg)
+        else:
+            dist.all_gather(list(out_bytes.unbind(0)), send_bytes, group=self._pg)
 
     def barrier(self, tag: str = "barrier") -> None:
         """Wait for every rank (recorded, zero bytes)."""

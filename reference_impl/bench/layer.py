@@ -1,0 +1,210 @@
+"""End-to-end per-layer benchmark: one rank of ``C`` at every phase level, next to the planner.
+
+Usage::
+
+    python -m reference_impl.bench.layer --out FILE.json [--cp-size 8] [--rank 0] [--levels 0-8]
+        [--workloads current-only:0+131072,prefix-heavy:65536+8192] [--layers 4] [--wire-gbps 450]
+    python -m reference_impl.bench.layer --out dry.json --device cpu --preset tiny   # CPU dry run
+
+**How CP runs here.** One process plays rank ``--rank`` of ``--cp-size`` through
+:class:`~reference_impl.cp.loopback.LoopbackGroup`: the rank launches exactly what it launches in
+a real group (same collective sequence and byte counts, tested against gloo ranks), but each
+all-gather is a local copy, plus, with ``--wire-gbps``, a stream-held delay of
+``bytes received / wire_gbps`` that models the interconnect. Gathered values are copies of the
+rank's own rows, so outputs are not checked (``check=False``); the timings and memory are the
+rank's. The figures are those of one rank of a CP group **modeled on one GPU**.
+
+Per workload (one request ``prefix + extend`` tokens, DeepSeek-V3.2 dims, ``--layers`` layers) and
+level 0..8: the per-layer times (CUDA events around each layer, the median over layers of one run,
+after one warm-up run per workload that compiles the kernels), KV at rest per rank (the pools'
+bytes), the engine's transient count and the measured peak of ``torch.cuda.max_memory_allocated``
+during the prefill, the data-movement byte counts, and the planner's prediction for the same
+rank, level and context (current-only workloads: the planner's scenario) with the relative error.
+
+Phase 8: for each workload with a prefix, the prefetch payload (one layer's history MLA rows:
+gather + dequantize, :meth:`~reference_impl.cp.kv_sharded.ShardedKV.history_mla_rows`) is timed
+alone on the main stream; ``hidden_fraction = (layer_ms[7] - layer_ms[8]) / payload_ms`` is the
+share of the history materialization that the prefetch removed from the layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shlex
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from reference_impl.capacity import kv_bytes_per_rank
+from reference_impl.config import ConfigError, PhaseSet, Request, RunConfig, get_preset
+from reference_impl.cp.kv_sharded import ShardedKV
+from reference_impl.cp.loopback import LoopbackGroup
+from reference_impl.engine import run_rank
+from reference_impl.planner import layer_terms, load_rates
+from reference_impl.planner.model import transient_bytes
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One request of ``prefix`` cached and ``extend`` new tokens."""
+
+    name: str
+    prefix: int
+    extend: int
+
+    @classmethod
+    def parse(cls, spec: str) -> Workload:
+        """``name:prefix+extend``, e.g. ``prefix-heavy:65536+8192``."""
+        try:
+            name, sizes = spec.split(":")
+            prefix, extend = (int(v) for v in sizes.split("+"))
+        except ValueError:
+            raise ConfigError(f"workload {spec!r}: expected name:prefix+extend, e.g. current-only:0+131072") from None
+        return cls(name, prefix, extend)
+
+
+def parse_levels(spec: str) -> list[int]:
+    """``0-8`` or ``0,2,7,8`` -> sorted levels."""
+    if "-" in spec:
+        lo, hi = (int(v) for v in spec.split("-"))
+        return list(range(lo, hi + 1))
+    return sorted(int(v) for v in spec.split(","))
+
+
+def _run(run: RunConfig, group: LoopbackGroup, keep_store: bool = False) -> Any:
+    if run.model.n_layers < 1:
+        raise ConfigError("need at least one layer")
+    if group.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return run_rank(group, run, keep_store=keep_store)
+
+
+def payload_ms(store: ShardedKV, n_layers: int, device: torch.device) -> float | None:
+    """Median ms of one layer's prefetch payload (history MLA rows), alone on the current stream."""
+    if store.materialize_plan is None:
+        return None
+    times = []
+    for layer in range(n_layers):
+        if device.type == "cuda":
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            store.history_mla_rows(layer)
+            stop.record()
+            stop.synchronize()
+            times.append(start.elapsed_time(stop))
+        else:
+            import time
+
+            t0 = time.perf_counter()
+            store.history_mla_rows(layer)
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def planner_point(run: RunConfig, rank: int, level: int, wire_gbps: float | None) -> dict[str, Any]:
+    """The planner's per-layer terms and memory for this rank (its scenario: no prefix)."""
+    cfg = run.model
+    rates = load_rates()
+    if wire_gbps is not None:
+        rates = rates.override({"interconnect_gbps": wire_gbps}, "bench --wire-gbps")
+    context = run.requests[0].total
+    terms = layer_terms(get_preset(run.preset), rates, run.cp_size, context, level, rank, run.kv_dtype, run.page_size)
+    if wire_gbps is None:  # no modeled wire: the loopback copy is all that runs
+        terms = {**terms, "allgather1": 0.0, "materialize_comm": 0.0}
+    return {
+        "layer_ms": sum(terms.values()),
+        "terms_ms": terms,
+        "kv_bytes": kv_bytes_per_rank(cfg, context, run.cp_size, level >= 2, run.kv_dtype, run.page_size, rank),
+        "transient_bytes": transient_bytes(cfg, context, level, run.kv_dtype, run.page_size),
+    }
+
+
+def measure(
+    preset: str, workload: Workload, levels: list[int], cp_size: int, rank: int, n_layers: int,
+    device: str, wire_gbps: float | None,
+) -> dict[str, Any]:
+    """Every level of one workload on one rank -> JSON-ready dict."""
+    dev = torch.device(device)
+    group_of = lambda: LoopbackGroup(rank, cp_size, dev, wire_gbps)  # noqa: E731 (fresh stats per run)
+    base = RunConfig(preset=preset, n_layers=n_layers, cp_size=cp_size, requests=(Request(workload.prefix, workload.extend),),
+                     check=False, device=dev.type)
+    _run(base.replace(phases=PhaseSet.level(max(levels))), group_of())  # warm-up: compiles the kernels
+    points = []
+    for level in levels:
+        run = base.replace(phases=PhaseSet.level(level))
+        result = _run(run, group_of(), keep_store=level == 8)
+        stats, layer_ms = result.stats, result.timings["layer_ms"]
+        point: dict[str, Any] = {
+            "level": level,
+            "layer_ms_median": statistics.median(layer_ms),
+            "layer_ms": layer_ms,
+            "tail_ms": result.timings["tail_ms"],
+            "store_path": result.store_path,
+            "kv_bytes": stats["kv_bytes"] + stats["index_bytes"],
+            **{k: stats[k] for k in ("transient_peak_bytes", "gather_bytes", "materialized_bytes", "collectives")},
+            "measured_peak_bytes": stats.get("measured_peak_bytes"),
+        }
+        if workload.prefix == 0:
+            predicted = planner_point(run, rank, level, wire_gbps)
+            point["planner"] = predicted
+            point["planner_error"] = {
+                "layer_ms": predicted["layer_ms"] / point["layer_ms_median"] - 1,
+                "kv_bytes": predicted["kv_bytes"] / point["kv_bytes"] - 1,
+                "transient_bytes": predicted["transient_bytes"] / point["transient_peak_bytes"] - 1,
+            }
+        if level == 8 and isinstance(result.store, ShardedKV):
+            point["prefetch_payload_ms"] = payload_ms(result.store, n_layers, dev)
+        points.append(point)
+        del result
+    out: dict[str, Any] = {"workload": workload.__dict__, "levels": points}
+    by_level = {p["level"]: p for p in points}
+    payload = by_level.get(8, {}).get("prefetch_payload_ms")
+    if workload.prefix and payload and 7 in by_level:
+        saved = by_level[7]["layer_ms_median"] - by_level[8]["layer_ms_median"]
+        out["prefetch"] = {"payload_ms": payload, "saved_ms": saved, "hidden_fraction": saved / payload}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="JSON file to write")
+    parser.add_argument("--preset", default="deepseek-v3.2")
+    parser.add_argument("--cp-size", type=int, default=8)
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--levels", default="0-8")
+    parser.add_argument("--workloads", default="current-only:0+32768,current-only:0+131072,prefix-heavy:65536+8192")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--wire-gbps", type=float, default=None, help="model the interconnect (CUDA only)")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    args = parser.parse_args(argv)
+    workloads = [Workload.parse(w) for w in args.workloads.split(",")]
+    levels = parse_levels(args.levels)
+    results = []
+    for w in workloads:
+        print(f"{w.name} {w.prefix}+{w.extend}: levels {levels}", file=sys.stderr, flush=True)
+        results.append(measure(args.preset, w, levels, args.cp_size, args.rank, args.layers, args.device, args.wire_gbps))
+    doc = {
+        "device": torch.cuda.get_device_name(0) if args.device == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "command": "python -m reference_impl.bench.layer " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        "how_cp_runs": f"rank {args.rank} of C={args.cp_size} alone in one process (LoopbackGroup): all-gathers are "
+        + (f"local copies plus a modeled wire of {args.wire_gbps:g} GB/s" if args.wire_gbps else "local copies (no wire time)"),
+        "timing": "CUDA events per layer, median over the layers of one run after a warm-up run"
+        if args.device == "cuda" else "perf_counter per layer (CPU dry run: the numbers mean nothing)",
+        "preset": args.preset, "cp_size": args.cp_size, "rank": args.rank, "n_layers": args.layers,
+        "wire_gbps": args.wire_gbps,
+        "workloads": results,
+    }
+    Path(args.out).write_text(json.dumps(doc, indent=1))
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

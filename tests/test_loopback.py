@@ -1,0 +1,43 @@
+"""LoopbackGroup: one rank of C alone in a process runs what that rank runs in a real CP group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from reference_impl.config import ConfigError, PhaseSet, Request
+from reference_impl.cp.loopback import LoopbackGroup
+from reference_impl.engine import run_rank
+
+from conftest import tiny
+
+MIXED = (Request(16, 150), Request(13, 130))
+
+
+@pytest.mark.parametrize("level", [0, 2, 3, 5, 7, 8])
+def test_rank_of_loopback_issues_what_the_real_rank_issues(report_of, level: int) -> None:
+    """Same collective sequence, gathered, materialized and stored bytes as rank 1 of a real gloo group."""
+    run = tiny(cp_size=3, requests=MIXED, page_size=8, phases=PhaseSet.level(level))
+    real = report_of(run)["per_rank"][1]
+    solo = run_rank(LoopbackGroup(1, 3, "cpu"), run.replace(check=False))
+    assert solo.stats["collectives"] == real["collectives"]
+    for key in ("gather_bytes", "materialized_bytes", "output_gather_bytes", "kv_bytes", "index_bytes"):
+        assert solo.stats[key] == real[key], key
+    assert solo.store_path == report_of(run)["store_path"]
+    assert len(solo.timings["layer_ms"]) == run.model.n_layers
+
+
+def test_loopback_gather_fills_every_slot_with_the_local_rows() -> None:
+    group = LoopbackGroup(2, 4, "cpu")
+    local = torch.arange(6.0).reshape(3, 2)
+    raw = group.all_gather_rows_padded_raw(local, [4, 4, 3, 3], "kv")
+    assert raw.shape == (4, 4, 2)
+    assert all(torch.equal(raw[r, :3], local) for r in range(4)) and not raw[:, 3].any()
+    assert group.stats[-1].bytes_received == 3 * 4 * 2 * 4
+
+
+def test_loopback_rejects_bad_identity_and_wire_without_cuda() -> None:
+    with pytest.raises(ConfigError, match="rank 4 is not in a group of 4"):
+        LoopbackGroup(4, 4, "cpu")
+    with pytest.raises(ConfigError, match="wire_gbps"):
+        LoopbackGroup(0, 4, "cpu", wire_gbps=450.0)
