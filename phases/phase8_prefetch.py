@@ -25,6 +25,7 @@
 # %%
 import logging
 
+import matplotlib.pyplot as plt
 import torch
 
 from reference_impl import engine
@@ -86,16 +87,60 @@ print(f"C=3 with the real stream: matches oracle {rep['matches_oracle']}, collec
 # %% [markdown]
 # ## 2. Per-layer time with and without prefetch (GPU)
 #
-# DeepSeek-V3.2 dims, 4 layers, a prefix-heavy batch. With one GPU the ranks share it through gloo,
-# whose all-gather is a synchronous host call: the prefetch cannot overlap there. The overlap needs
-# NCCL with one GPU per rank.
+# **How CP runs here.** A single GPU cannot host `C` NCCL ranks, and gloo ranks sharing it stage
+# every all-gather through the host (a synchronous call: nothing can overlap it). So this cell
+# runs **rank 0 of `C = 8` alone** (`LoopbackGroup`): the rank launches exactly its own kernels
+# and collectives (same sequence and byte counts as in a real group, tested), each all-gather is a
+# local copy followed by a stream-held delay of `bytes / 450 GB/s` (a modeled NVLink), and the
+# gathered values are copies, so outputs are not checked here (section 1 checks correctness).
+#
+# Workload: DeepSeek-V3.2 dims, 4 layers, one request with a 65,536-token cached prefix and 8,192
+# new tokens (prefix-heavy: rank 0 computes 1,024 queries whose attention outlasts the history
+# materialization). Per-layer CUDA-event times, median over the layers of one run after a
+# warm-up run. The prefetch payload (one layer's history MLA rows: all-gather + dequantize) is
+# then timed alone; the hidden fraction is the layer time saved divided by that payload.
+
+# %%
+from reference_impl.bench.layer import Workload, measure
+
+if ON_GPU:
+    ph = measure("deepseek-v3.2", Workload("prefix-heavy", 65536, 8192), [7, 8], cp_size=8, rank=0, n_layers=4,
+                 device="cuda", wire_gbps=450.0)
+    for p in ph["levels"]:
+        print(f"level {p['level']}: layer ms median {p['layer_ms_median']:.3f} (layers {[round(t, 3) for t in p['layer_ms']]})")
+    pf = ph["prefetch"]
+    print(f"prefetch payload {pf['payload_ms']:.3f} ms/layer, saved {pf['saved_ms']:.3f} ms/layer, "
+          f"hidden {pf['hidden_fraction']:.0%} (bar: 90%)")
+else:
+    print("no GPU here: the committed notebook shows the H200 run")
+
+# %% [markdown]
+# ## 3. Every level end to end, and the planner beside it
+#
+# The same harness at levels 0..8, one request of 32,768 new tokens (current-only: the planner's
+# scenario), rank 0 of `C = 8`. Memory: KV at rest per rank (the pools' bytes, 4 layers) and the
+# peak `torch.cuda.max_memory_allocated` during the prefill above what was allocated before it.
+# The planner (`python -m reference_impl plan`) predicts the same rank's layer time from the
+# measured kernel rates with the interconnect at the same 450 GB/s, and its KV bytes from the
+# layouts. The errors are `predicted / measured - 1`. The 131,072-token run of the same harness
+# is on the [benchmarks page](../benchmarks.md) (`docs/results/layer_bench.json`).
 
 # %%
 if ON_GPU:
-    base = RunConfig(preset="deepseek-v3.2", n_layers=4, cp_size=max(1, torch.cuda.device_count()),
-                     requests=(Request(16384, 2048),), check=False)
-    for level in (7, 8):
-        rep = run_prefill(base.replace(phases=PhaseSet.level(level)))
-        print(f"level {level}: layer ms median {rep['timings']['layer_ms_median']:.2f} ({rep['backend']})")
+    co = measure("deepseek-v3.2", Workload("current-only", 0, 32768), list(range(9)), cp_size=8, rank=0, n_layers=4,
+                 device="cuda", wire_gbps=450.0)
+    print(f"{'level':>5} {'layer ms':>9} {'planner':>8} {'err':>6} | {'KV MiB':>7} {'err':>6} | {'peak MiB':>8} {'store':>8}")
+    for p in co["levels"]:
+        e = p["planner_error"]
+        print(f"{p['level']:>5} {p['layer_ms_median']:>9.3f} {p['planner']['layer_ms']:>8.3f} {e['layer_ms']:>+6.0%} | "
+              f"{p['kv_bytes'] / 2**20:>7.1f} {e['kv_bytes']:>+6.1%} | {p['measured_peak_bytes'] / 2**20:>8.0f} {p['store_path']:>8}")
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([p["level"] for p in co["levels"]], [p["layer_ms_median"] for p in co["levels"]], "o-", label="measured")
+    ax.plot([p["level"] for p in co["levels"]], [p["planner"]["layer_ms"] for p in co["levels"]], "s--", label="planner")
+    ax.set_xlabel("phase level")
+    ax.set_ylabel("per-layer ms, rank 0 of C=8")
+    ax.set_title("32,768 tokens, current-only, DeepSeek-V3.2 dims")
+    ax.legend()
+    plt.show()
 else:
-    print("no GPU here: the GPU cell runs on an H200")
+    print("no GPU here: the committed notebook shows the H200 run")
