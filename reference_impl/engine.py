@@ -44,6 +44,7 @@ from reference_impl.cp.tail import OutputSpec, collect_full
 from reference_impl.kvcache.allocator import RequestPageTable
 from reference_impl.kvcache.layout import KVLayout
 from reference_impl.model.oracle import run_oracle
+from reference_impl.model.sparse_attention import HostKeyBounds
 from reference_impl.schedule import Chunk, chunk_schedule
 from reference_impl.workload import build_inputs, build_model
 
@@ -159,11 +160,12 @@ class HostSyncError(AssertionError):
     """The phase-6 layer loop synchronized with the host (debug-mode audit)."""
 
 
-def _host_key_range(meta: SplitMetadata, plan: BatchPlan, rank: int) -> tuple[int, int]:
-    """Host bounds of the local queries' key ranges, from metadata alone (phase 6: no device reads)."""
+def _host_key_bounds(meta: SplitMetadata, plan: BatchPlan, rank: int) -> HostKeyBounds:
+    """Host copies of the local queries' key ranges ``(key_start, key_end)``, from metadata alone
+    (phase 6: the indexer bounds each chunk of rows without reading the device)."""
     starts = [plan.view_offsets[meta.token_request[g]] for g in meta.local_tokens(rank)]
     ends = [plan.view_offsets[meta.token_request[g]] + meta.token_position[g] + 1 for g in meta.local_tokens(rank)]
-    return min(starts), max(ends)
+    return starts, ends
 
 
 def chunk_metadata(run: RunConfig, chunk: Chunk) -> SplitMetadata:
@@ -290,7 +292,7 @@ def _run_chunk(
     # Top-k rows relative to the request's first full-view row, i.e. token positions in the request.
     request_start = key_start[:, None].int()
 
-    key_range = _host_key_range(meta, plan, group.rank) if 6 in run.phases else None
+    host_bounds = _host_key_bounds(meta, plan, group.rank) if 6 in run.phases else None
     fused = 7 in run.phases  # phase 7: one-pass rerange of the per-layer all-gathers
 
     clock = _LayerClock(device)
@@ -313,7 +315,7 @@ def _run_chunk(
             else:
                 view = store.full_view(layer, kv_seq, index_k_seq)
             out, topk = block.attn.attend(
-                proj, view.kv, view.index_k_fp8, view.index_k_scale, key_start, key_end, key_range
+                proj, view.kv, view.index_k_fp8, view.index_k_scale, key_start, key_end, host_bounds
             )
             if prefetch is not None:
                 prefetch.release(layer)

@@ -9,6 +9,8 @@ tensors); the first tests pin that conversion down against torch on its own.
 
 from __future__ import annotations
 
+import functools
+
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere in this module
@@ -322,6 +324,24 @@ def test_materialize_equals_torch_path(
     assert torch.equal(_bytes(views[1][1][view_rows]), _bytes(k_fp8)) and torch.equal(views[1][2][view_rows], k_scale)
 
 
+@SETTINGS
+@given(kv_dtype=st.sampled_from(["fp8", "bf16"]), one_pass=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_materialize_mla_half_equals_the_full_op(fm: object, kv_dtype: str, one_pass: bool, seed: int) -> None:
+    """Phase 8's MLA-only launch writes the full op's kv rows and nothing else (torch path and kernel)."""
+    gen = torch.Generator().manual_seed(seed)
+    layout = KVLayout(128, 64, kv_dtype, 4)  # type: ignore[arg-type]
+    packed, mla_rows = _gathered(gen, layout, 3)
+    row_source = torch.randperm(12, generator=gen)[:7]
+    view_rows = torch.randperm(20, generator=gen)[:7]
+    full = torch.full((20, layout.kv_width), 3.0, dtype=torch.bfloat16)
+    i8, sc = torch.zeros(20, 128).to(torch.float8_e4m3fn), torch.zeros(20)
+    fused_torch.materialize_rows_torch(mla_rows, packed[:, 4 * layout.mla_bytes :], row_source, view_rows, full, i8, sc, layout)
+    for run in (fused_torch.materialize_mla_rows_torch, functools.partial(fm.materialize_mla_rows_triton, one_pass=one_pass)):  # type: ignore[attr-defined]
+        kv = torch.full((20, layout.kv_width), 3.0, dtype=torch.bfloat16)
+        run(mla_rows, row_source, view_rows, kv, layout)
+        assert torch.equal(_bytes(kv), _bytes(full))
+
+
 def test_materialize_matches_sharded_full_view(fm: object) -> None:
     """Phase 2 full materialization on one rank: gather_pages + the kernel == ShardedKV.full_view."""
     gen = torch.Generator().manual_seed(5)
@@ -554,6 +574,34 @@ def test_bench_kernels_cpu_dry_run(tmp_path: Path, fs: object, fr: object, fm: o
     }
     assert all(r["check"]["bytes_equal"] and r["bytes"] > 0 and r["triton_ms"] > 0 for r in result["kernels"])
     assert result["remap"][0]["equal"] is True
+    from reference_impl.kernels.fused_configs import CPU_CONFIGS
+
+    assert "sweep" not in result and result["configs"] == CPU_CONFIGS  # the defaults, one per kernel
+    assert all(r["config"] == CPU_CONFIGS[r["op"].replace("_torch_padded_gather", "")] for r in result["kernels"])
+
+
+def test_bench_kernels_cpu_sweep_dry_run(tmp_path: Path, fs: object, fr: object, fm: object) -> None:
+    """``--sweep`` on the interpreter: two candidates per kernel (the default and a one-pass or
+    smaller-tile config), each checked against torch and timed at both sweep token counts; a best
+    config per kernel, and the rows run with it."""
+    from reference_impl.bench import kernel_sweep
+    from reference_impl.bench import kernels as bench
+
+    out = tmp_path / "sweep.json"
+    argv = ["--out", str(out), "--device", "cpu", "--tokens", "24", "--cp-size", "2", "--page-size", "8"]
+    assert bench.main([*argv, "--sweep", "--sweep-tokens", "16,24"]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["sweep"]) == set(kernel_sweep.SWEPT) and result["sweep_settings"]["tokens"] == [16, 24]
+    for kernel, swept in result["sweep"].items():
+        candidates = swept["candidates"]
+        assert len(candidates) == 2 and candidates[0]["config"] == swept["default"]
+        assert all(c["bytes_equal"] and c["ms"] > 0 and set(c["by_T"]) == {"16", "24"} for c in candidates)
+        assert swept["best"] in [c["config"] for c in candidates] and swept["best_basis"] == "torch bytes"
+        assert result["configs"][kernel] == swept["best"]
+    for row in result["kernels"]:
+        assert row["check"]["bytes_equal"]
+        assert row["config"] == result["configs"][row["op"].replace("_torch_padded_gather", "")]
+    assert "sweep" in bench.format_table(result)
 
 
 def test_kernels_refuse_misaligned_rows(fs: object) -> None:

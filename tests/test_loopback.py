@@ -41,3 +41,23 @@ def test_loopback_rejects_bad_identity_and_wire_without_cuda() -> None:
         LoopbackGroup(4, 4, "cpu")
     with pytest.raises(ConfigError, match="wire_gbps"):
         LoopbackGroup(0, 4, "cpu", wire_gbps=450.0)
+
+
+def test_layer_bench_dry_run(tmp_path) -> None:
+    """The end-to-end harness on CPU (tiny preset): every level's record, the planner beside the
+    current-only workload, the prefetch figures beside the prefix-heavy one."""
+    import json
+
+    from reference_impl.bench.layer import main
+
+    out = tmp_path / "layer.json"
+    main(["--out", str(out), "--device", "cpu", "--preset", "tiny", "--cp-size", "4", "--rank", "1", "--levels", "0,7,8",
+          "--workloads", "current-only:0+256,prefix-heavy:128+64", "--layers", "2"])
+    doc = json.loads(out.read_text())
+    current, prefix = doc["workloads"]
+    assert [p["level"] for p in current["levels"]] == [0, 7, 8]
+    kv = {p["level"]: p["kv_bytes"] for p in current["levels"]}
+    assert kv[7] < kv[0]  # sharded at rest from level 2
+    assert all(abs(p["planner_error"]["kv_bytes"]) < 1e-9 for p in current["levels"])  # layouts: exact
+    assert "prefetch" not in current and prefix["prefetch"]["payload_ms"] > 0
+    assert all(len(p["layer_ms"]) == 2 for w in doc["workloads"] for p in w["levels"])

@@ -53,3 +53,22 @@ def test_the_audit_fails_loudly_on_a_sync(monkeypatch) -> None:
 def test_without_phase6_the_audit_is_off(report_of) -> None:
     rep = report_of(tiny(cp_size=2, debug=True, phases=PhaseSet.level(5), requests=(Request(0, 96),), page_size=8))
     assert "host_syncs_in_layer_loop" not in rep["per_rank"][0]
+
+
+def test_host_bounds_bound_each_chunk_and_change_no_index() -> None:
+    """Zigzag rows: early positions then late ones. Host bounds give each chunk its own key range
+    (the early chunk scores 8 keys, not 64) and the same top-k as the device bounds."""
+    from reference_impl.model.sparse_attention import chunk_key_range, indexer_topk
+
+    gen = torch.Generator().manual_seed(0)
+    positions = list(range(0, 8)) + list(range(56, 64))
+    key_start, key_end = torch.zeros(16, dtype=torch.long), torch.tensor([p + 1 for p in positions])
+    host = ([0] * 16, [p + 1 for p in positions])
+    assert chunk_key_range(key_start, key_end, 0, 8, host) == (0, 8)
+    assert chunk_key_range(key_start, key_end, 8, 16, host) == (0, 64)
+    q = torch.randn(16, 4, 32, generator=gen).to(torch.float8_e4m3fn)
+    k = torch.randn(64, 32, generator=gen).to(torch.float8_e4m3fn)
+    w, scale = torch.rand(16, 4, generator=gen), torch.rand(64, generator=gen) + 0.5
+    with_host = indexer_topk(q, w, k, scale, key_start, key_end, 6, rows_per_chunk=8, host_bounds=host)
+    assert torch.equal(with_host, indexer_topk(q, w, k, scale, key_start, key_end, 6, rows_per_chunk=8))
+    assert bool((with_host[:8] < 8).all())

@@ -47,3 +47,20 @@ def test_phase7_triton_kernels_match_oracle(monkeypatch, kv_dtype: str, cp_size:
 def test_phase7_debug_takes_torch_paths_and_audits_clean(report_of) -> None:
     rep = report_of(tiny(cp_size=2, requests=MIXED, page_size=8, debug=True, phases=PhaseSet.level(7)))
     assert rep["matches_oracle"] is True and rep["per_rank"][0]["host_syncs_in_layer_loop"] == 0
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter on CPU")
+def test_phase8_prefetch_through_the_mla_kernel_matches_oracle(monkeypatch) -> None:
+    """Level 8 with the kernels forced: the prefetch writes history through the MLA-only materialize."""
+    calls = []
+    original = cp_dispatch._run_triton
+
+    def spy(kernel, fn):
+        calls.append(kernel)
+        return original(kernel, fn)
+
+    monkeypatch.setattr(cp_dispatch, "_fused", lambda tensor, debug, force_torch: not force_torch and not debug)
+    monkeypatch.setattr(cp_dispatch, "_run_triton", spy)
+    rep = run_prefill(tiny(cp_size=1, requests=MIXED, page_size=8, n_layers=3, phases=PhaseSet.level(8)))
+    assert rep["matches_oracle"] is True and rep["cache_equal"] is True
+    assert "materialize_mla_rows" in calls and "materialize_rows" not in calls

@@ -22,7 +22,7 @@ during the prefill, the data-movement byte counts, and the planner's prediction 
 rank, level and context (current-only workloads: the planner's scenario) with the relative error.
 
 Phase 8: for each workload with a prefix, the prefetch payload (one layer's history MLA rows:
-gather + dequantize, :meth:`~reference_impl.cp.kv_sharded.ShardedKV.history_mla_rows`) is timed
+all-gather + unpack into a view buffer, :meth:`~reference_impl.cp.kv_sharded.ShardedKV.materialize_history_mla`) is timed
 alone on the main stream; ``hidden_fraction = (layer_ms[7] - layer_ms[8]) / payload_ms`` is the
 share of the history materialization that the prefetch removed from the layer.
 """
@@ -47,7 +47,7 @@ from reference_impl.cp.kv_sharded import ShardedKV
 from reference_impl.cp.loopback import LoopbackGroup
 from reference_impl.engine import run_rank
 from reference_impl.planner import layer_terms, load_rates
-from reference_impl.planner.model import transient_bytes
+from reference_impl.planner.model import activation_bytes, rank_ranges, transient_bytes, zigzag_blocks
 
 
 @dataclass(frozen=True)
@@ -90,11 +90,12 @@ def payload_ms(store: ShardedKV, n_layers: int, device: torch.device) -> float |
     if store.materialize_plan is None:
         return None
     times = []
+    kv = store.new_view_kv()
     for layer in range(n_layers):
         if device.type == "cuda":
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            store.history_mla_rows(layer)
+            store.materialize_history_mla(layer, kv)
             stop.record()
             stop.synchronize()
             times.append(start.elapsed_time(stop))
@@ -102,7 +103,7 @@ def payload_ms(store: ShardedKV, n_layers: int, device: torch.device) -> float |
             import time
 
             t0 = time.perf_counter()
-            store.history_mla_rows(layer)
+            store.materialize_history_mla(layer, kv)
             times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
@@ -117,11 +118,15 @@ def planner_point(run: RunConfig, rank: int, level: int, wire_gbps: float | None
     terms = layer_terms(get_preset(run.preset), rates, run.cp_size, context, level, rank, run.kv_dtype, run.page_size)
     if wire_gbps is None:  # no modeled wire: the loopback copy is all that runs
         terms = {**terms, "allgather1": 0.0, "materialize_comm": 0.0}
+    ranges = rank_ranges(zigzag_blocks(context, run.cp_size, run.page_size, page_aligned=level >= 4), rank)
+    t_local = sum(b - a for a, b in ranges)
+    transient = transient_bytes(cfg, context, level, run.kv_dtype, run.page_size)
     return {
         "layer_ms": sum(terms.values()),
         "terms_ms": terms,
         "kv_bytes": kv_bytes_per_rank(cfg, context, run.cp_size, level >= 2, run.kv_dtype, run.page_size, rank),
-        "transient_bytes": transient_bytes(cfg, context, level, run.kv_dtype, run.page_size),
+        "transient_bytes": transient,
+        "peak_bytes": transient + activation_bytes(cfg, t_local, context),
     }
 
 
@@ -158,6 +163,8 @@ def measure(
                 "kv_bytes": predicted["kv_bytes"] / point["kv_bytes"] - 1,
                 "transient_bytes": predicted["transient_bytes"] / point["transient_peak_bytes"] - 1,
             }
+            if point["measured_peak_bytes"]:
+                point["planner_error"]["peak_bytes"] = predicted["peak_bytes"] / point["measured_peak_bytes"] - 1
         if level == 8 and isinstance(result.store, ShardedKV):
             point["prefetch_payload_ms"] = payload_ms(result.store, n_layers, dev)
         points.append(point)

@@ -26,7 +26,7 @@ from reference_impl.cp.kv_replicated import FullView
 from reference_impl.cp.materialize import MaterializePlan, gather_page_part, gather_pages, unpack_index_rows
 from reference_impl.cp.ownership import owned_page_count, page_owner, physical_locs
 from reference_impl.cp.split import local_index_tensor
-from reference_impl.kernels.cp_dispatch import fused_store, materialize_rows
+from reference_impl.kernels.cp_dispatch import fused_store, materialize_mla_rows, materialize_rows
 from reference_impl.kvcache.layout import KVLayout
 from reference_impl.kvcache.pool import PagedKVPool
 
@@ -134,39 +134,49 @@ class ShardedKV:
         k_fp8, k_scale = self.layout.quantize_index_k(index_k_seq.index_select(0, self._store_rows))
         self.pool.write_index(layer, self._store_locs, k_fp8, k_scale)
 
-    def history_mla_rows(self, layer: int) -> torch.Tensor:
-        """Phase 8's prefetch payload: the MLA rows storage provides for ``layer`` -> bf16 ``[R, 576]``
-        (row ``i`` belongs at full-view row ``materialize_plan.view_rows[i]``). One all-gather."""
+    def new_view_kv(self) -> torch.Tensor:
+        """An uninitialized full-view KV buffer for this batch: bf16 ``[view_len, kv_width]``."""
+        return torch.empty(self.plan.view_len, self.layout.kv_width, dtype=torch.bfloat16, device=self.pool.mla.device)
+
+    def materialize_history_mla(self, layer: int, kv: torch.Tensor) -> None:
+        """Phase 8's prefetch payload: write ``layer``'s history MLA rows into their full-view rows of
+        ``kv`` (bf16 ``[view_len, kv_width]``). One all-gather, then one unpack (fused with phase 7)."""
         assert self._mplan is not None
         mla_rows = gather_page_part(self.group, self.pool, layer, self._mplan, "mla")
         self.materialized_bytes += mla_rows.numel()
-        return self.layout.dequantize_mla(mla_rows.index_select(0, self._mplan.row_source)).to(torch.bfloat16)
+        rows, source = self._mplan.view_rows, self._mplan.row_source
+        if self.fused:
+            materialize_mla_rows(mla_rows, source, rows, kv, self.layout, debug=self.debug)
+        else:
+            kv[rows] = self.layout.dequantize_mla(mla_rows.index_select(0, source)).to(torch.bfloat16)
 
     @property
     def materialize_plan(self) -> MaterializePlan | None:
         return self._mplan
 
     def full_view(
-        self, layer: int, kv_seq: torch.Tensor, index_k_seq: torch.Tensor, mla_history: torch.Tensor | None = None
+        self, layer: int, kv_seq: torch.Tensor, index_k_seq: torch.Tensor, prefetched_kv: torch.Tensor | None = None
     ) -> FullView:
         """Materialize what storage must provide, then (phase 3) fill current rows from the chunk.
 
-        ``mla_history`` (phase 8) is this layer's prefetched :meth:`history_mla_rows`; only the
-        index pages are then gathered here, synchronously.
+        ``prefetched_kv`` (phase 8) is a full-view KV buffer whose history rows
+        :meth:`materialize_history_mla` already wrote for this layer; it becomes the view's ``kv``
+        and only the index pages are gathered here, synchronously.
         """
         n, layout, device = self.plan.view_len, self.layout, kv_seq.device
-        kv = torch.empty(n, layout.kv_width, dtype=torch.bfloat16, device=device)
+        kv = prefetched_kv if prefetched_kv is not None else self.new_view_kv()
         index_fp8 = torch.empty(n, layout.index_head_dim, dtype=torch.float8_e4m3fn, device=device)
         index_scale = torch.empty(n, dtype=torch.float32, device=device)
         self.transient_bytes = 0
-        if self._mplan is not None and mla_history is not None:
+        if self._mplan is not None and prefetched_kv is not None:
             rows, source = self._mplan.view_rows, self._mplan.row_source
             index_pages = gather_page_part(self.group, self.pool, layer, self._mplan, "index")
-            kv[rows] = mla_history
             k_fp8, k_scale = unpack_index_rows(index_pages, source, layout)
             index_fp8.view(torch.uint8)[rows] = k_fp8.view(torch.uint8)
             index_scale[rows] = k_scale
-            self.transient_bytes = index_pages.numel() + 2 * mla_history.numel() * mla_history.element_size()
+            # the second alternating view buffer, and the gathered MLA pages of the next layer
+            next_mla = self._mplan.n_pages * self.plan.page_size * layout.mla_bytes
+            self.transient_bytes = index_pages.numel() + kv.numel() * kv.element_size() + next_mla
             self.materialized_bytes += index_pages.numel()
         elif self._mplan is not None:
             mla_rows, index_pages = gather_pages(self.group, self.pool, layer, self._mplan)

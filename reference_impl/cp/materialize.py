@@ -82,10 +82,11 @@ def gather_page_part(
 
     ``part="mla"`` -> token rows ``[n_need * P, mla_bytes]``; ``part="index"`` -> ``[n_need, page bytes]``.
     """
-    mla, index = pool.read_pages(layer, mplan.send_physical)
     if part == "mla":
+        mla = pool.mla[layer].view(pool.n_pages, pool.layout.mla_page_bytes).index_select(0, mplan.send_physical)
         gathered = group.all_gather_padded(mla, mplan.counts, tag="prefetch_mla")
         return gathered.reshape(-1, pool.layout.mla_bytes)
     if part == "index":
+        index = pool.index[layer].index_select(0, mplan.send_physical)
         return group.all_gather_padded(index, mplan.counts, tag="materialize_index")
     raise ValueError(f"unknown page part {part!r}")

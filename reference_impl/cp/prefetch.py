@@ -3,8 +3,9 @@
 With phases 2-3 every layer materializes its history (the prefix pages) synchronously before its
 attention can start. The history does not depend on the layer's own computation (the prefix was
 cached before this forward), so while layer ``l`` computes, a side stream materializes layer
-``l + 1``'s history MLA rows into the other of **two alternating buffers**; layer ``l + 1`` waits on
-an event only when it consumes its buffer. One wait policy: wait at consumption, nowhere else.
+``l + 1``'s history MLA rows into the other of **two alternating buffers** (full-view KV buffers:
+the history is written where attention reads it); layer ``l + 1`` waits on an event only when it
+consumes its buffer. One wait policy: wait at consumption, nowhere else.
 
 * MLA only: the indexer K history stays synchronous (v1 scope).
 * The materialization plan is the store's, built once per batch and shared by every layer.
@@ -77,7 +78,12 @@ class CudaSideStream:
 
 
 class MlaPrefetcher:
-    """Prefetch ``store``'s history MLA rows one layer ahead into two alternating buffers."""
+    """Prefetch ``store``'s history MLA rows one layer ahead into two alternating full-view KV buffers.
+
+    Slot ``l % 2`` is a bf16 ``[view_len, kv_width]`` buffer: the side stream writes layer ``l``'s
+    history rows into it, and layer ``l`` takes the whole buffer as its view's ``kv`` (the current
+    rows are filled in on the main stream), so the history is written once, where it is read.
+    """
 
     def __init__(self, store: ShardedKV, n_layers: int, stream: Stream | None = None) -> None:
         self.store, self.n_layers = store, n_layers
@@ -86,7 +92,8 @@ class MlaPrefetcher:
             device = store.pool.mla.device
             stream = CudaSideStream(device) if device.type == "cuda" else InlineStream()
         self.stream = stream
-        self._buffers: list[torch.Tensor | None] = [None, None]
+        # Allocated on the main stream, before any side-stream work: they live for the whole batch.
+        self._buffers = [store.new_view_kv(), store.new_view_kv()] if self.active else []
         self._handles: list[Any] = [None, None]
 
     def launch(self, layer: int) -> None:
@@ -94,22 +101,16 @@ class MlaPrefetcher:
         if not self.active or layer >= self.n_layers:
             return
         slot = layer % 2
-
-        def work() -> None:
-            self._buffers[slot] = self.store.history_mla_rows(layer)  # allocated on the side stream
-
-        self._handles[slot] = self.stream.submit(work, slot)
+        buffer = self._buffers[slot]
+        self._handles[slot] = self.stream.submit(lambda: self.store.materialize_history_mla(layer, buffer), slot)
 
     def consume(self, layer: int) -> torch.Tensor | None:
-        """The prefetched rows of ``layer``, after waiting for them (the one wait)."""
+        """``layer``'s view KV buffer with its history rows written, after waiting for them (the one wait)."""
         if not self.active:
             return None
         slot = layer % 2
         self.stream.wait(self._handles[slot])
-        rows = self._buffers[slot]
-        if rows is not None and rows.device.type == "cuda":
-            rows.record_stream(torch.cuda.current_stream())  # used on the main stream: keep it alive for it
-        return rows
+        return self._buffers[slot]
 
     def release(self, layer: int) -> None:
         """Mark ``layer``'s slot free once its consumer (this layer's attention) has been issued."""

@@ -3,7 +3,8 @@
 * :func:`fused_store_mla` — quantize + pack (FP8) or convert (BF16) + scatter MLA rows to pool slots;
 * :func:`fused_store_index` — quantize + scatter indexer K into the index pages;
 * :func:`rerange_padded` — padded rank-major all-gather buffer -> sequence order;
-* :func:`materialize_rows` — gathered owned pages -> full-view rows.
+* :func:`materialize_rows` — gathered owned pages -> full-view rows;
+* :func:`materialize_mla_rows` — its MLA half alone (phase 8's prefetch).
 
 Each takes the same arguments whichever path runs and produces the same bytes (see the kernel
 modules). The Triton path runs when
@@ -103,6 +104,12 @@ def _triton_materialize(*args: object) -> None:
     from reference_impl.kernels.fused_materialize import materialize_rows_triton
 
     materialize_rows_triton(*args)  # type: ignore[arg-type]
+
+
+def _triton_materialize_mla(*args: object) -> None:
+    from reference_impl.kernels.fused_materialize import materialize_mla_rows_triton
+
+    materialize_mla_rows_triton(*args)  # type: ignore[arg-type]
 
 
 def _fused(tensor: torch.Tensor, debug: bool, force_torch: bool) -> bool:
@@ -205,6 +212,30 @@ def materialize_rows(
         if ran:
             return
     fused_torch.materialize_rows_torch(*args)
+
+
+def materialize_mla_rows(
+    mla_pages: torch.Tensor,
+    row_source: torch.Tensor,
+    view_rows: torch.Tensor,
+    kv_view: torch.Tensor,
+    layout: KVLayout,
+    *,
+    debug: bool = False,
+    force_torch: bool = False,
+) -> None:
+    """The MLA half of :func:`materialize_rows` (phase 8's prefetch: the index K stays synchronous):
+    ``kv_view[view_rows] = bf16(dequantize(mla row row_source))`` in place."""
+    n_source = fused_torch.check_materialize_mla_args(mla_pages, row_source, view_rows, kv_view, layout)
+    if debug:
+        _check_range("row_source", row_source, n_source)
+        _check_range("view_rows", view_rows, kv_view.shape[0])
+    args = (mla_pages, row_source, view_rows, kv_view, layout)
+    if _fused(kv_view, debug, force_torch):
+        ran, _ = _run_triton("materialize_mla_rows", lambda: _triton_materialize_mla(*args))
+        if ran:
+            return
+    fused_torch.materialize_mla_rows_torch(*args)
 
 
 def fused_store(

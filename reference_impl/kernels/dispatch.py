@@ -19,6 +19,7 @@ import torch
 
 from reference_impl.config import env_flag
 from reference_impl.model import sparse_attention as torch_ref
+from reference_impl.model.sparse_attention import HostKeyBounds
 
 logger = logging.getLogger(__name__)
 
@@ -62,11 +63,11 @@ def _warn_once(kernel: str, exc: BaseException) -> None:
 
 # Indirections so that tests can substitute a failing kernel without CUDA.
 def _triton_sparse_mla(
-    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float, d_v: int
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float, d_v: int, out_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     from reference_impl.kernels.sparse_mla_triton import sparse_mla_attention_triton
 
-    return sparse_mla_attention_triton(q, kv, indices, softmax_scale, d_v, out_dtype=torch.float32)
+    return sparse_mla_attention_triton(q, kv, indices, softmax_scale, d_v, out_dtype=out_dtype)
 
 
 def _triton_indexer_topk(
@@ -78,11 +79,11 @@ def _triton_indexer_topk(
     key_end: torch.Tensor,
     topk: int,
     rows_per_chunk: int,
-    key_range: tuple[int, int] | None = None,
+    host_bounds: HostKeyBounds | None = None,
 ) -> torch.Tensor:
     from reference_impl.kernels.indexer_triton import indexer_topk_triton
 
-    return indexer_topk_triton(q_fp8, weights, k_fp8, k_scale, key_start, key_end, topk, rows_per_chunk, key_range)
+    return indexer_topk_triton(q_fp8, weights, k_fp8, k_scale, key_start, key_end, topk, rows_per_chunk, host_bounds)
 
 
 def _try_triton(kernel: str, fn: Callable[[], object]) -> object | None:
@@ -101,18 +102,24 @@ def sparse_mla_attention(
     d_v: int,
     rows_per_chunk: int = 0,
     *,
+    out_dtype: torch.dtype = torch.float32,
     force_torch: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sparse MQA attention over the selected rows -> (out [T, H, d_v] f32, lse [T, H] f32, natural log).
+    """Sparse MQA attention over the selected rows -> (out [T, H, d_v] ``out_dtype``, lse [T, H] f32, natural log).
 
     See :func:`reference_impl.model.sparse_attention.sparse_mla_attention` for the contract.
     ``rows_per_chunk`` bounds the torch path's memory; the Triton kernel needs no chunking.
+    ``out_dtype`` (float32 by default): the kernel rounds its fp32 result once when it stores it,
+    as ``.to(out_dtype)`` would; a bf16 output saves the fp32 ``[T, H, d_v]`` buffer.
     """
     if _use_triton(q, force_torch):
-        result = _try_triton("sparse_mla_attention", lambda: _triton_sparse_mla(q, kv, indices, softmax_scale, d_v))
+        result = _try_triton(
+            "sparse_mla_attention", lambda: _triton_sparse_mla(q, kv, indices, softmax_scale, d_v, out_dtype)
+        )
         if result is not None:
             return result  # type: ignore[return-value]
-    return torch_ref.sparse_mla_attention(q, kv, indices, softmax_scale, d_v, rows_per_chunk)
+    out, lse = torch_ref.sparse_mla_attention(q, kv, indices, softmax_scale, d_v, rows_per_chunk)
+    return out.to(out_dtype), lse
 
 
 def indexer_topk(
@@ -125,7 +132,7 @@ def indexer_topk(
     topk: int,
     rows_per_chunk: int = 0,
     *,
-    key_range: tuple[int, int] | None = None,
+    host_bounds: HostKeyBounds | None = None,
     force_torch: bool = False,
 ) -> torch.Tensor:
     """Top-``min(topk, visible)`` full-view rows per query -> [T, topk] int32, -1 padded.
@@ -136,9 +143,9 @@ def indexer_topk(
         result = _try_triton(
             "indexer_topk",
             lambda: _triton_indexer_topk(
-                q_fp8, weights, k_fp8, k_scale, key_start, key_end, topk, rows_per_chunk, key_range
+                q_fp8, weights, k_fp8, k_scale, key_start, key_end, topk, rows_per_chunk, host_bounds
             ),
         )
         if result is not None:
             return result  # type: ignore[return-value]
-    return torch_ref.indexer_topk(q_fp8, weights, k_fp8, k_scale, key_start, key_end, topk, rows_per_chunk, key_range)
+    return torch_ref.indexer_topk(q_fp8, weights, k_fp8, k_scale, key_start, key_end, topk, rows_per_chunk, host_bounds)

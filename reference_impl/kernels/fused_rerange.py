@@ -12,6 +12,12 @@ The copy is dtype-agnostic: rows move as 32-bit words when their byte size allow
 words otherwise), so bf16, fp32, fp8 and packed uint8 rows take the same kernel and the result is
 bit-identical to ``trim + index_select``. Index entries outside ``[0, C * max_len)`` produce zero
 rows (the split metadata never makes them).
+
+Launch config: ``block_t`` rows per program, ``block_c`` words per column step, ``num_warps``, and
+``one_pass``: the row as a power-of-two head and a tail (288 words: 256 + 32), both loaded before
+either is stored, instead of column steps that each wait on memory (``block_c`` then unused). By
+row width, ``rerange_index`` for rows of at most 512 bytes (indexer K, 256 B) and ``rerange_kv``
+otherwise (the MLA latent, 1152 B), from :mod:`.fused_configs`; keyword arguments override it.
 """
 
 from __future__ import annotations
@@ -21,10 +27,7 @@ import triton
 import triton.language as tl
 
 from reference_impl.config import ConfigError
-
-# (BLOCK_T rows per program, BLOCK_C words per column step, num_warps): fixed, no autotuning.
-GPU_RERANGE_CONFIG: tuple[int, int, int] = (16, 256, 4)
-CPU_RERANGE_CONFIG: tuple[int, int, int] = (16, 64, 1)
+from reference_impl.kernels.fused_configs import launch_config, rerange_kernel_name
 
 
 @triton.jit
@@ -39,6 +42,9 @@ def _rerange_kernel(
     WORDS: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    ONE_PASS: tl.constexpr,
+    HEAD: tl.constexpr,
+    BLOCK_TAIL: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < n_out
@@ -46,11 +52,25 @@ def _rerange_kernel(
     src_ok = row_ok & (idx >= 0) & (idx < n_src_rows)
     src_row = src_ptr + tl.where(src_ok, idx, 0) * stride_src
     out_row = out_ptr + rows * stride_out
-    for c0 in tl.static_range(0, WORDS, BLOCK_C):
-        cols = c0 + tl.arange(0, BLOCK_C)
-        col_ok = (cols < WORDS)[None, :]
-        words = tl.load(src_row[:, None] + cols[None, :], mask=src_ok[:, None] & col_ok, other=0)
-        tl.store(out_row[:, None] + cols[None, :], words, mask=row_ok[:, None] & col_ok)
+    if ONE_PASS:
+        # The row as a power-of-two head and a tail (288 words: 256 + 32, no masked lanes), both
+        # loaded before either is stored: a load is not hoisted above a store to a possibly
+        # aliasing pointer, so a column loop waits on memory once per step.
+        head = tl.arange(0, HEAD)
+        words = tl.load(src_row[:, None] + head[None, :], mask=src_ok[:, None], other=0)
+        if BLOCK_TAIL > 0:
+            tail = HEAD + tl.arange(0, BLOCK_TAIL)
+            tail_ok = (tail < WORDS)[None, :]
+            tail_words = tl.load(src_row[:, None] + tail[None, :], mask=src_ok[:, None] & tail_ok, other=0)
+        tl.store(out_row[:, None] + head[None, :], words, mask=row_ok[:, None])
+        if BLOCK_TAIL > 0:
+            tl.store(out_row[:, None] + tail[None, :], tail_words, mask=row_ok[:, None] & tail_ok)
+    else:
+        for c0 in tl.static_range(0, WORDS, BLOCK_C):
+            cols = c0 + tl.arange(0, BLOCK_C)
+            col_ok = (cols < WORDS)[None, :]
+            words = tl.load(src_row[:, None] + cols[None, :], mask=src_ok[:, None] & col_ok, other=0)
+            tl.store(out_row[:, None] + cols[None, :], words, mask=row_ok[:, None] & col_ok)
 
 
 def _word_dtype(*byte_rows: torch.Tensor) -> torch.dtype:
@@ -78,10 +98,13 @@ def rerange_padded_triton(
     block_t: int | None = None,
     block_c: int | None = None,
     num_warps: int | None = None,
+    one_pass: bool | None = None,
 ) -> torch.Tensor:
     """``raw [C, max_len, *row]`` and ``padded_index int64 [T]`` -> ``[T, *row]``: ``raw_rows[padded_index]``.
 
     ``out`` (optional, ``[T, *row]`` of ``raw``'s dtype, contiguous) receives the result.
+    ``block_t``, ``block_c``, ``num_warps`` and ``one_pass`` override the launch config
+    (``rerange_kv`` or ``rerange_index`` of :mod:`.fused_configs`, by row bytes).
     """
     if raw.dim() < 2:
         raise ConfigError(f"rerange: raw must be [C, max_len, ...], got {tuple(raw.shape)}")
@@ -104,9 +127,18 @@ def rerange_padded_triton(
     dst_bytes = out.reshape(n_out, -1).view(torch.uint8)
     word = _word_dtype(src_bytes, dst_bytes)
     src, dst = src_bytes.view(word), dst_bytes.view(word)
-    default = GPU_RERANGE_CONFIG if raw.is_cuda else CPU_RERANGE_CONFIG
-    block_t, block_c, warps = block_t or default[0], block_c or default[1], num_warps or default[2]
+    config = launch_config(
+        rerange_kernel_name(src_bytes.shape[1]),
+        raw.device,
+        {"block_t": block_t, "block_c": block_c, "num_warps": num_warps, "one_pass": one_pass},
+    )
+    block_t, block_c, warps = int(config["block_t"]), int(config["block_c"]), int(config["num_warps"])
     words = src.shape[1]
+    one_pass = bool(config["one_pass"])
+    if not one_pass and block_c < 1:
+        raise ConfigError(f"rerange: block_c={block_c} words per column step (one_pass=False needs >= 1)")
+    head = 1 << (words.bit_length() - 1)  # the largest power of two <= words
+    tail = words - head
     _rerange_kernel[(triton.cdiv(n_out, block_t),)](
         src,
         padded_index,
@@ -117,7 +149,10 @@ def rerange_padded_triton(
         dst.stride(0),
         WORDS=words,
         BLOCK_T=block_t,
-        BLOCK_C=min(block_c, triton.next_power_of_2(words)),
+        BLOCK_C=head if one_pass else min(block_c, triton.next_power_of_2(words)),  # one pass: unused
+        ONE_PASS=one_pass,
+        HEAD=head,
+        BLOCK_TAIL=triton.next_power_of_2(tail) if tail else 0,
         num_warps=warps,
     )
     return out

@@ -74,6 +74,23 @@ def mla_strides(mla_pages: torch.Tensor, layout: KVLayout) -> tuple[int, int, in
     )
 
 
+def check_materialize_mla_args(
+    mla_pages: torch.Tensor, row_source: torch.Tensor, view_rows: torch.Tensor, kv_view: torch.Tensor, layout: KVLayout
+) -> int:
+    """Metadata-only checks of the MLA half, shared with the torch path; returns the gathered token-row count."""
+    n_source = mla_strides(mla_pages, layout)[2]
+    for name, t in (("row_source", row_source), ("view_rows", view_rows)):
+        if t.dtype != torch.int64 or t.dim() != 1 or t.shape != row_source.shape:
+            raise ConfigError(f"materialize: {name} must be int64 [R] like row_source, got {t.dtype} {tuple(t.shape)}")
+    n_view = kv_view.shape[0]
+    if kv_view.dtype != torch.bfloat16 or kv_view.shape != (n_view, layout.kv_width) or kv_view.stride(1) != 1:
+        raise ConfigError(
+            f"materialize: kv_view must be bf16 [S, {layout.kv_width}] with contiguous rows, "
+            f"got {kv_view.dtype} {tuple(kv_view.shape)}"
+        )
+    return n_source
+
+
 def check_materialize_args(
     mla_pages: torch.Tensor,
     index_pages: torch.Tensor,
@@ -85,7 +102,7 @@ def check_materialize_args(
     layout: KVLayout,
 ) -> int:
     """Metadata-only checks shared with the torch path; returns the gathered token-row count."""
-    n_source = mla_strides(mla_pages, layout)[2]
+    n_source = check_materialize_mla_args(mla_pages, row_source, view_rows, kv_view, layout)
     if index_pages.dtype != torch.uint8 or index_pages.dim() != 2 or index_pages.shape[1] != layout.index_page_bytes:
         raise ConfigError(
             f"materialize: index pages must be uint8 [n, {layout.index_page_bytes}], "
@@ -93,15 +110,7 @@ def check_materialize_args(
         )
     if index_pages.shape[0] * layout.page_size != n_source or index_pages.stride(1) != 1:
         raise ConfigError(f"materialize: {index_pages.shape[0]} index pages for {n_source} MLA token rows")
-    for name, t in (("row_source", row_source), ("view_rows", view_rows)):
-        if t.dtype != torch.int64 or t.dim() != 1 or t.shape != row_source.shape:
-            raise ConfigError(f"materialize: {name} must be int64 [R] like row_source, got {t.dtype} {tuple(t.shape)}")
     n_view = kv_view.shape[0]
-    if kv_view.dtype != torch.bfloat16 or kv_view.shape != (n_view, layout.kv_width) or kv_view.stride(1) != 1:
-        raise ConfigError(
-            f"materialize: kv_view must be bf16 [S, {layout.kv_width}] with contiguous rows, "
-            f"got {kv_view.dtype} {tuple(kv_view.shape)}"
-        )
     if index_fp8.dtype != FP8_DTYPE or index_fp8.shape != (n_view, INDEX_HEAD_DIM) or index_fp8.stride(1) != 1:
         raise ConfigError(
             f"materialize: index_fp8 must be float8_e4m3fn [{n_view}, {INDEX_HEAD_DIM}], "
@@ -181,10 +190,17 @@ def materialize_rows_torch(
     layout: KVLayout,
 ) -> None:
     """Fill full-view rows ``view_rows`` from gathered token rows ``row_source`` (``page * P + slot``)."""
-    rows = mla_token_rows(mla_pages, layout).index_select(0, row_source)
-    kv_view[view_rows] = layout.dequantize_mla(rows).to(torch.bfloat16)
+    materialize_mla_rows_torch(mla_pages, row_source, view_rows, kv_view, layout)
     page_size, dim = layout.page_size, layout.index_head_dim
     values = index_pages[:, : page_size * dim].reshape(-1, dim).index_select(0, row_source)
     scales = index_pages[:, page_size * dim :].reshape(-1, SCALE_BYTES).index_select(0, row_source)
     index_fp8.view(torch.uint8)[view_rows] = values  # fp8 has no index_put on CPU
     index_scale[view_rows] = scales.view(torch.float32).reshape(-1)
+
+
+def materialize_mla_rows_torch(
+    mla_pages: torch.Tensor, row_source: torch.Tensor, view_rows: torch.Tensor, kv_view: torch.Tensor, layout: KVLayout
+) -> None:
+    """``kv_view[view_rows] = bf16(dequantize(mla token rows row_source))``: the MLA half of the materialize."""
+    rows = mla_token_rows(mla_pages, layout).index_select(0, row_source)
+    kv_view[view_rows] = layout.dequantize_mla(rows).to(torch.bfloat16)

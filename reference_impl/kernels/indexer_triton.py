@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from reference_impl.model.sparse_attention import HostKeyBounds, chunk_key_range
+
 # (BLOCK_T, BLOCK_S, num_warps, num_stages, dot dtype) used on GPU unless the caller overrides them.
 GPU_DEFAULT_CONFIG: tuple[int, int, int, int, str] = (64, 128, 4, 3, "fp8")
 
@@ -190,7 +192,7 @@ def indexer_topk_triton(
     key_end: torch.Tensor,
     topk: int,
     rows_per_chunk: int = 0,
-    key_range: tuple[int, int] | None = None,
+    host_bounds: HostKeyBounds | None = None,
     *,
     max_chunk_bytes: int = 1 << 30,
     **launch: object,
@@ -210,7 +212,7 @@ def indexer_topk_triton(
     key_end = key_end.to(torch.int64)
     for r0 in range(0, n_rows, rows_per_chunk):
         r1 = min(n_rows, r0 + rows_per_chunk)
-        lo, hi = key_range if key_range is not None else (int(key_start[r0:r1].min()), int(key_end[r0:r1].max()))
+        lo, hi = chunk_key_range(key_start, key_end, r0, r1, host_bounds)
         if hi <= lo:
             continue
         rows = slice(r0, r1)

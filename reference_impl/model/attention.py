@@ -26,6 +26,7 @@ from reference_impl.config import ModelConfig
 from reference_impl.kernels.dispatch import indexer_topk, sparse_mla_attention
 from reference_impl.model.fp8 import act_quant, hadamard_rotate
 from reference_impl.model.rope import apply_rope, rope_cos_sin, rope_frequencies
+from reference_impl.model.sparse_attention import HostKeyBounds
 
 
 class RMSNorm(nn.Module):
@@ -147,7 +148,7 @@ class DSAAttention(nn.Module):
         index_k_scale: torch.Tensor,  # [S] float32
         key_start: torch.Tensor,  # [T] int64: first full-view row of the query's request
         key_end: torch.Tensor,  # [T] int64: exclusive causal end (request start + prefix + j + 1)
-        key_range: tuple[int, int] | None = None,  # host bounds of all rows' key ranges (no host sync)
+        host_bounds: HostKeyBounds | None = None,  # host copies of key_start / key_end (no host sync)
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Indexer top-k + sparse MLA for the projected queries -> ``(out [T, dim], topk [T, K] int32)``.
 
@@ -156,11 +157,11 @@ class DSAAttention(nn.Module):
         cfg = self.cfg
         topk = indexer_topk(
             proj.index_q_fp8, proj.index_weights, index_k_fp8, index_k_scale, key_start, key_end, cfg.index_topk,
-            key_range=key_range,
-        )
-        o_latent, _ = sparse_mla_attention(
-            proj.q.to(kv_view.dtype), kv_view, topk, cfg.softmax_scale, cfg.kv_lora_rank
+            host_bounds=host_bounds,
         )
         w_uv = self.wkv_b.weight.view(cfg.n_heads, -1, cfg.kv_lora_rank)[:, cfg.qk_nope_head_dim :]  # [H, v, c]
-        o = torch.einsum("thc,hdc->thd", o_latent.to(w_uv.dtype), w_uv)
+        o_latent, _ = sparse_mla_attention(  # [T, H, c], stored in the weights' dtype (no fp32 buffer)
+            proj.q.to(kv_view.dtype), kv_view, topk, cfg.softmax_scale, cfg.kv_lora_rank, out_dtype=w_uv.dtype
+        )
+        o = torch.einsum("thc,hdc->thd", o_latent, w_uv)
         return self.wo(o.flatten(1)), topk

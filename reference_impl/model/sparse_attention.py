@@ -11,6 +11,8 @@ They are chunked over query rows so that memory stays bounded at real shapes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
@@ -25,6 +27,22 @@ def indexer_scores(
     return torch.einsum("ths,th->ts", logits.relu_(), weights) * k_scale.unsqueeze(0)
 
 
+HostKeyBounds = tuple[Sequence[int], Sequence[int]]
+"""``(key_start [T], key_end [T])`` as host ints: copies of the per-row key ranges, built from metadata."""
+
+
+def chunk_key_range(
+    key_start: torch.Tensor, key_end: torch.Tensor, r0: int, r1: int, host_bounds: HostKeyBounds | None
+) -> tuple[int, int]:
+    """Keys ``[lo, hi)`` covering rows ``r0:r1``: from ``host_bounds`` when given (no device read),
+    else from the device tensors (one host sync per chunk). Per chunk, not per batch: with the
+    zigzag split a rank's first rows see a few keys and its last rows nearly all of them."""
+    if host_bounds is not None:
+        starts, ends = host_bounds
+        return min(starts[r0:r1]), max(ends[r0:r1])
+    return int(key_start[r0:r1].min()), int(key_end[r0:r1].max())
+
+
 def indexer_topk(
     q_fp8: torch.Tensor,
     weights: torch.Tensor,
@@ -34,13 +52,13 @@ def indexer_topk(
     key_end: torch.Tensor,  # [T] int64, exclusive
     topk: int,
     rows_per_chunk: int = 0,
-    key_range: tuple[int, int] | None = None,
+    host_bounds: HostKeyBounds | None = None,
 ) -> torch.Tensor:
     """Top-``min(topk, visible)`` full-view rows per query by index score -> [T, topk] int32, -1 padded.
 
-    Indices within a row are ordered by descending score (``torch.topk`` order). ``key_range``
-    (host ints covering every row's ``[key_start, key_end)``) spares the per-chunk device reads
-    of the bounds, i.e. the host syncs; without it each chunk reads its own tighter bounds.
+    Indices within a row are ordered by descending score (``torch.topk`` order). ``host_bounds``
+    (host copies of ``key_start`` / ``key_end``) give each chunk of rows its key range without a
+    device read, i.e. without a host sync; see :func:`chunk_key_range`.
     """
     n_rows = q_fp8.shape[0]
     out = torch.full((n_rows, topk), -1, dtype=torch.int32, device=q_fp8.device)
@@ -52,7 +70,7 @@ def indexer_topk(
         rows_per_chunk = max(1, (512 << 20) // per_row)
     for r0 in range(0, n_rows, rows_per_chunk):
         r1 = min(n_rows, r0 + rows_per_chunk)
-        lo, hi = key_range if key_range is not None else (int(key_start[r0:r1].min()), int(key_end[r0:r1].max()))
+        lo, hi = chunk_key_range(key_start, key_end, r0, r1, host_bounds)
         scores = indexer_scores(q_fp8[r0:r1], weights[r0:r1], k_fp8[lo:hi], k_scale[lo:hi])
         cols = torch.arange(lo, hi, device=scores.device)
         visible = (cols >= key_start[r0:r1, None]) & (cols < key_end[r0:r1, None])

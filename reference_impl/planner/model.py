@@ -179,6 +179,27 @@ def transient_bytes(
     return gathered + view + pages
 
 
+def activation_bytes(cfg: ModelConfig, t_local: int, context: int, act_bytes: int = ACT_BYTES) -> int:
+    """Peak bytes of one layer's activations on a rank besides the transient buffers, as the engine
+    allocates them (``DSAAttention.project`` / ``attend``), for ``t_local`` queries over ``context`` keys.
+
+    Live through the layer: the residual ``x``, the projections (``q [T, H, 576]``, ``kv``, index
+    K, FP8 index q and head weights). Then the larger of two phases: the indexer's fp32 logits of
+    one row chunk ``[rows, S]`` (rows sized to stay under 1 GiB, as ``indexer_topk_triton`` does)
+    with its top-k values and int64 indices, or the attention's ``topk [T, K]`` int32, its output
+    ``[T, H, 512]``, the einsum's permuted copy of it and the ``[T, H, 128]`` result.
+    """
+    h, hi, k = cfg.n_heads, cfg.index_n_heads, cfg.index_topk
+    live = t_local * (
+        cfg.dim * act_bytes + h * cfg.kv_width * act_bytes + (cfg.kv_width + cfg.index_head_dim) * act_bytes
+        + hi * cfg.index_head_dim + hi * 4
+    )
+    rows = min(t_local, max(1, (1 << 30) // (max(context, 1) * 4)))
+    indexer = rows * context * 4 + rows * min(k, context) * (4 + 8)
+    attention = t_local * (k * 4 + 2 * h * cfg.kv_lora_rank * act_bytes + h * cfg.v_head_dim * act_bytes)
+    return live + max(indexer, attention)
+
+
 # --------------------------------------------------------------------------------------------
 # Per-layer time of one rank at one phase level
 # --------------------------------------------------------------------------------------------
