@@ -2,6 +2,7 @@
 
     python3 scripts/results_tables.py compute docs/results/compute_bench.json
     python3 scripts/results_tables.py kernels docs/results/kernels_bench.json
+    python3 scripts/results_tables.py layer docs/results/layer_bench.json
 """
 
 from __future__ import annotations
@@ -64,6 +65,43 @@ def kernels(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.0f}"
+
+
+def layer(doc: dict) -> str:
+    lines = [
+        f"Device: {doc['device']}, torch {doc['torch']}; {doc['preset']}, {doc['n_layers']} layers; "
+        f"how CP runs: {doc['how_cp_runs']}; timer: {doc['timing']}.",
+        f"Command: `{doc['command']}`.",
+    ]
+    for w in doc["workloads"]:
+        wl = w["workload"]
+        planner = "planner" in w["levels"][0]
+        lines += ["", f"**{wl['name']}**: one request, {wl['prefix']:,} cached + {wl['extend']:,} new tokens.", ""]
+        head = "| level | layer ms | store path | KV at rest MiB | transient MiB | measured peak MiB | gathered MiB | materialized MiB |"
+        rule = "| --- | --- | --- | --- | --- | --- | --- | --- |"
+        if planner:
+            head += " planner ms (err) | planner peak MiB (err) |"
+            rule += " --- | --- |"
+        lines += [head, rule]
+        for p in w["levels"]:
+            row = (
+                f"| {p['level']} | {p['layer_ms_median']:.2f} | {p['store_path']} | {_mib(p['kv_bytes'])} | "
+                f"{_mib(p['transient_peak_bytes'])} | {_mib(p['measured_peak_bytes'] or 0)} | {_mib(p['gather_bytes'])} | "
+                f"{_mib(p['materialized_bytes'])} |"
+            )
+            if planner:
+                e, pl = p["planner_error"], p["planner"]
+                row += f" {pl['layer_ms']:.2f} ({e['layer_ms']:+.0%}) | {_mib(pl['peak_bytes'])} ({e.get('peak_bytes', 0):+.0%}) |"
+            lines.append(row)
+        if "prefetch" in w:
+            pf = w["prefetch"]
+            lines += ["", f"Phase 8: prefetch payload {pf['payload_ms']:.3f} ms per layer (alone); level 7 - level 8 = "
+                      f"{pf['saved_ms']:.3f} ms per layer; hidden: **{pf['hidden_fraction']:.0%}**."]
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     kind, path = sys.argv[1], sys.argv[2]
-    print({"compute": compute, "kernels": kernels}[kind](json.load(open(path))))
+    print({"compute": compute, "kernels": kernels, "layer": layer}[kind](json.load(open(path))))

@@ -54,6 +54,39 @@ def test_lane_exhaustion_is_a_clear_error_and_frees_nothing_wrong() -> None:
     assert alloc.lane_free_counts(4) == [2, 0, 2, 2]
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(-1, 30)), min_size=1, max_size=40), st.integers(1, 4))
+def test_lane_allocation_across_chunks_and_frees_never_gives_a_wrong_owner(ops, n_lanes) -> None:
+    """Chunked extends in owner lanes, interleaved with request frees: every page a request holds
+    sits in the lane it was asked for, freed pages are reused, and the per-lane free counts (the
+    fragmentation report) always add up. An extend a lane cannot satisfy is an error that changes nothing."""
+    from reference_impl.kvcache.allocator import RequestPageTable
+
+    table = RequestPageTable(PageAllocator(24, 4))
+    alloc, wanted_lane = table.allocator, {}
+    for req, n in ops:
+        if n < 0:
+            if req in table:
+                table.free(req)
+            continue
+        have = table.n_tokens(req) if req in table else 0
+        new_pages = -(-(have + n) // 4) - (len(table.pages(req)) if req in table else 0)
+        lanes = [(req + i) % n_lanes for i in range(max(new_pages, 0))]
+        before = (alloc.n_free, alloc.lane_free_counts(n_lanes))
+        try:
+            table.extend(req, n, lanes, n_lanes)
+        except ConfigError as err:
+            assert "out of KV pages in lane" in str(err)
+            assert (alloc.n_free, alloc.lane_free_counts(n_lanes)) == before
+            continue
+        for page, lane in zip(table.pages(req)[-len(lanes):] if lanes else [], lanes):
+            wanted_lane[page] = lane
+        for r in range(6):
+            if r in table:
+                assert all(page % n_lanes == wanted_lane[page] for page in table.pages(r))
+        assert sum(alloc.lane_free_counts(n_lanes)) == alloc.n_free
+
+
 def test_compute_owner_pools_stay_within_the_sharded_bound(report_of) -> None:
     """Lane allocation may leave holes, but no rank holds more than ceil(pages / C) + 1 per request."""
     requests = (Request(16, 150), Request(0, 130))
