@@ -23,6 +23,10 @@ blocks from level 4. Times are those of the slowest rank.
 * Transient per layer (what a layer holds besides the pool, counted as the engine counts it): the
   gathered chunk ``T x (576 + 128) x 2`` B (bf16), the full view ``S x (576 x 2 + 132)`` B, and at
   level 2 the gathered pages ``pages x page_bytes``. From level 3 a current-only batch gathers no page.
+* Activations per layer (:func:`activation_bytes`, JSON ``activation_bytes_per_layer``): the
+  projections of the ``T_local`` queries and the larger of the indexer's logits chunk and the
+  attention output with its einsum copies. Transient + activations is the predicted peak above
+  the pools, which ``bench/layer.py`` compares with ``torch.cuda.max_memory_allocated``.
 
 **Time per layer per rank** = compute + data movement, added (no overlap assumed):
 
@@ -59,6 +63,7 @@ from __future__ import annotations
 from .format import format_plan
 from .model import (
     ACT_BYTES,
+    activation_bytes,
     allgather1_bytes,
     attention_flops,
     gather_row_bytes,
@@ -102,6 +107,7 @@ __all__ = [
     "RESULTS_DIR",
     "PlanConfig",
     "PlannerRates",
+    "activation_bytes",
     "allgather1_bytes",
     "attention_flops",
     "format_plan",

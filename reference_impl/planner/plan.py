@@ -14,7 +14,15 @@ from typing import Any
 from reference_impl.capacity import kv_bytes_per_rank, max_context_per_rank, page_bytes
 from reference_impl.config import IMPLEMENTED_PHASES, PHASE_NAMES, ConfigError, KVDtype, ModelConfig, get_preset
 from reference_impl.kvcache.layout import validate_page_size
-from reference_impl.planner.model import projection_macs, slowest_rank, tail_ms, transient_bytes
+from reference_impl.planner.model import (
+    activation_bytes,
+    projection_macs,
+    rank_ranges,
+    slowest_rank,
+    tail_ms,
+    transient_bytes,
+    zigzag_blocks,
+)
 from reference_impl.planner.rates import PlannerRates
 
 GIB = 2**30
@@ -122,8 +130,10 @@ def plan_capacity(config: PlanConfig, rates: PlannerRates) -> dict[str, Any]:
             rank, terms = slowest_rank(cfg, rates, c, ctx, level, dt, ps)
             kv = kv_bytes_per_rank(cfg, ctx, c, sharded, dt, ps)
             transient = transient_bytes(cfg, ctx, level, dt, ps)
+            t_local = sum(b - a for a, b in rank_ranges(zigzag_blocks(ctx, c, ps, level >= 4), rank))
             points.append({
                 "context": ctx, "kv_bytes_per_rank": kv, "transient_bytes_per_layer": transient,
+                "activation_bytes_per_layer": activation_bytes(cfg, t_local, ctx),
                 "fits": kv + transient <= budget, "layer_ms": sum(terms.values()), "slowest_rank": rank,
                 "terms_ms": terms, "tail_ms_per_forward": tail_ms(cfg, rates, c, ctx, level, ps),
             })
