@@ -97,8 +97,9 @@ def layer(doc: dict) -> str:
             lines.append(row)
         if "prefetch" in w:
             pf = w["prefetch"]
-            lines += ["", f"Phase 8: prefetch payload {pf['payload_ms']:.3f} ms per layer (alone); level 7 - level 8 = "
-                      f"{pf['saved_ms']:.3f} ms per layer; hidden: **{pf['hidden_fraction']:.0%}**."]
+            lines += ["", f"Phase 8 ({pf['repeats']} alternating runs per level, median of {pf['samples_per_level']} layers "
+                      f"each): level 7 {pf['level7_ms']:.3f} ms, level 8 {pf['level8_ms']:.3f} ms per layer; prefetch payload "
+                      f"alone {pf['payload_ms']:.3f} ms; hidden: **{pf['hidden_fraction']:.0%}** of the payload."]
     return "\n".join(lines)
 
 

@@ -21,10 +21,13 @@ bytes), the engine's transient count and the measured peak of ``torch.cuda.max_m
 during the prefill, the data-movement byte counts, and the planner's prediction for the same
 rank, level and context (current-only workloads: the planner's scenario) with the relative error.
 
-Phase 8: for each workload with a prefix, the prefetch payload (one layer's history MLA rows:
-all-gather + unpack into a view buffer, :meth:`~reference_impl.cp.kv_sharded.ShardedKV.materialize_history_mla`) is timed
-alone on the main stream; ``hidden_fraction = (layer_ms[7] - layer_ms[8]) / payload_ms`` is the
-share of the history materialization that the prefetch removed from the layer.
+Phase 8: for each workload with a prefix, levels 7 and 8 then run alternately ``--prefetch-repeats``
+times more, and each level's layer time is the median over those runs' layers after the first (the
+first layer of a run has no layer ahead of it to hide behind). The prefetch payload (one layer's
+history MLA rows: all-gather + unpack into a view buffer,
+:meth:`~reference_impl.cp.kv_sharded.ShardedKV.materialize_history_mla`) is timed alone on the
+main stream, and ``hidden_fraction = (layer_ms[7] - layer_ms[8]) / payload_ms`` is the share of
+the history materialization that the prefetch removed from the layer.
 """
 
 from __future__ import annotations
@@ -132,7 +135,7 @@ def planner_point(run: RunConfig, rank: int, level: int, wire_gbps: float | None
 
 def measure(
     preset: str, workload: Workload, levels: list[int], cp_size: int, rank: int, n_layers: int,
-    device: str, wire_gbps: float | None,
+    device: str, wire_gbps: float | None, prefetch_repeats: int = 3,
 ) -> dict[str, Any]:
     """Every level of one workload on one rank -> JSON-ready dict."""
     dev = torch.device(device)
@@ -173,8 +176,16 @@ def measure(
     by_level = {p["level"]: p for p in points}
     payload = by_level.get(8, {}).get("prefetch_payload_ms")
     if workload.prefix and payload and 7 in by_level:
-        saved = by_level[7]["layer_ms_median"] - by_level[8]["layer_ms_median"]
-        out["prefetch"] = {"payload_ms": payload, "saved_ms": saved, "hidden_fraction": saved / payload}
+        layers: dict[int, list[float]] = {7: [], 8: []}
+        for _ in range(prefetch_repeats):
+            for level in (7, 8):
+                layers[level] += _run(base.replace(phases=PhaseSet.level(level)), group_of()).timings["layer_ms"][1:]
+        ms = {level: statistics.median(t) if t else by_level[level]["layer_ms_median"] for level, t in layers.items()}
+        saved = ms[7] - ms[8]
+        out["prefetch"] = {
+            "payload_ms": payload, "level7_ms": ms[7], "level8_ms": ms[8], "saved_ms": saved,
+            "hidden_fraction": saved / payload, "repeats": prefetch_repeats, "samples_per_level": len(layers[7]),
+        }
     return out
 
 
@@ -185,9 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cp-size", type=int, default=8)
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--levels", default="0-8")
-    parser.add_argument("--workloads", default="current-only:0+32768,current-only:0+131072,prefix-heavy:65536+8192")
+    parser.add_argument("--workloads", default="current-only:0+32768,current-only:0+131072,prefix-heavy:131072+8192")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--wire-gbps", type=float, default=None, help="model the interconnect (CUDA only)")
+    parser.add_argument("--prefetch-repeats", type=int, default=3, help="extra alternating level 7 / 8 runs")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     args = parser.parse_args(argv)
     workloads = [Workload.parse(w) for w in args.workloads.split(",")]
@@ -195,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for w in workloads:
         print(f"{w.name} {w.prefix}+{w.extend}: levels {levels}", file=sys.stderr, flush=True)
-        results.append(measure(args.preset, w, levels, args.cp_size, args.rank, args.layers, args.device, args.wire_gbps))
+        results.append(measure(args.preset, w, levels, args.cp_size, args.rank, args.layers, args.device, args.wire_gbps,
+                               args.prefetch_repeats))
     doc = {
         "device": torch.cuda.get_device_name(0) if args.device == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
