@@ -38,12 +38,12 @@ from reference_impl.config import ConfigError
 LaunchConfig = dict[str, int | bool]
 
 GPU_CONFIGS: dict[str, LaunchConfig] = {
-    "store_mla_fp8": {"block_m": 32, "num_warps": 4, "one_pass": False, "fast_div": False},
-    "store_mla_bf16": {"block_m": 32, "num_warps": 4},
-    "store_index": {"block_m": 32, "num_warps": 4, "fast_div": False},
-    "rerange_kv": {"block_t": 16, "block_c": 256, "num_warps": 4, "one_pass": False},
-    "rerange_index": {"block_t": 16, "block_c": 256, "num_warps": 4, "one_pass": False},
-    "materialize_fp8": {"block_m": 32, "num_warps": 4, "one_pass": False},
+    "store_mla_fp8": {"block_m": 8, "num_warps": 2, "one_pass": True, "fast_div": True},
+    "store_mla_bf16": {"block_m": 64, "num_warps": 8},
+    "store_index": {"block_m": 8, "num_warps": 1, "fast_div": True},
+    "rerange_kv": {"block_t": 8, "block_c": 0, "num_warps": 2, "one_pass": True},
+    "rerange_index": {"block_t": 16, "block_c": 64, "num_warps": 2, "one_pass": False},
+    "materialize_fp8": {"block_m": 8, "num_warps": 4, "one_pass": True},
     "materialize_bf16": {"block_m": 32, "num_warps": 4},
 }
 _CPU_STORE: LaunchConfig = {"block_m": 16, "num_warps": 1}
