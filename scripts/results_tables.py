@@ -55,6 +55,20 @@ def kernels(doc: dict) -> str:
             f"| {k['op']} | {k['T']} | {k['triton_ms']:.3f} | {k['triton_gbps']:.0f} | {k['triton_fraction_of_copy']:.0%} | "
             f"{k['torch_ms']:.3f} | {k['torch_gbps']:.0f} | {k['speedup']:.1f}x | {check} |"
         )
+    if doc.get("sweep"):
+        settings = doc["sweep_settings"]
+        lines += ["", f"Launch-config sweep ({', '.join(map(str, settings['tokens']))} tokens; {settings['timing']}; best: "
+                  f"{settings['best']}). Fractions of copy bandwidth are means over the sweep tokens.", "",
+                  "| kernel | candidates (bytes equal to torch) | default config | / copy | best config | / copy |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for name, sw in doc["sweep"].items():
+            ok = sum(1 for c in sw["candidates"] if c.get("bytes_equal"))
+            fmt = lambda c: " ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in c.items())  # noqa: E731
+            default = next(c for c in sw["candidates"] if c["config"] == sw["default"])
+            lines.append(
+                f"| {name} | {ok}/{len(sw['candidates'])} | {fmt(sw['default'])} | {default['mean_fraction_of_copy']:.0%} | "
+                f"{fmt(sw['best'])} | {sw['mean_fraction_of_copy']:.0%} |"
+            )
     lines += ["", "| remap (phase 6) | T | sort + searchsorted ms | page-inverse ms | per call | per layer | per forward (61 layers) |",
               "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in doc["remap"]:
