@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 from reference_impl.config import PhaseSet, Request, RunConfig

@@ -85,6 +85,6 @@ def time_store_paths(
         store = ShardedKV(plan, layout, 1, RankIdentity(0, cp_size, dev), debug=False, reuse_current=True,  # type: ignore[arg-type]
                           direct_write=direct, fused=fused)
         assert store.direct_write == direct
-        out[f"{name}_ms"] = _median_ms(lambda: store.store_current(0, kv_seq, index_seq, kv_local, index_local), dev, repeats)
+        out[f"{name}_ms"] = _median_ms(lambda s=store: s.store_current(0, kv_seq, index_seq, kv_local, index_local), dev, repeats)
         out[f"{name}_bytes"] = payload + (select if not direct and not fused else 0)
     return out
