@@ -69,7 +69,7 @@ print("tail-gather bytes per rank, full vs narrow:",
 # ## 2. Bytes of the tail gather at DeepSeek-V3.2 dims
 #
 # Computed from the split metadata (`tail_gather_bytes`, the same arithmetic the engine's measured
-# byte counts are tested against): hidden 7168, bf16, one request, `C = 8`. The full gather's
+# byte counts are tested against): hidden 7168, bf16, one request, `C` in {2, 4, 8}. The full gather's
 # buffer holds `C x ceil(T/C)` rows on every rank; the narrow one `C x 1` rows.
 
 # %%
