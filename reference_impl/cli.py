@@ -121,6 +121,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     else:
         print(format_table(reports))
         print(_level_summary(reports))
+        print("layer ms: one run per level, median over its layers, no warm-up: a level whose kernels run for the first "
+              "time in the process includes their compilation. Per-layer timings: python -m reference_impl.bench.layer")
     return EXIT_DISAGREES if any(r["matches_oracle"] is False for r in reports) else 0
 
 
