@@ -45,7 +45,8 @@ class LoopbackGroup(CPGroup):
     """Rank ``rank`` of a ``size``-rank CP group whose all-gathers copy this rank's rows into every slot.
 
     Args:
-        rank, size: the identity to play; ``0 <= rank < size``.
+        rank: the rank to play, ``0 <= rank < size``.
+        size: the CP group's size ``C``.
         device: where the rank's tensors live.
         wire_gbps: if set (CUDA only), each all-gather also holds its stream for
             ``(size - 1) x padded bytes / wire_gbps`` (1e9 B/s), a modeled interconnect.
