@@ -9,6 +9,7 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run under the interpreter on CPU
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from reference_impl.config import PhaseSet, Request, RunConfig  # noqa: E402
 from reference_impl.runner import run_prefill  # noqa: E402
@@ -38,5 +39,32 @@ def interpreted(module_name: str) -> object:
     module = importlib.import_module(module_name)
     kernel = next(v for k, v in vars(module).items() if k.startswith("_") and k.endswith("_kernel"))
     if type(kernel).__name__ != "InterpretedFunction":
+        module = importlib.reload(module)
+    return module
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes (uint8), to compare packed outputs byte for byte."""
+    return t.contiguous().view(torch.uint8)
+
+
+# The fused-kernel modules, imported so that their kernels run under the interpreter. fused_materialize
+# shares conversion helpers with fused_store: if fused_store was reloaded, reload it too.
+
+
+@pytest.fixture(scope="module")
+def fs() -> object:
+    return interpreted("reference_impl.kernels.fused_store")
+
+
+@pytest.fixture(scope="module")
+def fr() -> object:
+    return interpreted("reference_impl.kernels.fused_rerange")
+
+
+@pytest.fixture(scope="module")
+def fm(fs: object) -> object:
+    module = interpreted("reference_impl.kernels.fused_materialize")
+    if module._bf16_bits is not fs._bf16_bits:  # type: ignore[attr-defined]
         module = importlib.reload(module)
     return module

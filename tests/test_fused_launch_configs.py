@@ -20,7 +20,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import torch
-from conftest import interpreted
+from conftest import as_bytes
 
 triton = pytest.importorskip("triton")
 
@@ -30,28 +30,6 @@ from reference_impl.kernels import fused_configs, fused_torch
 from reference_impl.kvcache.layout import KVLayout
 
 
-@pytest.fixture(scope="module")
-def fs() -> object:
-    return interpreted("reference_impl.kernels.fused_store")
-
-
-@pytest.fixture(scope="module")
-def fr() -> object:
-    return interpreted("reference_impl.kernels.fused_rerange")
-
-
-@pytest.fixture(scope="module")
-def fm(fs: object) -> object:
-    import importlib
-
-    module = interpreted("reference_impl.kernels.fused_materialize")
-    if module._bf16_bits is not fs._bf16_bits:  # type: ignore[attr-defined]  # fused_store was reloaded
-        module = importlib.reload(module)
-    return module
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8)
 
 
 def _kv(n: int, width: int, seed: int) -> torch.Tensor:
@@ -142,7 +120,7 @@ def test_rerange_configs_give_torch_bytes(fr: object, row: tuple[torch.dtype, tu
     meta = build_split("in-seq", 3, [40, 17], [0, 0], page_size=4)
     raw = torch.randint(0, 256, (3, meta.max_rank_len, *shape), dtype=torch.uint8)
     raw = raw if dtype == torch.uint8 else torch.randn(raw.shape).to(dtype)
-    want = _bytes(fused_torch.rerange_padded_torch(raw, meta))
+    want = as_bytes(fused_torch.rerange_padded_torch(raw, meta))
     index = rerange_tensor(meta, padded=True)
     for config in (
         {"block_t": 16, "block_c": 64, "one_pass": False},
@@ -151,7 +129,7 @@ def test_rerange_configs_give_torch_bytes(fr: object, row: tuple[torch.dtype, tu
         {"block_t": 4, "num_warps": 2, "one_pass": True},
     ):
         got = fr.rerange_padded_triton(raw, index, **config)  # type: ignore[attr-defined]
-        assert torch.equal(_bytes(got), want), config
+        assert torch.equal(as_bytes(got), want), config
     with pytest.raises(ConfigError, match="block_c"):
         fr.rerange_padded_triton(raw, index, block_c=0)  # type: ignore[attr-defined]
 
@@ -175,7 +153,7 @@ def test_materialize_configs_give_torch_bytes(fm: object, kv_lora: int) -> None:
             fused_torch.materialize_rows_torch(*args)
         else:
             fm.materialize_rows_triton(*args, **config)  # type: ignore[attr-defined]
-        return [_bytes(kv), _bytes(i8), _bytes(sc)]
+        return [as_bytes(kv), as_bytes(i8), as_bytes(sc)]
 
     want = run(None)
     for config in STORE_CONFIGS:

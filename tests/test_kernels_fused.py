@@ -15,14 +15,13 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere in this module
 
-import importlib
 import json
 import logging
 from pathlib import Path
 
 import pytest
 
-from conftest import interpreted
+from conftest import as_bytes
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -47,26 +46,6 @@ from reference_impl.kvcache.pool import LocOutOfRangeError, PagedKVPool  # noqa:
 SETTINGS = settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-@pytest.fixture(scope="module")
-def fs() -> object:
-    return interpreted("reference_impl.kernels.fused_store")
-
-
-@pytest.fixture(scope="module")
-def fr() -> object:
-    return interpreted("reference_impl.kernels.fused_rerange")
-
-
-@pytest.fixture(scope="module")
-def fm(fs: object) -> object:
-    module = interpreted("reference_impl.kernels.fused_materialize")
-    if module._bf16_bits is not fs._bf16_bits:  # type: ignore[attr-defined]  # fused_store was reloaded
-        module = importlib.reload(module)
-    return module
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8)
 
 
 # ---- the software conversions -----------------------------------------------------------------------
@@ -106,7 +85,7 @@ def test_soft_conversions_round_to_nearest_even_like_torch(fs: object) -> None:
     bf16 = torch.empty(x.numel(), dtype=torch.int16)
     _convert_kernel[(1,)](x, fp8, bf16, x.numel(), BLOCK=triton.next_power_of_2(x.numel()))
     finite = torch.isfinite(x)
-    want8 = _bytes(x.clamp(-448, 448).to(torch.float8_e4m3fn))
+    want8 = as_bytes(x.clamp(-448, 448).to(torch.float8_e4m3fn))
     assert torch.equal(fp8[finite], want8[finite])
     want16 = x.to(torch.bfloat16)
     assert torch.equal(bf16[~x.isnan()], want16.view(torch.int16)[~x.isnan()])
@@ -261,8 +240,8 @@ def test_rerange_equals_trim_then_index_select(
     raw = raw if dtype == torch.uint8 else torch.randn(raw.shape, generator=gen).to(dtype)
     got = fr.rerange_padded_triton(raw, rerange_tensor(meta, padded=True))  # type: ignore[attr-defined]
     trimmed = torch.cat([raw[r, :n] for r, n in enumerate(meta.rank_lengths)])
-    assert torch.equal(_bytes(got), _bytes(rerange(trimmed, meta)))
-    assert torch.equal(_bytes(got), _bytes(fused_torch.rerange_padded_torch(raw, meta)))
+    assert torch.equal(as_bytes(got), as_bytes(rerange(trimmed, meta)))
+    assert torch.equal(as_bytes(got), as_bytes(fused_torch.rerange_padded_torch(raw, meta)))
 
 
 def test_rerange_single_rank_strided_local_rows(fr: object) -> None:
@@ -318,10 +297,10 @@ def test_materialize_equals_torch_path(
         fused_torch.materialize_rows_torch(*args) if path == "torch" else fm.materialize_rows_triton(*args)  # type: ignore[attr-defined]
         views.append((kv, i8, sc))
     for got, want in zip(views[1], views[0]):
-        assert torch.equal(_bytes(got), _bytes(want))
+        assert torch.equal(as_bytes(got), as_bytes(want))
     # The index part is exactly materialize.py's unpack_index_rows.
     k_fp8, k_scale = unpack_index_rows(packed[:, split:], row_source, layout)
-    assert torch.equal(_bytes(views[1][1][view_rows]), _bytes(k_fp8)) and torch.equal(views[1][2][view_rows], k_scale)
+    assert torch.equal(as_bytes(views[1][1][view_rows]), as_bytes(k_fp8)) and torch.equal(views[1][2][view_rows], k_scale)
 
 
 @SETTINGS
@@ -339,7 +318,7 @@ def test_materialize_mla_half_equals_the_full_op(fm: object, kv_dtype: str, one_
     for run in (fused_torch.materialize_mla_rows_torch, functools.partial(fm.materialize_mla_rows_triton, one_pass=one_pass)):  # type: ignore[attr-defined]
         kv = torch.full((20, layout.kv_width), 3.0, dtype=torch.bfloat16)
         run(mla_rows, row_source, view_rows, kv, layout)
-        assert torch.equal(_bytes(kv), _bytes(full))
+        assert torch.equal(as_bytes(kv), as_bytes(full))
 
 
 def test_materialize_matches_sharded_full_view(fm: object) -> None:
@@ -367,7 +346,7 @@ def test_materialize_matches_sharded_full_view(fm: object) -> None:
     assert mplan.view_rows.numel() == plan.view_len
     assert (
         torch.equal(kv, want.kv)
-        and torch.equal(_bytes(i8), _bytes(want.index_k_fp8))
+        and torch.equal(as_bytes(i8), as_bytes(want.index_k_fp8))
         and torch.equal(sc, want.index_k_scale)
     )
 
@@ -441,7 +420,7 @@ def test_dispatch_failing_kernels_fall_back_with_one_warning_each(
     with caplog.at_level(logging.DEBUG, logger=cp_dispatch.__name__):
         for _ in range(2):
             got = _run_all(case)
-            assert all(torch.equal(_bytes(a), _bytes(b)) for a, b in zip(got, want))
+            assert all(torch.equal(as_bytes(a), as_bytes(b)) for a, b in zip(got, want))
     records = [r for r in caplog.records if r.name == cp_dispatch.__name__]
     assert len(records) == 4, [r.getMessage() for r in records]  # one per kernel, not per call
     assert all(r.levelno == logging.WARNING and "simulated kernel failure" in r.getMessage() for r in records)
@@ -472,7 +451,7 @@ def test_dispatch_runs_the_kernels_silently_when_they_work(
     with caplog.at_level(logging.DEBUG, logger=cp_dispatch.__name__):
         got = _run_all(case)
     assert calls == list(KERNELS) and not caplog.records
-    assert all(torch.equal(_bytes(a), _bytes(b)) for a, b in zip(got, want))
+    assert all(torch.equal(as_bytes(a), as_bytes(b)) for a, b in zip(got, want))
 
 
 def test_dispatch_debug_force_torch_and_cpu_take_the_torch_path(
@@ -489,7 +468,7 @@ def test_dispatch_debug_force_torch_and_cpu_take_the_torch_path(
         assert cp_dispatch.use_fused_kernels("cuda") is True
         assert cp_dispatch.use_fused_kernels("cuda", debug=True) is False
         for got in (_run_all(case, debug=True), _run_all(case, force_torch=True)):
-            assert all(torch.equal(_bytes(a), _bytes(b)) for a, b in zip(got, want))
+            assert all(torch.equal(as_bytes(a), as_bytes(b)) for a, b in zip(got, want))
         monkeypatch.setenv("DSACP_FORCE_TORCH", "1")
         assert cp_dispatch.use_fused_kernels("cuda") is False
         _run_all(case)

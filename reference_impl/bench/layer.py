@@ -38,6 +38,7 @@ import platform
 import shlex
 import statistics
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,7 @@ from reference_impl.cp.kv_sharded import ShardedKV
 from reference_impl.cp.loopback import LoopbackGroup
 from reference_impl.engine import run_rank
 from reference_impl.planner import layer_terms, load_rates
-from reference_impl.planner.model import activation_bytes, rank_ranges, transient_bytes, zigzag_blocks
+from reference_impl.planner.model import activation_bytes, local_queries, transient_bytes
 
 
 @dataclass(frozen=True)
@@ -81,8 +82,6 @@ def parse_levels(spec: str) -> list[int]:
 
 
 def _run(run: RunConfig, group: LoopbackGroup, keep_store: bool = False) -> Any:
-    if run.model.n_layers < 1:
-        raise ConfigError("need at least one layer")
     if group.device.type == "cuda":
         torch.cuda.empty_cache()
     return run_rank(group, run, keep_store=keep_store)
@@ -103,8 +102,6 @@ def payload_ms(store: ShardedKV, n_layers: int, device: torch.device) -> float |
             stop.synchronize()
             times.append(start.elapsed_time(stop))
         else:
-            import time
-
             t0 = time.perf_counter()
             store.materialize_history_mla(layer, kv)
             times.append((time.perf_counter() - t0) * 1e3)
@@ -121,8 +118,7 @@ def planner_point(run: RunConfig, rank: int, level: int, wire_gbps: float | None
     terms = layer_terms(get_preset(run.preset), rates, run.cp_size, context, level, rank, run.kv_dtype, run.page_size)
     if wire_gbps is None:  # no modeled wire: the loopback copy is all that runs
         terms = {**terms, "allgather1": 0.0, "materialize_comm": 0.0}
-    ranges = rank_ranges(zigzag_blocks(context, run.cp_size, run.page_size, page_aligned=level >= 4), rank)
-    t_local = sum(b - a for a, b in ranges)
+    t_local = local_queries(context, run.cp_size, run.page_size, level, rank)
     transient = transient_bytes(cfg, context, level, run.kv_dtype, run.page_size)
     return {
         "layer_ms": sum(terms.values()),

@@ -47,6 +47,12 @@ def rank_ranges(blocks: tuple[int, ...], rank: int) -> tuple[tuple[int, int], tu
     return (starts[rank], starts[rank] + blocks[rank]), (starts[other], starts[other] + blocks[other])
 
 
+def local_queries(context: int, cp_size: int, page_size: int, level: int, rank: int) -> int:
+    """Tokens ``rank`` computes at phase ``level``: its two zigzag blocks (page-aligned from level 4)."""
+    blocks = zigzag_blocks(context, cp_size, page_size, page_aligned=level >= 4)
+    return sum(b - a for a, b in rank_ranges(blocks, rank))
+
+
 def visible_keys(ranges: tuple[tuple[int, int], ...]) -> int:
     """Causal keys seen by the queries at positions ``[a, b)``: query ``j`` sees ``j + 1`` keys.
 

@@ -16,12 +16,11 @@ from reference_impl.config import IMPLEMENTED_PHASES, PHASE_NAMES, ConfigError, 
 from reference_impl.kvcache.layout import validate_page_size
 from reference_impl.planner.model import (
     activation_bytes,
+    local_queries,
     projection_macs,
-    rank_ranges,
     slowest_rank,
     tail_ms,
     transient_bytes,
-    zigzag_blocks,
 )
 from reference_impl.planner.rates import PlannerRates
 
@@ -130,7 +129,7 @@ def plan_capacity(config: PlanConfig, rates: PlannerRates) -> dict[str, Any]:
             rank, terms = slowest_rank(cfg, rates, c, ctx, level, dt, ps)
             kv = kv_bytes_per_rank(cfg, ctx, c, sharded, dt, ps)
             transient = transient_bytes(cfg, ctx, level, dt, ps)
-            t_local = sum(b - a for a, b in rank_ranges(zigzag_blocks(ctx, c, ps, level >= 4), rank))
+            t_local = local_queries(ctx, c, ps, level, rank)
             points.append({
                 "context": ctx, "kv_bytes_per_rank": kv, "transient_bytes_per_layer": transient,
                 "activation_bytes_per_layer": activation_bytes(cfg, t_local, ctx),
