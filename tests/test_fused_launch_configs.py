@@ -265,3 +265,29 @@ def test_fast_division_kernels_give_torch_bytes(fs: object, exact_fma: None, one
     mla[dst[5], 130] = want_mla[dst[5], 130]
     assert torch.equal(mla, want_mla) and torch.equal(index, want_index)
     assert ((want_mla[dst[5], 128:256] & 0x7F) != 0).sum() == 1  # the block's finite values: +-0
+
+
+def test_apply_sweep_writes_each_best_config_into_the_gpu_table(tmp_path, monkeypatch) -> None:
+    """scripts/apply_sweep.py: swept kernels take their best config, the others keep theirs, and the
+    rewritten module still imports with that table."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "apply_sweep.py"
+    spec = importlib.util.spec_from_file_location("apply_sweep", script)
+    apply_sweep = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(apply_sweep)  # type: ignore[union-attr]
+    target = tmp_path / "fused_configs.py"
+    target.write_text(Path(fused_configs.__file__).read_text())
+    monkeypatch.setattr(apply_sweep, "TARGET", target)
+    best = {"block_m": 16, "num_warps": 8}
+    sweep = {"sweep": {"store_mla_bf16": {"best": best, "default_fraction_of_copy": 0.5, "fraction_of_copy": 0.7}}}
+    (tmp_path / "sweep.json").write_text(json.dumps(sweep))
+    apply_sweep.main(str(tmp_path / "sweep.json"))
+    namespace: dict[str, object] = {}
+    exec(compile(target.read_text(), str(target), "exec"), namespace)
+    table = namespace["GPU_CONFIGS"]
+    assert table["store_mla_bf16"] == best  # type: ignore[index]
+    others = {k: v for k, v in fused_configs.GPU_CONFIGS.items() if k != "store_mla_bf16"}
+    assert all(table[k] == v for k, v in others.items())  # type: ignore[index]

@@ -432,6 +432,35 @@ def test_dispatch_failing_kernels_fall_back_with_one_warning_each(
     }
 
 
+def test_dispatch_mla_only_materialize_falls_back_once_and_takes_torch_in_debug(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, fresh_dispatch: None
+) -> None:
+    """Phase 8's MLA-only op: a failing kernel gives the torch rows with one warning; debug mode
+    takes the torch path and range-checks the rows on the host."""
+    case = _dispatch_case()
+    layout: KVLayout = case["layout"]  # type: ignore[assignment]
+    mla = case["packed"][:, : 4 * layout.mla_bytes]  # type: ignore[index]
+
+    def run(**kw: object) -> torch.Tensor:
+        kv = torch.zeros(9, 192, dtype=torch.bfloat16)
+        cp_dispatch.materialize_mla_rows(mla, case["source"], case["rows"], kv, layout, **kw)  # type: ignore[arg-type]
+        return kv
+
+    want = run()  # CPU tensors: the torch path
+    monkeypatch.setattr(cp_dispatch, "_triton_device", lambda device: True)  # pretend CUDA
+    monkeypatch.setattr(cp_dispatch, "_triton_materialize_mla", _boom)
+    with caplog.at_level(logging.DEBUG, logger=cp_dispatch.__name__):
+        assert all(torch.equal(as_bytes(run()), as_bytes(want)) for _ in range(2))
+    records = [r for r in caplog.records if r.name == cp_dispatch.__name__]
+    assert len(records) == 1 and "materialize_mla_rows" in records[0].getMessage()
+    assert torch.equal(as_bytes(run(debug=True)), as_bytes(want))
+    bad_rows = case["rows"].clone()  # type: ignore[attr-defined]
+    bad_rows[0] = 9
+    with pytest.raises(LocOutOfRangeError):
+        cp_dispatch.materialize_mla_rows(mla, case["source"], bad_rows, torch.zeros(9, 192, dtype=torch.bfloat16),
+                                         layout, debug=True)  # type: ignore[arg-type]
+
+
 def test_dispatch_runs_the_kernels_silently_when_they_work(
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
