@@ -71,3 +71,21 @@ def test_per_layer_gather_bytes_are_padded_buffers(report_of) -> None:
 def test_debug_mode_runs_and_agrees(report_of) -> None:
     rep = report_of(tiny(cp_size=3, debug=True, requests=MIXED))
     assert_agrees(rep)
+
+
+def test_few_row_products_give_the_bits_of_many_row_products() -> None:
+    """A rank's handful of local rows must project to the oracle's bits (the caches are compared
+    byte for byte). CPU GEMMs over a few rows take another kernel on some machines (MKL, AVX-512:
+    up to ~10 rows), so the model's linear maps pad them to ``MIN_CPU_GEMM_ROWS`` rows."""
+    import torch
+
+    from reference_impl.model.attention import MIN_CPU_GEMM_ROWS, RowStableLinear
+
+    gen = torch.Generator().manual_seed(0)
+    linear = RowStableLinear(256, 96, bias=False)
+    torch.nn.init.normal_(linear.weight, generator=gen)
+    x = torch.randn(200, 256, generator=gen)
+    many = linear(x)
+    for rows in (0, 1, 3, 7, MIN_CPU_GEMM_ROWS - 1, MIN_CPU_GEMM_ROWS, 40):
+        few = linear(x[:rows])
+        assert few.shape == (rows, 96) and torch.equal(few, many[:rows]), rows

@@ -56,8 +56,33 @@ class LayerNorm(nn.Module):
         return nn.functional.layer_norm(x.float(), (x.shape[-1],), self.weight, self.bias, self.eps).to(x.dtype)
 
 
+# CPU GEMMs over fewer rows than this take another MKL kernel (on AVX-512 machines, up to about 10
+# rows) whose sums round differently, so a row's bits would depend on how many rows were multiplied
+# with it. A rank's few local rows must give the oracle's bits (the caches are compared byte for
+# byte), so CPU products run on at least this many rows; GPU products are left alone.
+MIN_CPU_GEMM_ROWS = 16
+
+
+def pad_rows(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """``x`` with zero rows appended along ``dim`` up to :data:`MIN_CPU_GEMM_ROWS` (CPU only)."""
+    short = MIN_CPU_GEMM_ROWS - x.shape[dim]
+    if x.device.type != "cpu" or short <= 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = short
+    return torch.cat([x, x.new_zeros(shape)], dim=dim)
+
+
+class RowStableLinear(nn.Linear):
+    """``nn.Linear`` whose output rows do not depend on how many rows were multiplied (see
+    :data:`MIN_CPU_GEMM_ROWS`); same parameters and state dict as ``nn.Linear``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(pad_rows(x))[: x.shape[0]]
+
+
 def _linear(n_in: int, n_out: int, dtype: torch.dtype) -> nn.Linear:
-    return nn.Linear(n_in, n_out, bias=False, dtype=dtype)
+    return RowStableLinear(n_in, n_out, bias=False, dtype=dtype)
 
 
 class Indexer(nn.Module):
@@ -115,7 +140,11 @@ class DSAAttention(nn.Module):
         # latent columns (a strided batched GEMM output), the roped part beside it. A torch.cat of
         # the two would copy the [T, H, 576] tensor once more (2.4 GB per layer at 16K tokens).
         q_full = torch.empty(n_tok, h, cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype=q.dtype, device=q.device)
-        torch.bmm(q_nope.transpose(0, 1), w_uk, out=q_full[..., : cfg.kv_lora_rank].transpose(0, 1))
+        latent_q = q_full[..., : cfg.kv_lora_rank].transpose(0, 1)  # [H, T, c] view
+        if pad_rows(q_nope) is q_nope:
+            torch.bmm(q_nope.transpose(0, 1), w_uk, out=latent_q)
+        else:  # a few CPU rows: multiply padded ones (see MIN_CPU_GEMM_ROWS)
+            latent_q.copy_(torch.bmm(pad_rows(q_nope).transpose(0, 1), w_uk)[:, :n_tok])
         q_full[..., cfg.kv_lora_rank :] = apply_rope(q_pe, cos, sin, interleaved=True)
 
         latent, k_pe = self.wkv_a(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
@@ -167,5 +196,5 @@ class DSAAttention(nn.Module):
         o_latent, _ = sparse_mla_attention(  # [T, H, c], stored in the weights' dtype (no fp32 buffer)
             proj.q.to(kv_view.dtype), kv_view, topk, cfg.softmax_scale, cfg.kv_lora_rank, out_dtype=w_uv.dtype
         )
-        o = torch.einsum("thc,hdc->thd", o_latent, w_uv)
+        o = torch.einsum("thc,hdc->thd", pad_rows(o_latent), w_uv)[: o_latent.shape[0]]
         return self.wo(o.flatten(1)), topk
