@@ -1,10 +1,13 @@
-"""Write the launch configs a kernel sweep found into ``reference_impl/kernels/fused_configs.py``.
+"""Write the launch configs a benchmark sweep found into the kernels' GPU defaults.
 
     python3 scripts/apply_sweep.py kernels_sweep.json   # from python -m reference_impl.bench.kernels --sweep
+    python3 scripts/apply_sweep.py compute_bench.json   # from python -m reference_impl.bench.compute --sweep
 
-Rewrites the ``GPU_CONFIGS`` table: each swept kernel's ``best`` config replaces its entry (only
-candidates whose bytes equal the torch path's can be ``best``); unswept kernels keep theirs.
-Prints what changed.
+A kernels sweep rewrites the ``GPU_CONFIGS`` table of ``kernels/fused_configs.py``: each swept
+kernel's ``best`` config replaces its entry (only candidates whose bytes equal the torch path's can
+be ``best``); unswept kernels keep theirs. A compute sweep rewrites ``GPU_DEFAULT_CONFIG`` of
+``kernels/sparse_mla_triton.py`` (the fastest config that passed its reference check) and of
+``kernels/indexer_triton.py`` (the fastest logits). Prints what changed.
 """
 
 from __future__ import annotations
@@ -14,9 +17,11 @@ import re
 import sys
 from pathlib import Path
 
-from reference_impl.kernels import fused_configs
+from reference_impl.kernels import fused_configs, indexer_triton, sparse_mla_triton
 
 TARGET = Path(fused_configs.__file__)
+ATTENTION_KEYS = ("block_h", "block_k", "num_warps", "num_stages", "defer_pv", "lazy_rescale")
+INDEXER_KEYS = ("block_t", "block_s", "num_warps", "num_stages", "dot_dtype")
 
 
 def render(configs: dict[str, dict[str, int | bool]]) -> str:
@@ -25,8 +30,39 @@ def render(configs: dict[str, dict[str, int | bool]]) -> str:
     return "\n".join(lines + ["}"])
 
 
+def _set_default(module: object, config: tuple[object, ...]) -> None:
+    target = Path(module.__file__)  # type: ignore[attr-defined]
+    text = target.read_text()
+    line = re.compile(r"^(GPU_DEFAULT_CONFIG: [^=]+= )\(.*\)$", re.M)
+    if not line.search(text):
+        raise SystemExit(f"no GPU_DEFAULT_CONFIG line found in {target}")
+    old = module.GPU_DEFAULT_CONFIG  # type: ignore[attr-defined]
+    if tuple(old) != config:
+        print(f"{target.name}: {tuple(old)} -> {config}")
+    target.write_text(line.sub(lambda m: m.group(1) + repr(config).replace("'", '"'), text, count=1))
+
+
+def apply_compute_sweep(
+    sweep: dict[str, list[dict[str, object]]], attention_module: object = sparse_mla_triton,
+    indexer_module: object = indexer_triton,
+) -> None:
+    """The compute benchmark's winners become the attention and indexer GPU defaults (the modules'
+    source files are rewritten; tests pass stand-ins)."""
+    attention = [r for r in sweep["attention"] if "error" not in r and r["check"]["ok"]]  # type: ignore[index]
+    indexer = [r for r in sweep["indexer"] if "error" not in r and r["check"]["ok"]]  # type: ignore[index]
+    if attention:
+        best = max(attention, key=lambda r: r["triton_tflops"])["config"]  # type: ignore[arg-type,return-value]
+        _set_default(attention_module, tuple(best[k] for k in ATTENTION_KEYS))  # type: ignore[index]
+    if indexer:
+        best = min(indexer, key=lambda r: r["triton_logits_ms"])["config"]  # type: ignore[arg-type,return-value]
+        _set_default(indexer_module, tuple(best[k] for k in INDEXER_KEYS))  # type: ignore[index]
+
+
 def main(path: str) -> None:
     sweep = json.loads(Path(path).read_text())["sweep"]
+    if "attention" in sweep:
+        apply_compute_sweep(sweep)
+        return
     configs = {name: dict(cfg) for name, cfg in fused_configs.GPU_CONFIGS.items()}
     for name, result in sweep.items():
         best = result.get("best")

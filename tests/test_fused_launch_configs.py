@@ -291,3 +291,38 @@ def test_apply_sweep_writes_each_best_config_into_the_gpu_table(tmp_path, monkey
     assert table["store_mla_bf16"] == best  # type: ignore[index]
     others = {k: v for k, v in fused_configs.GPU_CONFIGS.items() if k != "store_mla_bf16"}
     assert all(table[k] == v for k, v in others.items())  # type: ignore[index]
+
+
+def test_apply_sweep_writes_the_compute_winners_into_the_kernel_defaults(tmp_path) -> None:
+    """A compute sweep: the fastest attention config that passed its check (not a faster failing
+    one) and the fastest indexer config become the modules' ``GPU_DEFAULT_CONFIG`` lines."""
+    import importlib.util
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from reference_impl.kernels import indexer_triton, sparse_mla_triton
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "apply_sweep.py"
+    spec = importlib.util.spec_from_file_location("apply_sweep", script)
+    apply_sweep = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(apply_sweep)  # type: ignore[union-attr]
+    stand_ins = []
+    for module in (sparse_mla_triton, indexer_triton):
+        copy = tmp_path / Path(module.__file__).name
+        copy.write_text(Path(module.__file__).read_text())
+        stand_ins.append(SimpleNamespace(__file__=str(copy), GPU_DEFAULT_CONFIG=module.GPU_DEFAULT_CONFIG))
+    attn = lambda bk, tf, ok: {  # noqa: E731
+        "config": dict(zip(apply_sweep.ATTENTION_KEYS, (64, bk, 8, 2, False, True))), "triton_tflops": tf,
+        "check": {"ok": ok},
+    }
+    idx = lambda bs, ms: {  # noqa: E731
+        "config": dict(zip(apply_sweep.INDEXER_KEYS, (64, bs, 4, 3, "fp8"))), "triton_logits_ms": ms,
+        "check": {"ok": True},
+    }
+    sweep = {"attention": [attn(32, 250.0, True), attn(16, 300.0, False), {"config": {}, "error": "x"}],
+             "indexer": [idx(64, 2.0), idx(256, 1.5)]}
+    apply_sweep.apply_compute_sweep(sweep, *stand_ins)
+    for stand_in, want in zip(stand_ins, ((64, 32, 8, 2, False, True), (64, 256, 4, 3, "fp8"))):
+        source = Path(stand_in.__file__).read_text()
+        line = next(ln for ln in source.splitlines() if ln.startswith("GPU_DEFAULT_CONFIG"))
+        assert eval(line.split("= ", 1)[1]) == want  # the rewritten line's value

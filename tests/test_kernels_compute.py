@@ -55,18 +55,20 @@ def _attention_case(
 # ---- sparse MLA attention --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("defer_pv", [True, False])
+@pytest.mark.parametrize(("defer_pv", "lazy_rescale"), [(True, False), (False, False), (True, True), (False, True)])
 @pytest.mark.parametrize(
     ("dtype", "tol"),
     [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)],
 )
-def test_sparse_mla_matches_reference(mla: object, dtype: torch.dtype, tol: float, defer_pv: bool) -> None:
+def test_sparse_mla_matches_reference(
+    mla: object, dtype: torch.dtype, tol: float, defer_pv: bool, lazy_rescale: bool
+) -> None:
     gen = torch.Generator().manual_seed(1)
     d_qk, d_v, scale = 192, 128, 192**-0.5
     q, kv, indices = _attention_case(gen, n_tokens=12, n_heads=6, d_qk=d_qk, n_kv=150, topk=40, dtype=dtype)
     # block_k=16 gives three tiles, the last one partial; 6 heads in a 16-head block are masked.
     out, lse = mla.sparse_mla_attention_triton(  # type: ignore[attr-defined]
-        q, kv, indices, scale, d_v, block_k=16, defer_pv=defer_pv
+        q, kv, indices, scale, d_v, block_k=16, defer_pv=defer_pv, lazy_rescale=lazy_rescale
     )
     ref_out, ref_lse = ref.sparse_mla_attention(q, kv, indices, scale, d_v)
     assert out.shape == (12, 6, d_v) and out.dtype == torch.float32 and lse.shape == (12, 6)
@@ -76,6 +78,29 @@ def test_sparse_mla_matches_reference(mla: object, dtype: torch.dtype, tol: floa
     torch.testing.assert_close(lse[finite], ref_lse[finite], rtol=tol, atol=tol)
     # The all -1 row: lse -inf, out exactly 0.
     assert torch.isneginf(lse[2]).all() and (out[2] == 0).all()
+
+
+@pytest.mark.parametrize("defer_pv", [True, False])
+def test_sparse_mla_lazy_rescale_small_and_large_max_growth(mla: object, defer_pv: bool) -> None:
+    """Scores that grow a little from tile to tile (the stale max is kept: no rescale) and then by
+    far more than the threshold (the block rescales): equal to the reference in fp32."""
+    gen = torch.Generator().manual_seed(5)
+    n_tokens, n_heads, d_qk, d_v, topk = 3, 4, 80, 64, 64
+    q = torch.randn(n_tokens, n_heads, d_qk, generator=gen)
+    kv = torch.randn(topk, d_qk, generator=gen)
+    # Scores scale with the tile: tile 1 raises the max by less than the threshold (kept stale,
+    # probabilities above 1), tile 2 far past it (rescale), tile 3 stays below (stale).
+    growth = torch.tensor([1.0] * 16 + [1.1] * 16 + [40.0] * 16 + [2.0] * 16)
+    kv = kv * growth[:, None]
+    indices = torch.arange(topk, dtype=torch.int32).repeat(n_tokens, 1)
+    scale = 0.5
+    ref_out, ref_lse = ref.sparse_mla_attention(q, kv, indices, scale, d_v)
+    for lazy in (True, False):
+        out, lse = mla.sparse_mla_attention_triton(  # type: ignore[attr-defined]
+            q, kv, indices, scale, d_v, block_k=16, defer_pv=defer_pv, lazy_rescale=lazy
+        )
+        assert _rel_err(out, ref_out) < 1e-5, lazy
+        torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-4)
 
 
 def test_sparse_mla_real_widths_several_head_blocks_bf16_out(mla: object) -> None:

@@ -41,10 +41,15 @@ from reference_impl.model import sparse_attention as ref
 FLASHMLA_TFLOPS = 640.0
 D_QK, D_V = 576, 512
 
-ATTN_SWEEP: list[tuple[int, int, int, int, bool]] = [
-    # (BLOCK_H, BLOCK_K, num_warps, num_stages, DEFER_PV)
-    (64, 32, 8, 3, True),
-    (64, 64, 8, 2, False),
+ATTN_SWEEP: list[tuple[int, int, int, int, bool, bool]] = [
+    # (BLOCK_H, BLOCK_K, num_warps, num_stages, DEFER_PV, LAZY_RESCALE)
+    (64, 32, 8, 3, True, False),
+    (64, 32, 8, 3, True, True),
+    (64, 32, 8, 4, True, True),
+    (64, 32, 8, 2, True, True),
+    (64, 64, 8, 2, True, True),
+    (64, 64, 8, 2, False, True),
+    (64, 64, 8, 2, False, False),
 ]
 INDEXER_SWEEP: list[tuple[int, int, int, int, str]] = [
     # (BLOCK_T, BLOCK_S, num_warps, num_stages, dot dtype)
@@ -313,8 +318,10 @@ def zigzag_rank0_positions(context: int, cp_size: int) -> torch.Tensor:
 # ---- driver -----------------------------------------------------------------------------------
 
 
-def _attn_config(c: tuple[int, int, int, int, bool]) -> dict[str, Any]:
-    return {"block_h": c[0], "block_k": c[1], "num_warps": c[2], "num_stages": c[3], "defer_pv": c[4]}
+def _attn_config(c: tuple[int, int, int, int, bool, bool]) -> dict[str, Any]:
+    return {
+        "block_h": c[0], "block_k": c[1], "num_warps": c[2], "num_stages": c[3], "defer_pv": c[4], "lazy_rescale": c[5],
+    }
 
 
 def _idx_config(c: tuple[int, int, int, int, str]) -> dict[str, Any]:
@@ -334,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--torch-max-tokens", type=int, default=16384, help="time the torch references up to this T")
     parser.add_argument("--check-rows", type=int, default=48, help="rows checked against the torch reference")
     parser.add_argument("--slow-ms", type=float, default=250.0, help="above this, time with 3 event-timed runs")
-    parser.add_argument("--sweep", action="store_true", help="sweep launch configs at the smallest T first")
+    parser.add_argument("--sweep", action="store_true", help="sweep launch configs at the per-rank shape first")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help=argparse.SUPPRESS)  # cpu: dry run
     args = parser.parse_args(argv)
@@ -390,8 +397,9 @@ def main(argv: list[str] | None = None) -> int:
     idx_cfg = _idx_config(indexer_triton.GPU_DEFAULT_CONFIG)
 
     if args.sweep:
-        t0 = min(tokens)
-        pos = torch.arange(t0)
+        # At the per-rank shape, the one the engine runs: rank 0's zigzag queries against the whole request.
+        pos = zigzag_rank0_positions(args.cp_context, args.cp_size)
+        t0 = args.cp_context
         no_torch = argparse.Namespace(**{**vars(args), "torch_max_tokens": 0})
         sweep_a, sweep_i = [], []
         for c in ATTN_SWEEP:
@@ -408,7 +416,10 @@ def main(argv: list[str] | None = None) -> int:
                 sweep_i.append({"config": _idx_config(c), "error": f"{type(exc).__name__}: {exc}"[:500]})
             last = sweep_i[-1]
             print("sweep indexer", last.get("config"), last.get("triton_logits_ms"), last.get("error", ""), flush=True)
-        result["sweep"] = {"T": t0, "attention": sweep_a, "indexer": sweep_i}
+        result["sweep"] = {
+            "T": int(pos.numel()), "S": t0, "what": f"rank 0 of C={args.cp_size} over {t0} keys (the per-rank shape)",
+            "attention": sweep_a, "indexer": sweep_i,
+        }
         good_a = [r for r in sweep_a if "error" not in r and r["check"]["ok"]]
         good_i = [r for r in sweep_i if "error" not in r and r["check"]["ok"]]
         if good_a:

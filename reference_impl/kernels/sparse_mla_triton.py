@@ -39,16 +39,30 @@ import triton.language as tl
 
 LOG2E = math.log2(math.e)
 
-# (BLOCK_H, BLOCK_K, num_warps, num_stages, DEFER_PV) used on GPU unless the caller overrides them.
-GPU_DEFAULT_CONFIG: tuple[int, int, int, int, bool] = (64, 32, 8, 3, True)
+# (BLOCK_H, BLOCK_K, num_warps, num_stages, DEFER_PV, LAZY_RESCALE) used on GPU unless the caller
+# overrides them.
+GPU_DEFAULT_CONFIG: tuple[int, int, int, int, bool, bool] = (64, 32, 8, 3, True, False)
+
+# LAZY_RESCALE keeps a stale running max until some row's max grows by more than this (log2 units:
+# probabilities stay below 2**8 = 256, far inside bf16 and fp32 range).
+RESCALE_THRESHOLD_LOG2 = 8.0
 
 
 @triton.jit
-def _pv_update(acc, p, kv, alpha, IEEE: tl.constexpr):
-    """``acc * alpha + p @ kv`` (the value product of one tile, accumulated in fp32)."""
+def _pv_update(acc, p, kv, alpha, rescale, IEEE: tl.constexpr, LAZY_RESCALE: tl.constexpr):
+    """``acc * alpha + p @ kv`` (the value product of one tile, accumulated in fp32).
+
+    With ``LAZY_RESCALE`` the multiply runs only when ``rescale`` (a scalar) is set: otherwise every
+    ``alpha`` is 1 and the ``[BLOCK_H, d_v]`` multiply is skipped.
+    """
+    if LAZY_RESCALE:
+        if rescale:
+            acc = acc * alpha[:, None]
+    else:
+        acc = acc * alpha[:, None]
     if IEEE:
-        return tl.dot(p, kv, acc=acc * alpha[:, None], input_precision="ieee")
-    return tl.dot(p, kv, acc=acc * alpha[:, None])
+        return tl.dot(p, kv, acc=acc, input_precision="ieee")
+    return tl.dot(p, kv, acc=acc)
 
 
 @triton.jit
@@ -77,6 +91,8 @@ def _sparse_mla_fwd_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DEFER_PV: tl.constexpr,
+    LAZY_RESCALE: tl.constexpr,
+    RESCALE_LOG2: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
 ):
@@ -104,6 +120,7 @@ def _sparse_mla_fwd_kernel(
     if DEFER_PV:
         # The previous tile's value product, done one iteration late (see below).
         alpha_prev = tl.full([BLOCK_H], 1.0, dtype=tl.float32)
+        rescale_prev = tl.full([], 0, dtype=tl.int32)
         if UPCAST:
             p_prev = tl.zeros([BLOCK_H, BLOCK_K], dtype=tl.float32)
             kv_prev = tl.zeros([BLOCK_K, BLOCK_DV], dtype=tl.float32)
@@ -124,7 +141,7 @@ def _sparse_mla_fwd_kernel(
             kv_nope = kv_nope.to(tl.float32)
             kv_rope = kv_rope.to(tl.float32)
         if DEFER_PV:
-            acc = _pv_update(acc, p_prev, kv_prev, alpha_prev, IEEE)
+            acc = _pv_update(acc, p_prev, kv_prev, alpha_prev, rescale_prev, IEEE, LAZY_RESCALE)
 
         # Two independent products, each scaled, then summed. Accumulating one into the other
         # would make the first feed a product, and Triton lays out a product that feeds another
@@ -140,6 +157,14 @@ def _sparse_mla_fwd_kernel(
         s = tl.where(valid[None, :], s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        rescale = tl.full([], 1, dtype=tl.int32)
+        if LAZY_RESCALE:
+            # FlashAttention-4's conditional rescale: keep the stale max (exact: out and l share
+            # it) unless a row's max grows by more than RESCALE_LOG2, or a row sees its first
+            # valid score (m = -inf). One decision for the block, so the acc multiply is skipped
+            # as a whole; after the first tiles it almost never runs.
+            rescale = tl.max((m_new > m_i + RESCALE_LOG2).to(tl.int32))
+            m_new = tl.where(rescale > 0, m_new, m_i)
         # A row that has seen only invalid slots keeps m = -inf; subtract 0 instead so that
         # exp2 gives 0 rather than NaN (-inf - -inf).
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -154,10 +179,11 @@ def _sparse_mla_fwd_kernel(
             p_prev = p.to(kv_nope.dtype)
             kv_prev = kv_nope
             alpha_prev = alpha
+            rescale_prev = rescale
         else:
-            acc = _pv_update(acc, p.to(kv_nope.dtype), kv_nope, alpha, IEEE)
+            acc = _pv_update(acc, p.to(kv_nope.dtype), kv_nope, alpha, rescale, IEEE, LAZY_RESCALE)
     if DEFER_PV:
-        acc = _pv_update(acc, p_prev, kv_prev, alpha_prev, IEEE)
+        acc = _pv_update(acc, p_prev, kv_prev, alpha_prev, rescale_prev, IEEE, LAZY_RESCALE)
 
     has_any = l_i > 0.0
     out = acc / tl.where(has_any, l_i, 1.0)[:, None]
@@ -185,11 +211,13 @@ def sparse_mla_attention_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
     defer_pv: bool | None = None,
+    lazy_rescale: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA attention with the Triton kernel -> (out [T, H, d_v] ``out_dtype``, lse [T, H] f32).
 
     Same semantics as the torch reference (see the module docstring). ``block_*``, ``num_*`` and
-    ``defer_pv`` override the launch configuration (benchmark sweeps); ``None`` picks the defaults.
+    ``defer_pv`` / ``lazy_rescale`` override the launch configuration (benchmark sweeps); ``None``
+    picks the defaults.
     """
     if q.dim() != 3 or kv.dim() != 2 or indices.dim() != 2:
         raise ValueError(
@@ -220,7 +248,9 @@ def sparse_mla_attention_triton(
     if n_tokens == 0 or n_heads == 0:
         return out, lse
 
-    dflt_h, dflt_k, dflt_warps, dflt_stages, dflt_defer = GPU_DEFAULT_CONFIG if on_gpu else (64, 64, 4, 1, True)
+    dflt_h, dflt_k, dflt_warps, dflt_stages, dflt_defer, dflt_lazy = (
+        GPU_DEFAULT_CONFIG if on_gpu else (64, 64, 4, 1, True, False)
+    )
     block_h = block_h or min(dflt_h, _pow2_at_least_16(n_heads))
     block_k = block_k or min(dflt_k, _pow2_at_least_16(topk))
     n_head_blocks = triton.cdiv(n_heads, block_h)
@@ -249,6 +279,8 @@ def sparse_mla_attention_triton(
         BLOCK_H=block_h,
         BLOCK_K=block_k,
         DEFER_PV=dflt_defer if defer_pv is None else defer_pv,
+        LAZY_RESCALE=dflt_lazy if lazy_rescale is None else lazy_rescale,
+        RESCALE_LOG2=RESCALE_THRESHOLD_LOG2,
         UPCAST=not on_gpu,
         IEEE=on_gpu and q.dtype == torch.float32,
         num_warps=num_warps or dflt_warps,
