@@ -149,6 +149,7 @@ class _Accumulated:
     rows: list[torch.Tensor] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
     layer_ms: list[float] = field(default_factory=list)
+    prefetch_wait_ms: list[float] = field(default_factory=list)  # phase 8 on CUDA: stall at each consume
     tail_ms: float = 0.0
     transient_peak: int = 0
     tail_mode: str = ""
@@ -249,7 +250,10 @@ def run_rank(group: CPGroup, run: RunConfig, *, keep_store: bool = False) -> Ran
     return RankResult(
         rank=group.rank,
         stats=stats,
-        timings={"total_ms": total_ms, "layer_ms": acc.layer_ms, "tail_ms": acc.tail_ms, "chunks": len(chunks)},
+        timings={
+            "total_ms": total_ms, "layer_ms": acc.layer_ms, "tail_ms": acc.tail_ms, "chunks": len(chunks),
+            "prefetch_wait_ms": acc.prefetch_wait_ms,
+        },
         tail_mode=acc.tail_mode,
         store_path="+".join(sorted(acc.store_paths)),
         row_ids=tuple(acc.row_ids),
@@ -269,6 +273,27 @@ def run_rank(group: CPGroup, run: RunConfig, *, keep_store: bool = False) -> Ran
     )
 
 
+def local_inputs(
+    inputs: list[torch.Tensor], chunk: Chunk, meta: SplitMetadata, rank: int, positions: torch.Tensor
+) -> torch.Tensor:
+    """``[T_local, dim]``: the input rows of ``rank``'s tokens of ``chunk``, in local order.
+
+    Read straight from each request's inputs (``positions`` are the tokens' absolute positions in
+    their request), so the rank never holds the whole chunk's ``[T_chunk, dim]`` hidden states.
+    """
+    tokens = meta.local_tokens(rank)
+    requests = [meta.token_request[g] for g in tokens]
+    if len(set(requests)) == 1:
+        return inputs[chunk.requests[requests[0]]].index_select(0, positions)
+    first = inputs[chunk.requests[0]]
+    x = torch.empty(len(tokens), first.shape[1], dtype=first.dtype, device=first.device)
+    for i, req in enumerate(chunk.requests):
+        rows = torch.tensor([k for k, r in enumerate(requests) if r == i], dtype=torch.long, device=x.device)
+        if rows.numel():
+            x[rows] = inputs[req].index_select(0, positions[rows])
+    return x
+
+
 def _run_chunk(
     group: CPGroup,
     run: RunConfig,
@@ -283,11 +308,8 @@ def _run_chunk(
     """One CP batch through every layer, then its tail collection; appends to ``acc``."""
     device = group.device
     local = local_index_tensor(meta, group.rank, device)
-    chunk_tokens = torch.cat(
-        [inputs[req][p : p + n] for req, p, n in zip(chunk.requests, chunk.prefix_lens, chunk.extend_lens)]
-    )  # [T_chunk, dim], chunk sequence order
-    x = chunk_tokens.index_select(0, local)
     positions = torch.tensor(meta.local_positions(group.rank), dtype=torch.long, device=device)
+    x = local_inputs(inputs, chunk, meta, group.rank, positions)  # [T_local, dim]
     key_start, key_end = plan.key_start.index_select(0, local), plan.key_end.index_select(0, local)
     # Top-k rows relative to the request's first full-view row, i.e. token positions in the request.
     request_start = key_start[:, None].int()
@@ -330,6 +352,8 @@ def _run_chunk(
         if audit.count:
             raise HostSyncError(f"{audit.count} host sync(s) in the phase-6 layer loop: {'; '.join(audit.sites)}")
     acc.layer_ms.extend(clock.intervals_ms())
+    if prefetch is not None:
+        acc.prefetch_wait_ms.extend(prefetch.exposed_wait_ms())
 
     tail_start = time.perf_counter()
     collect = collect_narrow if 1 in run.phases else collect_full

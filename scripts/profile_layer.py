@@ -9,6 +9,8 @@ compiles the kernels), top ``--rows`` ops by total CUDA time, and the sum per la
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 from torch.profiler import ProfilerActivity, profile
 
@@ -27,6 +29,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--rows", type=int, default=30)
     parser.add_argument("--wire-gbps", type=float, default=None)
+    parser.add_argument("--json", default=None, help="also write every op's device time and count here")
     args = parser.parse_args()
     run = RunConfig(preset="deepseek-v3.2", n_layers=args.layers, cp_size=args.cp_size, check=False, device="cuda",
                     requests=(Request(args.prefix, args.extend),), phases=PhaseSet.level(args.level))
@@ -35,7 +38,16 @@ def main() -> None:
         result = run_rank(LoopbackGroup(args.rank, args.cp_size, "cuda", args.wire_gbps), run)
     print(f"level {args.level}, {args.prefix}+{args.extend} tokens, rank {args.rank} of C={args.cp_size}: "
           f"layer ms {[round(t, 2) for t in result.timings['layer_ms']]} (includes prefix install outside the layers)")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=90))
+    averages = prof.key_averages()
+    print(averages.table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=90))
+    if args.json:
+        ops = [
+            {"name": e.key, "count": e.count, "device_ms": e.device_time_total / 1e3}
+            for e in averages if e.device_time_total > 0
+        ]
+        doc = {"args": vars(args), "layer_ms": result.timings["layer_ms"],
+               "ops": sorted(ops, key=lambda o: -o["device_ms"])}
+        Path(args.json).write_text(json.dumps(doc, indent=1))
 
 
 if __name__ == "__main__":

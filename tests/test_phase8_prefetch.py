@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 from conftest import tiny
 from reference_impl import engine
@@ -57,6 +58,9 @@ class DeferredStream:
     def release(self, slot: int) -> None:
         pass
 
+    def wait_ms(self) -> list[float]:
+        return []
+
 
 class NoWaitStream(DeferredStream):
     """The race: the consumer does not wait, so it reads what the slot held before (two layers back)."""
@@ -78,3 +82,31 @@ def test_the_wait_is_what_makes_it_correct(monkeypatch, stream: type, agrees: bo
     run = tiny(cp_size=1, requests=MIXED, page_size=8, n_layers=4, phases=PhaseSet.level(8))
     rep = run_prefill(run)
     assert rep["matches_oracle"] is agrees
+
+
+class TimedDeferredStream(DeferredStream):
+    """Reports a stall of ``layer + 1`` ms at each wait, so the plumbing into the timings is visible."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waits = 0
+
+    def wait(self, handle: int) -> None:
+        super().wait(handle)
+        self.waits += 1
+
+    def wait_ms(self) -> list[float]:
+        return [float(i + 1) for i in range(self.waits)]
+
+
+def test_exposed_waits_reach_the_rank_timings(monkeypatch) -> None:
+    """One stall figure per consumed layer lands in ``timings["prefetch_wait_ms"]`` (bench/layer's
+    direct measure of the unhidden prefetch); none without phase 8."""
+    from reference_impl.cp.loopback import LoopbackGroup
+
+    monkeypatch.setattr(engine, "MlaPrefetcher", lambda store, n: MlaPrefetcher(store, n, TimedDeferredStream()))
+    run = tiny(cp_size=2, requests=MIXED, page_size=8, n_layers=3, phases=PhaseSet.level(8), check=False)
+    result = engine.run_rank(LoopbackGroup(0, 2, torch.device("cpu")), run)
+    assert result.timings["prefetch_wait_ms"] == [1.0, 2.0, 3.0]
+    no_prefetch = engine.run_rank(LoopbackGroup(0, 2, torch.device("cpu")), run.replace(phases=PhaseSet.level(7)))
+    assert no_prefetch.timings["prefetch_wait_ms"] == []

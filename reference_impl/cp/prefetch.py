@@ -33,6 +33,7 @@ class Stream(Protocol):
     def submit(self, work: Callable[[], None], slot: int) -> Any: ...
     def wait(self, handle: Any) -> None: ...
     def release(self, slot: int) -> None: ...
+    def wait_ms(self) -> list[float]: ...
 
 
 class InlineStream:
@@ -48,6 +49,10 @@ class InlineStream:
     def release(self, slot: int) -> None:
         return None
 
+    def wait_ms(self) -> list[float]:
+        """Nothing is ever waited for: the work ran at submit."""
+        return []
+
 
 class CudaSideStream:
     """A CUDA side stream with per-slot events: consumer waits on the producer, producer on the last consumer."""
@@ -55,6 +60,7 @@ class CudaSideStream:
     def __init__(self, device: torch.device) -> None:
         self.side = torch.cuda.Stream(device=device)
         self._consumed: list[torch.cuda.Event | None] = [None, None]
+        self._waits: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     def submit(self, work: Callable[[], None], slot: int) -> Any:
         released = self._consumed[slot]
@@ -69,7 +75,18 @@ class CudaSideStream:
         return done
 
     def wait(self, handle: Any) -> None:
+        # Timing events on each side of the wait: their distance on the main stream is the time
+        # the consumer stalled for the producer, the part of the prefetch that was not hidden.
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record()
         torch.cuda.current_stream().wait_event(handle)
+        after.record()
+        self._waits.append((before, after))
+
+    def wait_ms(self) -> list[float]:
+        """The main stream's stall at each wait so far, in ms (synchronizes the device)."""
+        torch.cuda.synchronize()
+        return [before.elapsed_time(after) for before, after in self._waits]
 
     def release(self, slot: int) -> None:
         event = torch.cuda.Event()
@@ -116,3 +133,10 @@ class MlaPrefetcher:
         """Mark ``layer``'s slot free once its consumer (this layer's attention) has been issued."""
         if self.active:
             self.stream.release(layer % 2)
+
+    def exposed_wait_ms(self) -> list[float]:
+        """Per consumed layer, how long the main stream stalled at the wait (``[]`` on CPU).
+
+        The direct measure of what the prefetch failed to hide; read it after the layer loop.
+        """
+        return self.stream.wait_ms() if self.active else []
