@@ -20,7 +20,7 @@ from pathlib import Path
 from reference_impl.kernels import fused_configs, indexer_triton, sparse_mla_triton
 
 TARGET = Path(fused_configs.__file__)
-ATTENTION_KEYS = ("block_h", "block_k", "num_warps", "num_stages", "defer_pv", "lazy_rescale")
+ATTENTION_KEYS = ("block_h", "block_k", "num_warps", "num_stages", "defer_pv", "lazy_rescale", "warp_specialize")
 INDEXER_KEYS = ("block_t", "block_s", "num_warps", "num_stages", "dot_dtype")
 
 
@@ -52,7 +52,8 @@ def apply_compute_sweep(
     indexer = [r for r in sweep["indexer"] if "error" not in r and r["check"]["ok"]]  # type: ignore[index]
     if attention:
         best = max(attention, key=lambda r: r["triton_tflops"])["config"]  # type: ignore[arg-type,return-value]
-        _set_default(attention_module, tuple(best[k] for k in ATTENTION_KEYS))  # type: ignore[index]
+        # Options a sweep predates keep their off value.
+        _set_default(attention_module, tuple(best.get(k, False) for k in ATTENTION_KEYS))  # type: ignore[union-attr]
     if indexer:
         best = min(indexer, key=lambda r: r["triton_logits_ms"])["config"]  # type: ignore[arg-type,return-value]
         _set_default(indexer_module, tuple(best[k] for k in INDEXER_KEYS))  # type: ignore[index]

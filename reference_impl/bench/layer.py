@@ -86,8 +86,8 @@ def parse_levels(spec: str) -> list[int]:
     return sorted(int(v) for v in spec.split(","))
 
 
-def _run(run: RunConfig, group: LoopbackGroup, keep_store: bool = False) -> Any:
-    if group.device.type == "cuda":
+def _run(run: RunConfig, group: LoopbackGroup, keep_store: bool = False, empty_cache: bool = True) -> Any:
+    if empty_cache and group.device.type == "cuda":
         torch.cuda.empty_cache()
     return run_rank(group, run, keep_store=keep_store)
 
@@ -136,7 +136,7 @@ def planner_point(run: RunConfig, rank: int, level: int, wire_gbps: float | None
 
 def measure(
     preset: str, workload: Workload, levels: list[int], cp_size: int, rank: int, n_layers: int,
-    device: str, wire_gbps: float | None, prefetch_repeats: int = 3,
+    device: str, wire_gbps: float | None, prefetch_repeats: int = 6,
 ) -> dict[str, Any]:
     """Every level of one workload on one rank -> JSON-ready dict."""
     dev = torch.device(device)
@@ -181,7 +181,9 @@ def measure(
         stalls: list[float] = []
         for _ in range(prefetch_repeats):
             for level in (7, 8):
-                timings = _run(base.replace(phases=PhaseSet.level(level)), group_of()).timings
+                # The caching allocator keeps its blocks between these runs: a fresh cache makes
+                # the first layers of every run pay for cudaMalloc, noise larger than the payload.
+                timings = _run(base.replace(phases=PhaseSet.level(level)), group_of(), empty_cache=False).timings
                 layers[level] += timings["layer_ms"][1:]
                 stalls += timings["prefetch_wait_ms"][1:]  # layer 0's prefetch has nothing to hide behind
         ms = {level: statistics.median(t) if t else by_level[level]["layer_ms_median"] for level, t in layers.items()}
@@ -210,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--wire-gbps", type=float, default=None, help="model the interconnect (CUDA only)")
-    parser.add_argument("--prefetch-repeats", type=int, default=3, help="extra alternating level 7 / 8 runs")
+    parser.add_argument("--prefetch-repeats", type=int, default=6, help="extra alternating level 7 / 8 runs")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     args = parser.parse_args(argv)
     workloads = [Workload.parse(w) for w in args.workloads.split(",")]

@@ -39,9 +39,9 @@ import triton.language as tl
 
 LOG2E = math.log2(math.e)
 
-# (BLOCK_H, BLOCK_K, num_warps, num_stages, DEFER_PV, LAZY_RESCALE) used on GPU unless the caller
-# overrides them.
-GPU_DEFAULT_CONFIG: tuple[int, int, int, int, bool, bool] = (64, 32, 8, 3, True, False)
+# (BLOCK_H, BLOCK_K, num_warps, num_stages, DEFER_PV, LAZY_RESCALE, WARP_SPECIALIZE) used on GPU
+# unless the caller overrides them; scripts/apply_sweep.py writes the compute benchmark's winner here.
+GPU_DEFAULT_CONFIG: tuple[int, int, int, int, bool, bool, bool] = (64, 64, 8, 2, False, False, False)
 
 # LAZY_RESCALE keeps a stale running max until some row's max grows by more than this (log2 units:
 # probabilities stay below 2**8 = 256, far inside bf16 and fp32 range).
@@ -93,6 +93,7 @@ def _sparse_mla_fwd_kernel(
     DEFER_PV: tl.constexpr,
     LAZY_RESCALE: tl.constexpr,
     RESCALE_LOG2: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
 ):
@@ -129,7 +130,7 @@ def _sparse_mla_fwd_kernel(
             kv_prev = tl.zeros([BLOCK_K, BLOCK_DV], dtype=kv_ptr.dtype.element_ty)
 
     idx_row = idx_ptr + token * stride_it
-    for k0 in range(0, topk, BLOCK_K):
+    for k0 in tl.range(0, topk, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
         offs_k = k0 + offs_kk
         idx = tl.load(idx_row + offs_k, mask=offs_k < topk, other=-1)
         valid = (idx >= 0) & (idx < n_kv)
@@ -212,12 +213,13 @@ def sparse_mla_attention_triton(
     num_stages: int | None = None,
     defer_pv: bool | None = None,
     lazy_rescale: bool | None = None,
+    warp_specialize: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA attention with the Triton kernel -> (out [T, H, d_v] ``out_dtype``, lse [T, H] f32).
 
     Same semantics as the torch reference (see the module docstring). ``block_*``, ``num_*`` and
-    ``defer_pv`` / ``lazy_rescale`` override the launch configuration (benchmark sweeps); ``None``
-    picks the defaults.
+    ``defer_pv`` / ``lazy_rescale`` / ``warp_specialize`` override the launch configuration
+    (benchmark sweeps); ``None`` picks the defaults.
     """
     if q.dim() != 3 or kv.dim() != 2 or indices.dim() != 2:
         raise ValueError(
@@ -248,8 +250,8 @@ def sparse_mla_attention_triton(
     if n_tokens == 0 or n_heads == 0:
         return out, lse
 
-    dflt_h, dflt_k, dflt_warps, dflt_stages, dflt_defer, dflt_lazy = (
-        GPU_DEFAULT_CONFIG if on_gpu else (64, 64, 4, 1, True, False)
+    dflt_h, dflt_k, dflt_warps, dflt_stages, dflt_defer, dflt_lazy, dflt_ws = (
+        GPU_DEFAULT_CONFIG if on_gpu else (64, 64, 4, 1, True, False, False)
     )
     block_h = block_h or min(dflt_h, _pow2_at_least_16(n_heads))
     block_k = block_k or min(dflt_k, _pow2_at_least_16(topk))
@@ -281,6 +283,7 @@ def sparse_mla_attention_triton(
         DEFER_PV=dflt_defer if defer_pv is None else defer_pv,
         LAZY_RESCALE=dflt_lazy if lazy_rescale is None else lazy_rescale,
         RESCALE_LOG2=RESCALE_THRESHOLD_LOG2,
+        WARP_SPECIALIZE=on_gpu and (dflt_ws if warp_specialize is None else warp_specialize),
         UPCAST=not on_gpu,
         IEEE=on_gpu and q.dtype == torch.float32,
         num_warps=num_warps or dflt_warps,
