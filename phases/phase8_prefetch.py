@@ -112,16 +112,20 @@ print(f"C=3 with the real stream: matches oracle {rep['matches_oracle']}, collec
 # * **layer difference**: `hidden = (level 7 layer - level 8 layer) / payload`. It includes that
 #   cost, but it is the difference of two medians of ~4-10 ms layers, for a payload under 0.5 ms:
 #   the run-to-run spread of a median is of the same size, so it can say little at this scale.
+#
+# The third run models a slower wire, 25 GB/s (a cross-node link rather than NVLink): the same
+# batch, the same compute, but the history's all-gather takes ~3 ms, several times the spread of
+# the layer medians, so the layer difference can resolve the hidden share.
 
 # %%
 from reference_impl.bench.layer import Workload, measure
 
 if ON_GPU:
-    for extend in (2048, 8192):
+    for extend, wire in ((2048, 450.0), (8192, 450.0), (8192, 25.0)):
         ph = measure("deepseek-v3.2", Workload("prefix-heavy", 131072, extend), [7, 8], cp_size=8, rank=0, n_layers=4,
-                     device="cuda", wire_gbps=450.0, prefetch_repeats=6)
+                     device="cuda", wire_gbps=wire, prefetch_repeats=6)
         pf = ph["prefetch"]
-        print(f"131072 + {extend}: level 7 {pf['level7_ms']:.3f} ms, level 8 {pf['level8_ms']:.3f} ms per layer "
+        print(f"131072 + {extend}, wire {wire:g} GB/s: level 7 {pf['level7_ms']:.3f} ms, level 8 {pf['level8_ms']:.3f} ms per layer "
               f"(median of {pf['samples_per_level']} layers each); payload {pf['payload_ms']:.3f} ms")
         print(f"   direct: median stall {pf['exposed_wait_ms_median'] * 1e3:.0f} us at the wait -> hidden "
               f"{pf['hidden_fraction_direct']:.1%};  layer difference: saved {pf['saved_ms']:+.3f} ms -> hidden "

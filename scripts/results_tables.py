@@ -37,6 +37,17 @@ def compute(doc: dict) -> str:
             f"| {name} | {i['T']} | {i['S']} | {i['triton_ms']:.2f} ({i['triton_logits_ms']:.2f} + {i['topk_ms']:.2f}) | "
             f"{i['logits_tflops']:.0f} | {torch_ms} | {speed} | {'ok' if i['check']['ok'] else 'FAIL'} |"
         )
+    sweep = doc.get("sweep")
+    if sweep:
+        keys = ("block_h", "block_k", "num_warps", "num_stages", "defer_pv", "lazy_rescale", "warp_specialize")
+        where = sweep.get("what", f"T = {sweep['T']}")
+        lines += ["", f"Sparse MLA launch-config sweep, {where}:", "",
+                  "| BLOCK_H | BLOCK_K | warps | stages | defer PV | lazy rescale | warp specialize | TFLOPS | / 640 |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for a in sweep["attention"]:
+            cfg = " | ".join(str(a["config"].get(k, "-")) for k in keys)
+            rate = f"{a['triton_tflops']:.0f} | {a['fraction_of_flashmla_640']:.0%}" if "triton_tflops" in a else "error | -"
+            lines.append(f"| {cfg} | {rate} |")
     return "\n".join(lines)
 
 
@@ -111,9 +122,16 @@ def layer(doc: dict) -> str:
             lines.append(row)
         if "prefetch" in w:
             pf = w["prefetch"]
-            lines += ["", f"Phase 8 ({pf['repeats']} alternating runs per level, median of {pf['samples_per_level']} layers "
-                      f"each): level 7 {pf['level7_ms']:.3f} ms, level 8 {pf['level8_ms']:.3f} ms per layer; prefetch payload "
-                      f"alone {pf['payload_ms']:.3f} ms; hidden: **{pf['hidden_fraction']:.0%}** of the payload."]
+            lines += ["", f"Phase 8 at {doc['wire_gbps']:g} GB/s ({pf['repeats']} alternating runs per level, median of "
+                      f"{pf['samples_per_level']} layers each): level 7 {pf['level7_ms']:.3f} ms, level 8 {pf['level8_ms']:.3f} ms "
+                      f"per layer; prefetch payload alone {pf['payload_ms']:.3f} ms; hidden by layer difference: "
+                      f"**{pf['hidden_fraction']:.0%}**" + (
+                          f" (paired per repeat: {pf['hidden_fraction_paired']:.0%}); hidden by the stall at the wait "
+                          f"(median {pf['exposed_wait_ms_median'] * 1e3:.0f} us): **{pf['hidden_fraction_direct']:.1%}**"
+                          if "hidden_fraction_paired" in pf else
+                          f"; hidden by the stall at the wait (median {pf['exposed_wait_ms_median'] * 1e3:.0f} us): "
+                          f"**{pf['hidden_fraction_direct']:.1%}**" if pf.get("hidden_fraction_direct") is not None else ""
+                      ) + "."]
     return "\n".join(lines)
 
 

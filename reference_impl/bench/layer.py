@@ -32,7 +32,9 @@ the main stream's stall at each consume (CUDA events on both sides of the wait,
 :meth:`~reference_impl.cp.prefetch.MlaPrefetcher.exposed_wait_ms`), and
 ``hidden_fraction_direct = 1 - median stall / payload_ms``. The stall misses what the side stream
 costs the main stream's kernels by sharing the GPU; the layer difference includes it, but carries
-the run-to-run noise of two medians.
+the run-to-run noise of two medians; ``hidden_fraction_paired`` takes the median over repeats of
+each repeat's level 7 minus level 8 median layer (the two runs of a repeat are back to back), which
+cancels drifts slower than a repeat.
 """
 
 from __future__ import annotations
@@ -179,13 +181,17 @@ def measure(
     if workload.prefix and payload and 7 in by_level:
         layers: dict[int, list[float]] = {7: [], 8: []}
         stalls: list[float] = []
+        paired: list[float] = []  # per repeat: level 7's median layer minus level 8's, same moment
         for _ in range(prefetch_repeats):
+            run_ms = {}
             for level in (7, 8):
                 # The caching allocator keeps its blocks between these runs: a fresh cache makes
                 # the first layers of every run pay for cudaMalloc, noise larger than the payload.
                 timings = _run(base.replace(phases=PhaseSet.level(level)), group_of(), empty_cache=False).timings
                 layers[level] += timings["layer_ms"][1:]
                 stalls += timings["prefetch_wait_ms"][1:]  # layer 0's prefetch has nothing to hide behind
+                run_ms[level] = statistics.median(timings["layer_ms"][1:] or timings["layer_ms"])
+            paired.append(run_ms[7] - run_ms[8])
         ms = {level: statistics.median(t) if t else by_level[level]["layer_ms_median"] for level, t in layers.items()}
         saved = ms[7] - ms[8]
         stall = statistics.median(stalls) if stalls else None
@@ -195,6 +201,7 @@ def measure(
             "level7_layer_ms": layers[7], "level8_layer_ms": layers[8],
             "exposed_wait_ms": stalls, "exposed_wait_ms_median": stall,
             "hidden_fraction_direct": None if stall is None else 1 - stall / payload,
+            "paired_saved_ms": paired, "hidden_fraction_paired": statistics.median(paired) / payload,
         }
     return out
 
