@@ -216,3 +216,13 @@ def test_level7_store_uses_the_paths_the_package_runs(kv_dtype: str, mla_bytes: 
     rows = 16384  # page-aligned blocks of 128 pages: the rank writes the 2 x 8192 rows it computed
     want = rows * (1152 + mla_bytes) / getattr(rates, mla_rate) / 1e6 + rows * (256 + 132) / rates.store_index_fused_gbps / 1e6
     assert terms["store"] == pytest.approx(want, rel=1e-12)
+
+
+def test_built_in_rates_are_copies_of_the_committed_benchmarks() -> None:
+    """``PlannerRates()``'s defaults (used where no JSON is found) stay within 1% of the values
+    ``docs/results`` provides: a benchmark rerun must update both."""
+    from reference_impl.planner.rates import PlannerRates
+
+    measured, built_in = load_rates().values(), PlannerRates().values()
+    drift = {k: (built_in[k], v) for k, v in measured.items() if abs(built_in[k] - v) > 0.01 * abs(v)}
+    assert drift == {}

@@ -55,27 +55,27 @@ class PlannerRates:
     where its value came from (``file: json path``, a built-in copy, or an assumption).
     """
 
-    attention_tflops: float = 235.9  # sparse MLA, one rank of C=8 at 128K
-    indexer_logits_tflops: float = 931.4
-    topk_ms: float = 13.36  # torch.topk of [topk_ref_queries, topk_ref_keys] logits
+    attention_tflops: float = 235.8  # sparse MLA, one rank of C=8 at 128K
+    indexer_logits_tflops: float = 919.5
+    topk_ms: float = 14.43  # torch.topk of [topk_ref_queries, topk_ref_keys] logits
     topk_ref_queries: float = 16384
     topk_ref_keys: float = 131072
-    matmul_tflops: float = 783.7  # bf16 8192^3
-    copy_gbps: float = 4221.1  # device copy, read + write
-    store_mla_fp8_torch_gbps: float = 158.7
-    store_mla_fp8_fused_gbps: float = 2340.6
-    store_mla_bf16_torch_gbps: float = 713.6
-    store_mla_bf16_fused_gbps: float = 3419.3
-    store_index_torch_gbps: float = 123.4
-    store_index_fused_gbps: float = 2653.2
-    rerange_kv_torch_gbps: float = 3298.6
-    rerange_kv_fused_gbps: float = 3705.2
-    rerange_index_torch_gbps: float = 797.9
-    rerange_index_fused_gbps: float = 3075.0
-    materialize_torch_gbps: float = 159.0
-    materialize_fused_gbps: float = 2993.6
-    remap_sort_ms: float = 0.1155  # one sort + searchsorted call over remap_ref_tokens locs
-    remap_page_inverse_ms: float = 0.0464
+    matmul_tflops: float = 802.6  # bf16 8192^3
+    copy_gbps: float = 4221.2  # device copy, read + write
+    store_mla_fp8_torch_gbps: float = 158.0
+    store_mla_fp8_fused_gbps: float = 3637.3
+    store_mla_bf16_torch_gbps: float = 712.1
+    store_mla_bf16_fused_gbps: float = 3398.3
+    store_index_torch_gbps: float = 119.7
+    store_index_fused_gbps: float = 2546.9
+    rerange_kv_torch_gbps: float = 3295.1
+    rerange_kv_fused_gbps: float = 3747.9
+    rerange_index_torch_gbps: float = 802.3
+    rerange_index_fused_gbps: float = 1142.6
+    materialize_torch_gbps: float = 158.6
+    materialize_fused_gbps: float = 3626.9
+    remap_sort_ms: float = 0.2188  # one sort + searchsorted call over remap_ref_tokens locs
+    remap_page_inverse_ms: float = 0.04957
     remap_ref_tokens: float = 131072
     interconnect_gbps: float = 450.0
     sources: dict[str, str] = field(default_factory=dict, compare=False)
