@@ -20,7 +20,8 @@ from pathlib import Path
 from reference_impl.kernels import fused_configs, indexer_triton, sparse_mla_triton
 
 TARGET = Path(fused_configs.__file__)
-ATTENTION_KEYS = ("block_h", "block_k", "num_warps", "num_stages", "defer_pv", "lazy_rescale", "warp_specialize")
+ATTENTION_KEYS = ("block_h", "block_k", "num_warps", "num_stages", "defer_pv", "lazy_rescale", "warp_specialize",
+                  "reload_prev")
 INDEXER_KEYS = ("block_t", "block_s", "num_warps", "num_stages", "dot_dtype")
 
 

@@ -39,11 +39,12 @@ def compute(doc: dict) -> str:
         )
     sweep = doc.get("sweep")
     if sweep:
-        keys = ("block_h", "block_k", "num_warps", "num_stages", "defer_pv", "lazy_rescale", "warp_specialize")
+        keys = ("block_h", "block_k", "num_warps", "num_stages", "defer_pv", "lazy_rescale", "warp_specialize",
+                "reload_prev")
         where = sweep.get("what", f"T = {sweep['T']}")
         lines += ["", f"Sparse MLA launch-config sweep, {where}:", "",
-                  "| BLOCK_H | BLOCK_K | warps | stages | defer PV | lazy rescale | warp specialize | TFLOPS | / 640 |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "| BLOCK_H | BLOCK_K | warps | stages | defer PV | lazy rescale | warp specialize | reload prev | TFLOPS | / 640 |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for a in sweep["attention"]:
             cfg = " | ".join(str(a["config"].get(k, "-")) for k in keys)
             rate = f"{a['triton_tflops']:.0f} | {a['fraction_of_flashmla_640']:.0%}" if "triton_tflops" in a else "error | -"

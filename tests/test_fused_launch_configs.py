@@ -312,7 +312,7 @@ def test_apply_sweep_writes_the_compute_winners_into_the_kernel_defaults(tmp_pat
         copy.write_text(Path(module.__file__).read_text())
         stand_ins.append(SimpleNamespace(__file__=str(copy), GPU_DEFAULT_CONFIG=module.GPU_DEFAULT_CONFIG))
     attn = lambda bk, tf, ok: {  # noqa: E731
-        "config": dict(zip(apply_sweep.ATTENTION_KEYS, (64, bk, 8, 2, False, True, False))), "triton_tflops": tf,
+        "config": dict(zip(apply_sweep.ATTENTION_KEYS, (64, bk, 8, 2, False, True, False, False))), "triton_tflops": tf,
         "check": {"ok": ok},
     }
     idx = lambda bs, ms: {  # noqa: E731
@@ -322,7 +322,7 @@ def test_apply_sweep_writes_the_compute_winners_into_the_kernel_defaults(tmp_pat
     sweep = {"attention": [attn(32, 250.0, True), attn(16, 300.0, False), {"config": {}, "error": "x"}],
              "indexer": [idx(64, 2.0), idx(256, 1.5)]}
     apply_sweep.apply_compute_sweep(sweep, *stand_ins)
-    for stand_in, want in zip(stand_ins, ((64, 32, 8, 2, False, True, False), (64, 256, 4, 3, "fp8"))):
+    for stand_in, want in zip(stand_ins, ((64, 32, 8, 2, False, True, False, False), (64, 256, 4, 3, "fp8"))):
         source = Path(stand_in.__file__).read_text()
         line = next(ln for ln in source.splitlines() if ln.startswith("GPU_DEFAULT_CONFIG"))
         assert eval(line.split("= ", 1)[1]) == want  # the rewritten line's value

@@ -55,20 +55,23 @@ def _attention_case(
 # ---- sparse MLA attention --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("defer_pv", "lazy_rescale"), [(True, False), (False, False), (True, True), (False, True)])
+@pytest.mark.parametrize(
+    ("defer_pv", "lazy_rescale", "reload_prev"),
+    [(True, False, False), (False, False, False), (True, True, False), (False, True, False), (True, False, True)],
+)
 @pytest.mark.parametrize(
     ("dtype", "tol"),
     [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)],
 )
 def test_sparse_mla_matches_reference(
-    mla: object, dtype: torch.dtype, tol: float, defer_pv: bool, lazy_rescale: bool
+    mla: object, dtype: torch.dtype, tol: float, defer_pv: bool, lazy_rescale: bool, reload_prev: bool
 ) -> None:
     gen = torch.Generator().manual_seed(1)
     d_qk, d_v, scale = 192, 128, 192**-0.5
     q, kv, indices = _attention_case(gen, n_tokens=12, n_heads=6, d_qk=d_qk, n_kv=150, topk=40, dtype=dtype)
     # block_k=16 gives three tiles, the last one partial; 6 heads in a 16-head block are masked.
     out, lse = mla.sparse_mla_attention_triton(  # type: ignore[attr-defined]
-        q, kv, indices, scale, d_v, block_k=16, defer_pv=defer_pv, lazy_rescale=lazy_rescale
+        q, kv, indices, scale, d_v, block_k=16, defer_pv=defer_pv, lazy_rescale=lazy_rescale, reload_prev=reload_prev
     )
     ref_out, ref_lse = ref.sparse_mla_attention(q, kv, indices, scale, d_v)
     assert out.shape == (12, 6, d_v) and out.dtype == torch.float32 and lse.shape == (12, 6)
@@ -288,7 +291,7 @@ def test_compute_bench_dry_run_sweeps_at_the_per_rank_shape(tmp_path, monkeypatc
 
     from reference_impl.bench import compute
 
-    monkeypatch.setattr(compute, "ATTN_SWEEP", [(16, 16, 4, 1, True, False, False), (16, 16, 4, 1, False, True, False)])
+    monkeypatch.setattr(compute, "ATTN_SWEEP", [(16, 16, 4, 1, True, False, False, True), (16, 16, 4, 1, False, True, False, False)])
     monkeypatch.setattr(compute, "INDEXER_SWEEP", [(16, 64, 4, 1, "fp8")])
     out = tmp_path / "compute.json"
     assert compute.main(["--out", str(out), "--device", "cpu", "--tokens", "24", "--heads", "4", "--topk", "8",

@@ -41,19 +41,20 @@ from reference_impl.model import sparse_attention as ref
 FLASHMLA_TFLOPS = 640.0
 D_QK, D_V = 576, 512
 
-ATTN_SWEEP: list[tuple[int, int, int, int, bool, bool, bool]] = [
-    # (BLOCK_H, BLOCK_K, num_warps, num_stages, DEFER_PV, LAZY_RESCALE, WARP_SPECIALIZE)
-    (64, 64, 8, 2, False, False, False),
-    (64, 32, 8, 3, True, False, False),
-    (64, 32, 8, 3, True, True, False),
-    (64, 64, 8, 2, False, True, False),
-    (64, 32, 8, 3, False, False, False),
-    (64, 32, 8, 4, False, False, False),
-    (64, 64, 16, 2, False, False, False),
-    (64, 32, 16, 3, False, False, False),
-    (64, 64, 8, 2, False, False, True),
-    (64, 32, 8, 3, False, False, True),
-    (32, 64, 4, 2, False, False, False),
+ATTN_SWEEP: list[tuple[int, int, int, int, bool, bool, bool, bool]] = [
+    # (BLOCK_H, BLOCK_K, num_warps, num_stages, DEFER_PV, LAZY_RESCALE, WARP_SPECIALIZE, RELOAD_PREV)
+    (64, 64, 8, 2, False, False, False, False),
+    (64, 32, 8, 3, True, False, False, False),
+    (64, 32, 8, 3, True, True, False, False),
+    (64, 64, 8, 2, False, True, False, False),
+    (64, 32, 8, 3, False, False, False, False),
+    (64, 64, 16, 2, False, False, False, False),
+    (64, 64, 8, 2, False, False, True, False),
+    (32, 64, 4, 2, False, False, False, False),
+    (64, 64, 8, 2, True, False, False, False),
+    (64, 64, 8, 2, True, False, False, True),
+    (64, 32, 8, 3, True, False, False, True),
+    (64, 64, 8, 1, True, False, False, True),
 ]
 INDEXER_SWEEP: list[tuple[int, int, int, int, str]] = [
     # (BLOCK_T, BLOCK_S, num_warps, num_stages, dot dtype)
@@ -322,10 +323,10 @@ def zigzag_rank0_positions(context: int, cp_size: int) -> torch.Tensor:
 # ---- driver -----------------------------------------------------------------------------------
 
 
-def _attn_config(c: tuple[int, int, int, int, bool, bool, bool]) -> dict[str, Any]:
+def _attn_config(c: tuple[int, int, int, int, bool, bool, bool, bool]) -> dict[str, Any]:
     return {
         "block_h": c[0], "block_k": c[1], "num_warps": c[2], "num_stages": c[3], "defer_pv": c[4], "lazy_rescale": c[5],
-        "warp_specialize": c[6],
+        "warp_specialize": c[6], "reload_prev": c[7],
     }
 
 

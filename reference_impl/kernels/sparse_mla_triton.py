@@ -30,7 +30,10 @@ Three switches, each measured at the per-rank shape by ``python -m reference_imp
   grew by more than ``RESCALE_THRESHOLD_LOG2`` (FlashAttention-4's trick). Exact, and slower on the
   H200 by 15-35%: the scalar branch around the accumulator stops Triton pipelining the products.
 * ``WARP_SPECIALIZE`` asks Triton to split the loop into producer and consumer warps
-  (``tl.range(..., warp_specialize=True)``).
+  (``tl.range(..., warp_specialize=True)``): no change on the H200.
+* ``RELOAD_PREV`` (with ``DEFER_PV``) carries only the previous tile's row numbers and gathers its
+  latent rows again for the deferred product, trading an L2 read for the registers that held
+  them, so that 64-key tiles fit.
 
 The KV gathers are software-pipelined by Triton (``num_stages``) into shared memory.
 
@@ -50,9 +53,10 @@ import triton.language as tl
 
 LOG2E = math.log2(math.e)
 
-# (BLOCK_H, BLOCK_K, num_warps, num_stages, DEFER_PV, LAZY_RESCALE, WARP_SPECIALIZE) used on GPU
-# unless the caller overrides them; scripts/apply_sweep.py writes the compute benchmark's winner here.
-GPU_DEFAULT_CONFIG: tuple[int, int, int, int, bool, bool, bool] = (64, 64, 8, 2, False, False, False)
+# (BLOCK_H, BLOCK_K, num_warps, num_stages, DEFER_PV, LAZY_RESCALE, WARP_SPECIALIZE, RELOAD_PREV)
+# used on GPU unless the caller overrides them; scripts/apply_sweep.py writes the compute
+# benchmark's winner here.
+GPU_DEFAULT_CONFIG: tuple[int, int, int, int, bool, bool, bool, bool] = (64, 64, 8, 2, False, False, False, False)
 
 # LAZY_RESCALE keeps a stale running max until some row's max grows by more than this (log2 units:
 # probabilities stay below 2**8 = 256, far inside bf16 and fp32 range).
@@ -74,6 +78,15 @@ def _pv_update(acc, p, kv, alpha, rescale, IEEE: tl.constexpr, LAZY_RESCALE: tl.
     if IEEE:
         return tl.dot(p, kv, acc=acc, input_precision="ieee")
     return tl.dot(p, kv, acc=acc)
+
+
+@triton.jit
+def _load_latent(kv_ptr, rows, valid, offs_v, v_mask, stride_kv, UPCAST: tl.constexpr):
+    """The latent part ``[BLOCK_K, d_v]`` of the KV rows ``rows`` (zeros where not ``valid``)."""
+    kv = tl.load(kv_ptr + rows[:, None] * stride_kv + offs_v[None, :], mask=valid[:, None] & v_mask[None, :], other=0.0)
+    if UPCAST:
+        kv = kv.to(tl.float32)
+    return kv
 
 
 @triton.jit
@@ -105,6 +118,7 @@ def _sparse_mla_fwd_kernel(
     LAZY_RESCALE: tl.constexpr,
     RESCALE_LOG2: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
+    RELOAD_PREV: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
 ):
@@ -135,9 +149,16 @@ def _sparse_mla_fwd_kernel(
         rescale_prev = tl.full([], 0, dtype=tl.int32)
         if UPCAST:
             p_prev = tl.zeros([BLOCK_H, BLOCK_K], dtype=tl.float32)
-            kv_prev = tl.zeros([BLOCK_K, BLOCK_DV], dtype=tl.float32)
         else:
             p_prev = tl.zeros([BLOCK_H, BLOCK_K], dtype=kv_ptr.dtype.element_ty)
+        if RELOAD_PREV:
+            # Carry the previous tile's row numbers, not its [BLOCK_K, d_v] rows: they are
+            # gathered again (an L2 hit) for the deferred product, freeing the registers.
+            rows_prev = tl.zeros([BLOCK_K], dtype=tl.int64)
+            valid_prev = offs_kk < 0
+        elif UPCAST:
+            kv_prev = tl.zeros([BLOCK_K, BLOCK_DV], dtype=tl.float32)
+        else:
             kv_prev = tl.zeros([BLOCK_K, BLOCK_DV], dtype=kv_ptr.dtype.element_ty)
 
     idx_row = idx_ptr + token * stride_it
@@ -153,6 +174,8 @@ def _sparse_mla_fwd_kernel(
             kv_nope = kv_nope.to(tl.float32)
             kv_rope = kv_rope.to(tl.float32)
         if DEFER_PV:
+            if RELOAD_PREV:
+                kv_prev = _load_latent(kv_ptr, rows_prev, valid_prev, offs_v, v_mask, stride_kv, UPCAST)
             acc = _pv_update(acc, p_prev, kv_prev, alpha_prev, rescale_prev, IEEE, LAZY_RESCALE)
 
         # Two independent products, each scaled, then summed. Accumulating one into the other
@@ -189,12 +212,18 @@ def _sparse_mla_fwd_kernel(
             # from the score product to the value product, the score product is split across the
             # warp groups along the keys instead of being repeated in each.
             p_prev = p.to(kv_nope.dtype)
-            kv_prev = kv_nope
+            if RELOAD_PREV:
+                rows_prev = tl.where(valid, idx, 0).to(tl.int64)
+                valid_prev = valid
+            else:
+                kv_prev = kv_nope
             alpha_prev = alpha
             rescale_prev = rescale
         else:
             acc = _pv_update(acc, p.to(kv_nope.dtype), kv_nope, alpha, rescale, IEEE, LAZY_RESCALE)
     if DEFER_PV:
+        if RELOAD_PREV:
+            kv_prev = _load_latent(kv_ptr, rows_prev, valid_prev, offs_v, v_mask, stride_kv, UPCAST)
         acc = _pv_update(acc, p_prev, kv_prev, alpha_prev, rescale_prev, IEEE, LAZY_RESCALE)
 
     has_any = l_i > 0.0
@@ -225,12 +254,13 @@ def sparse_mla_attention_triton(
     defer_pv: bool | None = None,
     lazy_rescale: bool | None = None,
     warp_specialize: bool | None = None,
+    reload_prev: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA attention with the Triton kernel -> (out [T, H, d_v] ``out_dtype``, lse [T, H] f32).
 
     Same semantics as the torch reference (see the module docstring). ``block_*``, ``num_*`` and
-    ``defer_pv`` / ``lazy_rescale`` / ``warp_specialize`` override the launch configuration
-    (benchmark sweeps); ``None`` picks the defaults.
+    ``defer_pv`` / ``lazy_rescale`` / ``warp_specialize`` / ``reload_prev`` override the launch
+    configuration (benchmark sweeps); ``None`` picks the defaults.
     """
     if q.dim() != 3 or kv.dim() != 2 or indices.dim() != 2:
         raise ValueError(
@@ -261,8 +291,8 @@ def sparse_mla_attention_triton(
     if n_tokens == 0 or n_heads == 0:
         return out, lse
 
-    dflt_h, dflt_k, dflt_warps, dflt_stages, dflt_defer, dflt_lazy, dflt_ws = (
-        GPU_DEFAULT_CONFIG if on_gpu else (64, 64, 4, 1, True, False, False)
+    dflt_h, dflt_k, dflt_warps, dflt_stages, dflt_defer, dflt_lazy, dflt_ws, dflt_reload = (
+        GPU_DEFAULT_CONFIG if on_gpu else (64, 64, 4, 1, True, False, False, False)
     )
     block_h = block_h or min(dflt_h, _pow2_at_least_16(n_heads))
     block_k = block_k or min(dflt_k, _pow2_at_least_16(topk))
@@ -295,6 +325,7 @@ def sparse_mla_attention_triton(
         LAZY_RESCALE=dflt_lazy if lazy_rescale is None else lazy_rescale,
         RESCALE_LOG2=RESCALE_THRESHOLD_LOG2,
         WARP_SPECIALIZE=on_gpu and (dflt_ws if warp_specialize is None else warp_specialize),
+        RELOAD_PREV=dflt_reload if reload_prev is None else reload_prev,
         UPCAST=not on_gpu,
         IEEE=on_gpu and q.dtype == torch.float32,
         num_warps=num_warps or dflt_warps,
