@@ -321,8 +321,19 @@ def test_apply_sweep_writes_the_compute_winners_into_the_kernel_defaults(tmp_pat
     }
     sweep = {"attention": [attn(32, 250.0, True), attn(16, 300.0, False), {"config": {}, "error": "x"}],
              "indexer": [idx(64, 2.0), idx(256, 1.5)]}
-    apply_sweep.apply_compute_sweep(sweep, *stand_ins)
-    for stand_in, want in zip(stand_ins, ((64, 32, 8, 2, False, True, False, False), (64, 256, 4, 3, "fp8"))):
+    def written(stand_in: SimpleNamespace) -> object:
         source = Path(stand_in.__file__).read_text()
         line = next(ln for ln in source.splitlines() if ln.startswith("GPU_DEFAULT_CONFIG"))
-        assert eval(line.split("= ", 1)[1]) == want  # the rewritten line's value
+        return eval(line.split("= ", 1)[1])  # the rewritten line's value
+
+    apply_sweep.apply_compute_sweep(sweep, *stand_ins)
+    for stand_in, want in zip(stand_ins, ((64, 32, 8, 2, False, True, False, False), (64, 256, 4, 3, "fp8"))):
+        assert written(stand_in) == want
+    # A winner within 1% of the current default's rate (noise) leaves the default alone.
+    stand_ins[0].GPU_DEFAULT_CONFIG = written(stand_ins[0])
+    sweep["attention"] = [attn(32, 250.0, True), attn(64, 252.0, True)]
+    apply_sweep.apply_compute_sweep(sweep, *stand_ins)
+    assert written(stand_ins[0]) == (64, 32, 8, 2, False, True, False, False)
+    sweep["attention"] = [attn(32, 250.0, True), attn(64, 260.0, True)]
+    apply_sweep.apply_compute_sweep(sweep, *stand_ins)
+    assert written(stand_ins[0]) == (64, 64, 8, 2, False, True, False, False)

@@ -17,15 +17,15 @@ global memory) and reuses them for every head of the block, which turns the work
 products per tile, ``[BLOCK_H, D_qk] x [D_qk, BLOCK_K]`` then ``[BLOCK_H, BLOCK_K] x [BLOCK_K, d_v]``,
 with an online softmax in base 2 (scores pre-multiplied by ``scale * log2(e)``) between them.
 
-Three switches, each measured at the per-rank shape by ``python -m reference_impl.bench.compute
---sweep`` (``docs/results/compute_bench.json``); the GPU default is the sweep's winner:
+Four switches, each measured at the per-rank shape by ``python -m reference_impl.bench.compute
+--sweep`` (``docs/results/compute_bench.json``); the GPU default is the sweep's winner (all off):
 
 * ``DEFER_PV`` performs each tile's value product one iteration late. Triton lays a product whose
   result feeds another product in the same iteration out over the M axis only; with
   ``BLOCK_H = 64`` (one warp group tall) and 8 warps that repeats the score product in both warp
   groups. Deferred, the score product is split across the warp groups along the keys and the value
-  product along ``d_v``; the price is the previous tile's latent rows held in registers. It wins
-  with ``BLOCK_K = 32`` and loses overall on the H200: ``BLOCK_K = 64`` undeferred is faster.
+  product along ``d_v``; the price is the previous tile's latent rows held in registers. On the
+  H200 it loses: 200 TFLOPS with ``BLOCK_K = 32``, 178 with 64, against 234 undeferred at 64.
 * ``LAZY_RESCALE`` skips the ``[BLOCK_H, d_v]`` rescale of the accumulator unless some row's max
   grew by more than ``RESCALE_THRESHOLD_LOG2`` (FlashAttention-4's trick). Exact, and slower on the
   H200 by 15-35%: the scalar branch around the accumulator stops Triton pipelining the products.
@@ -33,7 +33,8 @@ Three switches, each measured at the per-rank shape by ``python -m reference_imp
   (``tl.range(..., warp_specialize=True)``): no change on the H200.
 * ``RELOAD_PREV`` (with ``DEFER_PV``) carries only the previous tile's row numbers and gathers its
   latent rows again for the deferred product, trading an L2 read for the registers that held
-  them, so that 64-key tiles fit.
+  them. No gain on the H200 (199 TFLOPS at ``BLOCK_K = 32``; 64-key tiles need more shared
+  memory than the SM has with two stages).
 
 The KV gathers are software-pipelined by Triton (``num_stages``) into shared memory.
 

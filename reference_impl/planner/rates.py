@@ -55,12 +55,12 @@ class PlannerRates:
     where its value came from (``file: json path``, a built-in copy, or an assumption).
     """
 
-    attention_tflops: float = 235.8  # sparse MLA, one rank of C=8 at 128K
-    indexer_logits_tflops: float = 919.5
-    topk_ms: float = 14.43  # torch.topk of [topk_ref_queries, topk_ref_keys] logits
+    attention_tflops: float = 237.4  # sparse MLA, one rank of C=8 at 128K
+    indexer_logits_tflops: float = 903.7
+    topk_ms: float = 13.35  # torch.topk of [topk_ref_queries, topk_ref_keys] logits
     topk_ref_queries: float = 16384
     topk_ref_keys: float = 131072
-    matmul_tflops: float = 802.6  # bf16 8192^3
+    matmul_tflops: float = 785.2  # bf16 8192^3
     copy_gbps: float = 4221.2  # device copy, read + write
     store_mla_fp8_torch_gbps: float = 158.0
     store_mla_fp8_fused_gbps: float = 3637.3
