@@ -6,8 +6,10 @@
 A kernels sweep rewrites the ``GPU_CONFIGS`` table of ``kernels/fused_configs.py``: each swept
 kernel's ``best`` config replaces its entry (only candidates whose bytes equal the torch path's can
 be ``best``); unswept kernels keep theirs. A compute sweep rewrites ``GPU_DEFAULT_CONFIG`` of
-``kernels/sparse_mla_triton.py`` (the fastest config that passed its reference check) and of
-``kernels/indexer_triton.py`` (the fastest logits). Prints what changed.
+``kernels/sparse_mla_triton.py`` and ``kernels/indexer_triton.py`` with the configs
+:func:`~reference_impl.bench.compute_sweep.pick_attention` / ``pick_indexer`` choose (the fastest
+that passed its reference check; the current default stays unless beaten by more than 1%).
+Prints what changed.
 """
 
 from __future__ import annotations
@@ -17,14 +19,10 @@ import re
 import sys
 from pathlib import Path
 
+from reference_impl.bench import compute_sweep
 from reference_impl.kernels import fused_configs, indexer_triton, sparse_mla_triton
 
 TARGET = Path(fused_configs.__file__)
-ATTENTION_KEYS = ("block_h", "block_k", "num_warps", "num_stages", "defer_pv", "lazy_rescale", "warp_specialize",
-                  "reload_prev")
-MIN_GAIN = 0.01  # a compute-sweep winner replaces the current default only if faster by more than this
-INDEXER_KEYS = ("block_t", "block_s", "num_warps", "num_stages", "dot_dtype")
-
 
 def render(configs: dict[str, dict[str, int | bool]]) -> str:
     lines = ["GPU_CONFIGS: dict[str, LaunchConfig] = {"]
@@ -50,20 +48,8 @@ def apply_compute_sweep(
 ) -> None:
     """The compute benchmark's winners become the attention and indexer GPU defaults (the modules'
     source files are rewritten; tests pass stand-ins)."""
-    attention = [r for r in sweep["attention"] if "error" not in r and r["check"]["ok"]]  # type: ignore[index]
-    indexer = [r for r in sweep["indexer"] if "error" not in r and r["check"]["ok"]]  # type: ignore[index]
-    if attention:
-        # Options a sweep predates keep their off value.
-        as_tuple = lambda row: tuple(row["config"].get(k, False) for k in ATTENTION_KEYS)  # noqa: E731
-        best = max(attention, key=lambda r: r["triton_tflops"])  # type: ignore[arg-type,return-value]
-        current = [r for r in attention if as_tuple(r) == tuple(attention_module.GPU_DEFAULT_CONFIG)]  # type: ignore[attr-defined]
-        # The default changes only for a win beyond the run-to-run noise of the sweep (~1%).
-        if current and best["triton_tflops"] <= current[0]["triton_tflops"] * (1 + MIN_GAIN):  # type: ignore[operator]
-            best = current[0]
-        _set_default(attention_module, as_tuple(best))
-    if indexer:
-        best = min(indexer, key=lambda r: r["triton_logits_ms"])["config"]  # type: ignore[arg-type,return-value]
-        _set_default(indexer_module, tuple(best[k] for k in INDEXER_KEYS))  # type: ignore[index]
+    _set_default(attention_module, compute_sweep.pick_attention(sweep["attention"], attention_module.GPU_DEFAULT_CONFIG))  # type: ignore[attr-defined]
+    _set_default(indexer_module, compute_sweep.pick_indexer(sweep["indexer"], indexer_module.GPU_DEFAULT_CONFIG))  # type: ignore[attr-defined]
 
 
 def main(path: str) -> None:

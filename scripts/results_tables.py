@@ -43,7 +43,8 @@ def compute(doc: dict) -> str:
                 "reload_prev")
         where = sweep.get("what", f"T = {sweep['T']}")
         lines += ["", f"Sparse MLA launch-config sweep, {where}:", "",
-                  "| BLOCK_H | BLOCK_K | warps | stages | defer PV | lazy rescale | warp specialize | reload prev | TFLOPS | / 640 |",
+                  "| BLOCK_H | BLOCK_K | warps | stages | defer PV | lazy rescale | warp specialize | reload prev "
+                  "| TFLOPS | / 640 |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for a in sweep["attention"]:
             cfg = " | ".join(str(a["config"].get(k, "-")) for k in keys)

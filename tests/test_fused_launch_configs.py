@@ -300,6 +300,7 @@ def test_apply_sweep_writes_the_compute_winners_into_the_kernel_defaults(tmp_pat
     from pathlib import Path
     from types import SimpleNamespace
 
+    from reference_impl.bench import compute_sweep
     from reference_impl.kernels import indexer_triton, sparse_mla_triton
 
     script = Path(__file__).resolve().parent.parent / "scripts" / "apply_sweep.py"
@@ -312,11 +313,11 @@ def test_apply_sweep_writes_the_compute_winners_into_the_kernel_defaults(tmp_pat
         copy.write_text(Path(module.__file__).read_text())
         stand_ins.append(SimpleNamespace(__file__=str(copy), GPU_DEFAULT_CONFIG=module.GPU_DEFAULT_CONFIG))
     attn = lambda bk, tf, ok: {  # noqa: E731
-        "config": dict(zip(apply_sweep.ATTENTION_KEYS, (64, bk, 8, 2, False, True, False, False))), "triton_tflops": tf,
+        "config": dict(zip(compute_sweep.ATTENTION_KEYS, (64, bk, 8, 2, False, True, False, False))), "triton_tflops": tf,
         "check": {"ok": ok},
     }
     idx = lambda bs, ms: {  # noqa: E731
-        "config": dict(zip(apply_sweep.INDEXER_KEYS, (64, bs, 4, 3, "fp8"))), "triton_logits_ms": ms,
+        "config": dict(zip(compute_sweep.INDEXER_KEYS, (64, bs, 4, 3, "fp8"))), "triton_logits_ms": ms,
         "check": {"ok": True},
     }
     sweep = {"attention": [attn(32, 250.0, True), attn(16, 300.0, False), {"config": {}, "error": "x"}],

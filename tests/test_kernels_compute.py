@@ -285,14 +285,13 @@ def test_compute_bench_dry_run_sweeps_at_the_per_rank_shape(tmp_path, monkeypatc
     """``bench.compute --sweep`` on CPU (interpreter, toy sizes): every section checks against the
     torch reference, the sweep runs at the per-rank shape, and its rows carry every config key
     that ``scripts/apply_sweep.py`` writes into the kernel default."""
-    import importlib.util
     import json
-    from pathlib import Path
 
-    from reference_impl.bench import compute
+    from reference_impl.bench import compute, compute_sweep
 
-    monkeypatch.setattr(compute, "ATTN_SWEEP", [(16, 16, 4, 1, True, False, False, True), (16, 16, 4, 1, False, True, False, False)])
-    monkeypatch.setattr(compute, "INDEXER_SWEEP", [(16, 64, 4, 1, "fp8")])
+    candidates = [(16, 16, 4, 1, True, False, False, True), (16, 16, 4, 1, False, True, False, False)]
+    monkeypatch.setattr(compute_sweep, "ATTN_SWEEP", candidates)
+    monkeypatch.setattr(compute_sweep, "INDEXER_SWEEP", [(16, 64, 4, 1, "fp8")])
     out = tmp_path / "compute.json"
     assert compute.main(["--out", str(out), "--device", "cpu", "--tokens", "24", "--heads", "4", "--topk", "8",
                          "--index-heads", "2", "--cp-context", "48", "--cp-size", "2", "--check-rows", "6"]
@@ -300,8 +299,4 @@ def test_compute_bench_dry_run_sweeps_at_the_per_rank_shape(tmp_path, monkeypatc
     doc = json.loads(out.read_text())
     assert doc["sweep"]["S"] == 48 and doc["sweep"]["T"] == doc["per_rank"]["attention"]["T"] == 24
     assert all(row["check"]["ok"] for row in doc["sweep"]["attention"] + doc["attention"] + doc["indexer"])
-    script = Path(__file__).resolve().parent.parent / "scripts" / "apply_sweep.py"
-    spec = importlib.util.spec_from_file_location("apply_sweep", script)
-    apply_sweep = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(apply_sweep)  # type: ignore[union-attr]
-    assert set(apply_sweep.ATTENTION_KEYS) == set(doc["sweep"]["attention"][0]["config"])
+    assert set(compute_sweep.ATTENTION_KEYS) == set(doc["sweep"]["attention"][0]["config"])

@@ -41,26 +41,6 @@ from reference_impl.model import sparse_attention as ref
 FLASHMLA_TFLOPS = 640.0
 D_QK, D_V = 576, 512
 
-ATTN_SWEEP: list[tuple[int, int, int, int, bool, bool, bool, bool]] = [
-    # (BLOCK_H, BLOCK_K, num_warps, num_stages, DEFER_PV, LAZY_RESCALE, WARP_SPECIALIZE, RELOAD_PREV)
-    (64, 64, 8, 2, False, False, False, False),
-    (64, 32, 8, 3, True, False, False, False),
-    (64, 32, 8, 3, True, True, False, False),
-    (64, 64, 8, 2, False, True, False, False),
-    (64, 32, 8, 3, False, False, False, False),
-    (64, 64, 16, 2, False, False, False, False),
-    (64, 64, 8, 2, False, False, True, False),
-    (32, 64, 4, 2, False, False, False, False),
-    (64, 64, 8, 2, True, False, False, False),
-    (64, 64, 8, 2, True, False, False, True),
-    (64, 32, 8, 3, True, False, False, True),
-    (64, 64, 8, 1, True, False, False, True),
-]
-INDEXER_SWEEP: list[tuple[int, int, int, int, str]] = [
-    # (BLOCK_T, BLOCK_S, num_warps, num_stages, dot dtype)
-    (64, 128, 4, 3, "fp8"),
-    (128, 128, 8, 3, "bf16"),
-]
 
 
 def _time(fn: Callable[[], object], slow_ms: float) -> tuple[float, str]:
@@ -323,17 +303,6 @@ def zigzag_rank0_positions(context: int, cp_size: int) -> torch.Tensor:
 # ---- driver -----------------------------------------------------------------------------------
 
 
-def _attn_config(c: tuple[int, int, int, int, bool, bool, bool, bool]) -> dict[str, Any]:
-    return {
-        "block_h": c[0], "block_k": c[1], "num_warps": c[2], "num_stages": c[3], "defer_pv": c[4], "lazy_rescale": c[5],
-        "warp_specialize": c[6], "reload_prev": c[7],
-    }
-
-
-def _idx_config(c: tuple[int, int, int, int, str]) -> dict[str, Any]:
-    return {"block_t": c[0], "block_s": c[1], "num_warps": c[2], "num_stages": c[3], "dot_dtype": c[4]}
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="JSON file to write")
@@ -359,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"  # dry run of the script's logic at toy sizes
     import triton
 
+    from reference_impl.bench import compute_sweep
     from reference_impl.kernels import indexer_triton, sparse_mla_triton
 
     torch.manual_seed(args.seed)
@@ -399,39 +369,25 @@ def main(argv: list[str] | None = None) -> int:
         result["dispatch_smoke"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
     save()
     tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
-    attn_cfg = _attn_config(sparse_mla_triton.GPU_DEFAULT_CONFIG)
-    idx_cfg = _idx_config(indexer_triton.GPU_DEFAULT_CONFIG)
+    attn_cfg = compute_sweep.attention_config(sparse_mla_triton.GPU_DEFAULT_CONFIG)
+    idx_cfg = compute_sweep.indexer_config(indexer_triton.GPU_DEFAULT_CONFIG)
 
     if args.sweep:
         # At the per-rank shape, the one the engine runs: rank 0's zigzag queries against the whole request.
         pos = zigzag_rank0_positions(args.cp_context, args.cp_size)
         t0 = args.cp_context
         no_torch = argparse.Namespace(**{**vars(args), "torch_max_tokens": 0})
-        sweep_a, sweep_i = [], []
-        for c in ATTN_SWEEP:
-            try:
-                sweep_a.append(bench_attention(pos, t0, no_torch, _attn_config(c), gen))
-            except Exception as exc:  # a config that fails to compile or run is recorded, not fatal
-                sweep_a.append({"config": _attn_config(c), "error": f"{type(exc).__name__}: {exc}"[:500]})
-            last = sweep_a[-1]
-            print("sweep attention", last.get("config"), last.get("triton_tflops"), last.get("error", ""), flush=True)
-        for c in INDEXER_SWEEP:
-            try:
-                sweep_i.append(bench_indexer(pos, t0, no_torch, _idx_config(c), gen))
-            except Exception as exc:
-                sweep_i.append({"config": _idx_config(c), "error": f"{type(exc).__name__}: {exc}"[:500]})
-            last = sweep_i[-1]
-            print("sweep indexer", last.get("config"), last.get("triton_logits_ms"), last.get("error", ""), flush=True)
+        sweep_a, sweep_i = compute_sweep.run_sweep(
+            lambda config: bench_attention(pos, t0, no_torch, config, gen),
+            lambda config: bench_indexer(pos, t0, no_torch, config, gen),
+        )
         result["sweep"] = {
             "T": int(pos.numel()), "S": t0, "what": f"rank 0 of C={args.cp_size} over {t0} keys (the per-rank shape)",
             "attention": sweep_a, "indexer": sweep_i,
         }
-        good_a = [r for r in sweep_a if "error" not in r and r["check"]["ok"]]
-        good_i = [r for r in sweep_i if "error" not in r and r["check"]["ok"]]
-        if good_a:
-            attn_cfg = max(good_a, key=lambda r: r["triton_tflops"])["config"]
-        if good_i:
-            idx_cfg = min(good_i, key=lambda r: r["triton_logits_ms"])["config"]
+        # The rows below run the configs the engine will (scripts/apply_sweep.py applies the same pick).
+        attn_cfg = compute_sweep.attention_config(compute_sweep.pick_attention(sweep_a, sparse_mla_triton.GPU_DEFAULT_CONFIG))
+        idx_cfg = compute_sweep.indexer_config(compute_sweep.pick_indexer(sweep_i, indexer_triton.GPU_DEFAULT_CONFIG))
         save()
 
     def guarded(fn: Callable[..., dict[str, Any]], *fn_args: Any) -> dict[str, Any]:
