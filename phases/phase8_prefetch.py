@@ -143,6 +143,11 @@ else:
 # measured kernel rates with the interconnect at the same 450 GB/s, and its KV bytes from the
 # layouts. The errors are `predicted / measured - 1`. The 131,072-token run of the same harness
 # is on the [benchmarks page](../benchmarks.md) (`docs/results/layer_bench.json`).
+#
+# The committed outputs below were printed by the planner of their day, before it gained its
+# elementwise term (`planner.elementwise`, 0.96 us per local token): rerun here it predicts about
+# 3.9 ms more per layer at 32,768 tokens. The benchmarks page re-evaluates the current planner on
+# stored runs (`python -m reference_impl.bench.layer --replan`): -5% to -7% at this size.
 
 # %%
 if ON_GPU:

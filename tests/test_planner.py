@@ -95,6 +95,7 @@ def test_compute_terms_equal_the_hand_formula() -> None:
     assert terms["projections"] == pytest.approx(2 * t_local * 201_064_448 / 500e12 * 1e3, rel=1e-12)
     assert terms["allgather1"] == pytest.approx(7 * t_local * 1408 / 400e9 * 1e3, rel=1e-12)
     assert terms["materialize_comm"] == 0.0 and terms["remap"] == 0.0  # replicated
+    assert terms["elementwise"] == pytest.approx(t_local * rates.elementwise_us_per_token / 1e3, rel=1e-12)
 
 
 @pytest.mark.skipif(not (RESULTS_DIR / "compute_bench.json").is_file(), reason="needs docs/results")
@@ -226,3 +227,54 @@ def test_built_in_rates_are_copies_of_the_committed_benchmarks() -> None:
     measured, built_in = load_rates().values(), PlannerRates().values()
     drift = {k: (built_in[k], v) for k, v in measured.items() if abs(built_in[k] - v) > 0.01 * abs(v)}
     assert drift == {}
+
+
+def _profile(extend: int, kernels: dict[str, float], layers: int = 2) -> dict:
+    """A ``profile_layer.py --json`` document: rank 0 of C=8, level 7, current-only."""
+    return {"args": {"level": 7, "prefix": 0, "extend": extend, "cp_size": 8, "rank": 0, "layers": layers},
+            "ops": [{"name": name, "count": 1, "device_ms": ms} for name, ms in kernels.items()]}
+
+
+def test_elementwise_rate_is_the_slope_of_the_unmodeled_kernels() -> None:
+    """Kernels of modeled terms (and the run's initialization) are sorted out by name; the rest
+    per layer, against T_local, gives the rate, and a size-independent part drops out."""
+    from reference_impl.planner.elementwise import categorize, elementwise_rate, per_layer_ms
+
+    assert categorize("_sparse_mla_fwd_kernel") == "attention"
+    assert categorize("void at::native::mbtopk::gatherTopK<float>") == "indexer_topk"
+    assert categorize("nvjet_sm90_tst_192x192") == "projections"
+    assert categorize("_store_mla_fp8_kernel") == "data_movement"
+    assert categorize("void at::native::vectorized_elementwise_kernel<8, bfloat16_copy>") == "elementwise"
+    fixed = 3.0  # per layer, whatever the size: must not reach the rate
+    small = _profile(32768, {"_sparse_mla_fwd_kernel": 20.0, "rms_norm": 2 * (fixed + 4096 * 1.5e-3)})
+    large = _profile(131072, {"_sparse_mla_fwd_kernel": 80.0, "rms_norm": 2 * (fixed + 16384 * 1.5e-3),
+                              "distribution_elementwise_grid_stride_kernel": 7.0})
+    assert per_layer_ms(large)["init"] == pytest.approx(3.5)
+    rate = elementwise_rate([large, small])
+    assert rate["elementwise_us_per_token"] == pytest.approx(1.5)
+    assert [p["T_local"] for p in rate["points"]] == [4096, 16384]
+    with pytest.raises(ValueError, match="two different"):
+        elementwise_rate([small, small])
+    with pytest.raises(ValueError, match="current-only"):
+        elementwise_rate([small, {**large, "args": {**large["args"], "prefix": 64}}])
+
+
+def test_replan_recomputes_only_the_planner_columns(tmp_path: Path) -> None:
+    """``bench.layer --replan``: measured fields stay, the planner's are the current planner's."""
+    from reference_impl.bench.layer import main as layer_main
+    from reference_impl.bench.layer import planner_point
+
+    out = tmp_path / "layer.json"
+    layer_main(["--out", str(out), "--device", "cpu", "--preset", "tiny", "--cp-size", "2", "--levels", "0,7",
+                "--workloads", "current-only:0+256", "--layers", "1"])
+    doc = json.loads(out.read_text())
+    point = doc["workloads"][0]["levels"][1]
+    point["planner"]["layer_ms"] = -1.0  # as if an older planner had predicted something else
+    out.write_text(json.dumps(doc))
+    assert layer_main(["--replan", str(out)]) == 0
+    again = json.loads(out.read_text())
+    fresh = again["workloads"][0]["levels"][1]
+    run = RunConfig(preset="tiny", n_layers=1, cp_size=2, check=False, device="cpu", requests=(Request(0, 256),),
+                    phases=PhaseSet.level(7))
+    assert fresh["planner"]["layer_ms"] == pytest.approx(planner_point(run, 0, 7, None)["layer_ms"])
+    assert fresh["layer_ms"] == point["layer_ms"] and "planner_replanned" in again

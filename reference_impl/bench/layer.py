@@ -5,6 +5,7 @@ Usage::
     python -m reference_impl.bench.layer --out FILE.json [--cp-size 8] [--rank 0] [--levels 0-8]
         [--workloads current-only:0+131072,prefix-heavy:65536+8192] [--layers 4] [--wire-gbps 450]
     python -m reference_impl.bench.layer --out dry.json --device cpu --preset tiny   # CPU dry run
+    python -m reference_impl.bench.layer --replan docs/results/layer_bench.json     # re-check the planner
 
 **How CP runs here.** One process plays rank ``--rank`` of ``--cp-size`` through
 :class:`~reference_impl.cp.loopback.LoopbackGroup`: the rank launches exactly what it launches in
@@ -136,6 +137,36 @@ def planner_point(run: RunConfig, rank: int, level: int, wire_gbps: float | None
     }
 
 
+def _planner_fields(point: dict[str, Any], run: RunConfig, rank: int, wire_gbps: float | None) -> None:
+    """Put the planner's prediction for ``point``'s level and its relative errors into ``point``."""
+    predicted = planner_point(run, rank, point["level"], wire_gbps)
+    point["planner"] = predicted
+    point["planner_error"] = {
+        "layer_ms": predicted["layer_ms"] / point["layer_ms_median"] - 1,
+        "kv_bytes": predicted["kv_bytes"] / point["kv_bytes"] - 1,
+        "transient_bytes": predicted["transient_bytes"] / point["transient_peak_bytes"] - 1,
+    }
+    if point.get("measured_peak_bytes"):
+        point["planner_error"]["peak_bytes"] = predicted["peak_bytes"] / point["measured_peak_bytes"] - 1
+
+
+def replan(doc: dict[str, Any]) -> dict[str, Any]:
+    """Re-evaluate the current planner against a stored run's measurements (pure arithmetic: no
+    device needed). The measured fields are untouched; ``planner`` / ``planner_error`` are replaced
+    and ``planner_replanned`` records that they no longer come from the measuring run."""
+    for w in doc["workloads"]:
+        wl = w["workload"]
+        if wl["prefix"]:
+            continue  # the planner's scenario is current-only
+        for point in w["levels"]:
+            run = RunConfig(preset=doc["preset"], n_layers=doc["n_layers"], cp_size=doc["cp_size"], check=False,
+                            device="cpu", requests=(Request(0, wl["extend"]),), phases=PhaseSet.level(point["level"]))
+            _planner_fields(point, run, doc["rank"], doc["wire_gbps"])
+    doc["planner_replanned"] = "planner fields recomputed by `python -m reference_impl.bench.layer --replan` " \
+        "with the planner and rates of the working tree; measurements unchanged"
+    return doc
+
+
 def measure(
     preset: str, workload: Workload, levels: list[int], cp_size: int, rank: int, n_layers: int,
     device: str, wire_gbps: float | None, prefetch_repeats: int = 6,
@@ -162,15 +193,7 @@ def measure(
             "measured_peak_bytes": stats.get("measured_peak_bytes"),
         }
         if workload.prefix == 0:
-            predicted = planner_point(run, rank, level, wire_gbps)
-            point["planner"] = predicted
-            point["planner_error"] = {
-                "layer_ms": predicted["layer_ms"] / point["layer_ms_median"] - 1,
-                "kv_bytes": predicted["kv_bytes"] / point["kv_bytes"] - 1,
-                "transient_bytes": predicted["transient_bytes"] / point["transient_peak_bytes"] - 1,
-            }
-            if point["measured_peak_bytes"]:
-                point["planner_error"]["peak_bytes"] = predicted["peak_bytes"] / point["measured_peak_bytes"] - 1
+            _planner_fields(point, run, rank, wire_gbps)
         if level == 8 and isinstance(result.store, ShardedKV):
             point["prefetch_payload_ms"] = payload_ms(result.store, n_layers, dev)
         points.append(point)
@@ -208,7 +231,8 @@ def measure(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True, help="JSON file to write")
+    parser.add_argument("--out", help="JSON file to write (with --replan: defaults to the file replanned)")
+    parser.add_argument("--replan", metavar="FILE", help="recompute the planner columns of a stored run (no device)")
     parser.add_argument("--preset", default="deepseek-v3.2")
     parser.add_argument("--cp-size", type=int, default=8)
     parser.add_argument("--rank", type=int, default=0)
@@ -222,6 +246,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefetch-repeats", type=int, default=6, help="extra alternating level 7 / 8 runs")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     args = parser.parse_args(argv)
+    if args.replan:
+        out = Path(args.out or args.replan)
+        out.write_text(json.dumps(replan(json.loads(Path(args.replan).read_text())), indent=1))
+        print(f"wrote {out}", file=sys.stderr)
+        return 0
+    if not args.out:
+        parser.error("--out is required")
     workloads = [Workload.parse(w) for w in args.workloads.split(",")]
     levels = parse_levels(args.levels)
     results: list[dict[str, Any]] = []

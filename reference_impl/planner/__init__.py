@@ -3,8 +3,8 @@
 ``python -m reference_impl plan --preset deepseek-v3.2 --cp 8 --hbm-gib 141`` prints it. Nothing
 here is timed: memory is arithmetic on the real byte layouts (:mod:`reference_impl.capacity`) and
 time is FLOPs or bytes divided by rates measured on an H200 (:class:`PlannerRates`, loaded from
-``docs/results/compute_bench.json`` and ``kernels_bench.json``), plus one assumed interconnect
-bandwidth. Every figure is a prediction, for levels that are built and for those that are not.
+``docs/results/compute_bench.json``, ``kernels_bench.json`` and ``elementwise_rate.json``), plus
+one assumed interconnect bandwidth. Every figure is a prediction, for levels that are built and for those that are not.
 
 **Scenario.** One request of ``S`` tokens prefilled in one chunk (no prefix, so ``T = S`` current
 tokens), in-seq (zigzag) split over ``C`` ranks: token-balanced blocks below level 4, page-aligned
@@ -34,6 +34,9 @@ blocks from level 4. Times are those of the slowest rank.
 * indexer: ``2 x Hi x D x sum(visible keys of local queries)`` FLOPs / logits TFLOPS, and top-k:
   the measured ms scaled linearly in ``T_local x S``;
 * projections: the GEMM FLOPs of the layer's linear maps for ``T_local`` tokens / bf16 matmul TFLOPS;
+* elementwise work on the local tokens (norms, RoPE, Hadamard, FP8 quantization, casts, copies):
+  ``T_local`` x the device time per token measured by profiling one rank
+  (:mod:`~reference_impl.planner.elementwise`);
 * all-gather #1: ``(C - 1) x T_pad x 1408`` B received, over the interconnect (assumed, 450 GB/s);
 * rerange and store: bytes as the kernel benchmark counts them (each byte read and written once)
   / GB/s of the torch path below level 7, of the fused kernels from level 7;
@@ -46,13 +49,14 @@ blocks from level 4. Times are those of the slowest rank.
 * levels 2-5: remap with sort + searchsorted, two calls per layer (MLA and indexer writes); from
   level 6 the page-inverse remap once per forward, shared by all layers.
 
-Not modeled: the MoE/MLP half of the layer, norms, RoPE, the Hadamard rotation and q quantization,
-kernel launch overheads, and any overlap of compute with communication. Phase 8 hides history
+Not modeled: the MoE/MLP half of the layer, kernel launch overheads (they dominate short layers:
+at 8,192 tokens a rank's layer is about 5 ms), and any overlap of compute with communication. Phase 8 hides history
 materialization, which is zero in this scenario, so level 8 predicts the same as level 7. The tail
 gather runs once per forward and is reported apart (level 0: ``T_pad`` rows per rank, from level 1
 one row).
 
 **Layout.** :mod:`~reference_impl.planner.rates` holds the measured rates and where they come from,
+:mod:`~reference_impl.planner.elementwise` the profiled elementwise rate,
 :mod:`~reference_impl.planner.model` the formulas (bytes, FLOPs and the milliseconds of one layer on
 one rank), :mod:`~reference_impl.planner.plan` the knobs and the plan over every level, and
 :mod:`~reference_impl.planner.format` the text table. Every public name is re-exported here.

@@ -227,6 +227,8 @@ def layer_terms(
         "indexer_logits": ms_for_flops(indexer_flops(cfg, visible_keys(ranges)), rates.indexer_logits_tflops),
         "indexer_topk": topk_ms(rates, t_local, context),
         "attention": ms_for_flops(attention_flops(cfg, t_local, context), rates.attention_tflops),
+        # Norms, RoPE, casts, quantization, copies of the rank's tokens (planner.elementwise).
+        "elementwise": rates.elementwise_us_per_token * t_local / 1e3,
         "allgather1": ms_for_bytes(allgather1_bytes(cfg, cp_size, t_pad), rates.interconnect_gbps),
     }
     kv_b, index_b = rerange_bytes(cfg, context)

@@ -1,8 +1,8 @@
 """Planner inputs: the measured rates the time model divides by, and where each one comes from.
 
 :class:`PlannerRates` holds every rate with a built-in H200 default; :func:`load_rates` replaces the
-defaults with the values in ``docs/results/compute_bench.json`` and ``kernels_bench.json`` (where
-they exist), then with each ``--rates`` file in order. ``sources`` records each value's origin: a
+defaults with the values in ``docs/results/compute_bench.json``, ``kernels_bench.json`` and
+``elementwise_rate.json`` (where they exist), then with each ``--rates`` file in order. ``sources`` records each value's origin: a
 JSON path, a built-in copy, a file given on the command line, or an assumption (the interconnect).
 """
 
@@ -18,7 +18,7 @@ from reference_impl.config import ConfigError
 
 RESULTS_DIR = Path(__file__).resolve().parent.parent.parent / "docs" / "results"
 
-_COMPUTE, _KERNELS = "compute_bench.json", "kernels_bench.json"
+_COMPUTE, _KERNELS, _ELEMENTWISE = "compute_bench.json", "kernels_bench.json", "elementwise_rate.json"
 # Where each measured rate lives in the benchmark JSONs. "list[k=v,T=max]" picks, among the list's
 # entries with k == v, the one with the largest T (the longest measured sequence).
 _RATE_PATHS: dict[str, tuple[str, str]] = {
@@ -40,6 +40,7 @@ _RATE_PATHS: dict[str, tuple[str, str]] = {
     "remap_sort_ms": (_KERNELS, "remap[T=max].sorted_ms"),
     "remap_page_inverse_ms": (_KERNELS, "remap[T=max].page_inverse_ms"),
     "remap_ref_tokens": (_KERNELS, "remap[T=max].T"),
+    "elementwise_us_per_token": (_ELEMENTWISE, "elementwise_us_per_token"),
 }
 _ASSUMED = {
     "interconnect_gbps": "assumption: NVLink 4, 450 GB/s per direction per GPU (peak, not measured; "
@@ -77,6 +78,7 @@ class PlannerRates:
     remap_sort_ms: float = 0.2188  # one sort + searchsorted call over remap_ref_tokens locs
     remap_page_inverse_ms: float = 0.04957
     remap_ref_tokens: float = 131072
+    elementwise_us_per_token: float = 0.9584  # planner.elementwise: profiled device time per local token
     interconnect_gbps: float = 450.0
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
@@ -153,7 +155,7 @@ def load_rates(paths: list[str] | None = None, results_dir: Path | None = RESULT
     """
     rates = PlannerRates()
     found: dict[str, tuple[float, str]] = {}
-    for name in (_COMPUTE, _KERNELS) if results_dir is not None else ():
+    for name in (_COMPUTE, _KERNELS, _ELEMENTWISE) if results_dir is not None else ():
         path = results_dir / name
         if path.is_file():
             label = f"docs/results/{name}" if results_dir == RESULTS_DIR else str(path)
