@@ -281,16 +281,17 @@ def local_inputs(
     Read straight from each request's inputs (``positions`` are the tokens' absolute positions in
     their request), so the rank never holds the whole chunk's ``[T_chunk, dim]`` hidden states.
     """
-    tokens = meta.local_tokens(rank)
-    requests = [meta.token_request[g] for g in tokens]
-    if len(set(requests)) == 1:
-        return inputs[chunk.requests[requests[0]]].index_select(0, positions)
+    rows_of: dict[int, list[int]] = {}  # chunk request index -> local rows holding its tokens
+    for row, g in enumerate(meta.local_tokens(rank)):
+        rows_of.setdefault(meta.token_request[g], []).append(row)
+    if len(rows_of) == 1:
+        (only,) = rows_of
+        return inputs[chunk.requests[only]].index_select(0, positions)
     first = inputs[chunk.requests[0]]
-    x = torch.empty(len(tokens), first.shape[1], dtype=first.dtype, device=first.device)
-    for i, req in enumerate(chunk.requests):
-        rows = torch.tensor([k for k, r in enumerate(requests) if r == i], dtype=torch.long, device=x.device)
-        if rows.numel():
-            x[rows] = inputs[req].index_select(0, positions[rows])
+    x = torch.empty(len(positions), first.shape[1], dtype=first.dtype, device=first.device)
+    for i, rows in rows_of.items():
+        index = torch.tensor(rows, dtype=torch.long, device=x.device)
+        x[index] = inputs[chunk.requests[i]].index_select(0, positions[index])
     return x
 
 
