@@ -278,3 +278,4 @@ def test_replan_recomputes_only_the_planner_columns(tmp_path: Path) -> None:
                     phases=PhaseSet.level(7))
     assert fresh["planner"]["layer_ms"] == pytest.approx(planner_point(run, 0, 7, None)["layer_ms"])
     assert fresh["layer_ms"] == point["layer_ms"] and "planner_replanned" in again
+
