@@ -102,6 +102,8 @@ def layer(doc: dict) -> str:
         f"how CP runs: {doc['how_cp_runs']}; timer: {doc['timing']}.",
         f"Command: `{doc['command']}`.",
     ]
+    if doc.get("planner_replanned"):
+        lines.append(f"Planner columns: {doc['planner_replanned']}.")
     for w in doc["workloads"]:
         wl = w["workload"]
         planner = "planner" in w["levels"][0]
