@@ -61,3 +61,20 @@ def test_layer_bench_dry_run(tmp_path) -> None:
     assert all(abs(p["planner_error"]["kv_bytes"]) < 1e-9 for p in current["levels"])  # layouts: exact
     assert "prefetch" not in current and prefix["prefetch"]["payload_ms"] > 0
     assert all(len(p["layer_ms"]) == 2 for w in doc["workloads"] for p in w["levels"])
+
+
+def test_layer_bench_level_repeats_pool_every_runs_layers(tmp_path) -> None:
+    """``--level-repeats 3``: each level's median is over the layers of its three runs."""
+    import json
+    import statistics
+
+    from reference_impl.bench.layer import main
+
+    out = tmp_path / "layer.json"
+    main(["--out", str(out), "--device", "cpu", "--preset", "tiny", "--cp-size", "2", "--levels", "0,3",
+          "--workloads", "current-only:0+128", "--layers", "2", "--level-repeats", "3"])
+    doc = json.loads(out.read_text())
+    assert doc["level_repeats"] == 3
+    for point in doc["workloads"][0]["levels"]:
+        assert len(point["layer_ms"]) == 6
+        assert point["layer_ms_median"] == statistics.median(point["layer_ms"])

@@ -16,8 +16,8 @@ rank's own rows, so outputs are not checked (``check=False``); the timings and m
 rank's. The figures are those of one rank of a CP group **modeled on one GPU**.
 
 Per workload (one request ``prefix + extend`` tokens, DeepSeek-V3.2 dims, ``--layers`` layers) and
-level 0..8: the per-layer times (CUDA events around each layer, the median over layers of one run,
-after one warm-up run per workload that compiles the kernels), KV at rest per rank (the pools'
+level 0..8: the per-layer times (CUDA events around each layer, the median over the layers of one
+run, or of ``--level-repeats`` runs, after one warm-up run per workload that compiles the kernels), KV at rest per rank (the pools'
 bytes), the engine's transient count and the measured peak of ``torch.cuda.max_memory_allocated``
 during the prefill, the data-movement byte counts, and the planner's prediction for the same
 rank, level and context (current-only workloads: the planner's scenario) with the relative error.
@@ -169,9 +169,14 @@ def replan(doc: dict[str, Any]) -> dict[str, Any]:
 
 def measure(
     preset: str, workload: Workload, levels: list[int], cp_size: int, rank: int, n_layers: int,
-    device: str, wire_gbps: float | None, prefetch_repeats: int = 6,
+    device: str, wire_gbps: float | None, prefetch_repeats: int = 6, level_repeats: int = 1,
 ) -> dict[str, Any]:
-    """Every level of one workload on one rank -> JSON-ready dict."""
+    """Every level of one workload on one rank -> JSON-ready dict.
+
+    ``level_repeats > 1`` runs each level that many times in a row (the allocator kept warm after
+    the first) and takes the median over all their layers: short, launch-bound layers vary more
+    between runs than within one. Memory and byte counts are the first run's (they repeat exactly).
+    """
     dev = torch.device(device)
     group_of = lambda: LoopbackGroup(rank, cp_size, dev, wire_gbps)  # noqa: E731 (fresh stats per run)
     base = RunConfig(preset=preset, n_layers=n_layers, cp_size=cp_size, requests=(Request(workload.prefix, workload.extend),),
@@ -181,7 +186,9 @@ def measure(
     for level in levels:
         run = base.replace(phases=PhaseSet.level(level))
         result = _run(run, group_of(), keep_store=level == 8)
-        stats, layer_ms = result.stats, result.timings["layer_ms"]
+        stats, layer_ms = result.stats, list(result.timings["layer_ms"])
+        for _ in range(level_repeats - 1):
+            layer_ms += _run(run, group_of(), empty_cache=False).timings["layer_ms"]
         point: dict[str, Any] = {
             "level": level,
             "layer_ms_median": statistics.median(layer_ms),
@@ -244,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--wire-gbps", type=float, default=None, help="model the interconnect (CUDA only)")
     parser.add_argument("--prefetch-repeats", type=int, default=6, help="extra alternating level 7 / 8 runs")
+    parser.add_argument("--level-repeats", type=int, default=1, help="runs per level (median over all their layers)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     args = parser.parse_args(argv)
     if args.replan:
@@ -262,8 +270,11 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m reference_impl.bench.layer " + shlex.join(argv if argv is not None else sys.argv[1:]),
         "how_cp_runs": f"rank {args.rank} of C={args.cp_size} alone in one process (LoopbackGroup): all-gathers are "
         + (f"local copies plus a modeled wire of {args.wire_gbps:g} GB/s" if args.wire_gbps else "local copies (no wire time)"),
-        "timing": "CUDA events per layer, median over the layers of one run after a warm-up run"
-        if args.device == "cuda" else "perf_counter per layer (CPU dry run: the numbers mean nothing)",
+        "timing": (
+            "CUDA events per layer, median over the layers of one run after a warm-up run" if args.level_repeats == 1
+            else f"CUDA events per layer, median over the layers of {args.level_repeats} runs per level after a warm-up run"
+        ) if args.device == "cuda" else "perf_counter per layer (CPU dry run: the numbers mean nothing)",
+        "level_repeats": args.level_repeats,
         "preset": args.preset, "cp_size": args.cp_size, "rank": args.rank, "n_layers": args.layers,
         "wire_gbps": args.wire_gbps,
         "workloads": results,
@@ -271,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     for w in workloads:  # the file is rewritten after each workload: a run cut short keeps what finished
         print(f"{w.name} {w.prefix}+{w.extend}: levels {levels}", file=sys.stderr, flush=True)
         results.append(measure(args.preset, w, levels, args.cp_size, args.rank, args.layers, args.device, args.wire_gbps,
-                               args.prefetch_repeats))
+                               args.prefetch_repeats, args.level_repeats))
         Path(args.out).write_text(json.dumps(doc, indent=1))
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
