@@ -78,3 +78,12 @@ def test_layer_bench_level_repeats_pool_every_runs_layers(tmp_path) -> None:
     for point in doc["workloads"][0]["levels"]:
         assert len(point["layer_ms"]) == 6
         assert point["layer_ms_median"] == statistics.median(point["layer_ms"])
+
+
+@pytest.mark.parametrize("flag", ["--prefetch-repeats", "--level-repeats", "--layers"])
+def test_layer_bench_refuses_zero_repeats_by_name(tmp_path, capsys, flag: str) -> None:
+    from reference_impl.bench.layer import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--out", str(tmp_path / "x.json"), "--device", "cpu", "--preset", "tiny", flag, "0"])
+    assert exc.value.code == 2 and f"{flag} must be at least 1, got 0" in capsys.readouterr().err

@@ -261,6 +261,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.out:
         parser.error("--out is required")
+    for flag, value in (("--prefetch-repeats", args.prefetch_repeats), ("--level-repeats", args.level_repeats),
+                        ("--layers", args.layers)):
+        if value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
     workloads = [Workload.parse(w) for w in args.workloads.split(",")]
     levels = parse_levels(args.levels)
     results: list[dict[str, Any]] = []
