@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import sys
 
+from reference_impl.bench.compute_sweep import ATTENTION_KEYS
+
 
 def compute(doc: dict) -> str:
     lines = [
@@ -39,15 +41,13 @@ def compute(doc: dict) -> str:
         )
     sweep = doc.get("sweep")
     if sweep:
-        keys = ("block_h", "block_k", "num_warps", "num_stages", "defer_pv", "lazy_rescale", "warp_specialize",
-                "reload_prev")
         where = sweep.get("what", f"T = {sweep['T']}")
         lines += ["", f"Sparse MLA launch-config sweep, {where}:", "",
                   "| BLOCK_H | BLOCK_K | warps | stages | defer PV | lazy rescale | warp specialize | reload prev "
                   "| TFLOPS | / 640 |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for a in sweep["attention"]:
-            cfg = " | ".join(str(a["config"].get(k, "-")) for k in keys)
+            cfg = " | ".join(str(a["config"].get(k, "-")) for k in ATTENTION_KEYS)
             rate = f"{a['triton_tflops']:.0f} | {a['fraction_of_flashmla_640']:.0%}" if "triton_tflops" in a else "error | -"
             lines.append(f"| {cfg} | {rate} |")
     return "\n".join(lines)

@@ -300,3 +300,26 @@ def test_compute_bench_dry_run_sweeps_at_the_per_rank_shape(tmp_path, monkeypatc
     assert doc["sweep"]["S"] == 48 and doc["sweep"]["T"] == doc["per_rank"]["attention"]["T"] == 24
     assert all(row["check"]["ok"] for row in doc["sweep"]["attention"] + doc["attention"] + doc["indexer"])
     assert set(compute_sweep.ATTENTION_KEYS) == set(doc["sweep"]["attention"][0]["config"])
+
+
+def test_compute_sweep_records_a_failing_candidate_and_never_picks_it(monkeypatch) -> None:
+    """A candidate that raises (as one out of shared memory does on the GPU) becomes an error row;
+    the pick ignores it and falls back to the current default when nothing else passed."""
+    from reference_impl.bench import compute_sweep
+
+    good, bad = (64, 64, 8, 2, False, False, False, False), (64, 64, 8, 2, True, False, False, True)
+    monkeypatch.setattr(compute_sweep, "ATTN_SWEEP", [good, bad])
+    monkeypatch.setattr(compute_sweep, "INDEXER_SWEEP", [(64, 128, 4, 3, "fp8")])
+
+    def time_attention(config: dict) -> dict:
+        if config["reload_prev"]:
+            raise RuntimeError("out of resource: shared memory")
+        return {"config": config, "triton_tflops": 200.0, "check": {"ok": True}}
+
+    def time_indexer(config: dict) -> dict:
+        raise RuntimeError("compile error")
+
+    attention, indexer = compute_sweep.run_sweep(time_attention, time_indexer)
+    assert "error" not in attention[0] and attention[1]["error"].startswith("RuntimeError: out of resource")
+    assert compute_sweep.pick_attention(attention, bad) == good
+    assert compute_sweep.pick_indexer(indexer, (1, 2, 3, 4, "bf16")) == (1, 2, 3, 4, "bf16")

@@ -141,10 +141,11 @@ class DSAAttention(nn.Module):
         # the two would copy the [T, H, 576] tensor once more (2.4 GB per layer at 16K tokens).
         q_full = torch.empty(n_tok, h, cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype=q.dtype, device=q.device)
         latent_q = q_full[..., : cfg.kv_lora_rank].transpose(0, 1)  # [H, T, c] view
-        if pad_rows(q_nope) is q_nope:
+        padded = pad_rows(q_nope)
+        if padded is q_nope:
             torch.bmm(q_nope.transpose(0, 1), w_uk, out=latent_q)
         else:  # a few CPU rows: multiply padded ones (see MIN_CPU_GEMM_ROWS)
-            latent_q.copy_(torch.bmm(pad_rows(q_nope).transpose(0, 1), w_uk)[:, :n_tok])
+            latent_q.copy_(torch.bmm(padded.transpose(0, 1), w_uk)[:, :n_tok])
         q_full[..., cfg.kv_lora_rank :] = apply_rope(q_pe, cos, sin, interleaved=True)
 
         latent, k_pe = self.wkv_a(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
