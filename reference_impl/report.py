@@ -36,6 +36,15 @@ def device_name(device: torch.device) -> str:
     return f"cpu ({platform.processor() or platform.machine()})"
 
 
+def attention_kernel(run: RunConfig, device: torch.device) -> str:
+    """The sparse MLA path the dispatch takes for this run's inputs: ``"gluon"``, ``"triton"`` or ``"torch"``."""
+    from reference_impl.kernels.dispatch import sparse_mla_kernel
+
+    d_v, d_qk = run.model.kv_lora_rank, run.model.kv_lora_rank + run.model.qk_rope_head_dim
+    probe = torch.empty(0, 1, d_qk, device=device, dtype=compute_dtype(run, device))  # allocates nothing
+    return sparse_mla_kernel(probe, probe[:, 0], d_v)
+
+
 def versions() -> dict[str, str]:
     out = {"python": sys.version.split()[0], "torch": torch.__version__}
     try:
@@ -87,6 +96,7 @@ def build_report(
         "phases": sorted(run.phases.enabled),
         "phase_level": run.phases.max_level,
         "device": device_name(device),
+        "attention_kernel": attention_kernel(run, device),
         "backend": backend,
         "ranks_share_device": shared_gpu or (device.type == "cuda" and run.cp_size > 1 and backend == "gloo"),
         "tail_mode": results[0].tail_mode,
@@ -131,6 +141,7 @@ def format_table(reports: list[dict[str, Any]]) -> str:
         lines.append(
             f"phases {rep['phases'] or '[0]'} | cp={rep['cp_size']} {cfg['split_mode']} | {cfg['preset']} "
             f"{cfg['kv_dtype']} | requests {cfg['requests']} | {rep['device']} / {rep['backend']}"
+            f" / attention {rep.get('attention_kernel', '?')}"
             + (" (ranks share one device)" if rep["ranks_share_device"] else "")
         )
         if rep["matches_oracle"] is not None:

@@ -6,9 +6,10 @@
 A kernels sweep rewrites the ``GPU_CONFIGS`` table of ``kernels/fused_configs.py``: each swept
 kernel's ``best`` config replaces its entry (only candidates whose bytes equal the torch path's can
 be ``best``); unswept kernels keep theirs. A compute sweep rewrites ``GPU_DEFAULT_CONFIG`` of
-``kernels/sparse_mla_triton.py`` and ``kernels/indexer_triton.py`` with the configs
-:func:`~reference_impl.bench.compute_sweep.pick_attention` / ``pick_indexer`` choose (the fastest
-that passed its reference check; the current default stays unless beaten by more than 1%).
+``kernels/sparse_mla_triton.py``, ``kernels/indexer_triton.py`` and (when the sweep ran the Gluon
+kernel) ``kernels/sparse_mla_gluon.py`` with the configs
+:func:`~reference_impl.bench.compute_sweep.pick_attention` / ``pick_indexer`` / ``pick_gluon`` choose
+(the fastest that passed its reference check; the current default stays unless beaten by more than 1%).
 Prints what changed.
 """
 
@@ -20,7 +21,7 @@ import sys
 from pathlib import Path
 
 from reference_impl.bench import compute_sweep
-from reference_impl.kernels import fused_configs, indexer_triton, sparse_mla_triton
+from reference_impl.kernels import fused_configs, indexer_triton, sparse_mla_gluon, sparse_mla_triton
 
 TARGET = Path(fused_configs.__file__)
 
@@ -44,12 +45,14 @@ def _set_default(module: object, config: tuple[object, ...]) -> None:
 
 def apply_compute_sweep(
     sweep: dict[str, list[dict[str, object]]], attention_module: object = sparse_mla_triton,
-    indexer_module: object = indexer_triton,
+    indexer_module: object = indexer_triton, gluon_module: object = sparse_mla_gluon,
 ) -> None:
-    """The compute benchmark's winners become the attention and indexer GPU defaults (the modules'
-    source files are rewritten; tests pass stand-ins)."""
+    """The compute benchmark's winners become the attention, indexer and Gluon GPU defaults (the
+    modules' source files are rewritten; tests pass stand-ins)."""
     _set_default(attention_module, compute_sweep.pick_attention(sweep["attention"], attention_module.GPU_DEFAULT_CONFIG))  # type: ignore[attr-defined]
     _set_default(indexer_module, compute_sweep.pick_indexer(sweep["indexer"], indexer_module.GPU_DEFAULT_CONFIG))  # type: ignore[attr-defined]
+    if sweep.get("gluon"):
+        _set_default(gluon_module, compute_sweep.pick_gluon(sweep["gluon"], gluon_module.GPU_DEFAULT_CONFIG))  # type: ignore[attr-defined]
 
 
 def main(path: str) -> None:

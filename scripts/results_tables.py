@@ -10,7 +10,11 @@ from __future__ import annotations
 import json
 import sys
 
-from reference_impl.bench.compute_sweep import ATTENTION_KEYS
+from reference_impl.bench.compute_sweep import ATTENTION_KEYS, GLUON_KEYS
+
+
+def _ok(check: dict | None) -> str:
+    return "-" if check is None else "ok" if check["ok"] else "FAIL"
 
 
 def compute(doc: dict) -> str:
@@ -18,16 +22,22 @@ def compute(doc: dict) -> str:
         f"Device: {doc['device']}, torch {doc['torch']}, triton {doc['triton']}; timer: {doc['timing']}.",
         f"Command: `{doc['command']}`. bf16 matmul 8192^3 on the same device: {doc['bf16_matmul_8192_tflops']:.0f} TFLOPS.",
         "",
-        "| kernel | T queries | S keys | Triton ms | TFLOPS | / 640 | torch ms | speed-up | check |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "Engine: the kernel the dispatch runs on this device (Gluon on sm_90); speed-up: torch ms / engine ms.",
+        "",
+        "| kernel | T queries | S keys | Triton ms | TFLOPS | / 640 | check | Gluon ms | TFLOPS | / 640 | check "
+        "| engine | torch ms | speed-up |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     rows = [("sparse MLA", a) for a in doc["attention"]] + [("sparse MLA, rank 0 of C=8", doc["per_rank"]["attention"])]
     for name, a in rows:
         torch_ms = f"{a['torch_ms']:.1f}" if a.get("torch_ms") else "-"
         speed = f"{a['speedup']:.1f}x" if a.get("speedup") else "-"
+        g = a.get("gluon")
+        gluon = f"{g['ms']:.2f} | {g['tflops']:.0f} | {g['fraction_of_flashmla_640']:.0%}" if g else "- | - | -"
         lines.append(
             f"| {name} | {a['T']} | {a['S']} | {a['triton_ms']:.2f} | {a['triton_tflops']:.0f} | "
-            f"{a['fraction_of_flashmla_640']:.0%} | {torch_ms} | {speed} | {'ok' if a['check']['ok'] else 'FAIL'} |"
+            f"{a['fraction_of_flashmla_640']:.0%} | {_ok(a['check'])} | {gluon} | {_ok(g and g['check'])} | "
+            f"{a.get('engine_kernel', 'triton')} | {torch_ms} | {speed} |"
         )
     rows = [("indexer top-k", i) for i in doc["indexer"]] + [("indexer top-k, rank 0 of C=8", doc["per_rank"]["indexer"])]
     lines += ["", "| kernel | T queries | S keys | Triton ms (logits + top-k) | logits TFLOPS | torch ms | speed-up | check |",
@@ -50,6 +60,13 @@ def compute(doc: dict) -> str:
             cfg = " | ".join(str(a["config"].get(k, "-")) for k in ATTENTION_KEYS)
             rate = f"{a['triton_tflops']:.0f} | {a['fraction_of_flashmla_640']:.0%}" if "triton_tflops" in a else "error | -"
             lines.append(f"| {cfg} | {rate} |")
+        gluon_rows = [r["gluon"] for r in sweep.get("gluon", []) if "gluon" in r]
+        if gluon_rows:
+            lines += ["", "Gluon kernel switches, same shape:", "",
+                      "| overlap PV | evict last | TFLOPS | / 640 | check |", "| --- | --- | --- | --- | --- |"]
+            for g in gluon_rows:
+                cfg = " | ".join(str(g["config"][k]) for k in GLUON_KEYS)
+                lines.append(f"| {cfg} | {g['tflops']:.0f} | {g['fraction_of_flashmla_640']:.0%} | {_ok(g['check'])} |")
     return "\n".join(lines)
 
 

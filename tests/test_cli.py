@@ -26,6 +26,7 @@ def test_run_json_report_fields(capsys) -> None:
                 "topk_agreement", "per_rank", "timings"):
         assert key in rep
     assert rep["matches_oracle"] is True and rep["phases"] == [1]
+    assert rep["attention_kernel"] == "torch"  # CPU: the torch reference (the Gluon / Triton paths need CUDA)
     for entry in rep["per_rank"]:
         for key in ("rank", "kv_bytes", "index_bytes", "transient_peak_bytes", "gather_bytes",
                     "materialized_bytes", "output_gather_bytes", "collectives"):

@@ -295,20 +295,21 @@ def test_apply_sweep_writes_each_best_config_into_the_gpu_table(tmp_path, monkey
 
 def test_apply_sweep_writes_the_compute_winners_into_the_kernel_defaults(tmp_path) -> None:
     """A compute sweep: the fastest attention config that passed its check (not a faster failing
-    one) and the fastest indexer config become the modules' ``GPU_DEFAULT_CONFIG`` lines."""
+    one), the fastest indexer config and the fastest passing Gluon config become the modules'
+    ``GPU_DEFAULT_CONFIG`` lines."""
     import importlib.util
     from pathlib import Path
     from types import SimpleNamespace
 
     from reference_impl.bench import compute_sweep
-    from reference_impl.kernels import indexer_triton, sparse_mla_triton
+    from reference_impl.kernels import indexer_triton, sparse_mla_gluon, sparse_mla_triton
 
     script = Path(__file__).resolve().parent.parent / "scripts" / "apply_sweep.py"
     spec = importlib.util.spec_from_file_location("apply_sweep", script)
     apply_sweep = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     spec.loader.exec_module(apply_sweep)  # type: ignore[union-attr]
     stand_ins = []
-    for module in (sparse_mla_triton, indexer_triton):
+    for module in (sparse_mla_triton, indexer_triton, sparse_mla_gluon):
         copy = tmp_path / Path(module.__file__).name
         copy.write_text(Path(module.__file__).read_text())
         stand_ins.append(SimpleNamespace(__file__=str(copy), GPU_DEFAULT_CONFIG=module.GPU_DEFAULT_CONFIG))
@@ -320,15 +321,21 @@ def test_apply_sweep_writes_the_compute_winners_into_the_kernel_defaults(tmp_pat
         "config": dict(zip(compute_sweep.INDEXER_KEYS, (64, bs, 4, 3, "fp8"))), "triton_logits_ms": ms,
         "check": {"ok": True},
     }
+    gluon = lambda overlap, tf, ok: {  # noqa: E731  (a Gluon sweep row: no Triton timing)
+        "engine_kernel": "gluon",
+        "gluon": {"config": dict(zip(compute_sweep.GLUON_KEYS, (overlap, True))), "tflops": tf, "check": {"ok": ok}},
+    }
     sweep = {"attention": [attn(32, 250.0, True), attn(16, 300.0, False), {"config": {}, "error": "x"}],
-             "indexer": [idx(64, 2.0), idx(256, 1.5)]}
+             "indexer": [idx(64, 2.0), idx(256, 1.5)],
+             "gluon": [gluon(False, 300.0, True), gluon(True, 400.0, False), {"config": {}, "error": "x"}]}
     def written(stand_in: SimpleNamespace) -> object:
         source = Path(stand_in.__file__).read_text()
         line = next(ln for ln in source.splitlines() if ln.startswith("GPU_DEFAULT_CONFIG"))
         return eval(line.split("= ", 1)[1])  # the rewritten line's value
 
     apply_sweep.apply_compute_sweep(sweep, *stand_ins)
-    for stand_in, want in zip(stand_ins, ((64, 32, 8, 2, False, True, False, False), (64, 256, 4, 3, "fp8"))):
+    wants = ((64, 32, 8, 2, False, True, False, False), (64, 256, 4, 3, "fp8"), (False, True))
+    for stand_in, want in zip(stand_ins, wants, strict=True):
         assert written(stand_in) == want
     # A winner within 1% of the current default's rate (noise) leaves the default alone.
     stand_ins[0].GPU_DEFAULT_CONFIG = written(stand_ins[0])

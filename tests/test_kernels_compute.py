@@ -319,7 +319,99 @@ def test_compute_sweep_records_a_failing_candidate_and_never_picks_it(monkeypatc
     def time_indexer(config: dict) -> dict:
         raise RuntimeError("compile error")
 
-    attention, indexer = compute_sweep.run_sweep(time_attention, time_indexer)
+    def time_gluon(config: dict) -> dict:
+        if config["overlap_pv"]:
+            raise RuntimeError("compile error")
+        return {"engine_kernel": "gluon", "gluon": {"config": config, "tflops": 300.0, "check": {"ok": True}}}
+
+    attention, indexer, gluon = compute_sweep.run_sweep(time_attention, time_indexer, time_gluon)
     assert "error" not in attention[0] and attention[1]["error"].startswith("RuntimeError: out of resource")
     assert compute_sweep.pick_attention(attention, bad) == good
     assert compute_sweep.pick_indexer(indexer, (1, 2, 3, 4, "bf16")) == (1, 2, 3, 4, "bf16")
+    assert [("error" in row) for row in gluon] == [config[0] for config in compute_sweep.GLUON_SWEEP]
+    assert compute_sweep.pick_gluon(gluon, (True, False)) == (False, False)  # the failing default is replaced
+    assert compute_sweep.run_sweep(time_attention, time_indexer)[2] == []  # no Gluon where it cannot run
+
+
+# ---- the Gluon kernel's place in the dispatch (the kernel itself: tests/test_sparse_mla_gluon.py) ----
+
+
+def test_gluon_kernel_names_what_it_cannot_run() -> None:
+    """The Gluon kernel's input limits, each refused with its reason (checked without a GPU)."""
+    from reference_impl.kernels.sparse_mla_gluon import sparse_mla_attention_gluon, unsupported_reason
+
+    bf16 = torch.bfloat16
+    assert unsupported_reason("cuda", (9, 0), bf16, bf16, 576, 512) is None
+    assert unsupported_reason("cuda", (9, 0), torch.float16, torch.float16, 80, 64) is None
+    refused = {
+        "sm_90": [("cpu", None, bf16, bf16, 576, 512), ("cuda", (8, 0), bf16, bf16, 576, 512),
+                  ("cuda", (10, 0), bf16, bf16, 576, 512)],
+        "bf16 or fp16": [("cuda", (9, 0), torch.float32, torch.float32, 576, 512),
+                         ("cuda", (9, 0), bf16, torch.float16, 576, 512)],
+        "power-of-two": [("cuda", (9, 0), bf16, bf16, 560, 500), ("cuda", (9, 0), bf16, bf16, 552, 512),
+                         ("cuda", (9, 0), bf16, bf16, 40, 32)],
+        "d_qk <= 576": [("cuda", (9, 0), bf16, bf16, 640, 512)],
+    }
+    for words, cases in refused.items():
+        for case in cases:
+            reason = unsupported_reason(*case)
+            assert reason is not None and words in reason, (case, reason)
+    q, kv, indices = _attention_case(torch.Generator().manual_seed(1), 4, 4, 576, 10, 8, bf16)
+    with pytest.raises(ValueError, match="Gluon sparse MLA kernel does not run under TRITON_INTERPRET=1"):
+        sparse_mla_attention_gluon(q, kv, indices, 0.1, 512)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "0")
+        with pytest.raises(ValueError, match="Gluon sparse MLA kernel needs an sm_90 GPU, got cpu"):
+            sparse_mla_attention_gluon(q, kv, indices, 0.1, 512)
+
+
+def _reference_kernel(calls: list[str], name: str):
+    def kernel(q, kv, indices, scale, d_v, out_dtype):  # type: ignore[no-untyped-def]
+        calls.append(name)
+        out, lse = ref.sparse_mla_attention(q, kv, indices, scale, d_v)
+        return out.to(out_dtype), lse
+
+    return kernel
+
+
+def test_dispatch_tries_gluon_then_triton(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, fresh_warnings: None
+) -> None:
+    """Gluon first; where it does not apply (it returns None: here, CPU tensors) the Triton kernel
+    runs silently; where it fails, the Triton kernel runs after one warning naming Gluon."""
+    monkeypatch.setattr(dispatch, "_on_triton_device", lambda tensor: True)  # pretend CUDA
+    calls: list[str] = []
+    monkeypatch.setattr(dispatch, "_triton_sparse_mla", _reference_kernel(calls, "triton"))
+    q, kv, indices = _attention_case(torch.Generator().manual_seed(8), 4, 2, 96, 20, 8, torch.float32)
+    want, _ = ref.sparse_mla_attention(q, kv, indices, 0.1, 64)
+    with caplog.at_level(logging.WARNING, logger=dispatch.__name__):
+        assert dispatch.sparse_mla_kernel(q, kv, 64) == "triton"  # the real Gluon check declines CPU tensors
+        assert torch.equal(dispatch.sparse_mla_attention(q, kv, indices, 0.1, 64)[0], want)
+        assert calls == ["triton"] and not caplog.records
+        monkeypatch.setattr(dispatch, "_gluon_sparse_mla", _reference_kernel(calls, "gluon"))
+        dispatch.sparse_mla_attention(q, kv, indices, 0.1, 64)
+        assert calls == ["triton", "gluon"]
+        monkeypatch.setattr(dispatch, "_gluon_sparse_mla", _boom)
+        for _ in range(3):
+            assert torch.equal(dispatch.sparse_mla_attention(q, kv, indices, 0.1, 64)[0], want)
+    assert calls == ["triton", "gluon", "triton", "triton", "triton"]
+    messages = [r.getMessage() for r in caplog.records if r.name == dispatch.__name__]
+    assert len(messages) == 1 and "Gluon sparse_mla_attention failed" in messages[0]
+    assert "falling back to the Triton kernel" in messages[0] and "simulated kernel failure" in messages[0]
+
+
+def test_dispatch_no_gluon_skips_the_gluon_kernel(monkeypatch: pytest.MonkeyPatch, fresh_warnings: None) -> None:
+    monkeypatch.setattr(dispatch, "_on_triton_device", lambda tensor: True)  # pretend CUDA
+    calls: list[str] = []
+    monkeypatch.setattr(dispatch, "_triton_sparse_mla", _reference_kernel(calls, "triton"))
+    q, kv, indices = _attention_case(torch.Generator().manual_seed(9), 4, 2, 96, 20, 8, torch.float32)
+    monkeypatch.setenv("DSACP_NO_GLUON", "1")
+    monkeypatch.setattr(dispatch, "gluon_available", lambda: True)
+    import reference_impl.kernels.sparse_mla_gluon as gluon_module
+
+    monkeypatch.setattr(gluon_module, "gluon_supported", lambda *a: True)  # as on an H200
+    assert dispatch.sparse_mla_kernel(q, kv, 64) == "triton"
+    assert dispatch._gluon_sparse_mla(q, kv, indices, 0.1, 64, torch.float32) is None
+    monkeypatch.delenv("DSACP_NO_GLUON")
+    assert dispatch.sparse_mla_kernel(q, kv, 64) == "gluon"
+    assert dispatch.sparse_mla_kernel(q, kv, 64, force_torch=True) == "torch"

@@ -103,9 +103,9 @@ def test_default_rates_reproduce_the_measured_per_rank_point() -> None:
     """At the benchmark's own shape (rank 0 of C=8, 128K) the model returns the measured times."""
     measured = json.loads((RESULTS_DIR / "compute_bench.json").read_text())["per_rank"]
     rates = load_rates()
-    assert rates.sources["attention_tflops"] == "docs/results/compute_bench.json: per_rank.attention.triton_tflops"
+    assert rates.sources["attention_tflops"] == "docs/results/compute_bench.json: per_rank.attention.engine_tflops"
     terms = layer_terms(V32, rates, 8, 131072, level=0, rank=0)
-    assert terms["attention"] == pytest.approx(measured["attention"]["triton_ms"], rel=1e-9)
+    assert terms["attention"] == pytest.approx(measured["attention"]["engine_ms"], rel=1e-9)
     assert terms["indexer_logits"] == pytest.approx(measured["indexer"]["triton_logits_ms"], rel=1e-9)
     assert terms["indexer_topk"] == pytest.approx(measured["indexer"]["topk_ms"], rel=1e-9)
 
@@ -139,12 +139,12 @@ def test_rates_files_override_with_sources(tmp_path: Path) -> None:
     assert rates.sources["interconnect_gbps"] == f"{flat}: interconnect_gbps"
     assert rates.sources["matmul_tflops"].startswith("built-in copy")
     bench = tmp_path / "compute.json"
-    bench.write_text(json.dumps({"per_rank": {"attention": {"triton_tflops": 321.0},
+    bench.write_text(json.dumps({"per_rank": {"attention": {"engine_tflops": 321.0},
                                               "indexer": {"logits_tflops": 1.0, "topk_ms": 2.0, "T": 8, "S": 16}},
                                  "bf16_matmul_8192_tflops": 654.0}))
     rates = load_rates([str(bench)], results_dir=None)
     assert rates.attention_tflops == 321.0 and rates.matmul_tflops == 654.0
-    assert rates.sources["attention_tflops"] == f"{bench}: per_rank.attention.triton_tflops"
+    assert rates.sources["attention_tflops"] == f"{bench}: per_rank.attention.engine_tflops"
 
 
 def test_parse_contexts() -> None:

@@ -1,4 +1,4 @@
-"""GPU benchmark of the two compute cores of a DSA layer: Triton kernels against the torch references.
+"""GPU benchmark of the two compute cores of a DSA layer: the GPU kernels against the torch references.
 
 Usage::
 
@@ -14,7 +14,11 @@ FlashMLA's published sparse prefill rate, 640 TFLOPS, is the reference. The inde
 ``2 * Hi * D * sum(visible keys)``. One more row, "one rank at C=8, 128K tokens", runs rank 0 of
 the zigzag split: ``T_local = 16384`` queries (blocks 0 and 15 of 16) against ``S = 131072`` keys.
 
-Before timing, each size checks the Triton result against the torch reference on a slice of rows
+Sparse attention rows time the Triton kernel and, on sm_90, the Gluon kernel
+(:mod:`reference_impl.kernels.sparse_mla_gluon`); ``engine_ms`` / ``engine_tflops`` are those of the
+kernel the dispatch runs (what the capacity planner reads).
+
+Before timing, each size checks each kernel's result against the torch reference on a slice of rows
 (first, random and last). Times are medians of ``triton.testing.do_bench``; a call slower than
 ``--slow-ms`` is timed instead as the median of 3 runs with CUDA events (recorded per row). The
 torch references run only up to ``--torch-max-tokens`` query rows: beyond that they take seconds
@@ -118,20 +122,12 @@ def indexer_inputs(
 # ---- sections ---------------------------------------------------------------------------------
 
 
-def bench_attention(
-    positions: torch.Tensor, n_kv: int, args: argparse.Namespace, config: dict[str, Any], gen: torch.Generator
+def _attention_check(
+    kernel: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor, scale: float,
 ) -> dict[str, Any]:
-    from reference_impl.kernels.sparse_mla_triton import sparse_mla_attention_triton
-
-    device = torch.device(args.device)
-    n_tokens, scale = positions.numel(), 192**-0.5
-    q, kv, indices = attention_inputs(positions, n_kv, args.heads, args.topk, gen, device)
-
-    def run_triton() -> tuple[torch.Tensor, torch.Tensor]:
-        return sparse_mla_attention_triton(q, kv, indices, scale, D_V, out_dtype=torch.bfloat16, **config)
-
-    rows = _check_rows(n_tokens, args.check_rows, gen).to(device)
-    out, lse = sparse_mla_attention_triton(q[rows], kv, indices[rows], scale, D_V, **config)
+    """A kernel's fp32 result on ``rows`` against the torch reference."""
+    out, lse = kernel(q[rows], indices[rows])
     ref_out, ref_lse = ref.sparse_mla_attention(q[rows], kv, indices[rows], scale, D_V)
     finite = torch.isfinite(ref_lse)
     check = {
@@ -141,27 +137,73 @@ def bench_attention(
         "lse_inf_match": bool(torch.equal(finite, torch.isfinite(lse))),
     }
     check["ok"] = check["out_rel_err"] < 1e-2 and check["lse_max_abs_err"] < 1e-2 and check["lse_inf_match"]
-    del out, lse, ref_out, ref_lse
+    return check
 
+
+def bench_attention(
+    positions: torch.Tensor,
+    n_kv: int,
+    args: argparse.Namespace,
+    config: dict[str, Any] | None,
+    gen: torch.Generator,
+    gluon_config: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One attention row: the Triton kernel with ``config`` (skipped if ``None``) and, where it runs
+    (sm_90), the Gluon kernel with ``gluon_config`` (skipped if ``None``), each checked then timed;
+    ``engine_*`` repeat the numbers of the kernel the dispatch runs for these inputs."""
+    from reference_impl.kernels import dispatch
+    from reference_impl.kernels.sparse_mla_triton import sparse_mla_attention_triton
+
+    device = torch.device(args.device)
+    n_tokens, scale = positions.numel(), 192**-0.5
+    q, kv, indices = attention_inputs(positions, n_kv, args.heads, args.topk, gen, device)
+    rows = _check_rows(n_tokens, args.check_rows, gen).to(device)
     flops = 2.0 * n_tokens * args.topk * args.heads * (D_QK + D_V)
-    ms, timer = _time(run_triton, args.slow_ms)
     row: dict[str, Any] = {
         "T": n_tokens,
         "S": n_kv,
         "H": args.heads,
         "topk": args.topk,
         "valid_slot_fraction": float((indices >= 0).float().mean()),
-        "config": config,
-        "check": check,
-        "triton_ms": ms,
-        "triton_tflops": flops / ms / 1e9,
-        "fraction_of_flashmla_640": flops / ms / 1e9 / FLASHMLA_TFLOPS,
-        "triton_timer": timer,
+        "engine_kernel": dispatch.sparse_mla_kernel(q, kv, D_V),
     }
+    if config is not None:
+        row["config"] = config
+        row["check"] = _attention_check(
+            lambda qs, ix: sparse_mla_attention_triton(qs, kv, ix, scale, D_V, **config), q, kv, indices, rows, scale
+        )
+        ms, timer = _time(
+            lambda: sparse_mla_attention_triton(q, kv, indices, scale, D_V, out_dtype=torch.bfloat16, **config),
+            args.slow_ms,
+        )
+        tflops = flops / ms / 1e9
+        row.update(
+            triton_ms=ms, triton_tflops=tflops, fraction_of_flashmla_640=tflops / FLASHMLA_TFLOPS, triton_timer=timer
+        )
+    if gluon_config is not None and dispatch.gluon_available():
+        from reference_impl.kernels.sparse_mla_gluon import gluon_supported, sparse_mla_attention_gluon
+
+        if gluon_supported(q, kv, D_V):
+            def gluon(qs: torch.Tensor, ix: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> Any:
+                return sparse_mla_attention_gluon(qs, kv, ix, scale, D_V, out_dtype=out_dtype, **gluon_config)
+
+            check = _attention_check(gluon, q, kv, indices, rows, scale)
+            ms, timer = _time(lambda: gluon(q, indices, torch.bfloat16), args.slow_ms)
+            tflops = flops / ms / 1e9
+            row["gluon"] = {"config": gluon_config, "check": check, "ms": ms, "tflops": tflops,
+                            "fraction_of_flashmla_640": tflops / FLASHMLA_TFLOPS, "timer": timer}
+    engine = row["gluon"] if row["engine_kernel"] == "gluon" and "gluon" in row else None
+    if engine is not None:
+        row.update(engine_ms=engine["ms"], engine_tflops=engine["tflops"])
+    elif "triton_ms" in row:
+        row.update(engine_ms=row["triton_ms"], engine_tflops=row["triton_tflops"])
+    if config is None:  # a Gluon sweep row: no torch timing
+        return row
     if n_tokens <= args.torch_max_tokens:
         torch_ms, torch_timer = _time(lambda: ref.sparse_mla_attention(q, kv, indices, scale, D_V), args.slow_ms)
         row.update(
-            torch_ms=torch_ms, torch_tflops=flops / torch_ms / 1e9, torch_timer=torch_timer, speedup=torch_ms / ms
+            torch_ms=torch_ms, torch_tflops=flops / torch_ms / 1e9, torch_timer=torch_timer,
+            speedup=torch_ms / row["engine_ms"],
         )
     else:
         row["torch_ms"] = None
@@ -329,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     from reference_impl.bench import compute_sweep
-    from reference_impl.kernels import indexer_triton, sparse_mla_triton
+    from reference_impl.kernels import dispatch, indexer_triton, sparse_mla_triton
 
     torch.manual_seed(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
@@ -371,23 +413,32 @@ def main(argv: list[str] | None = None) -> int:
     tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
     attn_cfg = compute_sweep.attention_config(sparse_mla_triton.GPU_DEFAULT_CONFIG)
     idx_cfg = compute_sweep.indexer_config(indexer_triton.GPU_DEFAULT_CONFIG)
+    gluon_default: tuple[Any, ...] | None = None
+    if on_gpu and dispatch.gluon_available():
+        from reference_impl.kernels import sparse_mla_gluon
+
+        gluon_default = sparse_mla_gluon.GPU_DEFAULT_CONFIG
+    gluon_cfg = None if gluon_default is None else compute_sweep.gluon_config(gluon_default)
 
     if args.sweep:
         # At the per-rank shape, the one the engine runs: rank 0's zigzag queries against the whole request.
         pos = zigzag_rank0_positions(args.cp_context, args.cp_size)
         t0 = args.cp_context
         no_torch = argparse.Namespace(**{**vars(args), "torch_max_tokens": 0})
-        sweep_a, sweep_i = compute_sweep.run_sweep(
+        sweep_a, sweep_i, sweep_g = compute_sweep.run_sweep(
             lambda config: bench_attention(pos, t0, no_torch, config, gen),
             lambda config: bench_indexer(pos, t0, no_torch, config, gen),
+            None if gluon_cfg is None else lambda config: bench_attention(pos, t0, no_torch, None, gen, config),
         )
         result["sweep"] = {
             "T": int(pos.numel()), "S": t0, "what": f"rank 0 of C={args.cp_size} over {t0} keys (the per-rank shape)",
-            "attention": sweep_a, "indexer": sweep_i,
+            "attention": sweep_a, "indexer": sweep_i, "gluon": sweep_g,
         }
         # The rows below run the configs the engine will (scripts/apply_sweep.py applies the same pick).
         attn_cfg = compute_sweep.attention_config(compute_sweep.pick_attention(sweep_a, sparse_mla_triton.GPU_DEFAULT_CONFIG))
         idx_cfg = compute_sweep.indexer_config(compute_sweep.pick_indexer(sweep_i, indexer_triton.GPU_DEFAULT_CONFIG))
+        if gluon_default is not None:
+            gluon_cfg = compute_sweep.gluon_config(compute_sweep.pick_gluon(sweep_g, gluon_default))
         save()
 
     def guarded(fn: Callable[..., dict[str, Any]], *fn_args: Any) -> dict[str, Any]:
@@ -402,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     result["attention"], result["indexer"] = [], []
     for t in tokens:
         pos = torch.arange(t)
-        result["attention"].append(guarded(bench_attention, pos, t, args, attn_cfg, gen))
+        result["attention"].append(guarded(bench_attention, pos, t, args, attn_cfg, gen, gluon_cfg))
         save()
         result["indexer"].append(guarded(bench_indexer, pos, t, args, idx_cfg, gen))
         save()
@@ -413,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
         "cp_size": args.cp_size,
         "what": f"rank 0 of C={args.cp_size}, in-seq split of one {args.cp_context}-token request: "
         f"{pos.numel()} local queries against {args.cp_context} keys",
-        "attention": guarded(bench_attention, pos, args.cp_context, args, attn_cfg, gen),
+        "attention": guarded(bench_attention, pos, args.cp_context, args, attn_cfg, gen, gluon_cfg),
         "indexer": guarded(bench_indexer, pos, args.cp_context, args, idx_cfg, gen),
     }
     result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
@@ -430,8 +481,8 @@ def _fmt(x: float | None, spec: str) -> str:
 
 
 def _status(row: dict[str, Any]) -> str:
-    check = "ok" if row["check"]["ok"] else "FAIL"
-    return f"{_fmt(row.get('torch_ms'), '>11.2f')}{_fmt(row.get('speedup'), '>8.1f')}x  {check}"
+    ok = row["check"]["ok"] and row.get("gluon", {}).get("check", {}).get("ok", True)
+    return f"{_fmt(row.get('torch_ms'), '>11.2f')}{_fmt(row.get('speedup'), '>8.1f')}x  {'ok' if ok else 'FAIL'}"
 
 
 def format_table(result: dict[str, Any]) -> str:
@@ -441,7 +492,7 @@ def format_table(result: dict[str, Any]) -> str:
     lines = [
         f"{result['device']}  torch {result['torch']}  triton {result['triton']}  "
         f"bf16 matmul {result['bf16_matmul_8192_tflops']:.0f} TFLOPS",
-        f"{attn_title:<44}triton ms  TFLOPS  /640   torch ms  speedup  check",
+        f"{attn_title:<44}triton ms  TFLOPS  /640  gluon ms  TFLOPS  /640   torch ms  speedup  check",
     ]
     rows = [(f"T=S={r['T']}", r) for r in result["attention"]]
     rank = result["per_rank"]
@@ -450,8 +501,11 @@ def format_table(result: dict[str, Any]) -> str:
         if "error" in r:
             lines.append(f"  {name:<42}ERROR {r['error'][:70]}")
             continue
+        g = r.get("gluon", {})
         lines.append(
             f"  {name:<42}{r['triton_ms']:>9.2f}{r['triton_tflops']:>8.0f}{r['fraction_of_flashmla_640']:>6.0%}"
+            f"{_fmt(g.get('ms'), '>10.2f')}{_fmt(g.get('tflops'), '>8.0f')}"
+            f"{_fmt(g.get('fraction_of_flashmla_640'), '>6.0%')}"
             + _status(r)
         )
     lines.append(

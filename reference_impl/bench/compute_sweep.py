@@ -33,6 +33,10 @@ ATTN_SWEEP: list[tuple[int, int, int, int, bool, bool, bool, bool]] = [
 ATTENTION_KEYS = (
     "block_h", "block_k", "num_warps", "num_stages", "defer_pv", "lazy_rescale", "warp_specialize", "reload_prev",
 )
+# (OVERLAP_PV, EVICT_LAST) of the Gluon kernel (sm_90 only), described in
+# reference_impl/kernels/sparse_mla_gluon.py.
+GLUON_SWEEP: list[tuple[bool, bool]] = [(False, False), (True, False), (False, True)]
+GLUON_KEYS = ("overlap_pv", "evict_last")
 # (BLOCK_T, BLOCK_S, num_warps, num_stages, dot dtype)
 INDEXER_SWEEP: list[tuple[int, int, int, int, str]] = [
     (64, 128, 4, 3, "fp8"),
@@ -51,6 +55,11 @@ def attention_config(values: tuple[Any, ...]) -> dict[str, Any]:
     return dict(zip(ATTENTION_KEYS, values, strict=True))
 
 
+def gluon_config(values: tuple[Any, ...]) -> dict[str, Any]:
+    """``GLUON_SWEEP`` tuple (or the Gluon ``GPU_DEFAULT_CONFIG``) -> the launcher's keyword arguments."""
+    return dict(zip(GLUON_KEYS, values, strict=True))
+
+
 def indexer_config(values: tuple[Any, ...]) -> dict[str, Any]:
     """``INDEXER_SWEEP`` tuple (or ``GPU_DEFAULT_CONFIG``) -> the launcher's keyword arguments."""
     return dict(zip(INDEXER_KEYS, values, strict=True))
@@ -60,20 +69,30 @@ def _passed(rows: list[Row]) -> list[Row]:
     return [r for r in rows if "error" not in r and r["check"]["ok"]]
 
 
+def _pick(candidates: list[tuple[tuple[Any, ...], float]], current: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The fastest of ``(config, rate)`` candidates, unless ``current`` is among them within ``MIN_GAIN``."""
+    if not candidates:
+        return tuple(current)
+    best, best_rate = max(candidates, key=lambda c: c[1])
+    incumbent = [rate for config, rate in candidates if config == tuple(current)]
+    if incumbent and best_rate <= incumbent[0] * (1 + MIN_GAIN):
+        return tuple(current)
+    return best
+
+
 def pick_attention(rows: list[Row], current: tuple[Any, ...]) -> tuple[Any, ...]:
     """The fastest passing attention config, unless ``current`` was measured within ``MIN_GAIN`` of it.
 
     Rows from a sweep that predates an option read it as off. With no passing row: ``current``.
     """
-    passed = _passed(rows)
-    if not passed:
-        return tuple(current)
     as_tuple = lambda row: tuple(row["config"].get(k, False) for k in ATTENTION_KEYS)  # noqa: E731
-    best = max(passed, key=lambda r: r["triton_tflops"])
-    incumbent = [r for r in passed if as_tuple(r) == tuple(current)]
-    if incumbent and best["triton_tflops"] <= incumbent[0]["triton_tflops"] * (1 + MIN_GAIN):
-        return tuple(current)
-    return as_tuple(best)
+    return _pick([(as_tuple(r), r["triton_tflops"]) for r in _passed(rows)], current)
+
+
+def pick_gluon(rows: list[Row], current: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The fastest passing Gluon config (rows carry a ``gluon`` entry), by :func:`pick_attention`'s rule."""
+    entries = [r["gluon"] for r in rows if "gluon" in r and r["gluon"]["check"]["ok"]]
+    return _pick([(tuple(e["config"][k] for k in GLUON_KEYS), e["tflops"]) for e in entries], current)
 
 
 def pick_indexer(rows: list[Row], current: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -86,14 +105,22 @@ def pick_indexer(rows: list[Row], current: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 def run_sweep(
-    time_attention: Callable[[dict[str, Any]], Row], time_indexer: Callable[[dict[str, Any]], Row]
-) -> tuple[list[Row], list[Row]]:
-    """Time every candidate with the given section functions -> (attention rows, indexer rows)."""
-    out: tuple[list[Row], list[Row]] = ([], [])
-    for rows, table, to_config, timer, metric in (
+    time_attention: Callable[[dict[str, Any]], Row],
+    time_indexer: Callable[[dict[str, Any]], Row],
+    time_gluon: Callable[[dict[str, Any]], Row] | None = None,
+) -> tuple[list[Row], list[Row], list[Row]]:
+    """Time every candidate with the given section functions -> (attention, indexer, Gluon rows).
+
+    ``time_gluon`` is ``None`` where the Gluon kernel cannot run: its list stays empty.
+    """
+    out: tuple[list[Row], list[Row], list[Row]] = ([], [], [])
+    sections = [
         (out[0], ATTN_SWEEP, attention_config, time_attention, "triton_tflops"),
         (out[1], INDEXER_SWEEP, indexer_config, time_indexer, "triton_logits_ms"),
-    ):
+    ]
+    if time_gluon is not None:
+        sections.append((out[2], GLUON_SWEEP, gluon_config, time_gluon, "gluon"))
+    for rows, table, to_config, timer, metric in sections:
         for values in table:
             config = to_config(values)
             try:

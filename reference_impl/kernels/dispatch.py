@@ -7,6 +7,12 @@ imports, and the torch reference otherwise (CPU tensors, no Triton, ``force_torc
 environment variable ``DSACP_FORCE_TORCH=1``). If a Triton kernel raises, the call logs one warning
 per process per kernel (``logging.getLogger(__name__)``) and returns the torch result; successful
 calls log nothing.
+
+Sparse MLA attention has a third, preferred path on Hopper: the Gluon kernel
+(:mod:`reference_impl.kernels.sparse_mla_gluon`) runs where
+:func:`~reference_impl.kernels.sparse_mla_gluon.gluon_supported` holds (sm_90, bf16 / fp16, the
+DeepSeek widths) unless ``DSACP_NO_GLUON=1``; elsewhere, or after a Gluon failure (one warning), the
+Triton kernel runs.
 """
 
 from __future__ import annotations
@@ -48,20 +54,43 @@ def _use_triton(tensor: torch.Tensor, force_torch: bool) -> bool:
     return _on_triton_device(tensor)
 
 
-def _warn_once(kernel: str, exc: BaseException) -> None:
+def _warn_once(kernel: str, exc: BaseException, fallback: str = "the torch reference") -> None:
     if kernel in _WARNED:
         return
     _WARNED.add(kernel)
     logger.warning(
-        "Triton %s failed (%s: %s); falling back to the torch reference "
-        "(later failures of this kernel fall back silently)",
+        "%s failed (%s: %s); falling back to %s (later failures of this kernel fall back silently)",
         kernel,
         type(exc).__name__,
         exc,
+        fallback,
     )
 
 
+@lru_cache(maxsize=1)
+def gluon_available() -> bool:
+    """True when Triton's Gluon front end (``triton.experimental.gluon``) imports (cached)."""
+    try:
+        import triton.experimental.gluon  # noqa: F401
+    except Exception:  # older Triton, or a broken install
+        return False
+    return True
+
+
 # Indirections so that tests can substitute a failing kernel without CUDA.
+def _gluon_sparse_mla(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float, d_v: int, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The Gluon kernel's result, or ``None`` where it does not apply (then the Triton kernel runs)."""
+    if env_flag("no_gluon") or not gluon_available():
+        return None
+    from reference_impl.kernels.sparse_mla_gluon import gluon_supported, sparse_mla_attention_gluon
+
+    if not gluon_supported(q, kv, d_v):
+        return None
+    return sparse_mla_attention_gluon(q, kv, indices, softmax_scale, d_v, out_dtype=out_dtype)
+
+
 def _triton_sparse_mla(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float, d_v: int, out_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,12 +115,23 @@ def _triton_indexer_topk(
     return indexer_topk_triton(q_fp8, weights, k_fp8, k_scale, key_start, key_end, topk, rows_per_chunk, host_bounds)
 
 
-def _try_triton(kernel: str, fn: Callable[[], object]) -> object | None:
+def _try_triton(kernel: str, fn: Callable[[], object], fallback: str = "the torch reference") -> object | None:
     try:
         return fn()
     except Exception as exc:  # any kernel failure (compile, launch, unsupported input) falls back
-        _warn_once(kernel, exc)
+        _warn_once(kernel, exc, fallback)
         return None
+
+
+def sparse_mla_kernel(q: torch.Tensor, kv: torch.Tensor, d_v: int, *, force_torch: bool = False) -> str:
+    """The path :func:`sparse_mla_attention` tries first for these inputs: ``"gluon"``, ``"triton"`` or ``"torch"``."""
+    if not _use_triton(q, force_torch):
+        return "torch"
+    if env_flag("no_gluon") or not gluon_available():
+        return "triton"
+    from reference_impl.kernels.sparse_mla_gluon import gluon_supported
+
+    return "gluon" if gluon_supported(q, kv, d_v) else "triton"
 
 
 def sparse_mla_attention(
@@ -111,11 +151,18 @@ def sparse_mla_attention(
     ``rows_per_chunk`` bounds the torch path's memory; the Triton kernel needs no chunking.
     ``out_dtype`` (float32 by default): the kernel rounds its fp32 result once when it stores it,
     as ``.to(out_dtype)`` would; a bf16 output saves the fp32 ``[T, H, d_v]`` buffer.
+    On Hopper the Gluon kernel runs first (see the module docstring), then the Triton kernel.
     """
     if _use_triton(q, force_torch):
         result = _try_triton(
-            "sparse_mla_attention", lambda: _triton_sparse_mla(q, kv, indices, softmax_scale, d_v, out_dtype)
+            "Gluon sparse_mla_attention",
+            lambda: _gluon_sparse_mla(q, kv, indices, softmax_scale, d_v, out_dtype),
+            fallback="the Triton kernel",
         )
+        if result is None:
+            result = _try_triton(
+                "Triton sparse_mla_attention", lambda: _triton_sparse_mla(q, kv, indices, softmax_scale, d_v, out_dtype)
+            )
         if result is not None:
             return result  # type: ignore[return-value]
     out, lse = torch_ref.sparse_mla_attention(q, kv, indices, softmax_scale, d_v, rows_per_chunk)
@@ -141,7 +188,7 @@ def indexer_topk(
     """
     if _use_triton(q_fp8, force_torch):
         result = _try_triton(
-            "indexer_topk",
+            "Triton indexer_topk",
             lambda: _triton_indexer_topk(
                 q_fp8, weights, k_fp8, k_scale, key_start, key_end, topk, rows_per_chunk, host_bounds
             ),

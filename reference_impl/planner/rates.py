@@ -22,7 +22,7 @@ _COMPUTE, _KERNELS, _ELEMENTWISE = "compute_bench.json", "kernels_bench.json", "
 # Where each measured rate lives in the benchmark JSONs. "list[k=v,T=max]" picks, among the list's
 # entries with k == v, the one with the largest T (the longest measured sequence).
 _RATE_PATHS: dict[str, tuple[str, str]] = {
-    "attention_tflops": (_COMPUTE, "per_rank.attention.triton_tflops"),
+    "attention_tflops": (_COMPUTE, "per_rank.attention.engine_tflops"),  # the kernel the engine runs
     "indexer_logits_tflops": (_COMPUTE, "per_rank.indexer.logits_tflops"),
     "topk_ms": (_COMPUTE, "per_rank.indexer.topk_ms"),
     "topk_ref_queries": (_COMPUTE, "per_rank.indexer.T"),
@@ -56,12 +56,12 @@ class PlannerRates:
     where its value came from (``file: json path``, a built-in copy, or an assumption).
     """
 
-    attention_tflops: float = 237.4  # sparse MLA, one rank of C=8 at 128K
-    indexer_logits_tflops: float = 903.7
-    topk_ms: float = 13.35  # torch.topk of [topk_ref_queries, topk_ref_keys] logits
+    attention_tflops: float = 315.2  # sparse MLA (the engine's kernel: Gluon on an H200), one rank of C=8 at 128K
+    indexer_logits_tflops: float = 933.8
+    topk_ms: float = 13.25  # torch.topk of [topk_ref_queries, topk_ref_keys] logits
     topk_ref_queries: float = 16384
     topk_ref_keys: float = 131072
-    matmul_tflops: float = 785.2  # bf16 8192^3
+    matmul_tflops: float = 773.1  # bf16 8192^3
     copy_gbps: float = 4221.2  # device copy, read + write
     store_mla_fp8_torch_gbps: float = 158.0
     store_mla_fp8_fused_gbps: float = 3637.3
@@ -78,7 +78,7 @@ class PlannerRates:
     remap_sort_ms: float = 0.2188  # one sort + searchsorted call over remap_ref_tokens locs
     remap_page_inverse_ms: float = 0.04957
     remap_ref_tokens: float = 131072
-    elementwise_us_per_token: float = 0.9584  # planner.elementwise: profiled device time per local token
+    elementwise_us_per_token: float = 0.963  # planner.elementwise: profiled device time per local token
     interconnect_gbps: float = 450.0
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 

@@ -1,0 +1,88 @@
+"""The Gluon sparse MLA kernel against the torch reference and the Triton kernel, on an sm_90 GPU.
+
+Gluon has no CPU interpreter, so this module runs only where the kernel does (an H100 / H200) and
+skips elsewhere, including CI; the CPU suite checks the dispatch around it
+(``tests/test_kernels_compute.py``). On the device: ``TRITON_INTERPRET=0 PYTHONPATH=. python3 -m
+pytest -q tests/test_sparse_mla_gluon.py`` (the suite's conftest turns the interpreter on otherwise).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9):
+    pytest.skip("the Gluon kernel needs an sm_90 GPU", allow_module_level=True)
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    pytest.skip("the Gluon kernel does not run under TRITON_INTERPRET=1: run with TRITON_INTERPRET=0",
+                allow_module_level=True)
+
+from reference_impl.kernels import dispatch  # noqa: E402
+from reference_impl.kernels.sparse_mla_gluon import sparse_mla_attention_gluon  # noqa: E402
+from reference_impl.kernels.sparse_mla_triton import sparse_mla_attention_triton  # noqa: E402
+from reference_impl.model import sparse_attention as ref  # noqa: E402
+
+DEVICE = torch.device("cuda")
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
+
+
+def _case(n_tokens: int, n_heads: int, n_kv: int, topk: int, d_qk: int, dtype: torch.dtype, seed: int):
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    q = torch.randn(n_tokens, n_heads, d_qk, device=DEVICE, generator=gen).to(dtype)
+    kv = torch.randn(n_kv, d_qk, device=DEVICE, generator=gen).to(dtype)
+    indices = torch.randint(0, n_kv, (n_tokens, topk), device=DEVICE, generator=gen, dtype=torch.int32)
+    indices[1, 3 : topk // 2] = -1  # a hole in the middle
+    indices[2] = -1  # no valid index at all: out 0, lse -inf
+    indices[3, topk // 3 :] = -1  # -1 padded tail, as indexer_topk returns it
+    return q, kv, indices
+
+
+@pytest.mark.parametrize(
+    ("n_tokens", "n_heads", "n_kv", "topk", "d_qk", "d_v", "dtype"),
+    [
+        (37, 16, 300, 100, 576, 512, torch.bfloat16),  # one partial head block, a partial last key tile
+        (40, 130, 5000, 2048, 576, 512, torch.float16),  # three head blocks, the last partial; DeepSeek top-k
+        (20, 64, 1000, 256, 320, 256, torch.bfloat16),  # other widths: d_v 256, rope 64
+        (9, 128, 64, 64, 80, 64, torch.bfloat16),  # the smallest widths: d_v 64, rope 16
+    ],
+)
+@pytest.mark.parametrize(("overlap_pv", "evict_last"), [(False, False), (True, False), (False, True)])
+def test_gluon_matches_the_reference_and_the_triton_kernel(
+    n_tokens: int, n_heads: int, n_kv: int, topk: int, d_qk: int, d_v: int, dtype: torch.dtype,
+    overlap_pv: bool, evict_last: bool,
+) -> None:
+    q, kv, indices = _case(n_tokens, n_heads, n_kv, topk, d_qk, dtype, seed=n_tokens)
+    scale = d_qk**-0.5
+    out, lse = sparse_mla_attention_gluon(q, kv, indices, scale, d_v, overlap_pv=overlap_pv, evict_last=evict_last)
+    want_out, want_lse = ref.sparse_mla_attention(q, kv, indices, scale, d_v)
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert (lse[~finite] == float("-inf")).all() and (out[2] == 0).all()
+    assert _rel(out, want_out) < 1e-2  # P is rounded to the KV dtype for the value product
+    assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-3
+    triton_out, _ = sparse_mla_attention_triton(q, kv, indices, scale, d_v)
+    assert _rel(out, triton_out) < 5e-3
+
+
+def test_dispatch_runs_gluon_on_hopper_unless_disabled(monkeypatch: pytest.MonkeyPatch) -> None:
+    q, kv, indices = _case(6, 128, 500, 128, 576, torch.bfloat16, seed=3)
+    assert dispatch.sparse_mla_kernel(q, kv, 512) == "gluon"
+    out, lse = dispatch.sparse_mla_attention(q, kv, indices, 0.05, 512, out_dtype=torch.bfloat16)
+    direct = sparse_mla_attention_gluon(q, kv, indices, 0.05, 512, out_dtype=torch.bfloat16)
+    assert torch.equal(out, direct[0]) and torch.equal(lse, direct[1])
+    monkeypatch.setenv("DSACP_NO_GLUON", "1")
+    assert dispatch.sparse_mla_kernel(q, kv, 512) == "triton"
+    monkeypatch.delenv("DSACP_NO_GLUON")
+    assert dispatch.sparse_mla_kernel(q.float(), kv.float(), 512) == "triton"  # fp32: the Triton kernel's IEEE path
+
+
+def test_gluon_without_any_key_returns_the_empty_row_answer() -> None:
+    q, kv, indices = _case(5, 64, 10, 8, 576, torch.bfloat16, seed=4)
+    for keys, idx in ((kv[:0], indices), (kv, indices[:, :0])):
+        out, lse = sparse_mla_attention_gluon(q, keys, idx, 0.1, 512)
+        assert (out == 0).all() and (lse == float("-inf")).all()
