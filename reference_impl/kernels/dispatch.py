@@ -82,12 +82,10 @@ def _gluon_sparse_mla(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float, d_v: int, out_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The Gluon kernel's result, or ``None`` where it does not apply (then the Triton kernel runs)."""
-    if env_flag("no_gluon") or not gluon_available():
+    if sparse_mla_kernel(q, kv, d_v) != "gluon":
         return None
-    from reference_impl.kernels.sparse_mla_gluon import gluon_supported, sparse_mla_attention_gluon
+    from reference_impl.kernels.sparse_mla_gluon import sparse_mla_attention_gluon
 
-    if not gluon_supported(q, kv, d_v):
-        return None
     return sparse_mla_attention_gluon(q, kv, indices, softmax_scale, d_v, out_dtype=out_dtype)
 
 
