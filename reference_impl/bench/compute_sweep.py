@@ -115,11 +115,11 @@ def run_sweep(
     """
     out: tuple[list[Row], list[Row], list[Row]] = ([], [], [])
     sections = [
-        (out[0], ATTN_SWEEP, attention_config, time_attention, "triton_tflops"),
-        (out[1], INDEXER_SWEEP, indexer_config, time_indexer, "triton_logits_ms"),
+        (out[0], ATTN_SWEEP, attention_config, time_attention, lambda row: row.get("triton_tflops")),
+        (out[1], INDEXER_SWEEP, indexer_config, time_indexer, lambda row: row.get("triton_logits_ms")),
     ]
     if time_gluon is not None:
-        sections.append((out[2], GLUON_SWEEP, gluon_config, time_gluon, "gluon"))
+        sections.append((out[2], GLUON_SWEEP, gluon_config, time_gluon, lambda row: row.get("gluon", {}).get("tflops")))
     for rows, table, to_config, timer, metric in sections:
         for values in table:
             config = to_config(values)
@@ -127,5 +127,5 @@ def run_sweep(
                 rows.append(timer(config))
             except Exception as exc:  # a config that fails to compile or run is recorded, not fatal
                 rows.append({"config": config, "error": f"{type(exc).__name__}: {exc}"[:500]})
-            print("sweep", config, rows[-1].get(metric), rows[-1].get("error", ""), flush=True)
+            print("sweep", config, metric(rows[-1]), rows[-1].get("error", ""), flush=True)
     return out

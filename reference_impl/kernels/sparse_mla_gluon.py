@@ -52,6 +52,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
+from reference_impl.kernels.sparse_mla_triton import check_attention_shapes, unit_stride_inputs
+
 LOG2E = math.log2(math.e)
 BLOCK_H = 64
 BLOCK_K = 64
@@ -308,21 +310,11 @@ def sparse_mla_attention_gluon(
     ``overlap_pv`` / ``evict_last`` override :data:`GPU_DEFAULT_CONFIG` (benchmark sweeps). Raises
     ``ValueError`` naming the problem for inputs :func:`unsupported_reason` rejects.
     """
-    if q.dim() != 3 or kv.dim() != 2 or indices.dim() != 2:
-        raise ValueError(
-            "expected q [T,H,D], kv [S,D], indices [T,K]; "
-            f"got {tuple(q.shape)}, {tuple(kv.shape)}, {tuple(indices.shape)}"
-        )
-    n_tokens, n_heads, d_qk = q.shape
-    if kv.shape[1] != d_qk or indices.shape[0] != n_tokens:
-        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, kv {tuple(kv.shape)}, indices {tuple(indices.shape)}")
+    n_tokens, n_heads, d_qk = check_attention_shapes(q, kv, indices)
     reason = _reason_for(q, kv, d_v)
     if reason is not None:
         raise ValueError(f"the Gluon sparse MLA kernel {reason}")
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    kv = kv if kv.stride(-1) == 1 else kv.contiguous()
-    indices = indices.to(torch.int32)
-    indices = indices if indices.stride(-1) == 1 else indices.contiguous()
+    q, kv, indices = unit_stride_inputs(q, kv, indices)
     out = torch.empty(n_tokens, n_heads, d_v, dtype=out_dtype, device=q.device)  # every entry is stored
     lse = torch.empty(n_tokens, n_heads, dtype=torch.float32, device=q.device)
     if n_tokens == 0 or n_heads == 0 or kv.shape[0] == 0 or indices.shape[1] == 0:

@@ -241,6 +241,29 @@ def _sparse_mla_fwd_kernel(
     tl.store(lse_ptr + token * stride_lt + offs_h, lse, mask=h_mask)
 
 
+def check_attention_shapes(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor) -> tuple[int, int, int]:
+    """``(T, H, D_qk)`` of sparse MLA inputs ``q [T, H, D_qk]``, ``kv [S, D_qk]``, ``indices [T, K]``;
+    ``ValueError`` naming the mismatch otherwise. Shared by the Triton and Gluon launchers."""
+    if q.dim() != 3 or kv.dim() != 2 or indices.dim() != 2:
+        raise ValueError(
+            "expected q [T,H,D], kv [S,D], indices [T,K]; "
+            f"got {tuple(q.shape)}, {tuple(kv.shape)}, {tuple(indices.shape)}"
+        )
+    n_tokens, n_heads, d_qk = q.shape
+    if kv.shape[1] != d_qk or indices.shape[0] != n_tokens:
+        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, kv {tuple(kv.shape)}, indices {tuple(indices.shape)}")
+    return n_tokens, n_heads, d_qk
+
+
+def unit_stride_inputs(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``q``, ``kv`` and int32 ``indices`` with unit last stride (the kernels' contiguous rows), copying only
+    what is not."""
+    indices = indices.to(torch.int32)
+    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in (q, kv, indices))  # type: ignore[return-value]
+
+
 def _pow2_at_least_16(n: int) -> int:
     return max(16, triton.next_power_of_2(max(int(n), 1)))
 
@@ -268,14 +291,7 @@ def sparse_mla_attention_triton(
     ``defer_pv`` / ``lazy_rescale`` / ``warp_specialize`` / ``reload_prev`` override the launch
     configuration (benchmark sweeps); ``None`` picks the defaults.
     """
-    if q.dim() != 3 or kv.dim() != 2 or indices.dim() != 2:
-        raise ValueError(
-            "expected q [T,H,D], kv [S,D], indices [T,K]; "
-            f"got {tuple(q.shape)}, {tuple(kv.shape)}, {tuple(indices.shape)}"
-        )
-    n_tokens, n_heads, d_qk = q.shape
-    if kv.shape[1] != d_qk or indices.shape[0] != n_tokens:
-        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, kv {tuple(kv.shape)}, indices {tuple(indices.shape)}")
+    n_tokens, n_heads, d_qk = check_attention_shapes(q, kv, indices)
     d_rope = d_qk - d_v
     if not 0 < d_v < d_qk:
         raise ValueError(f"d_v={d_v} must lie in (0, D_qk={d_qk}): the kernel expects a latent and a rope part")
@@ -286,10 +302,7 @@ def sparse_mla_attention_triton(
         q, kv = q.to(common), kv.to(common)
     if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         q, kv = q.float(), kv.float()
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    kv = kv if kv.stride(-1) == 1 else kv.contiguous()
-    indices = indices.to(torch.int32)
-    indices = indices if indices.stride(-1) == 1 else indices.contiguous()
+    q, kv, indices = unit_stride_inputs(q, kv, indices)
     topk = indices.shape[1]
 
     out = torch.empty(n_tokens, n_heads, d_v, dtype=out_dtype, device=q.device)
