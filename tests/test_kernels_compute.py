@@ -300,6 +300,10 @@ def test_compute_bench_dry_run_sweeps_at_the_per_rank_shape(tmp_path, monkeypatc
     assert doc["sweep"]["S"] == 48 and doc["sweep"]["T"] == doc["per_rank"]["attention"]["T"] == 24
     assert all(row["check"]["ok"] for row in doc["sweep"]["attention"] + doc["attention"] + doc["indexer"])
     assert set(compute_sweep.ATTENTION_KEYS) == set(doc["sweep"]["attention"][0]["config"])
+    # No Gluon off sm_90: no Gluon rows, and the engine figures the planner reads are the Triton kernel's.
+    rank_row = doc["per_rank"]["attention"]
+    assert doc["sweep"]["gluon"] == [] and "gluon" not in rank_row
+    assert rank_row["engine_tflops"] == rank_row["triton_tflops"] and rank_row["engine_ms"] == rank_row["triton_ms"]
 
 
 def test_compute_sweep_records_a_failing_candidate_and_never_picks_it(monkeypatch) -> None:
