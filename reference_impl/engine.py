@@ -38,14 +38,14 @@ from reference_impl.cp.narrow_output import collect_narrow
 from reference_impl.cp.page_aligned import build_page_aligned_split
 from reference_impl.cp.prefetch import MlaPrefetcher
 from reference_impl.cp.rerange import gather_current
-from reference_impl.cp.split import SplitMetadata, build_split, local_index_tensor
-from reference_impl.cp.sync_audit import HostSyncCounter
+from reference_impl.cp.split import SplitIndex, SplitMetadata, build_split
 from reference_impl.cp.tail import OutputSpec, collect_full
 from reference_impl.kvcache.allocator import RequestPageTable
 from reference_impl.kvcache.layout import KVLayout
 from reference_impl.model.oracle import run_oracle
 from reference_impl.model.sparse_attention import HostKeyBounds
 from reference_impl.schedule import Chunk, chunk_schedule
+from reference_impl.sync_audit import HostSyncAudit
 from reference_impl.workload import build_inputs, build_model
 
 logger = logging.getLogger(__name__)
@@ -82,6 +82,7 @@ class RankResult:
     local_topk: list[torch.Tensor] = field(default_factory=list)  # per layer [n_local, K], request positions
     stored: list[dict[int, tuple[torch.Tensor, ...]]] = field(default_factory=list)  # per layer (check runs)
     store: KVStore | None = None  # the rank's KV store, only with ``run_rank(..., keep_store=True)`` (PD transfer)
+    host_sync_audit: str = ""  # how phase 6 counted the layer loop's host syncs ("" without phase 6)
 
 
 KVStore = ReplicatedKV | ShardedKV
@@ -155,6 +156,8 @@ class _Accumulated:
     tail_mode: str = ""
     store_paths: set[str] = field(default_factory=set)
     host_syncs: int = 0
+    transport_syncs: int = 0
+    sync_audit: str = ""
 
 
 class HostSyncError(AssertionError):
@@ -241,8 +244,9 @@ def run_rank(group: CPGroup, run: RunConfig, *, keep_store: bool = False) -> Ran
         "output_gather_bytes": sum(s.buffer_bytes for s in group.stats if s.tag == "tail"),
         "collectives": len(group.stats),
     }
-    if 6 in run.phases and group.debug:
+    if 6 in run.phases:
         stats["host_syncs_in_layer_loop"] = acc.host_syncs
+        stats["transport_syncs_in_layer_loop"] = acc.transport_syncs
     if device.type == "cuda":
         stats["measured_peak_bytes"] = torch.cuda.max_memory_allocated(device) - base_allocated
     all_locs = [table.locs(req).to(device) for req in range(len(run.requests))]
@@ -270,6 +274,7 @@ def run_rank(group: CPGroup, run: RunConfig, *, keep_store: bool = False) -> Ran
         if run.check
         else [],
         store=store if keep_store else None,
+        host_sync_audit=acc.sync_audit,
     )
 
 
@@ -308,7 +313,8 @@ def _run_chunk(
 ) -> None:
     """One CP batch through every layer, then its tail collection; appends to ``acc``."""
     device = group.device
-    local = local_index_tensor(meta, group.rank, device)
+    index = SplitIndex.build(meta, group.rank, device)  # device tensors the layer loop reuses
+    local = index.local
     positions = torch.tensor(meta.local_positions(group.rank), dtype=torch.long, device=device)
     x = local_inputs(inputs, chunk, meta, group.rank, positions)  # [T_local, dim]
     key_start, key_end = plan.key_start.index_select(0, local), plan.key_end.index_select(0, local)
@@ -320,7 +326,11 @@ def _run_chunk(
 
     clock = _LayerClock(device)
     topk_per_layer: list[torch.Tensor] = []
-    audit = HostSyncCounter() if (6 in run.phases and group.debug) else contextlib.nullcontext()
+    audit = (
+        HostSyncAudit(api=group.debug or device.type != "cuda", cuda=device.type == "cuda")
+        if 6 in run.phases
+        else contextlib.nullcontext()
+    )
     prefetch = MlaPrefetcher(store, len(model.layers)) if (8 in run.phases and isinstance(store, ShardedKV)) else None
     with audit:
         clock.mark()
@@ -330,8 +340,8 @@ def _run_chunk(
             if prefetch is not None:
                 prefetch.launch(layer + 1)  # overlaps this layer's compute
             proj = block.attn.project(block.attn_norm(x), positions)
-            kv_seq = gather_current(group, meta, proj.kv, "kv", fused, group.debug)  # [T, 576] sequence order
-            index_k_seq = gather_current(group, meta, proj.index_k, "index_k", fused, group.debug)  # [T, 128]
+            kv_seq = gather_current(group, index, proj.kv, "kv", fused, group.debug)  # [T, 576] sequence order
+            index_k_seq = gather_current(group, index, proj.index_k, "index_k", fused, group.debug)  # [T, 128]
             store.store_current(layer, kv_seq, index_k_seq, proj.kv, proj.index_k)
             if prefetch is not None:
                 view = store.full_view(layer, kv_seq, index_k_seq, prefetch.consume(layer))
@@ -348,9 +358,11 @@ def _run_chunk(
             if run.check:
                 topk_per_layer.append(torch.where(topk >= 0, topk - request_start, topk))  # stays on device
             clock.mark()
-    if isinstance(audit, HostSyncCounter):
+    if isinstance(audit, HostSyncAudit):
         acc.host_syncs += audit.count
-        if audit.count:
+        acc.transport_syncs += audit.transport
+        acc.sync_audit = audit.method
+        if audit.count and group.debug:
             raise HostSyncError(f"{audit.count} host sync(s) in the phase-6 layer loop: {'; '.join(audit.sites)}")
     acc.layer_ms.extend(clock.intervals_ms())
     if prefetch is not None:

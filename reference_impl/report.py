@@ -68,7 +68,7 @@ def build_report(
     per_rank = []
     for r in results:
         entry: dict[str, Any] = {"rank": r.rank, **{k: r.stats[k] for k in PER_RANK_FIELDS}}
-        for optional in ("measured_peak_bytes", "host_syncs_in_layer_loop"):
+        for optional in ("measured_peak_bytes", "host_syncs_in_layer_loop", "transport_syncs_in_layer_loop"):
             if optional in r.stats:
                 entry[optional] = r.stats[optional]
         entry["tokens"] = len(r.token_ids)
@@ -99,6 +99,7 @@ def build_report(
         "attention_kernel": attention_kernel(run, device),
         "backend": backend,
         "ranks_share_device": shared_gpu or (device.type == "cuda" and run.cp_size > 1 and backend == "gloo"),
+        "host_sync_audit": results[0].host_sync_audit or None,
         "tail_mode": results[0].tail_mode,
         "store_path": results[0].store_path,
         "matches_oracle": agreement.matches_oracle if agreement else None,

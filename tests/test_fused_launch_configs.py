@@ -120,7 +120,7 @@ def test_rerange_configs_give_torch_bytes(fr: object, row: tuple[torch.dtype, tu
     meta = build_split("in-seq", 3, [40, 17], [0, 0], page_size=4)
     raw = torch.randint(0, 256, (3, meta.max_rank_len, *shape), dtype=torch.uint8)
     raw = raw if dtype == torch.uint8 else torch.randn(raw.shape).to(dtype)
-    want = as_bytes(fused_torch.rerange_padded_torch(raw, meta))
+    want = as_bytes(fused_torch.rerange_padded_torch(raw, meta.rank_lengths, rerange_tensor(meta)))
     index = rerange_tensor(meta, padded=True)
     for config in (
         {"block_t": 16, "block_c": 64, "one_pass": False},

@@ -36,8 +36,7 @@ from reference_impl.cp.comm import CPGroup  # noqa: E402
 from reference_impl.cp.kv_sharded import ShardedKV  # noqa: E402
 from reference_impl.cp.materialize import gather_pages, unpack_index_rows  # noqa: E402
 from reference_impl.cp.ownership import page_owner, physical_locs  # noqa: E402
-from reference_impl.cp.rerange import rerange  # noqa: E402
-from reference_impl.cp.split import build_split, rerange_tensor  # noqa: E402
+from reference_impl.cp.split import SplitIndex, build_split, rerange_tensor  # noqa: E402
 from reference_impl.kernels import cp_dispatch, fused_torch  # noqa: E402
 from reference_impl.kernels import fused_store as fused_store_module  # noqa: E402
 from reference_impl.kvcache.layout import KVLayout, pack_mla  # noqa: E402
@@ -240,8 +239,8 @@ def test_rerange_equals_trim_then_index_select(
     raw = raw if dtype == torch.uint8 else torch.randn(raw.shape, generator=gen).to(dtype)
     got = fr.rerange_padded_triton(raw, rerange_tensor(meta, padded=True))  # type: ignore[attr-defined]
     trimmed = torch.cat([raw[r, :n] for r, n in enumerate(meta.rank_lengths)])
-    assert torch.equal(as_bytes(got), as_bytes(rerange(trimmed, meta)))
-    assert torch.equal(as_bytes(got), as_bytes(fused_torch.rerange_padded_torch(raw, meta)))
+    assert torch.equal(as_bytes(got), as_bytes(trimmed.index_select(0, rerange_tensor(meta))))
+    assert torch.equal(as_bytes(got), as_bytes(fused_torch.rerange_padded_torch(raw, meta.rank_lengths, rerange_tensor(meta))))
 
 
 def test_rerange_single_rank_strided_local_rows(fr: object) -> None:
@@ -250,7 +249,7 @@ def test_rerange_single_rank_strided_local_rows(fr: object) -> None:
     wide = torch.randn(13, 200)
     raw = wide[:, 10:138].unsqueeze(0)  # [1, 13, 128], row stride 200
     got = fr.rerange_padded_triton(raw, rerange_tensor(meta, padded=True))  # type: ignore[attr-defined]
-    assert torch.equal(got, fused_torch.rerange_padded_torch(raw, meta)) and got.is_contiguous()
+    assert torch.equal(got, fused_torch.rerange_padded_torch(raw, meta.rank_lengths, rerange_tensor(meta))) and got.is_contiguous()
 
 
 # ---- fused materialize ----------------------------------------------------------------------------
@@ -384,7 +383,7 @@ def _run_all(case: dict[str, object], **kw: object) -> tuple[torch.Tensor, ...]:
     index = torch.zeros(3, layout.index_page_bytes, dtype=torch.uint8)
     cp_dispatch.fused_store_mla(case["kv"], None, case["dst"], mla, layout, **kw)  # type: ignore[arg-type]
     cp_dispatch.fused_store_index(case["k"], None, case["dst"], index, layout, **kw)  # type: ignore[arg-type]
-    out = cp_dispatch.rerange_padded(case["raw"], case["meta"], **kw)  # type: ignore[arg-type]
+    out = cp_dispatch.rerange_padded(case["raw"], SplitIndex.build(case["meta"], 0), **kw)  # type: ignore[arg-type]
     packed: torch.Tensor = case["packed"]  # type: ignore[assignment]
     split = 4 * layout.mla_bytes
     kv, i8, sc = torch.zeros(9, 192, dtype=torch.bfloat16), torch.zeros(9, 128, dtype=torch.uint8), torch.zeros(9)
@@ -514,7 +513,7 @@ def test_dispatch_bad_input_raises_instead_of_falling_back(
     with pytest.raises(ConfigError, match="dst_locs"):
         cp_dispatch.fused_store_mla(case["kv"], None, case["dst"][:5], pool, layout)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="rerange"):
-        cp_dispatch.rerange_padded(torch.zeros(3, 2, 8), case["meta"])  # type: ignore[arg-type]
+        cp_dispatch.rerange_padded(torch.zeros(3, 2, 8), SplitIndex.build(case["meta"], 0))  # type: ignore[arg-type]
     with pytest.raises(LocOutOfRangeError):
         cp_dispatch.fused_store_mla(case["kv"], None, case["dst"] + 12, pool, layout, debug=True)  # type: ignore[arg-type,operator]
     assert not cp_dispatch._WARNED

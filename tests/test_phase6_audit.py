@@ -9,20 +9,51 @@ from conftest import tiny
 from reference_impl.config import PhaseSet, Request
 from reference_impl.cp.comm import CPGroup
 from reference_impl.cp.kv_sharded import ShardedKV
-from reference_impl.cp.sync_audit import HostSyncCounter, diagnostic
 from reference_impl.engine import HostSyncError, run_rank
+from reference_impl.sync_audit import HostSyncAudit, diagnostic, syncing_call, transport
 
 
-def test_counter_counts_syncing_calls_and_skips_diagnostics() -> None:
+def test_the_audit_counts_syncing_calls_and_skips_diagnostics() -> None:
     x = torch.arange(8)
-    with HostSyncCounter() as audit:
+    with HostSyncAudit(api=True, cuda=False) as audit:
         _ = int(x.max())
         _ = x.nonzero()
+        _ = x[x > 3]  # a boolean mask: the result's size is on the device
+        _ = torch.tensor([1, 2])  # host data -> device on a GPU
+        _ = x[[1, 2]]  # a Python list index is host data too
+        _ = x.index_select(0, torch.arange(2)) + x[2:4]  # stays on the device: not counted
         with diagnostic():
             _ = x.tolist()
-    assert audit.count == 2 and "__int__" in audit.sites[0]
-    _ = int(x.max())  # patches are gone after the block
-    assert audit.count == 2
+        with transport():
+            _ = x.sum().item()
+    assert audit.count == 5 and audit.transport == 1
+    assert audit.sites[0].startswith("__int__() at ") and __file__ in audit.sites[0]
+    assert audit.method == "api"
+    _ = int(x.max())  # the mode is gone after the block
+    assert audit.count == 5
+
+
+@pytest.mark.parametrize(
+    ("name", "args", "kwargs", "syncs"),
+    [
+        ("item", (torch.zeros(1),), {}, True),
+        ("unique", (torch.zeros(2),), {}, True),
+        ("repeat_interleave", (torch.arange(2), torch.ones(2, dtype=torch.long)), {}, True),
+        ("repeat_interleave", (torch.arange(2), torch.ones(2, dtype=torch.long)), {"output_size": 2}, False),
+        ("where", (torch.ones(2, dtype=torch.bool),), {}, True),
+        ("where", (torch.ones(2, dtype=torch.bool), torch.zeros(2), torch.ones(2)), {}, False),
+        ("as_tensor", ([1, 2],), {}, True),
+        ("as_tensor", (torch.zeros(2),), {}, False),
+        ("to", (torch.zeros(2), "cuda"), {}, True),
+        ("to", (torch.zeros(2), "cuda"), {"non_blocking": True}, False),
+        ("to", (torch.zeros(2), torch.float16), {}, False),
+        ("__getitem__", (torch.zeros(2), slice(0, 1)), {}, False),
+        ("__setitem__", (torch.zeros(2), torch.ones(2, dtype=torch.bool), 0.0), {}, True),
+        ("index_select", (torch.zeros(2), 0, torch.zeros(1, dtype=torch.long)), {}, False),
+    ],
+)
+def test_which_calls_sync(name: str, args: tuple, kwargs: dict, syncs: bool) -> None:
+    assert syncing_call(name, args, kwargs) is syncs
 
 
 @pytest.mark.parametrize(
@@ -37,17 +68,45 @@ def test_zero_host_syncs_in_the_layer_loop(report_of, requests, chunk_size, cp_s
     assert rep["per_rank"][0]["host_syncs_in_layer_loop"] == 0
 
 
-def test_the_audit_fails_loudly_on_a_sync(monkeypatch) -> None:
+def _inject_item(monkeypatch, inside_diagnostic: bool) -> None:
     original = ShardedKV.full_view
 
-    def syncing_full_view(self, layer, kv_seq, index_k_seq):
-        _ = float(kv_seq.sum())  # a device read in the layer loop
+    def full_view_with_a_read(self, layer, kv_seq, index_k_seq):
+        if inside_diagnostic:
+            with diagnostic():
+                _ = kv_seq.sum().item()
+        else:
+            _ = kv_seq.sum().item()  # a device read in the layer loop
         return original(self, layer, kv_seq, index_k_seq)
 
-    monkeypatch.setattr(ShardedKV, "full_view", syncing_full_view)
-    run = tiny(cp_size=1, requests=(Request(0, 64),), debug=True, phases=PhaseSet.level(6), check=False)
-    with pytest.raises(HostSyncError, match="host sync"):
+    monkeypatch.setattr(ShardedKV, "full_view", full_view_with_a_read)
+
+
+def test_an_injected_item_fails_the_debug_audit(monkeypatch) -> None:
+    _inject_item(monkeypatch, inside_diagnostic=False)
+    run = tiny(cp_size=1, requests=(Request(0, 64),), debug=True, phases=PhaseSet.level(6), check=False, device="cpu")
+    with pytest.raises(HostSyncError, match=r"2 host sync\(s\) in the phase-6 layer loop: item\(\) at .*test_phase6_audit"):
         run_rank(CPGroup.single(debug=True), run)
+
+
+def test_an_injected_item_is_counted_without_debug(monkeypatch) -> None:
+    _inject_item(monkeypatch, inside_diagnostic=False)
+    run = tiny(cp_size=1, requests=(Request(0, 64),), phases=PhaseSet.level(6), check=False, device="cpu")
+    result = run_rank(CPGroup.single(debug=False), run)
+    assert result.stats["host_syncs_in_layer_loop"] == 2 and result.host_sync_audit == "api"  # one per layer
+
+
+def test_a_sync_inside_a_diagnostic_passes(monkeypatch) -> None:
+    _inject_item(monkeypatch, inside_diagnostic=True)
+    run = tiny(cp_size=1, requests=(Request(0, 64),), debug=True, phases=PhaseSet.level(6), check=False, device="cpu")
+    assert run_rank(CPGroup.single(debug=True), run).stats["host_syncs_in_layer_loop"] == 0
+
+
+@pytest.mark.parametrize("level", [6, 7, 8])
+def test_the_production_path_counts_zero_syncs(report_of, level: int) -> None:
+    rep = report_of(tiny(cp_size=2, requests=(Request(13, 150), Request(40, 130)), page_size=8, phases=PhaseSet.level(level)))
+    assert rep["matches_oracle"] is True and rep["host_sync_audit"] == "api"
+    assert [p["host_syncs_in_layer_loop"] for p in rep["per_rank"]] == [0, 0]
 
 
 def test_without_phase6_the_audit_is_off(report_of) -> None:

@@ -19,6 +19,7 @@ from reference_impl.cp.split import (
     Segment,
     build_split,
     in_seq_block_sizes,
+    SplitIndex,
     local_index_tensor,
     rerange_tensor,
     split_from_blocks,
@@ -109,7 +110,9 @@ def test_torch_helpers_simulate_padded_all_gather() -> None:
     padded = torch.cat([torch.nn.functional.pad(x, (0, meta.max_rank_len - len(x)), value=-1) for x in locals_])
     assert torch.equal(padded[rerange_tensor(meta, padded=True)], full)
     assert torch.equal(torch.cat(locals_)[rerange_tensor(meta)], full)
-    assert rerange_tensor(meta) is rerange_tensor(meta, "cpu")  # cached per device
+    index = SplitIndex.build(meta, 1)
+    assert torch.equal(index.local, local_index_tensor(meta, 1)) and index.rank_lengths == meta.rank_lengths
+    assert torch.equal(index.rerange, rerange_tensor(meta)) and torch.equal(index.padded_rerange, rerange_tensor(meta, padded=True))
 
 
 # ---- brute force ------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import torch
 from reference_impl.cp.comm import CPGroup
 from reference_impl.cp.narrow_output import collect_narrow
 from reference_impl.cp.rerange import gather_current
-from reference_impl.cp.split import build_split
+from reference_impl.cp.split import SplitIndex, build_split
 from reference_impl.cp.tail import OutputSpec, collect_full
 
 
@@ -66,10 +66,11 @@ def time_collectives(group: CPGroup, bench: CollectiveBench) -> dict[str, float]
     index_k = torch.randn(n_local, bench.index_dim, generator=gen, device=device).to(bench.dtype)
     hidden = torch.randn(n_local, bench.hidden, generator=gen, device=device).to(bench.dtype)
     spec = OutputSpec()
+    index = SplitIndex.build(meta, group.rank, device)
 
     def layer_gather() -> None:
-        gather_current(group, meta, kv, tag="kv")
-        gather_current(group, meta, index_k, tag="index_k")
+        gather_current(group, index, kv, tag="kv")
+        gather_current(group, index, index_k, tag="index_k")
 
     return {
         "layer_gather_ms": _median_ms(group, layer_gather, bench.repeats),

@@ -237,7 +237,7 @@ def build_cases(tokens: int, args: argparse.Namespace) -> list[Case]:
 
     # Rerange: the padded all-gather buffer of the in-seq split of one request.
     meta = build_split("in-seq", args.cp_size, [tokens], [0], page)
-    padded_index = rerange_tensor(meta, device, padded=True)
+    padded_index, rerange_index = rerange_tensor(meta, device, padded=True), rerange_tensor(meta, device)
     for name, width in (("kv", kv.shape[1]), ("index", k.shape[1])):
         raw = torch.randn(args.cp_size, meta.max_rank_len, width, device=device, generator=gen).to(torch.bfloat16)
         holder: list[torch.Tensor] = []  # each path allocates its result, as the engine would
@@ -247,7 +247,7 @@ def build_cases(tokens: int, args: argparse.Namespace) -> list[Case]:
             holder[:] = [rerange_padded_triton(raw, padded_index, **config)]
 
         def rerange_ref(raw: torch.Tensor = raw, holder: list[torch.Tensor] = holder) -> None:
-            holder[:] = [fused_torch.rerange_padded_torch(raw, meta)]
+            holder[:] = [fused_torch.rerange_padded_torch(raw, meta.rank_lengths, rerange_index)]
 
         def held(holder: list[torch.Tensor] = holder) -> list[torch.Tensor]:
             return holder

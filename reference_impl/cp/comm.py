@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from reference_impl.config import ConfigError, env_flag
-from reference_impl.cp.sync_audit import diagnostic
+from reference_impl.sync_audit import diagnostic, transport
 
 logger = logging.getLogger(__name__)
 
@@ -208,7 +208,8 @@ class CPGroup:
         # Reinterpret rows as raw bytes: a gather is pure data movement and gloo lacks some dtypes.
         send_bytes = send.reshape(max_len, -1).view(torch.uint8)
         out_bytes = out.view(self._size, max_len, -1).view(torch.uint8)
-        self._exchange(out_bytes, send_bytes)
+        with transport():  # gloo stages CUDA tensors through the host: the wire's syncs, not the layer's
+            self._exchange(out_bytes, send_bytes)
 
         padded = max_len * row_bytes
         self.stats.append(

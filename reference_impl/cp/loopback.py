@@ -65,6 +65,8 @@ class LoopbackGroup(CPGroup):
         self.stats = []
         self._fused_gather = True
         self.wire_gbps = wire_gbps
+        # Measured here, not at the first gather: the measurement synchronizes the device.
+        self._cycles_per_ms = _sleep_cycles_per_ms(dev.index or 0) if wire_gbps is not None else 0.0
 
     @property
     def is_trivial(self) -> bool:
@@ -80,7 +82,7 @@ class LoopbackGroup(CPGroup):
         if self.wire_gbps is not None:
             received = (self._size - 1) * send_bytes.numel()
             ms = received / self.wire_gbps / 1e6
-            torch.cuda._sleep(int(ms * _sleep_cycles_per_ms(self._device.index or 0)))
+            torch.cuda._sleep(int(ms * self._cycles_per_ms))
 
     def barrier(self, tag: str = "barrier") -> None:
         """Nothing to wait for: the other ranks do not exist."""

@@ -12,25 +12,26 @@ from __future__ import annotations
 import torch
 
 from reference_impl.cp.comm import CPGroup
-from reference_impl.cp.split import SplitMetadata, rerange_tensor
+from reference_impl.cp.split import SplitIndex
 
 
-def rerange(gathered: torch.Tensor, meta: SplitMetadata) -> torch.Tensor:
+def rerange(gathered: torch.Tensor, index: SplitIndex) -> torch.Tensor:
     """Rank-major rows (unpadded all-gather result) -> sequence order: ``gathered[rerange_index]``."""
-    return gathered.index_select(0, rerange_tensor(meta, gathered.device))
+    return gathered.index_select(0, index.rerange)
 
 
 def gather_current(
-    group: CPGroup, meta: SplitMetadata, local: torch.Tensor, tag: str, fused: bool = False, debug: bool = False
+    group: CPGroup, index: SplitIndex, local: torch.Tensor, tag: str, fused: bool = False, debug: bool = False
 ) -> torch.Tensor:
     """All-gather each rank's ``local [n_local, W]`` rows and return ``[T, W]`` in sequence order.
 
-    ``fused`` (phase 7) reranges straight from the padded buffer in one pass (Triton on CUDA)
-    instead of trimming, then reordering.
+    ``index`` is the batch's :class:`~reference_impl.cp.split.SplitIndex` (device tensors built
+    before the layer loop). ``fused`` (phase 7) reranges straight from the padded buffer in one
+    pass (Triton on CUDA) instead of trimming, then reordering.
     """
     if fused:
         from reference_impl.kernels.cp_dispatch import rerange_padded
 
-        raw = group.all_gather_rows_padded_raw(local, meta.rank_lengths, tag=tag)
-        return rerange_padded(raw, meta, debug=debug)
-    return rerange(group.all_gather_padded(local, meta.rank_lengths, tag=tag), meta)
+        raw = group.all_gather_rows_padded_raw(local, index.rank_lengths, tag=tag)
+        return rerange_padded(raw, index, debug=debug)
+    return rerange(group.all_gather_padded(local, index.rank_lengths, tag=tag), index)

@@ -21,8 +21,8 @@ Index spaces used throughout:
 * **padded row**: row of the padded all-gather result, where every rank sends ``max_rank_len``
   rows; rank ``r``'s local ``k`` sits at ``r * max_rank_len + k`` (``padded_rerange_index``).
 
-Everything here is pure integer logic on host; torch appears only in the two tensor helpers at
-the bottom (imported lazily), and torch.distributed not at all.
+Everything here is pure integer logic on host; torch appears only in the device index tensors at
+the bottom (:class:`SplitIndex`, built once per batch), and torch.distributed not at all.
 
 Extension point for the page-aligned split (phase 4): a builder computes per-request block sizes
 its own way and hands them to :func:`split_from_blocks` with ``page_aligned=True``;
@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -94,9 +94,6 @@ class SplitMetadata:
     rank_tokens: tuple[tuple[int, ...], ...]
     segments: tuple[tuple[Segment, ...], ...]
     page_aligned: bool = False
-    _tensor_cache: dict[tuple[Any, ...], Any] = field(
-        default_factory=dict, init=False, repr=False, compare=False, hash=False
-    )
 
     # ---- derived, host side --------------------------------------------------------------
 
@@ -353,24 +350,18 @@ def build_split(
     return split_from_blocks(cp_size, extend_lens, prefix_lens, blocks, page_size=page_size, page_aligned=False)
 
 
-# ---- torch helpers (cached per device on the metadata) ------------------------------------
-
-
-def _cached_long_tensor(meta: SplitMetadata, key: tuple[Any, ...], values: Sequence[int], device: Any) -> torch.Tensor:
-    import torch
-
-    device = torch.device(device)
-    full_key = (*key, str(device))
-    tensor = meta._tensor_cache.get(full_key)
-    if tensor is None:
-        tensor = torch.tensor(values, dtype=torch.long, device=device)
-        meta._tensor_cache[full_key] = tensor
-    return tensor
+# ---- device index tensors (built once per batch, before the layer loop) --------------------
 
 
 def local_index_tensor(meta: SplitMetadata, rank: int, device: Any = "cpu") -> torch.Tensor:
-    """``int64 [rank_lengths[rank]]``: global indices of ``rank``'s tokens, so ``local = full[idx]``."""
-    return _cached_long_tensor(meta, ("local", rank), meta.local_tokens(rank), device)
+    """``int64 [rank_lengths[rank]]``: global indices of ``rank``'s tokens, so ``local = full[idx]``.
+
+    Built from host metadata (a host-to-device copy on a GPU): build it once per batch, outside
+    the layer loop.
+    """
+    import torch
+
+    return torch.tensor(meta.local_tokens(rank), dtype=torch.long, device=device)
 
 
 def rerange_tensor(meta: SplitMetadata, device: Any = "cpu", *, padded: bool = False) -> torch.Tensor:
@@ -378,6 +369,29 @@ def rerange_tensor(meta: SplitMetadata, device: Any = "cpu", *, padded: bool = F
 
     ``padded=False`` indexes the trimmed rank-major tensor (``total_tokens`` rows); ``padded=True``
     indexes the raw padded all-gather output (``cp_size * max_rank_len`` rows), skipping the trim.
+    Built from host metadata: once per batch, outside the layer loop.
     """
+    import torch
+
     values = meta.padded_rerange_index if padded else meta.rerange_index
-    return _cached_long_tensor(meta, ("rerange", padded), values, device)
+    return torch.tensor(values, dtype=torch.long, device=device)
+
+
+@dataclass(frozen=True)
+class SplitIndex:
+    """One rank's split as device tensors, built once per batch so the layer loop copies nothing
+    from the host (phase 6's invariant holds at every level)."""
+
+    rank_lengths: tuple[int, ...]  # rows each rank sends in the all-gathers
+    local: torch.Tensor  # int64 [n_local]: global indices of this rank's tokens
+    rerange: torch.Tensor  # int64 [T]: trimmed rank-major row of each global token
+    padded_rerange: torch.Tensor  # int64 [T]: padded all-gather row of each global token
+
+    @classmethod
+    def build(cls, meta: SplitMetadata, rank: int, device: Any = "cpu") -> "SplitIndex":
+        return cls(
+            meta.rank_lengths,
+            local_index_tensor(meta, rank, device),
+            rerange_tensor(meta, device),
+            rerange_tensor(meta, device, padded=True),
+        )

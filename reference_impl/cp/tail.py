@@ -16,8 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from reference_impl.cp.comm import CPGroup
-from reference_impl.cp.rerange import rerange
-from reference_impl.cp.split import SplitMetadata
+from reference_impl.cp.split import SplitMetadata, rerange_tensor
 
 
 @dataclass(frozen=True)
@@ -55,7 +54,7 @@ def collect_full(group: CPGroup, meta: SplitMetadata, x_local: torch.Tensor, spe
     Moves ``max_rank_len x hidden`` per rank (padded); every rank ends with ``[T, hidden]``.
     """
     gathered = group.all_gather_padded(x_local, meta.rank_lengths, tag="tail")
-    all_hidden = rerange(gathered, meta)
+    all_hidden = gathered.index_select(0, rerange_tensor(meta, x_local.device))
     row_ids = tuple(range(meta.total_tokens)) if spec.needs_every_row else spec.rows(meta)
     index = torch.tensor(row_ids, dtype=torch.long, device=x_local.device)
     return TailOutput("full", row_ids, all_hidden.index_select(0, index), all_hidden)

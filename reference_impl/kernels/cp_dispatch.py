@@ -26,8 +26,8 @@ from collections.abc import Callable
 import torch
 
 from reference_impl.config import env_flag
-from reference_impl.cp.split import SplitMetadata, rerange_tensor
-from reference_impl.cp.sync_audit import diagnostic
+from reference_impl.cp.split import SplitIndex
+from reference_impl.sync_audit import diagnostic
 from reference_impl.kernels import fused_torch
 from reference_impl.kernels.dispatch import triton_available
 from reference_impl.kvcache.layout import KVLayout
@@ -168,19 +168,19 @@ def fused_store_index(
 
 
 def rerange_padded(
-    raw: torch.Tensor, meta: SplitMetadata, *, debug: bool = False, force_torch: bool = False
+    raw: torch.Tensor, index: SplitIndex, *, debug: bool = False, force_torch: bool = False
 ) -> torch.Tensor:
     """Padded all-gather buffer ``raw [C, max_len, ...]`` -> ``[T, ...]`` in sequence order (a new tensor).
 
-    ``raw`` is :meth:`CPGroup.all_gather_rows_padded_raw`'s result for the split ``meta``.
+    ``raw`` is :meth:`CPGroup.all_gather_rows_padded_raw`'s result for the split whose device
+    tensors ``index`` holds.
     """
-    fused_torch.check_rerange_args(raw, meta)
+    fused_torch.check_rerange_args(raw, index.rank_lengths)
     if _fused(raw, debug, force_torch):
-        index = rerange_tensor(meta, raw.device, padded=True)
-        ran, out = _run_triton("rerange_padded", lambda: _triton_rerange(raw, index))
+        ran, out = _run_triton("rerange_padded", lambda: _triton_rerange(raw, index.padded_rerange))
         if ran:
             return out  # type: ignore[return-value]
-    return fused_torch.rerange_padded_torch(raw, meta)
+    return fused_torch.rerange_padded_torch(raw, index.rank_lengths, index.rerange)
 
 
 def materialize_rows(

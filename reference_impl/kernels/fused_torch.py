@@ -20,7 +20,6 @@ from __future__ import annotations
 import torch
 
 from reference_impl.config import ConfigError
-from reference_impl.cp.split import SplitMetadata, rerange_tensor
 from reference_impl.kvcache.layout import INDEX_HEAD_DIM, SCALE_BYTES, KVLayout
 from reference_impl.model.fp8 import FP8_DTYPE
 
@@ -123,11 +122,11 @@ def check_materialize_args(
     return n_source
 
 
-def check_rerange_args(raw: torch.Tensor, meta: SplitMetadata) -> None:
-    """``raw`` must be the padded all-gather buffer of ``meta``: ``[C, max_rank_len, ...]``."""
-    if raw.dim() < 2 or tuple(raw.shape[:2]) != (meta.cp_size, meta.max_rank_len):
+def check_rerange_args(raw: torch.Tensor, lengths: tuple[int, ...]) -> None:
+    """``raw`` must be the padded all-gather buffer of ranks sending ``lengths`` rows: ``[C, max(lengths), ...]``."""
+    if raw.dim() < 2 or tuple(raw.shape[:2]) != (len(lengths), max(lengths)):
         raise ConfigError(
-            f"rerange: raw must be [C={meta.cp_size}, max_len={meta.max_rank_len}, ...], got {tuple(raw.shape)}"
+            f"rerange: raw must be [C={len(lengths)}, max_len={max(lengths)}, ...], got {tuple(raw.shape)}"
         )
 
 
@@ -166,10 +165,10 @@ def trim_padded(raw: torch.Tensor, lengths: tuple[int, ...]) -> torch.Tensor:
     return torch.cat([raw[r, :n] for r, n in enumerate(lengths)])
 
 
-def rerange_padded_torch(raw: torch.Tensor, meta: SplitMetadata) -> torch.Tensor:
-    """Padded rank-major ``raw [C, max_len, W]`` -> sequence order ``[T, W]``: trim, then reorder."""
-    trimmed = trim_padded(raw, meta.rank_lengths)
-    return trimmed.index_select(0, rerange_tensor(meta, raw.device))
+def rerange_padded_torch(raw: torch.Tensor, lengths: tuple[int, ...], rerange_index: torch.Tensor) -> torch.Tensor:
+    """Padded rank-major ``raw [C, max_len, W]`` -> sequence order ``[T, W]``: trim to ``lengths``
+    rows per rank, then reorder by ``rerange_index`` (``int64 [T]``, rows of the trimmed tensor)."""
+    return trim_padded(raw, lengths).index_select(0, rerange_index)
 
 
 def mla_token_rows(mla_pages: torch.Tensor, layout: KVLayout) -> torch.Tensor:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from reference_impl.config import ConfigError
-from reference_impl.cp.sync_audit import diagnostic
+from reference_impl.sync_audit import diagnostic
 from reference_impl.model.fp8 import FP8_DTYPE
 
 from .layout import SCALE_BYTES, KVLayout

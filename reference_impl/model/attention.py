@@ -24,7 +24,7 @@ from torch import nn
 
 from reference_impl.config import ModelConfig
 from reference_impl.kernels.dispatch import indexer_topk, sparse_mla_attention
-from reference_impl.model.fp8 import act_quant, hadamard_rotate
+from reference_impl.model.fp8 import act_quant, hadamard_matrix, hadamard_rotate
 from reference_impl.model.rope import apply_rope, rope_cos_sin, rope_frequencies
 from reference_impl.model.sparse_attention import HostKeyBounds
 
@@ -94,6 +94,8 @@ class Indexer(nn.Module):
         self.wk = _linear(cfg.dim, cfg.index_head_dim, dtype)
         self.k_norm = LayerNorm(cfg.index_head_dim)
         self.weights_proj = _linear(cfg.dim, cfg.index_n_heads, torch.float32)  # runs in fp32
+        # Built with the model (not on first use, which would copy it to the device mid-forward).
+        self.register_buffer("hadamard", hadamard_matrix(cfg.index_head_dim), persistent=False)
 
 
 @dataclass
@@ -167,10 +169,10 @@ class DSAAttention(nn.Module):
         k = idx.k_norm(idx.wk(x))
         k_pe, k_nope = k.split([r, d - r], dim=-1)
         k = torch.cat([apply_rope(k_pe, cos, sin, inter), k_nope], dim=-1)
-        q_fp8, q_scale = act_quant(hadamard_rotate(q), 128, cfg.index_scale_fmt)  # scale [T, Hi, 1]
+        q_fp8, q_scale = act_quant(hadamard_rotate(q, idx.hadamard), 128, cfg.index_scale_fmt)  # scale [T, Hi, 1]
         weights = idx.weights_proj(x.float()) * hi**-0.5
         weights = weights * q_scale[..., 0] * d**-0.5
-        return (q_fp8, q_scale), hadamard_rotate(k), weights
+        return (q_fp8, q_scale), hadamard_rotate(k, idx.hadamard), weights
 
     # ---- full-view half -----------------------------------------------------------------------
 

@@ -9,8 +9,6 @@ scale is rounded up to a power of two (exactly, by exponent bits: :func:`round_u
 from __future__ import annotations
 
 import math
-from functools import lru_cache
-
 import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -66,22 +64,25 @@ def act_dequant(x_fp8: torch.Tensor, scale: torch.Tensor, block: int = 128) -> t
     return y.flatten(-2)
 
 
-@lru_cache(maxsize=8)
-def _hadamard_matrix(n: int, device_str: str) -> torch.Tensor:
-    if n & (n - 1):
+def hadamard_matrix(n: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """The ``n x n`` Sylvester Hadamard matrix (entries +-1, float32), built on ``device``
+    (default: the current default device). A model keeps it as a buffer, so no forward builds it."""
+    if n < 1 or n & (n - 1):
         raise ValueError(f"Hadamard size {n} is not a power of two")
-    h = torch.ones(1, 1, dtype=torch.float32)
+    h = torch.ones(1, 1, dtype=torch.float32, device=device)
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h.to(device_str)
+    return h
 
 
-def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
+def hadamard_rotate(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """``rotate_activation``: Sylvester Hadamard transform over the last dim, scaled by ``d^-0.5``.
 
-    Matches ``fast_hadamard_transform.hadamard_transform(x, scale=d**-0.5)``; computed in float32
-    and returned in ``x.dtype``.
+    ``h`` is :func:`hadamard_matrix` of ``x.shape[-1]`` on ``x``'s device. Matches
+    ``fast_hadamard_transform.hadamard_transform(x, scale=d**-0.5)``; computed in float32 and
+    returned in ``x.dtype``.
     """
     d = x.shape[-1]
-    h = _hadamard_matrix(d, str(x.device))
-    return (x.float() @ h * (1.0 / math.sqrt(d))).to(x.dtype)
+    if h.shape != (d, d):
+        raise ValueError(f"Hadamard matrix {tuple(h.shape)} does not match the last dim {d}")
+    return (x.float() @ h.float() * (1.0 / math.sqrt(d))).to(x.dtype)
