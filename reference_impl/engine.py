@@ -40,6 +40,7 @@ from reference_impl.cp.prefetch import MlaPrefetcher
 from reference_impl.cp.rerange import gather_current
 from reference_impl.cp.split import SplitIndex, SplitMetadata, build_split
 from reference_impl.cp.tail import OutputSpec, collect_full
+from reference_impl.kernels import fallback
 from reference_impl.kvcache.allocator import RequestPageTable
 from reference_impl.kvcache.layout import KVLayout
 from reference_impl.model.oracle import run_oracle
@@ -83,6 +84,7 @@ class RankResult:
     stored: list[dict[int, tuple[torch.Tensor, ...]]] = field(default_factory=list)  # per layer (check runs)
     store: KVStore | None = None  # the rank's KV store, only with ``run_rank(..., keep_store=True)`` (PD transfer)
     host_sync_audit: str = ""  # how phase 6 counted the layer loop's host syncs ("" without phase 6)
+    kernel_fallbacks: dict[str, str] = field(default_factory=dict)  # kernel -> first error, in this rank's process
 
 
 KVStore = ReplicatedKV | ShardedKV
@@ -275,6 +277,7 @@ def run_rank(group: CPGroup, run: RunConfig, *, keep_store: bool = False) -> Ran
         else [],
         store=store if keep_store else None,
         host_sync_audit=acc.sync_audit,
+        kernel_fallbacks=fallback.fallbacks_taken(),
     )
 
 

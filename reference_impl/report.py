@@ -100,6 +100,7 @@ def build_report(
         "backend": backend,
         "ranks_share_device": shared_gpu or (device.type == "cuda" and run.cp_size > 1 and backend == "gloo"),
         "host_sync_audit": results[0].host_sync_audit or None,
+        "kernel_fallbacks": {k: v for r in results for k, v in r.kernel_fallbacks.items()},
         "tail_mode": results[0].tail_mode,
         "store_path": results[0].store_path,
         "matches_oracle": agreement.matches_oracle if agreement else None,
@@ -165,5 +166,7 @@ def format_table(reports: list[dict[str, Any]]) -> str:
         lines.extend("  " + "  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)
         for problem in rep["problems"]:
             lines.append(f"  ! {problem}")
+        for kernel, error in rep.get("kernel_fallbacks", {}).items():
+            lines.append(f"  ! {kernel} failed and fell back ({error})")
         lines.append("")
     return "\n".join(lines)

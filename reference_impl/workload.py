@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from reference_impl.config import RunConfig
+from reference_impl.kernels.dispatch import KERNEL_OPS
 from reference_impl.model.oracle import DSAModel, init_weights
 
 
@@ -28,9 +29,10 @@ def compute_dtype(run: RunConfig, device: torch.device) -> torch.dtype:
 
 @torch.no_grad()
 def build_model(run: RunConfig, device: torch.device) -> DSAModel:
-    """The run's model with deterministic weights from ``run.seed``."""
+    """The run's model with deterministic weights from ``run.seed``; its indexer top-k and sparse
+    attention go through the kernel dispatch (:data:`~reference_impl.kernels.dispatch.KERNEL_OPS`)."""
     with torch.device(device):
-        model = DSAModel(run.model, compute_dtype(run, device))
+        model = DSAModel(run.model, compute_dtype(run, device), ops=KERNEL_OPS)
     return init_weights(model, run.seed).eval()
 
 

@@ -1,4 +1,15 @@
-"""Shared fixtures: small CP runs on CPU (gloo, forked ranks) cached per configuration."""
+"""Two tiers, one suite.
+
+* **CPU tier** (``pytest tests``, the default; CI): every test not marked ``gpu``. Triton kernels run
+  under the interpreter (``TRITON_INTERPRET=1``) and CUDA is hidden (``CUDA_VISIBLE_DEVICES=``), so
+  a test cannot pick a GPU by accident: what a CPU test checks runs on CPU tensors on any machine.
+* **GPU tier** (``pytest --gpu tests``): only the tests marked ``gpu`` (``tests/gpu/``), with the
+  compiled kernels on a CUDA device; skipped where no CUDA device is visible.
+
+Both environment variables must be set before Triton compiles a kernel module or CUDA initializes,
+which is why the tier is decided here, in ``pytest_configure``, before any test module is imported.
+Shared fixtures: small CP runs on CPU (gloo, forked ranks) cached per configuration.
+"""
 
 from __future__ import annotations
 
@@ -6,18 +17,52 @@ import functools
 import importlib
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run under the interpreter on CPU
+import pytest
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+GPU_TIER_HELP = "run the GPU tier (tests marked gpu, compiled kernels on CUDA) instead of the CPU tier"
 
-from reference_impl.config import PhaseSet, Request, RunConfig  # noqa: E402
-from reference_impl.runner import run_prefill  # noqa: E402
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--gpu", action="store_true", default=False, help=GPU_TIER_HELP)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--gpu"):
+        if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+            raise pytest.UsageError("the GPU tier runs compiled kernels: unset TRITON_INTERPRET")
+        return
+    os.environ["TRITON_INTERPRET"] = "1"  # Triton kernels run under the interpreter on CPU
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the CPU tier never touches a GPU, even on a GPU machine
+    import torch
+
+    if torch.cuda.is_initialized():
+        raise pytest.UsageError("CUDA was initialized before the CPU tier could hide it")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpu_tier = config.getoption("--gpu")
+    if gpu_tier:
+        keep = [item for item in items if "gpu" in item.keywords]
+        config.hook.pytest_deselected(items=[item for item in items if "gpu" not in item.keywords])
+        items[:] = keep
+        import torch
+
+        if not torch.cuda.is_available():
+            skip = pytest.mark.skip(reason="GPU tier: no CUDA device is visible")
+            for item in items:
+                item.add_marker(skip)
+        return
+    skip = pytest.mark.skip(reason="GPU tier: run `pytest --gpu tests` on a CUDA machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 @functools.lru_cache(maxsize=None)
-def cached_report(run: RunConfig) -> dict:
-    return run_prefill(run, timeout_s=120)
+def cached_report(run: object) -> dict:
+    from reference_impl.runner import run_prefill
+
+    return run_prefill(run, timeout_s=120)  # type: ignore[arg-type]
 
 
 @pytest.fixture
@@ -25,46 +70,36 @@ def report_of():
     return cached_report
 
 
-def tiny(**changes) -> RunConfig:
-    base = RunConfig(preset="tiny", cp_size=2, requests=(Request(0, 96), Request(40, 70)), phases=PhaseSet())
+def tiny(**changes):  # -> RunConfig
+    """The tiny preset on CPU (2 ranks, two requests, no phases) with ``changes`` applied."""
+    from reference_impl.config import PhaseSet, Request, RunConfig
+
+    base = RunConfig(
+        preset="tiny", cp_size=2, requests=(Request(0, 96), Request(40, 70)), phases=PhaseSet(), device="cpu"
+    )
     return base.replace(**changes)
 
 
-def interpreted(module_name: str) -> object:
-    """Import a Triton kernel module so that its kernels run under the interpreter.
-
-    ``triton.jit`` picks interpreter or compiler when the module is imported; if another test
-    module imported it first without ``TRITON_INTERPRET=1``, import it again now.
-    """
-    module = importlib.import_module(module_name)
-    kernel = next(v for k, v in vars(module).items() if k.startswith("_") and k.endswith("_kernel"))
-    if type(kernel).__name__ != "InterpretedFunction":
-        module = importlib.reload(module)
-    return module
-
-
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
+def as_bytes(t):  # -> torch.Tensor
     """``t``'s bytes (uint8), to compare packed outputs byte for byte."""
+    import torch
+
     return t.contiguous().view(torch.uint8)
 
 
-# The fused-kernel modules, imported so that their kernels run under the interpreter. fused_materialize
-# shares conversion helpers with fused_store: if fused_store was reloaded, reload it too.
+# The Triton kernel modules, for the CPU tier's interpreter tests.
 
 
 @pytest.fixture(scope="module")
 def fs() -> object:
-    return interpreted("reference_impl.kernels.fused_store")
+    return importlib.import_module("reference_impl.kernels.fused_store")
 
 
 @pytest.fixture(scope="module")
 def fr() -> object:
-    return interpreted("reference_impl.kernels.fused_rerange")
+    return importlib.import_module("reference_impl.kernels.fused_rerange")
 
 
 @pytest.fixture(scope="module")
-def fm(fs: object) -> object:
-    module = interpreted("reference_impl.kernels.fused_materialize")
-    if module._bf16_bits is not fs._bf16_bits:  # type: ignore[attr-defined]
-        module = importlib.reload(module)
-    return module
+def fm() -> object:
+    return importlib.import_module("reference_impl.kernels.fused_materialize")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere in this module
 
 import struct
 from fractions import Fraction

@@ -6,34 +6,30 @@ The kernels are called directly at toy sizes and compared with the torch referen
 
 from __future__ import annotations
 
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere in this module
-
+import importlib
 import logging
 
 import pytest
 
-from conftest import interpreted
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 
-from reference_impl.kernels import dispatch  # noqa: E402
+from reference_impl.kernels import dispatch, fallback  # noqa: E402
 from reference_impl.model import sparse_attention as ref  # noqa: E402
 from reference_impl.model.fp8 import act_quant  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def mla() -> object:
-    return interpreted("reference_impl.kernels.sparse_mla_triton")
+    return importlib.import_module("reference_impl.kernels.sparse_mla_triton")
 
 
 @pytest.fixture(scope="module")
 def idx_mod() -> object:
-    return interpreted("reference_impl.kernels.indexer_triton")
+    return importlib.import_module("reference_impl.kernels.indexer_triton")
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -228,9 +224,11 @@ def test_indexer_topk_fewer_visible_than_topk(idx_mod: object) -> None:
 
 
 @pytest.fixture()
-def fresh_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(dispatch, "_WARNED", set())
+def fresh_warnings(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.delenv("DSACP_FORCE_TORCH", raising=False)
+    fallback.reset_fallbacks()
+    yield
+    fallback.reset_fallbacks()
 
 
 def _boom(*args: object, **kwargs: object) -> object:
@@ -240,20 +238,20 @@ def _boom(*args: object, **kwargs: object) -> object:
 def test_dispatch_failing_kernel_falls_back_with_one_warning(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, fresh_warnings: None
 ) -> None:
-    monkeypatch.setattr(dispatch, "_on_triton_device", lambda tensor: True)  # pretend CUDA
+    monkeypatch.setattr(fallback, "device_runs_kernels", lambda device: True)  # pretend CUDA
     monkeypatch.setattr(dispatch, "_triton_sparse_mla", _boom)
     monkeypatch.setattr(dispatch, "_triton_indexer_topk", _boom)
     gen = torch.Generator().manual_seed(6)
     q, kv, indices = _attention_case(gen, n_tokens=5, n_heads=3, d_qk=96, n_kv=30, topk=8, dtype=torch.float32)
     iq, w, k, ks, kst, ke = _indexer_case(gen, n_heads=2)
-    with caplog.at_level(logging.WARNING, logger=dispatch.__name__):
+    with caplog.at_level(logging.WARNING, logger=fallback.__name__):
         for _ in range(3):
             out, lse = dispatch.sparse_mla_attention(q, kv, indices, 0.1, 64)
             top = dispatch.indexer_topk(iq, w, k, ks, kst, ke, 16)
     ref_out, ref_lse = ref.sparse_mla_attention(q, kv, indices, 0.1, 64)
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
     assert torch.equal(top, ref.indexer_topk(iq, w, k, ks, kst, ke, 16))
-    records = [r for r in caplog.records if r.name == dispatch.__name__]
+    records = [r for r in caplog.records if r.name == fallback.__name__]
     assert len(records) == 2, [r.getMessage() for r in records]  # one per kernel, not per call
     assert {"sparse_mla_attention" in r.getMessage() for r in records} == {True, False}
     assert all("simulated kernel failure" in r.getMessage() for r in records)
@@ -271,14 +269,14 @@ def test_dispatch_force_torch_and_cpu_skip_the_kernel(
     monkeypatch.setattr(dispatch, "_triton_sparse_mla", spy)
     gen = torch.Generator().manual_seed(7)
     q, kv, indices = _attention_case(gen, n_tokens=4, n_heads=2, d_qk=96, n_kv=20, topk=8, dtype=torch.float32)
-    with caplog.at_level(logging.DEBUG, logger=dispatch.__name__):
+    with caplog.at_level(logging.DEBUG, logger=fallback.__name__):
         dispatch.sparse_mla_attention(q, kv, indices, 0.1, 64)  # CPU tensors: torch path
-        monkeypatch.setattr(dispatch, "_on_triton_device", lambda tensor: True)  # pretend CUDA
+        monkeypatch.setattr(fallback, "device_runs_kernels", lambda device: True)  # pretend CUDA
         dispatch.sparse_mla_attention(q, kv, indices, 0.1, 64, force_torch=True)
         monkeypatch.setenv("DSACP_FORCE_TORCH", "1")
         dispatch.sparse_mla_attention(q, kv, indices, 0.1, 64)
     assert calls == [] and not caplog.records
-    assert dispatch.triton_available() is True
+    assert fallback.triton_available() is True
 
 
 def test_compute_bench_dry_run_sweeps_at_the_per_rank_shape(tmp_path, monkeypatch) -> None:
@@ -378,20 +376,29 @@ def _reference_kernel(calls: list[str], name: str):
     return kernel
 
 
+def _pretend_gluon_applies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on an H200: Gluon imports and the kernel supports the inputs."""
+    import reference_impl.kernels.sparse_mla_gluon as gluon_module
+
+    monkeypatch.setattr(dispatch, "gluon_available", lambda: True)
+    monkeypatch.setattr(gluon_module, "gluon_supported", lambda *a: True)
+
+
 def test_dispatch_tries_gluon_then_triton(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, fresh_warnings: None
 ) -> None:
-    """Gluon first; where it does not apply (it returns None: here, CPU tensors) the Triton kernel
-    runs silently; where it fails, the Triton kernel runs after one warning naming Gluon."""
-    monkeypatch.setattr(dispatch, "_on_triton_device", lambda tensor: True)  # pretend CUDA
+    """Gluon first; where it does not apply (here, CPU tensors) the Triton kernel runs silently;
+    where it fails, the Triton kernel runs after one warning naming Gluon."""
+    monkeypatch.setattr(fallback, "device_runs_kernels", lambda device: True)  # pretend CUDA
     calls: list[str] = []
     monkeypatch.setattr(dispatch, "_triton_sparse_mla", _reference_kernel(calls, "triton"))
     q, kv, indices = _attention_case(torch.Generator().manual_seed(8), 4, 2, 96, 20, 8, torch.float32)
     want, _ = ref.sparse_mla_attention(q, kv, indices, 0.1, 64)
-    with caplog.at_level(logging.WARNING, logger=dispatch.__name__):
+    with caplog.at_level(logging.WARNING, logger=fallback.__name__):
         assert dispatch.sparse_mla_kernel(q, kv, 64) == "triton"  # the real Gluon check declines CPU tensors
         assert torch.equal(dispatch.sparse_mla_attention(q, kv, indices, 0.1, 64)[0], want)
         assert calls == ["triton"] and not caplog.records
+        _pretend_gluon_applies(monkeypatch)
         monkeypatch.setattr(dispatch, "_gluon_sparse_mla", _reference_kernel(calls, "gluon"))
         dispatch.sparse_mla_attention(q, kv, indices, 0.1, 64)
         assert calls == ["triton", "gluon"]
@@ -399,23 +406,22 @@ def test_dispatch_tries_gluon_then_triton(
         for _ in range(3):
             assert torch.equal(dispatch.sparse_mla_attention(q, kv, indices, 0.1, 64)[0], want)
     assert calls == ["triton", "gluon", "triton", "triton", "triton"]
-    messages = [r.getMessage() for r in caplog.records if r.name == dispatch.__name__]
+    messages = [r.getMessage() for r in caplog.records if r.name == fallback.__name__]
     assert len(messages) == 1 and "Gluon sparse_mla_attention failed" in messages[0]
     assert "falling back to the Triton kernel" in messages[0] and "simulated kernel failure" in messages[0]
 
 
 def test_dispatch_no_gluon_skips_the_gluon_kernel(monkeypatch: pytest.MonkeyPatch, fresh_warnings: None) -> None:
-    monkeypatch.setattr(dispatch, "_on_triton_device", lambda tensor: True)  # pretend CUDA
+    monkeypatch.setattr(fallback, "device_runs_kernels", lambda device: True)  # pretend CUDA
     calls: list[str] = []
     monkeypatch.setattr(dispatch, "_triton_sparse_mla", _reference_kernel(calls, "triton"))
     q, kv, indices = _attention_case(torch.Generator().manual_seed(9), 4, 2, 96, 20, 8, torch.float32)
     monkeypatch.setenv("DSACP_NO_GLUON", "1")
-    monkeypatch.setattr(dispatch, "gluon_available", lambda: True)
-    import reference_impl.kernels.sparse_mla_gluon as gluon_module
-
-    monkeypatch.setattr(gluon_module, "gluon_supported", lambda *a: True)  # as on an H200
+    _pretend_gluon_applies(monkeypatch)
+    monkeypatch.setattr(dispatch, "_gluon_sparse_mla", _boom)  # must not run
     assert dispatch.sparse_mla_kernel(q, kv, 64) == "triton"
-    assert dispatch._gluon_sparse_mla(q, kv, indices, 0.1, 64, torch.float32) is None
+    dispatch.sparse_mla_attention(q, kv, indices, 0.1, 64)
+    assert calls == ["triton"] and not fallback.fallbacks_taken()
     monkeypatch.delenv("DSACP_NO_GLUON")
     assert dispatch.sparse_mla_kernel(q, kv, 64) == "gluon"
     assert dispatch.sparse_mla_kernel(q, kv, 64, force_torch=True) == "torch"

@@ -13,7 +13,6 @@ import functools
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere in this module
 
 import json
 import logging
@@ -37,8 +36,9 @@ from reference_impl.cp.kv_sharded import ShardedKV  # noqa: E402
 from reference_impl.cp.materialize import gather_pages, unpack_index_rows  # noqa: E402
 from reference_impl.cp.ownership import page_owner, physical_locs  # noqa: E402
 from reference_impl.cp.split import SplitIndex, build_split, rerange_tensor  # noqa: E402
-from reference_impl.kernels import cp_dispatch, fused_torch  # noqa: E402
-from reference_impl.kernels import fused_store as fused_store_module  # noqa: E402
+from reference_impl.cp import fused_ops  # noqa: E402
+from reference_impl.kernels import fallback, fused_torch  # noqa: E402
+from reference_impl.kernels import triton_helpers  # noqa: E402
 from reference_impl.kvcache.layout import KVLayout, pack_mla  # noqa: E402
 from reference_impl.kvcache.pool import LocOutOfRangeError, PagedKVPool  # noqa: E402
 
@@ -56,8 +56,8 @@ def _convert_kernel(x_ptr, fp8_ptr, bf16_ptr, n, BLOCK: tl.constexpr):
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
     y = tl.minimum(tl.maximum(x, -448.0), 448.0)
-    tl.store(fp8_ptr + offs, fused_store_module._e4m3_bits(y, True), mask=mask)
-    tl.store(bf16_ptr + offs, fused_store_module._bf16_bits(x, True), mask=mask)
+    tl.store(fp8_ptr + offs, triton_helpers.e4m3_bits(y, True), mask=mask)
+    tl.store(bf16_ptr + offs, triton_helpers.bf16_bits(x, True), mask=mask)
 
 
 def test_soft_conversions_round_to_nearest_even_like_torch(fs: object) -> None:
@@ -354,9 +354,11 @@ def test_materialize_matches_sharded_full_view(fm: object) -> None:
 
 
 @pytest.fixture()
-def fresh_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cp_dispatch, "_WARNED", set())
+def fresh_dispatch(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.delenv("DSACP_FORCE_TORCH", raising=False)
+    fallback.reset_fallbacks()
+    yield
+    fallback.reset_fallbacks()
 
 
 def _dispatch_case() -> dict[str, object]:
@@ -381,13 +383,13 @@ def _run_all(case: dict[str, object], **kw: object) -> tuple[torch.Tensor, ...]:
     layout: KVLayout = case["layout"]  # type: ignore[assignment]
     mla = torch.zeros(12, layout.mla_bytes, dtype=torch.uint8)
     index = torch.zeros(3, layout.index_page_bytes, dtype=torch.uint8)
-    cp_dispatch.fused_store_mla(case["kv"], None, case["dst"], mla, layout, **kw)  # type: ignore[arg-type]
-    cp_dispatch.fused_store_index(case["k"], None, case["dst"], index, layout, **kw)  # type: ignore[arg-type]
-    out = cp_dispatch.rerange_padded(case["raw"], SplitIndex.build(case["meta"], 0), **kw)  # type: ignore[arg-type]
+    fused_ops.fused_store_mla(case["kv"], None, case["dst"], mla, layout, **kw)  # type: ignore[arg-type]
+    fused_ops.fused_store_index(case["k"], None, case["dst"], index, layout, **kw)  # type: ignore[arg-type]
+    out = fused_ops.rerange_padded(case["raw"], SplitIndex.build(case["meta"], 0), **kw)  # type: ignore[arg-type]
     packed: torch.Tensor = case["packed"]  # type: ignore[assignment]
     split = 4 * layout.mla_bytes
     kv, i8, sc = torch.zeros(9, 192, dtype=torch.bfloat16), torch.zeros(9, 128, dtype=torch.uint8), torch.zeros(9)
-    cp_dispatch.materialize_rows(
+    fused_ops.materialize_rows(
         packed[:, :split],
         packed[:, split:],
         case["source"],
@@ -413,14 +415,14 @@ def test_dispatch_failing_kernels_fall_back_with_one_warning_each(
 ) -> None:
     case = _dispatch_case()
     want = _run_all(case)  # CPU tensors: the torch paths
-    monkeypatch.setattr(cp_dispatch, "_triton_device", lambda device: True)  # pretend CUDA
+    monkeypatch.setattr(fallback, "device_runs_kernels", lambda device: True)  # pretend CUDA
     for name in KERNELS:
-        monkeypatch.setattr(cp_dispatch, name, _boom)
-    with caplog.at_level(logging.DEBUG, logger=cp_dispatch.__name__):
+        monkeypatch.setattr(fused_ops, name, _boom)
+    with caplog.at_level(logging.DEBUG, logger=fallback.__name__):
         for _ in range(2):
             got = _run_all(case)
             assert all(torch.equal(as_bytes(a), as_bytes(b)) for a, b in zip(got, want))
-    records = [r for r in caplog.records if r.name == cp_dispatch.__name__]
+    records = [r for r in caplog.records if r.name == fallback.__name__]
     assert len(records) == 4, [r.getMessage() for r in records]  # one per kernel, not per call
     assert all(r.levelno == logging.WARNING and "simulated kernel failure" in r.getMessage() for r in records)
     assert {r.getMessage().split()[1] for r in records} == {
@@ -442,21 +444,21 @@ def test_dispatch_mla_only_materialize_falls_back_once_and_takes_torch_in_debug(
 
     def run(**kw: object) -> torch.Tensor:
         kv = torch.zeros(9, 192, dtype=torch.bfloat16)
-        cp_dispatch.materialize_mla_rows(mla, case["source"], case["rows"], kv, layout, **kw)  # type: ignore[arg-type]
+        fused_ops.materialize_mla_rows(mla, case["source"], case["rows"], kv, layout, **kw)  # type: ignore[arg-type]
         return kv
 
     want = run()  # CPU tensors: the torch path
-    monkeypatch.setattr(cp_dispatch, "_triton_device", lambda device: True)  # pretend CUDA
-    monkeypatch.setattr(cp_dispatch, "_triton_materialize_mla", _boom)
-    with caplog.at_level(logging.DEBUG, logger=cp_dispatch.__name__):
+    monkeypatch.setattr(fallback, "device_runs_kernels", lambda device: True)  # pretend CUDA
+    monkeypatch.setattr(fused_ops, "_triton_materialize_mla", _boom)
+    with caplog.at_level(logging.DEBUG, logger=fallback.__name__):
         assert all(torch.equal(as_bytes(run()), as_bytes(want)) for _ in range(2))
-    records = [r for r in caplog.records if r.name == cp_dispatch.__name__]
+    records = [r for r in caplog.records if r.name == fallback.__name__]
     assert len(records) == 1 and "materialize_mla_rows" in records[0].getMessage()
     assert torch.equal(as_bytes(run(debug=True)), as_bytes(want))
     bad_rows = case["rows"].clone()  # type: ignore[attr-defined]
     bad_rows[0] = 9
     with pytest.raises(LocOutOfRangeError):
-        cp_dispatch.materialize_mla_rows(mla, case["source"], bad_rows, torch.zeros(9, 192, dtype=torch.bfloat16),
+        fused_ops.materialize_mla_rows(mla, case["source"], bad_rows, torch.zeros(9, 192, dtype=torch.bfloat16),
                                          layout, debug=True)  # type: ignore[arg-type]
 
 
@@ -473,10 +475,10 @@ def test_dispatch_runs_the_kernels_silently_when_they_work(
     want = _run_all(case)
     calls: list[str] = []
     for name in KERNELS:
-        real = getattr(cp_dispatch, name)
-        monkeypatch.setattr(cp_dispatch, name, lambda *a, _real=real, _name=name: (calls.append(_name), _real(*a))[1])
-    monkeypatch.setattr(cp_dispatch, "_triton_device", lambda device: True)
-    with caplog.at_level(logging.DEBUG, logger=cp_dispatch.__name__):
+        real = getattr(fused_ops, name)
+        monkeypatch.setattr(fused_ops, name, lambda *a, _real=real, _name=name: (calls.append(_name), _real(*a))[1])
+    monkeypatch.setattr(fallback, "device_runs_kernels", lambda device: True)
+    with caplog.at_level(logging.DEBUG, logger=fallback.__name__):
         got = _run_all(case)
     assert calls == list(KERNELS) and not caplog.records
     assert all(torch.equal(as_bytes(a), as_bytes(b)) for a, b in zip(got, want))
@@ -488,17 +490,17 @@ def test_dispatch_debug_force_torch_and_cpu_take_the_torch_path(
     case = _dispatch_case()
     calls: list[str] = []
     for name in KERNELS:
-        monkeypatch.setattr(cp_dispatch, name, lambda *a, _name=name: calls.append(_name))
-    with caplog.at_level(logging.DEBUG, logger=cp_dispatch.__name__):
+        monkeypatch.setattr(fused_ops, name, lambda *a, _name=name: calls.append(_name))
+    with caplog.at_level(logging.DEBUG, logger=fallback.__name__):
         want = _run_all(case)  # CPU: torch
-        assert cp_dispatch.use_fused_kernels("cpu") is False
-        monkeypatch.setattr(cp_dispatch, "_triton_device", lambda device: True)  # pretend CUDA
-        assert cp_dispatch.use_fused_kernels("cuda") is True
-        assert cp_dispatch.use_fused_kernels("cuda", debug=True) is False
+        assert fallback.use_kernels("cpu") is False
+        monkeypatch.setattr(fallback, "device_runs_kernels", lambda device: True)  # pretend CUDA
+        assert fallback.use_kernels("cuda") is True
+        assert fallback.use_kernels("cuda", debug=True) is False
         for got in (_run_all(case, debug=True), _run_all(case, force_torch=True)):
             assert all(torch.equal(as_bytes(a), as_bytes(b)) for a, b in zip(got, want))
         monkeypatch.setenv("DSACP_FORCE_TORCH", "1")
-        assert cp_dispatch.use_fused_kernels("cuda") is False
+        assert fallback.use_kernels("cuda") is False
         _run_all(case)
     assert calls == [] and not caplog.records
 
@@ -508,15 +510,44 @@ def test_dispatch_bad_input_raises_instead_of_falling_back(
 ) -> None:
     case = _dispatch_case()
     layout: KVLayout = case["layout"]  # type: ignore[assignment]
-    monkeypatch.setattr(cp_dispatch, "_triton_device", lambda device: True)
+    monkeypatch.setattr(fallback, "device_runs_kernels", lambda device: True)
     pool = torch.zeros(12, layout.mla_bytes, dtype=torch.uint8)
     with pytest.raises(ConfigError, match="dst_locs"):
-        cp_dispatch.fused_store_mla(case["kv"], None, case["dst"][:5], pool, layout)  # type: ignore[arg-type]
+        fused_ops.fused_store_mla(case["kv"], None, case["dst"][:5], pool, layout)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="rerange"):
-        cp_dispatch.rerange_padded(torch.zeros(3, 2, 8), SplitIndex.build(case["meta"], 0))  # type: ignore[arg-type]
+        fused_ops.rerange_padded(torch.zeros(3, 2, 8), SplitIndex.build(case["meta"], 0))  # type: ignore[arg-type]
     with pytest.raises(LocOutOfRangeError):
-        cp_dispatch.fused_store_mla(case["kv"], None, case["dst"] + 12, pool, layout, debug=True)  # type: ignore[arg-type,operator]
-    assert not cp_dispatch._WARNED
+        fused_ops.fused_store_mla(case["kv"], None, case["dst"] + 12, pool, layout, debug=True)  # type: ignore[arg-type,operator]
+    assert not fallback.fallbacks_taken()
+
+
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch-path", "kernel-path"])
+def test_both_paths_refuse_an_out_of_range_loc_alike(
+    monkeypatch: pytest.MonkeyPatch, fresh_dispatch: None, kernel: bool
+) -> None:
+    """One loc past the pool, one gathered row past the buffer: the same ``LocOutOfRangeError`` on the
+    torch path and the kernel path (pretend CUDA), raised before anything is written."""
+    case = _dispatch_case()
+    layout: KVLayout = case["layout"]  # type: ignore[assignment]
+    if kernel:
+        monkeypatch.setattr(fallback, "device_runs_kernels", lambda device: True)
+    mla = torch.zeros(12, layout.mla_bytes, dtype=torch.uint8)
+    index = torch.zeros(3, layout.index_page_bytes, dtype=torch.uint8)
+    bad = case["dst"].clone()  # type: ignore[attr-defined]
+    bad[3] = 12
+    with pytest.raises(LocOutOfRangeError, match=r"dst_locs span \[\d+, 12\] outside \[0, 12\)"):
+        fused_ops.fused_store_mla(case["kv"], None, bad, mla, layout)  # type: ignore[arg-type]
+    with pytest.raises(LocOutOfRangeError, match=r"dst_locs span"):
+        fused_ops.fused_store_index(case["k"], None, bad, index, layout)  # type: ignore[arg-type]
+    assert not mla.any() and not index.any()
+    packed: torch.Tensor = case["packed"]  # type: ignore[assignment]
+    split = 4 * layout.mla_bytes
+    source = case["source"].clone()  # type: ignore[attr-defined]
+    source[0] = packed.shape[0] * 4
+    kv = torch.zeros(9, 192, dtype=torch.bfloat16)
+    with pytest.raises(LocOutOfRangeError, match="row_source span"):
+        fused_ops.materialize_mla_rows(packed[:, :split], source, case["rows"], kv, layout)  # type: ignore[arg-type]
+    assert not kv.any() and not fallback.fallbacks_taken()
 
 
 # ---- phase 6 remap --------------------------------------------------------------------------------

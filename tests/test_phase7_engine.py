@@ -3,13 +3,12 @@ through their torch paths (CPU default) and through the Triton kernels (forced, 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from conftest import tiny
 from reference_impl.config import PhaseSet, Request
-from reference_impl.kernels import cp_dispatch
+from reference_impl.cp import fused_ops
+from reference_impl.kernels import fallback
 from reference_impl.runner import run_prefill
 
 MIXED = (Request(16, 150), Request(13, 130))
@@ -22,19 +21,25 @@ def test_phase7_torch_paths_match_oracle(report_of, phases: PhaseSet, kv_dtype: 
     assert rep["matches_oracle"] is True and rep["cache_equal"] is True
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter on CPU")
+def _force_kernels_and_spy(monkeypatch) -> list[str]:
+    """Run the (interpreted) Triton kernels on CPU tensors, recording each kernel the ops launch;
+    forked ranks inherit the patches."""
+    calls: list[str] = []
+    original = fallback.run_with_fallback
+
+    def spy(kernel, fast, slow, **kw):
+        calls.append(kernel.removeprefix("Triton "))
+        return original(kernel, fast, slow, **kw)
+
+    monkeypatch.setattr(fused_ops, "_use_kernels", lambda device, debug, force_torch: not (debug or force_torch))
+    monkeypatch.setattr(fallback, "run_with_fallback", spy)
+    return calls
+
+
 @pytest.mark.parametrize(("kv_dtype", "cp_size"), [("fp8", 1), ("bf16", 1), ("fp8", 2)])
 def test_phase7_triton_kernels_match_oracle(monkeypatch, kv_dtype: str, cp_size: int) -> None:
     """Force the Triton kernels on CPU tensors (interpreter); forked ranks inherit the patch."""
-    calls = []
-    original = cp_dispatch._run_triton
-
-    def spy(kernel, fn):
-        calls.append(kernel)
-        return original(kernel, fn)
-
-    monkeypatch.setattr(cp_dispatch, "_fused", lambda tensor, debug, force_torch: not force_torch and not debug)
-    monkeypatch.setattr(cp_dispatch, "_run_triton", spy)
+    calls = _force_kernels_and_spy(monkeypatch)
     run = tiny(cp_size=cp_size, requests=(Request(16, 90), Request(5, 40)), page_size=8, kv_dtype=kv_dtype,
                phases=PhaseSet.level(7))
     rep = run_prefill(run)
@@ -49,18 +54,9 @@ def test_phase7_debug_takes_torch_paths_and_audits_clean(report_of) -> None:
     assert rep["matches_oracle"] is True and rep["per_rank"][0]["host_syncs_in_layer_loop"] == 0
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter on CPU")
 def test_phase8_prefetch_through_the_mla_kernel_matches_oracle(monkeypatch) -> None:
     """Level 8 with the kernels forced: the prefetch writes history through the MLA-only materialize."""
-    calls = []
-    original = cp_dispatch._run_triton
-
-    def spy(kernel, fn):
-        calls.append(kernel)
-        return original(kernel, fn)
-
-    monkeypatch.setattr(cp_dispatch, "_fused", lambda tensor, debug, force_torch: not force_torch and not debug)
-    monkeypatch.setattr(cp_dispatch, "_run_triton", spy)
+    calls = _force_kernels_and_spy(monkeypatch)
     rep = run_prefill(tiny(cp_size=1, requests=MIXED, page_size=8, n_layers=3, phases=PhaseSet.level(8)))
     assert rep["matches_oracle"] is True and rep["cache_equal"] is True
     assert "materialize_mla_rows" in calls and "materialize_rows" not in calls

@@ -110,7 +110,7 @@ def test_debug_flag_checks_loc_range() -> None:
     layout = _layout("fp8", 16)
     rows = torch.zeros(2, layout.mla_bytes, dtype=torch.uint8)
     pool = PagedKVPool(2, 2, 16, layout, debug=True)
-    with pytest.raises(LocOutOfRangeError, match=r"slots \[0, 32\)") as info:
+    with pytest.raises(LocOutOfRangeError, match=r"locs span \[3, 32\] outside \[0, 32\)") as info:
         pool.write_mla(0, torch.tensor([3, 32]), rows)
     assert isinstance(info.value, ConfigError) and isinstance(info.value, IndexError)
     with pytest.raises(LocOutOfRangeError, match="locs span"):

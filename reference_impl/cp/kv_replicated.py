@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from reference_impl.cp.batch import BatchPlan
-from reference_impl.kernels.cp_dispatch import fused_store
+from reference_impl.cp.fused_ops import fused_store
 from reference_impl.kvcache.layout import KVLayout
-from reference_impl.kvcache.pool import PagedKVPool
+from reference_impl.kvcache.pool import PagedKVPool, check_in_range
 
 
 @dataclass
@@ -47,12 +47,15 @@ class ReplicatedKV:
         self.pool = PagedKVPool(n_layers, plan.n_pages, plan.page_size, layout, device, debug)
         self.materialized_bytes = 0  # bytes read from storage to build full views, all layers
         self.transient_bytes = 0  # no gather buffers beyond the full view
+        self.bind(plan)
 
     def bind(self, plan: BatchPlan) -> None:
         """Serve the next chunk of a chunked prefill (same page-id space, same pool)."""
         if plan.n_pages != self.plan.n_pages:
             raise ValueError(f"chunk plan spans {plan.n_pages} pages, the pool was built for {self.plan.n_pages}")
         self.plan = plan
+        # Range-checked once per batch (a host read), so the layer loop's fused ops read nothing.
+        check_in_range("store locs", plan.extend_locs, self.pool.n_slots)
 
     @property
     def kv_bytes(self) -> int:
@@ -81,7 +84,7 @@ class ReplicatedKV:
         (``kv_local``/``index_k_local`` are for phase 5's direct writes; a replica needs the whole chunk.)
         """
         if self.fused:
-            fused_store(self.pool, layer, kv_seq, index_k_seq, None, self.plan.extend_locs, self.debug)
+            fused_store(self.pool, layer, kv_seq, index_k_seq, None, self.plan.extend_locs, self.debug, locs_checked=True)
             return
         self.pool.write_mla(layer, self.plan.extend_locs, self.layout.pack_mla(kv_seq))
         k_fp8, k_scale = self.layout.quantize_index_k(index_k_seq)

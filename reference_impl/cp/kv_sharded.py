@@ -26,9 +26,9 @@ from reference_impl.cp.kv_replicated import FullView
 from reference_impl.cp.materialize import MaterializePlan, gather_page_part, gather_pages, unpack_index_rows
 from reference_impl.cp.ownership import owned_page_count, page_owner, physical_locs
 from reference_impl.cp.split import local_index_tensor
-from reference_impl.kernels.cp_dispatch import fused_store, materialize_mla_rows, materialize_rows
+from reference_impl.cp.fused_ops import fused_store, materialize_mla_rows, materialize_rows
 from reference_impl.kvcache.layout import KVLayout
-from reference_impl.kvcache.pool import PagedKVPool
+from reference_impl.kvcache.pool import PagedKVPool, check_in_range
 
 
 class ShardedKV:
@@ -88,6 +88,13 @@ class ShardedKV:
             else torch.arange(plan.view_len, device=plan.view_locs.device)
         )
         self._mplan = MaterializePlan.build(plan, storage_rows, rank, cp) if storage_rows.numel() else None
+        # Range-checked once per batch (a host read), so the layer loop's fused ops read nothing.
+        check_in_range("store locs", self._store_locs, self.pool.n_slots)
+        if self.direct_write:
+            check_in_range("direct-write locs", self._local_locs, self.pool.n_slots)
+        if self._mplan is not None:
+            check_in_range("view rows", self._mplan.view_rows, plan.view_len)
+            check_in_range("gathered token rows", self._mplan.row_source, self._mplan.n_pages * page_size)
 
     @property
     def kv_bytes(self) -> int:
@@ -120,14 +127,14 @@ class ShardedKV:
         direct write, ``kv_local`` in local order) or its share of the gathered chunk (phase 2)."""
         if self.direct_write and kv_local is not None and index_k_local is not None:
             if self.fused:
-                fused_store(self.pool, layer, kv_local, index_k_local, None, self._local_locs, self.debug)
+                fused_store(self.pool, layer, kv_local, index_k_local, None, self._local_locs, self.debug, locs_checked=True)
                 return
             self.pool.write_mla(layer, self._local_locs, self.layout.pack_mla(kv_local))
             k_fp8, k_scale = self.layout.quantize_index_k(index_k_local)
             self.pool.write_index(layer, self._local_locs, k_fp8, k_scale)
             return
         if self.fused:
-            fused_store(self.pool, layer, kv_seq, index_k_seq, self._store_rows, self._store_locs, self.debug)
+            fused_store(self.pool, layer, kv_seq, index_k_seq, self._store_rows, self._store_locs, self.debug, locs_checked=True)
             return
         kv = kv_seq.index_select(0, self._store_rows)
         self.pool.write_mla(layer, self._store_locs, self.layout.pack_mla(kv))
@@ -146,7 +153,7 @@ class ShardedKV:
         self.materialized_bytes += mla_rows.numel()
         rows, source = self._mplan.view_rows, self._mplan.row_source
         if self.fused:
-            materialize_mla_rows(mla_rows, source, rows, kv, self.layout, debug=self.debug)
+            materialize_mla_rows(mla_rows, source, rows, kv, self.layout, debug=self.debug, locs_checked=True)
         else:
             kv[rows] = self.layout.dequantize_mla(mla_rows.index_select(0, source)).to(torch.bfloat16)
 
@@ -182,7 +189,9 @@ class ShardedKV:
             mla_rows, index_pages = gather_pages(self.group, self.pool, layer, self._mplan)
             rows, source = self._mplan.view_rows, self._mplan.row_source
             if self.fused:
-                materialize_rows(mla_rows, index_pages, source, rows, kv, index_fp8, index_scale, layout, debug=self.debug)
+                materialize_rows(
+                    mla_rows, index_pages, source, rows, kv, index_fp8, index_scale, layout, debug=self.debug, locs_checked=True
+                )
             else:
                 kv[rows] = layout.dequantize_mla(mla_rows.index_select(0, source)).to(torch.bfloat16)
                 k_fp8, k_scale = unpack_index_rows(index_pages, source, layout)

@@ -30,7 +30,7 @@ def gather_current(
     pass (Triton on CUDA) instead of trimming, then reordering.
     """
     if fused:
-        from reference_impl.kernels.cp_dispatch import rerange_padded
+        from reference_impl.cp.fused_ops import rerange_padded
 
         raw = group.all_gather_rows_padded_raw(local, index.rank_lengths, tag=tag)
         return rerange_padded(raw, index, debug=debug)

@@ -1,70 +1,36 @@
 """One dispatch point for the two compute cores of a DSA layer: indexer top-k and sparse MLA attention.
 
-:func:`indexer_topk` and :func:`sparse_mla_attention` take the same arguments and return the same
-results as the torch references in :mod:`reference_impl.model.sparse_attention` (plus a keyword-only
-``force_torch``). They run the Triton kernel when the inputs live on a CUDA device and Triton
-imports, and the torch reference otherwise (CPU tensors, no Triton, ``force_torch=True``, or the
-environment variable ``DSACP_FORCE_TORCH=1``). If a Triton kernel raises, the call logs one warning
-per process per kernel (``logging.getLogger(__name__)``) and returns the torch result; successful
-calls log nothing.
+:func:`indexer_topk` and :func:`sparse_mla_attention` take the arguments of the torch references in
+:mod:`reference_impl.model.sparse_attention` (plus a keyword-only ``force_torch``) and return the
+same results. :data:`KERNEL_OPS` bundles them as the model's
+:class:`~reference_impl.model.sparse_attention.ComputeOps`: a model built with it
+(``DSAModel(cfg, dtype, ops=KERNEL_OPS)``, what :func:`reference_impl.workload.build_model` does)
+runs these kernels; a model built without it runs the torch references.
+
+Which path runs (:mod:`.fallback`): the kernel where the inputs live on a CUDA device and Triton
+imports, the torch reference otherwise (CPU tensors, no Triton, ``force_torch=True`` or
+``DSACP_FORCE_TORCH=1``); a kernel that raises logs one warning and the next path runs.
 
 Sparse MLA attention has a third, preferred path on Hopper: the Gluon kernel
 (:mod:`reference_impl.kernels.sparse_mla_gluon`) runs where
 :func:`~reference_impl.kernels.sparse_mla_gluon.gluon_supported` holds (sm_90, bf16 / fp16, the
-DeepSeek widths) unless ``DSACP_NO_GLUON=1``; elsewhere, or after a Gluon failure (one warning), the
-Triton kernel runs.
+DeepSeek widths) unless ``DSACP_NO_GLUON=1``; elsewhere, or after a Gluon failure, the Triton
+kernel runs. Order: Gluon -> Triton -> torch.
 """
 
 from __future__ import annotations
 
 import logging
 from functools import lru_cache
-from typing import Callable
 
 import torch
 
 from reference_impl.config import env_flag
+from reference_impl.kernels import fallback
 from reference_impl.model import sparse_attention as torch_ref
 from reference_impl.model.sparse_attention import HostKeyBounds
 
 logger = logging.getLogger(__name__)
-
-# Kernels that already logged their fallback warning in this process.
-_WARNED: set[str] = set()
-
-
-@lru_cache(maxsize=1)
-def triton_available() -> bool:
-    """True when ``triton`` and ``triton.language`` import in this process (cached)."""
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except Exception:  # ImportError, or a broken install raising anything else at import
-        return False
-    return True
-
-
-def _on_triton_device(tensor: torch.Tensor) -> bool:
-    return tensor.is_cuda and triton_available()
-
-
-def _use_triton(tensor: torch.Tensor, force_torch: bool) -> bool:
-    if force_torch or env_flag("force_torch"):
-        return False
-    return _on_triton_device(tensor)
-
-
-def _warn_once(kernel: str, exc: BaseException, fallback: str = "the torch reference") -> None:
-    if kernel in _WARNED:
-        return
-    _WARNED.add(kernel)
-    logger.warning(
-        "%s failed (%s: %s); falling back to %s (later failures of this kernel fall back silently)",
-        kernel,
-        type(exc).__name__,
-        exc,
-        fallback,
-    )
 
 
 @lru_cache(maxsize=1)
@@ -80,10 +46,7 @@ def gluon_available() -> bool:
 # Indirections so that tests can substitute a failing kernel without CUDA.
 def _gluon_sparse_mla(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float, d_v: int, out_dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The Gluon kernel's result, or ``None`` where it does not apply (then the Triton kernel runs)."""
-    if sparse_mla_kernel(q, kv, d_v) != "gluon":
-        return None
+) -> tuple[torch.Tensor, torch.Tensor]:
     from reference_impl.kernels.sparse_mla_gluon import sparse_mla_attention_gluon
 
     return sparse_mla_attention_gluon(q, kv, indices, softmax_scale, d_v, out_dtype=out_dtype)
@@ -113,17 +76,9 @@ def _triton_indexer_topk(
     return indexer_topk_triton(q_fp8, weights, k_fp8, k_scale, key_start, key_end, topk, rows_per_chunk, host_bounds)
 
 
-def _try_triton(kernel: str, fn: Callable[[], object], fallback: str = "the torch reference") -> object | None:
-    try:
-        return fn()
-    except Exception as exc:  # any kernel failure (compile, launch, unsupported input) falls back
-        _warn_once(kernel, exc, fallback)
-        return None
-
-
 def sparse_mla_kernel(q: torch.Tensor, kv: torch.Tensor, d_v: int, *, force_torch: bool = False) -> str:
     """The path :func:`sparse_mla_attention` tries first for these inputs: ``"gluon"``, ``"triton"`` or ``"torch"``."""
-    if not _use_triton(q, force_torch):
+    if not fallback.use_kernels(q.device, force_torch=force_torch):
         return "torch"
     if env_flag("no_gluon") or not gluon_available():
         return "triton"
@@ -146,25 +101,28 @@ def sparse_mla_attention(
     """Sparse MQA attention over the selected rows -> (out [T, H, d_v] ``out_dtype``, lse [T, H] f32, natural log).
 
     See :func:`reference_impl.model.sparse_attention.sparse_mla_attention` for the contract.
-    ``rows_per_chunk`` bounds the torch path's memory; the Triton kernel needs no chunking.
+    ``rows_per_chunk`` bounds the torch path's memory; the kernels need no chunking.
     ``out_dtype`` (float32 by default): the kernel rounds its fp32 result once when it stores it,
     as ``.to(out_dtype)`` would; a bf16 output saves the fp32 ``[T, H, d_v]`` buffer.
-    On Hopper the Gluon kernel runs first (see the module docstring), then the Triton kernel.
     """
-    if _use_triton(q, force_torch):
-        result = _try_triton(
-            "Gluon sparse_mla_attention",
-            lambda: _gluon_sparse_mla(q, kv, indices, softmax_scale, d_v, out_dtype),
-            fallback="the Triton kernel",
+
+    def torch_path() -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = torch_ref.sparse_mla_attention(q, kv, indices, softmax_scale, d_v, rows_per_chunk)
+        return out.to(out_dtype), lse
+
+    def triton_path() -> tuple[torch.Tensor, torch.Tensor]:
+        return fallback.run_with_fallback(
+            "Triton sparse_mla_attention", lambda: _triton_sparse_mla(q, kv, indices, softmax_scale, d_v, out_dtype),
+            torch_path,
         )
-        if result is None:
-            result = _try_triton(
-                "Triton sparse_mla_attention", lambda: _triton_sparse_mla(q, kv, indices, softmax_scale, d_v, out_dtype)
-            )
-        if result is not None:
-            return result  # type: ignore[return-value]
-    out, lse = torch_ref.sparse_mla_attention(q, kv, indices, softmax_scale, d_v, rows_per_chunk)
-    return out.to(out_dtype), lse
+
+    path = sparse_mla_kernel(q, kv, d_v, force_torch=force_torch)
+    if path == "gluon":
+        return fallback.run_with_fallback(
+            "Gluon sparse_mla_attention", lambda: _gluon_sparse_mla(q, kv, indices, softmax_scale, d_v, out_dtype),
+            triton_path, to="the Triton kernel",
+        )
+    return triton_path() if path == "triton" else torch_path()
 
 
 def indexer_topk(
@@ -184,13 +142,32 @@ def indexer_topk(
 
     See :func:`reference_impl.model.sparse_attention.indexer_topk` for the contract.
     """
-    if _use_triton(q_fp8, force_torch):
-        result = _try_triton(
-            "Triton indexer_topk",
-            lambda: _triton_indexer_topk(
-                q_fp8, weights, k_fp8, k_scale, key_start, key_end, topk, rows_per_chunk, host_bounds
-            ),
-        )
-        if result is not None:
-            return result  # type: ignore[return-value]
-    return torch_ref.indexer_topk(q_fp8, weights, k_fp8, k_scale, key_start, key_end, topk, rows_per_chunk, host_bounds)
+    args = (q_fp8, weights, k_fp8, k_scale, key_start, key_end, topk, rows_per_chunk, host_bounds)
+
+    def torch_path() -> torch.Tensor:
+        return torch_ref.indexer_topk(*args)
+
+    if not fallback.use_kernels(q_fp8.device, force_torch=force_torch):
+        return torch_path()
+    return fallback.run_with_fallback("Triton indexer_topk", lambda: _triton_indexer_topk(*args), torch_path)
+
+
+class KernelOps:
+    """The model's :class:`~reference_impl.model.sparse_attention.ComputeOps` through this dispatch."""
+
+    name = "kernels"
+
+    def indexer_topk(
+        self, q_fp8: torch.Tensor, weights: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor,
+        key_start: torch.Tensor, key_end: torch.Tensor, topk: int, *, host_bounds: HostKeyBounds | None = None,
+    ) -> torch.Tensor:
+        return indexer_topk(q_fp8, weights, k_fp8, k_scale, key_start, key_end, topk, host_bounds=host_bounds)
+
+    def sparse_mla_attention(
+        self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float, d_v: int,
+        *, out_dtype: torch.dtype = torch.float32,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return sparse_mla_attention(q, kv, indices, softmax_scale, d_v, out_dtype=out_dtype)
+
+
+KERNEL_OPS = KernelOps()

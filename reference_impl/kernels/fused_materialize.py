@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from reference_impl.kernels.fused_configs import launch_config
-from reference_impl.kernels.fused_store import _bf16_bits, check_aligned
+from reference_impl.kernels.triton_helpers import bf16_bits, check_aligned
 from reference_impl.kernels.fused_torch import check_materialize_args, check_materialize_mla_args, mla_strides
 from reference_impl.kvcache.layout import INDEX_HEAD_DIM, MLA_QUANT_BLOCK, KVLayout
 
@@ -106,7 +106,7 @@ def _materialize_kernel(
             values = tl.load(index_in, mask=ok[:, None], other=0)
             k_scale = tl.load(k_scale_in, mask=ok, other=0.0)
         value = q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, :, None]
-        tl.store(kv_row[:, None, None] + offs, _bf16_bits(value, SOFT), mask=mask)
+        tl.store(kv_row[:, None, None] + offs, bf16_bits(value, SOFT), mask=mask)
         if R > 0:
             tl.store(kv_row[:, None] + (L + rcols)[None, :], rope_bits, mask=rmask)
     else:
@@ -116,7 +116,7 @@ def _materialize_kernel(
                 q = tl.load(mla_row[:, None] + (b * 128 + cols)[None, :], mask=ok[:, None], other=0)
                 scale = tl.load((mla_row + L + 4 * b).to(tl.pointer_type(tl.float32)), mask=ok, other=0.0)
                 value = q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None]
-                tl.store(kv_row[:, None] + (b * 128 + cols)[None, :], _bf16_bits(value, SOFT), mask=ok[:, None])
+                tl.store(kv_row[:, None] + (b * 128 + cols)[None, :], bf16_bits(value, SOFT), mask=ok[:, None])
             if R > 0:
                 rcols = tl.arange(0, BLOCK_R)
                 rmask = ok[:, None] & (rcols < R)[None, :]

@@ -25,7 +25,7 @@ Launch configs are per kernel (``store_mla_fp8``, ``store_mla_bf16``, ``store_in
 store, and the row's scales store as one vector; without it the kernel loads, quantizes and stores
 one 128-value block at a time, and each block waits on memory (a load is not moved above a store
 to a pointer that may alias). ``fast_div`` (FP8 MLA and index stores, bf16 input on the GPU): the
-division by the block scale as reciprocal + one FMA correction (:func:`_negated_quotient`), about
+division by the block scale as reciprocal + one FMA correction (:func:`~reference_impl.kernels.triton_helpers.negated_quotient`), about
 half the instructions per value of ``div.rn`` (~10 instead of ~21 SASS instructions per value for
 the FP8 store, ptxas for sm_90), which matters because the FP8 store issues about as many
 instructions as the copy of its bytes allows.
@@ -38,8 +38,8 @@ saturation, same bytes for finite values), and the fp32 -> e4m3 and fp32 -> bf16
 nearest even. On GPU the casts are Triton's hardware conversions
 (round to nearest even, saturating for fp8). The CPU interpreter (``TRITON_INTERPRET=1``) rounds both casts wrongly (it
 truncates), so under it (``soft=True``, the default for CPU tensors) the kernels convert with
-explicit round-to-nearest-even arithmetic on the int32 bit pattern (:func:`_e4m3_bits`,
-:func:`_bf16_bits`), which the interpreter executes exactly; the CPU tests check that path byte for
+explicit round-to-nearest-even arithmetic on the int32 bit pattern (:func:`~reference_impl.kernels.triton_helpers.e4m3_bits`,
+:func:`~reference_impl.kernels.triton_helpers.bf16_bits`), which the interpreter executes exactly; the CPU tests check that path byte for
 byte and the GPU benchmark checks the hardware path (and times ``soft=True`` on GPU too: a dozen
 integer operations per value, the fallback if a hardware conversion ever differed). NaN inputs give
 NaN outputs, not necessarily torch's NaN bit pattern (torch's own CPU and CUDA patterns differ).
@@ -56,93 +56,9 @@ import triton
 import triton.language as tl
 
 from reference_impl.kernels.fused_configs import launch_config
+from reference_impl.kernels.triton_helpers import bf16_bits, check_aligned, quantize_block
 from reference_impl.kernels.fused_torch import check_store_args
 from reference_impl.kvcache.layout import INDEX_HEAD_DIM, MLA_QUANT_BLOCK, SCALE_BYTES, KVLayout
-
-# ---- conversions (shared with fused_materialize) ------------------------------------------------
-
-
-@triton.jit
-def _bf16_bits(x, SOFT: tl.constexpr):
-    """fp32 ``x`` -> its bf16 bit pattern as int16, round to nearest even (NaN stays a NaN)."""
-    if SOFT:
-        bits = x.to(tl.int32, bitcast=True)
-        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        out = tl.where(x != x, 0x7FC0, rounded & 0xFFFF).to(tl.int16)
-    else:
-        out = x.to(tl.bfloat16).to(tl.int16, bitcast=True)
-    return out
-
-
-@triton.jit
-def _e4m3_bits(y, SOFT: tl.constexpr):
-    """fp32 ``y`` with ``|y| <= 448`` -> its e4m3fn bit pattern as uint8, round to nearest even."""
-    if SOFT:
-        bits = y.to(tl.int32, bitcast=True)
-        sign = (bits >> 24) & 0x80
-        mag_bits = bits & 0x7FFFFFFF
-        # Normal range (|y| >= 2**-6): rebias the exponent (127 -> 7) and keep 3 mantissa bits, RNE.
-        normal = (mag_bits + 0x7FFFF + ((mag_bits >> 20) & 1) - 0x3C000000) >> 20
-        # Subnormals are multiples of 2**-9: round |y| * 512 to an integer (adding 2**23 makes the
-        # fp32 adder round to nearest even, and the integer sits in the low mantissa bits).
-        mag = mag_bits.to(tl.float32, bitcast=True)
-        sub = (mag * 512.0 + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
-        code = tl.minimum(tl.where(mag_bits >= 0x3C800000, normal, sub), 0x7E) | sign
-        out = tl.where(y != y, sign | 0x7F, code).to(tl.uint8)
-    else:
-        out = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    return out
-
-
-@triton.jit
-def _negated_quotient(x, scale, AXIS: tl.constexpr):
-    """``-(x / scale)`` correctly rounded (``scale > 0`` broadcast along ``AXIS``), without a division per value.
-
-    Markstein's correction from the block's reciprocal ``y = 1 / scale`` (one ``div_rn`` per block):
-    ``q0 = x * y``, the exact residual ``r = x - q0 * scale`` (one fma), ``q0 + r * y`` (one fma):
-    3 instructions per value instead of ``div.rn``'s ~11. Computed negated (``-y`` throughout) so
-    that every zero keeps ``x``'s sign: Triton's ``-v`` is ``0 - v``, and ``fma(r, y, q0)`` with ``r =
-    +0`` turns ``q0 = -0.0`` into ``+0.0``. Equal to ``-div_rn(x, scale)`` for every bf16 ``x`` and
-    every scale a bf16 block gives (exhaustively, in exact arithmetic:
-    ``tests/test_fused_launch_configs.py::test_fast_division_equals_correctly_rounded_division``); an
-    infinite scale (an inf in the block) gives ``x * 0`` like the division.
-    """
-    recip = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
-    divisor = tl.expand_dims(tl.where(recip == 0.0, 0.0, scale), AXIS)  # inf scale: residual x, result -x * 0
-    neg_recip = tl.expand_dims(recip * -1.0, AXIS)
-    neg_q0 = x * neg_recip
-    return tl.fma(tl.fma(neg_q0, divisor, x), neg_recip, neg_q0)
-
-
-@triton.jit
-def _quantize_block(x, AXIS: tl.constexpr, UE8M0: tl.constexpr, SOFT: tl.constexpr, FAST_DIV: tl.constexpr):
-    """fp32 ``x`` with 128-value blocks along its last axis ``AXIS`` (``[BLOCK_M, 128]`` or
-    ``[BLOCK_M, NB, 128]``) -> (e4m3 bits uint8 shaped like ``x``, scale fp32 without ``AXIS``), as ``act_quant``.
-
-    ``FAST_DIV`` (the host sets it for bf16 input on the GPU only: the interpreter's ``fma`` rounds
-    twice) divides by :func:`_negated_quotient` and flips the sign bit of the e4m3 codes (e4m3
-    rounding is symmetric, so that is the code of the quotient), and on the hardware conversion skips
-    the clamp: ``cvt.rn.satfinite`` saturates finite values to +-448 itself.
-    """
-    amax = tl.max(tl.abs(x), axis=AXIS)
-    scale = tl.math.div_rn(tl.maximum(amax, 1e-4), 448.0)
-    if UE8M0:
-        sbits = scale.to(tl.int32, bitcast=True)
-        exponent = (sbits >> 23) + ((sbits & 0x7FFFFF) != 0).to(tl.int32)
-        scale = (exponent << 23).to(tl.float32, bitcast=True)
-        # Dividing by a power of two is multiplying by its exact reciprocal: same rounding, no division.
-        y = x * tl.expand_dims(((254 - exponent) << 23).to(tl.float32, bitcast=True), AXIS)
-    elif FAST_DIV:
-        y = _negated_quotient(x, scale, AXIS)
-    else:
-        y = tl.math.div_rn(x, tl.expand_dims(scale, AXIS))
-    if SOFT or not FAST_DIV:
-        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-    codes = _e4m3_bits(y, SOFT)
-    if FAST_DIV and not UE8M0:
-        codes = codes ^ 0x80  # on packed bytes: a quarter instruction per value, the negation a whole one
-    return codes, scale
-
 
 @triton.jit
 def _row_ids(src_ptr, dst_ptr, n_rows, n_slots, BLOCK_M: tl.constexpr, HAS_SRC: tl.constexpr):
@@ -204,20 +120,20 @@ def _store_mla_fp8_kernel(
         x = tl.load(in_row[:, None, None] + offs * stride_kv_col, mask=mask, other=0.0)
         if R > 0:
             rope = tl.load(rope_in, mask=rmask, other=0.0)
-        q, scale = _quantize_block(x.to(tl.float32), 2, False, SOFT, FAST_DIV)
+        q, scale = quantize_block(x.to(tl.float32), 2, False, SOFT, FAST_DIV)
         tl.store(out_row[:, None, None] + offs, q, mask=mask)
         scales_out = (out_row + L).to(tl.pointer_type(tl.float32))  # the row's L / 128 scales: one vector
         tl.store(scales_out[:, None] + blocks[None, :], scale, mask=scale_mask)
     else:
         for b in tl.static_range(L // 128):
             x = tl.load(in_row[:, None] + (b * 128 + cols)[None, :] * stride_kv_col, mask=ok[:, None], other=0.0)
-            q, scale = _quantize_block(x.to(tl.float32), 1, False, SOFT, FAST_DIV)
+            q, scale = quantize_block(x.to(tl.float32), 1, False, SOFT, FAST_DIV)
             tl.store(out_row[:, None] + (b * 128 + cols)[None, :], q, mask=ok[:, None])
             tl.store((out_row + L + 4 * b).to(tl.pointer_type(tl.float32)), scale, mask=ok)
         if R > 0:
             rope = tl.load(rope_in, mask=rmask, other=0.0)
     if R > 0:
-        tl.store(rope_out, _bf16_bits(rope.to(tl.float32), SOFT), mask=rmask)
+        tl.store(rope_out, bf16_bits(rope.to(tl.float32), SOFT), mask=rmask)
 
 
 @triton.jit
@@ -248,7 +164,7 @@ def _store_mla_bf16_kernel(
         if IN_BF16:
             bits = x.to(tl.int16, bitcast=True)  # already bf16: copy the bits
         else:
-            bits = _bf16_bits(x.to(tl.float32), SOFT)
+            bits = bf16_bits(x.to(tl.float32), SOFT)
         tl.store(out_row[:, None] + cols[None, :], bits, mask=mask)
 
 
@@ -274,7 +190,7 @@ def _store_index_kernel(
     src, dst, ok = _row_ids(src_ptr, dst_ptr, n_rows, n_slots, BLOCK_M, HAS_SRC)
     cols = tl.arange(0, D)
     x = tl.load((k_ptr + src * stride_k)[:, None] + cols[None, :] * stride_k_col, mask=ok[:, None], other=0.0)
-    q, scale = _quantize_block(x.to(tl.float32), 1, UE8M0, SOFT, FAST_DIV)
+    q, scale = quantize_block(x.to(tl.float32), 1, UE8M0, SOFT, FAST_DIV)
     page_base = out_ptr + (dst // P) * stride_page
     slot = dst % P
     tl.store((page_base + slot * D)[:, None] + cols[None, :], q, mask=ok[:, None])
@@ -282,13 +198,6 @@ def _store_index_kernel(
 
 
 # ---- launchers ------------------------------------------------------------------------------------
-
-
-def check_aligned(what: str, tensor: torch.Tensor, strides: tuple[int, ...] = ()) -> None:
-    """The kernels store float32 scales and bf16 values through cast pointers: base address and byte
-    strides must be multiples of 4 (every layout's rows are; a slice of a pool at a row offset is)."""
-    if tensor.data_ptr() % 4 or any(stride % 4 for stride in strides):
-        raise ValueError(f"{what}: the fused kernels need 4-byte aligned rows (base and byte strides)")
 
 
 def _fast_div(config: dict[str, int | bool], values: torch.Tensor) -> bool:
@@ -314,7 +223,7 @@ def store_mla_triton(
 
     ``block_m``, ``num_warps`` and (FP8 only; ignored for BF16) ``one_pass`` and ``fast_div``
     override the launch config ``store_mla_fp8`` / ``store_mla_bf16`` of :mod:`.fused_configs`.
-    ``fast_div`` takes effect for bf16 ``kv`` on CUDA only (see :func:`_negated_quotient`).
+    ``fast_div`` takes effect for bf16 ``kv`` on CUDA only (see :func:`negated_quotient`).
     """
     check_store_args(kv, layout.kv_width, src_rows, dst_locs, pool_mla, layout.mla_bytes, "store_mla")
     check_aligned("store_mla pool", pool_mla, (pool_mla.stride(0),))

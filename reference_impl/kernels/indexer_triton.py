@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from reference_impl.kernels.triton_helpers import pow2_at_least_16
+
 from reference_impl.model.sparse_attention import HostKeyBounds, chunk_key_range
 
 # (BLOCK_T, BLOCK_S, num_warps, num_stages, dot dtype) used on GPU unless the caller overrides them.
@@ -109,9 +111,6 @@ def _indexer_logits_kernel(
     )
 
 
-def _pow2_at_least_16(n: int) -> int:
-    return max(16, triton.next_power_of_2(max(int(n), 1)))
-
 
 def indexer_logits_triton(
     q_fp8: torch.Tensor,
@@ -172,7 +171,7 @@ def indexer_logits_triton(
         k_fp8.stride(0),
         out.stride(0),
         D=d,
-        BLOCK_D=_pow2_at_least_16(d),
+        BLOCK_D=pow2_at_least_16(d),
         BLOCK_T=block_t,
         BLOCK_S=block_s,
         DOT_BF16=dot_dtype == "bf16" or q_fp8.dtype != k_fp8.dtype,

@@ -57,6 +57,8 @@ import torch
 import triton
 import triton.language as tl
 
+from reference_impl.kernels.triton_helpers import pow2_at_least_16
+
 LOG2E = math.log2(math.e)
 
 # (BLOCK_H, BLOCK_K, num_warps, num_stages, DEFER_PV, LAZY_RESCALE, WARP_SPECIALIZE, RELOAD_PREV)
@@ -264,9 +266,6 @@ def unit_stride_inputs(
     return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in (q, kv, indices))  # type: ignore[return-value]
 
 
-def _pow2_at_least_16(n: int) -> int:
-    return max(16, triton.next_power_of_2(max(int(n), 1)))
-
 
 def sparse_mla_attention_triton(
     q: torch.Tensor,
@@ -313,8 +312,8 @@ def sparse_mla_attention_triton(
     dflt_h, dflt_k, dflt_warps, dflt_stages, dflt_defer, dflt_lazy, dflt_ws, dflt_reload = (
         GPU_DEFAULT_CONFIG if on_gpu else (64, 64, 4, 1, True, False, False, False)
     )
-    block_h = block_h or min(dflt_h, _pow2_at_least_16(n_heads))
-    block_k = block_k or min(dflt_k, _pow2_at_least_16(topk))
+    block_h = block_h or min(dflt_h, pow2_at_least_16(n_heads))
+    block_k = block_k or min(dflt_k, pow2_at_least_16(topk))
     n_head_blocks = triton.cdiv(n_heads, block_h)
     _sparse_mla_fwd_kernel[(n_tokens * n_head_blocks,)](
         q,
@@ -336,8 +335,8 @@ def sparse_mla_attention_triton(
         float(softmax_scale) * LOG2E,
         D_V=d_v,
         D_ROPE=d_rope,
-        BLOCK_DV=_pow2_at_least_16(d_v),
-        BLOCK_DR=_pow2_at_least_16(d_rope),
+        BLOCK_DV=pow2_at_least_16(d_v),
+        BLOCK_DR=pow2_at_least_16(d_rope),
         BLOCK_H=block_h,
         BLOCK_K=block_k,
         DEFER_PV=dflt_defer if defer_pv is None else defer_pv,

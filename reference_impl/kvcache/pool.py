@@ -24,7 +24,20 @@ from .layout import SCALE_BYTES, KVLayout
 
 
 class LocOutOfRangeError(ConfigError, IndexError):
-    """A loc outside ``[0, n_pages * page_size)`` (raised only when the pool's ``debug`` flag is on)."""
+    """A loc (or row index) outside the range of the buffer it addresses."""
+
+
+def check_in_range(name: str, values: torch.Tensor, limit: int) -> None:
+    """Raise :class:`LocOutOfRangeError` unless every value of ``values`` lies in ``[0, limit)``.
+
+    Reads the values' extremes on the host: a device sync on a GPU. Run it once per batch, or in
+    debug mode inside :func:`~reference_impl.sync_audit.diagnostic`.
+    """
+    if not values.numel():
+        return
+    lo, hi = int(values.min()), int(values.max())
+    if lo < 0 or hi >= limit:
+        raise LocOutOfRangeError(f"{name} span [{lo}, {hi}] outside [0, {limit})")
 
 
 class PagedKVPool:
@@ -165,11 +178,6 @@ class PagedKVPool:
             raise ConfigError(f"locs must be a 1-D int64 tensor, got {locs.dtype} {tuple(locs.shape)}")
         if locs.device != self.mla.device:
             raise ConfigError(f"locs are on {locs.device}, the pool is on {self.mla.device}")
-        if self.debug and locs.numel():
+        if self.debug:
             with diagnostic():  # a host sync, debug only; not counted by phase 6's audit
-                lo, hi = int(locs.min()), int(locs.max())
-            if lo < 0 or hi >= self.n_slots:  # noqa: SIM102
-                raise LocOutOfRangeError(
-                    f"locs span [{lo}, {hi}] but the pool has slots [0, {self.n_slots}) "
-                    f"({self.n_pages} pages of {self.page_size})"
-                )
+                check_in_range("locs", locs, self.n_slots)

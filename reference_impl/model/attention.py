@@ -23,10 +23,9 @@ import torch
 from torch import nn
 
 from reference_impl.config import ModelConfig
-from reference_impl.kernels.dispatch import indexer_topk, sparse_mla_attention
 from reference_impl.model.fp8 import act_quant, hadamard_matrix, hadamard_rotate
 from reference_impl.model.rope import apply_rope, rope_cos_sin, rope_frequencies
-from reference_impl.model.sparse_attention import HostKeyBounds
+from reference_impl.model.sparse_attention import TORCH_OPS, ComputeOps, HostKeyBounds
 
 
 class RMSNorm(nn.Module):
@@ -112,9 +111,10 @@ class Projection:
 class DSAAttention(nn.Module):
     """MLA (absorbed) + lightning indexer for one layer; see the module docstring."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, ops: ComputeOps = TORCH_OPS) -> None:
         super().__init__()
         self.cfg = cfg
+        self.ops = ops  # the indexer top-k and sparse attention: torch references unless kernels are plugged in
         h = cfg.n_heads
         self.wq_a = _linear(cfg.dim, cfg.q_lora_rank, dtype)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
@@ -191,12 +191,12 @@ class DSAAttention(nn.Module):
         ``topk`` holds full-view rows (``-1`` for unused slots when fewer than K keys are visible).
         """
         cfg = self.cfg
-        topk = indexer_topk(
+        topk = self.ops.indexer_topk(
             proj.index_q_fp8, proj.index_weights, index_k_fp8, index_k_scale, key_start, key_end, cfg.index_topk,
             host_bounds=host_bounds,
         )
         w_uv = self.wkv_b.weight.view(cfg.n_heads, -1, cfg.kv_lora_rank)[:, cfg.qk_nope_head_dim :]  # [H, v, c]
-        o_latent, _ = sparse_mla_attention(  # [T, H, c], stored in the weights' dtype (no fp32 buffer)
+        o_latent, _ = self.ops.sparse_mla_attention(  # [T, H, c], stored in the weights' dtype (no fp32 buffer)
             proj.q.to(kv_view.dtype), kv_view, topk, cfg.softmax_scale, cfg.kv_lora_rank, out_dtype=w_uv.dtype
         )
         o = torch.einsum("thc,hdc->thd", pad_rows(o_latent), w_uv)[: o_latent.shape[0]]

@@ -21,24 +21,30 @@ from torch import nn
 from reference_impl.config import KVDtype, ModelConfig
 from reference_impl.kvcache.layout import KVLayout
 from reference_impl.model.attention import DSAAttention, Projection, RMSNorm
+from reference_impl.model.sparse_attention import TORCH_OPS, ComputeOps
 
 
 class DSABlock(nn.Module):
     """``h + attn(attn_norm(h))``; the attention's parameters sit under ``attn.``."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, ops: ComputeOps = TORCH_OPS) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attn = DSAAttention(cfg, dtype)
+        self.attn = DSAAttention(cfg, dtype, ops)
 
 
 class DSAModel(nn.Module):
-    """``n_layers`` DSA blocks, a final norm and an LM head."""
+    """``n_layers`` DSA blocks, a final norm and an LM head.
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> None:
+    ``ops`` computes the indexer top-k and the sparse attention: the torch references by default
+    (:data:`~reference_impl.model.sparse_attention.TORCH_OPS`), the kernels with
+    :data:`~reference_impl.kernels.dispatch.KERNEL_OPS`.
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, ops: ComputeOps = TORCH_OPS) -> None:
         super().__init__()
         self.cfg = cfg
-        self.layers = nn.ModuleList(DSABlock(cfg, dtype) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(DSABlock(cfg, dtype, ops) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False, dtype=dtype)
 

@@ -7,11 +7,16 @@ are absolute rows of the full view; ``-1`` marks an unused top-k slot.
 
 These functions are the contract the Triton kernels in :mod:`reference_impl.kernels` must match.
 They are chunked over query rows so that memory stays bounded at real shapes.
+
+The model calls the two cores through a :class:`ComputeOps` object: :data:`TORCH_OPS` (these
+references, the default, so the model stays pure torch) or
+:data:`reference_impl.kernels.dispatch.KERNEL_OPS` (the kernels, plugged in on top).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
@@ -115,3 +120,41 @@ def sparse_mla_attention(
         out[r0:r1] = torch.einsum("thk,tkd->thd", probs, gathered[..., :d_v])
         lse[r0:r1] = row_lse
     return out, lse
+
+
+class ComputeOps(Protocol):
+    """The two compute cores a DSA layer calls, with the references' contracts."""
+
+    name: str
+
+    def indexer_topk(
+        self, q_fp8: torch.Tensor, weights: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor,
+        key_start: torch.Tensor, key_end: torch.Tensor, topk: int, *, host_bounds: HostKeyBounds | None = None,
+    ) -> torch.Tensor: ...
+
+    def sparse_mla_attention(
+        self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float, d_v: int,
+        *, out_dtype: torch.dtype = torch.float32,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class TorchOps:
+    """:class:`ComputeOps` through the torch references of this module (any device)."""
+
+    name = "torch"
+
+    def indexer_topk(
+        self, q_fp8: torch.Tensor, weights: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor,
+        key_start: torch.Tensor, key_end: torch.Tensor, topk: int, *, host_bounds: HostKeyBounds | None = None,
+    ) -> torch.Tensor:
+        return indexer_topk(q_fp8, weights, k_fp8, k_scale, key_start, key_end, topk, host_bounds=host_bounds)
+
+    def sparse_mla_attention(
+        self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float, d_v: int,
+        *, out_dtype: torch.dtype = torch.float32,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = sparse_mla_attention(q, kv, indices, softmax_scale, d_v)
+        return out.to(out_dtype), lse
+
+
+TORCH_OPS = TorchOps()
