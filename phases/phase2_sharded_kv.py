@@ -23,7 +23,7 @@
 # side that is not CP rebuilds the full layout from every prefill rank's owned pages (PD transfer).
 #
 # Code: `reference_impl/cp/ownership.py`, `reference_impl/cp/kv_sharded.py`,
-# `reference_impl/cp/materialize.py`, `reference_impl/pd/`, `reference_impl/capacity.py`.
+# `reference_impl/cp/page_gather.py`, `reference_impl/pd/`, `reference_impl/cp/capacity.py`.
 
 # %%
 import json
@@ -31,7 +31,7 @@ import json
 import matplotlib.pyplot as plt
 import torch
 
-from reference_impl.capacity import kv_bytes_per_rank, max_context_per_rank
+from reference_impl.cp.capacity import kv_bytes_per_rank, max_context_per_rank
 from reference_impl.config import PhaseSet, Request, RunConfig, get_preset
 from reference_impl.runner import run_prefill
 
@@ -111,7 +111,7 @@ for c in (1, 2, 4, 8):
 # its construction, next to the layout arithmetic above. Only on a GPU, and only sizes that fit.
 
 # %%
-from reference_impl.bench.materialize import pool_memory
+from reference_impl.bench.full_view import pool_memory
 
 measured = []
 if ON_GPU:

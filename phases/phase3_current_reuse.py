@@ -65,7 +65,7 @@ for name, requests in batches.items():
 # throughout (the fused kernels are phase 7).
 
 # %%
-from reference_impl.bench.materialize import FullViewBench, time_full_view
+from reference_impl.bench.full_view import FullViewBench, time_full_view
 from reference_impl.launch import choose_backend, launch
 
 cp = 4

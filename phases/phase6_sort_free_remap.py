@@ -15,14 +15,15 @@
 # # Phase 6: metadata on the device, remap without sorting
 #
 # **What it changes.** The layer loop must not wait on the host: every CP decision (split, locs,
-# ownership, materialization plan) is derived once per batch, before the loop, and the loop only
-# launches device work. In debug mode the engine audits the loop (`HostSyncCounter`) and fails on
-# any host sync; the debug diagnostics themselves are excluded. The logical-to-physical remap is
+# ownership, page gather) is derived once per batch, before the loop, and the loop only launches
+# device work. The engine audits the loop (`HostSyncAudit`: CUDA's own sync count on a GPU, the
+# torch calls that would sync on a CPU); in debug mode it fails on any host sync, the debug
+# diagnostics themselves excluded. The logical-to-physical remap is
 # page arithmetic, computed once per batch and reused by every layer and by both the MLA and the
 # index writes; `cp/remap.py` keeps the page-inverse table for engines whose compact rows are not
 # arithmetic, with its `sort` + `searchsorted` baseline.
 #
-# Code: `reference_impl/cp/sync_audit.py`, `reference_impl/cp/remap.py`, `reference_impl/engine.py`.
+# Code: `reference_impl/sync_audit.py`, `reference_impl/cp/remap.py`, `reference_impl/engine.py`.
 
 # %%
 import json

@@ -17,11 +17,12 @@
 # **What it changes.** The CP data movement around attention runs as plain torch ops: quantize,
 # pack and scatter for the store; trim then reorder for the rerange; gather then unpack for the
 # materialization. Each pass reads and writes the whole tensor. Phase 7 fuses each into one Triton
-# kernel behind one dispatch point (`kernels/cp_dispatch.py`): the kernel on CUDA, the torch path on
-# CPU, in debug mode, with `DSACP_FORCE_TORCH=1`, or when a kernel raises (one warning per process).
+# kernel behind one dispatch point (`cp/fused_ops.py`): the kernel on CUDA, the torch path on
+# CPU, in debug mode, with `DSACP_FORCE_TORCH=1`, or when a kernel raises (one warning per process,
+# `kernels/fallback.py`).
 #
 # Code: `reference_impl/kernels/fused_store.py`, `fused_rerange.py`, `fused_materialize.py`,
-# `cp_dispatch.py`.
+# `reference_impl/cp/fused_ops.py`.
 
 # %%
 import json

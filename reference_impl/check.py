@@ -39,6 +39,7 @@ class Agreement:
 
 
 def _scaled_err(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """``(max |out - ref|, max(1, max |ref|))``; NaN anywhere in ``out`` gives a NaN error, which fails."""
     err = (out.float() - ref.float()).abs().max().item() if out.numel() else 0.0
     return err, max(1.0, ref.float().abs().max().item() if ref.numel() else 1.0)
 
@@ -80,7 +81,7 @@ def compare(
     ref_hidden = torch.cat(oracle.hidden).float().cpu()
     hidden = _assemble(results, [r.local_hidden for r in results if r.local_hidden is not None], meta.total_tokens)
     err, scale = _scaled_err(hidden, ref_hidden)
-    if err > tol * scale:
+    if not err <= tol * scale:  # NaN fails too
         problems.append(f"hidden states differ: max abs err {err:.3g} > {tol * scale:.3g}")
 
     logits_err = 0.0
@@ -91,9 +92,9 @@ def compare(
         l_err, l_scale = _scaled_err(r.logits, ref_logits)
         logits_err = max(logits_err, l_err)
         err = max(err, row_err)
-        if row_err > tol * row_scale:
+        if not row_err <= tol * row_scale:
             problems.append(f"rank {r.rank}: output rows differ (max abs err {row_err:.3g})")
-        if l_err > tol * l_scale:
+        if not l_err <= tol * l_scale:
             problems.append(f"rank {r.rank}: logits differ (max abs err {l_err:.3g})")
 
     rows_total = rows_equal = ties = 0
@@ -154,7 +155,7 @@ def _compare_caches(
                     k = k_bytes.view(torch.float8_e4m3fn).float() * k_scale[:, None]
                     err = max((kv - ref_kv[pos]).abs().max().item(), (k - ref_k[pos]).abs().max().item())
                     worst = max(worst, err)
-                    if err > tol * max(1.0, ref_kv.abs().max().item()):
+                    if not err <= tol * max(1.0, ref_kv.abs().max().item()):
                         problems.append(f"layer {layer} request {req}: rank {r.rank}'s cache differs (max abs err {err:.3g})")
                 covered[pos] = True
             if not bool(covered.all()):

@@ -92,7 +92,7 @@ def _run_config(args: argparse.Namespace, preset: str, cp_size: int, requests: s
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from reference_impl.report import format_table
+    from reference_impl.tables import format_table
     from reference_impl.runner import run_prefill
 
     run = _run_config(args, "tiny", 2, "0+96,40+70", "0")
@@ -105,7 +105,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     """The main job: every available phase level on this machine's device, one table."""
     import torch
 
-    from reference_impl.report import format_table
+    from reference_impl.tables import format_table
     from reference_impl.runner import run_prefill
 
     cuda = torch.cuda.is_available() and args.device != "cpu"
@@ -166,9 +166,9 @@ def _int_list(text: str, flag: str) -> list[int]:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     """Capacity planner: predictions per phase level (:mod:`reference_impl.planner`); nothing runs."""
-    from reference_impl.planner import PlanConfig, format_plan, load_rates, parse_contexts, plan_capacity
+    from reference_impl.planner import PlannerConfig, format_plan, load_rates, parse_contexts, plan_capacity
 
-    config = PlanConfig(
+    config = PlannerConfig(
         preset=args.preset,
         cp_size=int(args.cp_size),
         hbm_gib=float(args.hbm_gib),

@@ -1,4 +1,4 @@
-"""Configuration: model presets, the phase set, and the run configuration.
+"""The run configuration: requests, the knobs of one CP prefill, and their validation.
 
 Every knob has one name. The config field ``cp_size`` is the CLI flag ``--cp-size`` and the
 environment variable ``DSACP_CP_SIZE``; :func:`knob_names` spells the three forms and
@@ -11,264 +11,38 @@ that names the problem; the CLI turns them into one line on stderr and exit code
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Literal
+
+from reference_impl.errors import ConfigError
+from reference_impl.phases import PhaseSet, available_levels
+from reference_impl.presets import PRESETS, ModelConfig, get_preset
+
+__all__ = [
+    "PRESETS", "ConfigError", "KVDtype", "ModelConfig", "PhaseSet", "Request", "RunConfig", "SplitMode",
+    "available_levels", "env_flag", "get_preset", "knob_names", "parse_requests", "validate_page_size",
+]
 
 KVDtype = Literal["bf16", "fp8"]
 SplitMode = Literal["in-seq", "round-robin"]
 
 ENV_PREFIX = "DSACP_"
+MIN_PAGE_SIZE = 4
+MAX_PAGE_SIZE = 4096
 
 
-class ConfigError(ValueError):
-    """A configuration or input that the reference implementation refuses, with the reason."""
-
-
-# --------------------------------------------------------------------------------------------
-# Model presets
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Dimensions and semantics of one DSA attention layer (MLA + lightning indexer).
-
-    Field names follow DeepSeek-V3.2's ``ModelArgs`` where one exists.
-    """
-
-    name: str
-    n_layers: int
-    dim: int  # hidden size
-    n_heads: int
-    q_lora_rank: int
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    index_n_heads: int
-    index_head_dim: int
-    index_topk: int
-    index_rope_interleaved: bool  # False for DeepSeek-V3.2 (fixed 2025-11), True for GLM-5
-    index_scale_fmt: Literal["ue8m0", "fp32"] = "ue8m0"  # FP8 scales of indexer q/k
-    vocab_size: int = 129280  # only the logits of collected output rows use it
-    rope_theta: float = 10000.0
-    rope_factor: float = 40.0  # YaRN factor; 1.0 disables YaRN
-    original_seq_len: int = 4096
-    max_seq_len: int = 163840
-    beta_fast: int = 32
-    beta_slow: int = 1
-    mscale: float = 1.0
-    norm_eps: float = 1e-6
-
-    def __post_init__(self) -> None:
-        if self.kv_lora_rank % 128:
-            raise ConfigError(
-                f"kv_lora_rank={self.kv_lora_rank} is not a multiple of 128: the packed FP8 layout "
-                "keeps one scale per 128 latent values"
-            )
-        if self.index_head_dim % 128 or self.index_head_dim & (self.index_head_dim - 1):
-            raise ConfigError(
-                f"index_head_dim={self.index_head_dim} must be a power of two and a multiple of 128 "
-                "(Hadamard rotation, FP8 block 128)"
-            )
-        if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim > self.index_head_dim:
-            raise ConfigError(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even and fit the indexer head")
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    @property
-    def kv_width(self) -> int:
-        """Width of one token's MLA cache entry before quantization: latent + rope (576)."""
-        return self.kv_lora_rank + self.qk_rope_head_dim
-
-    @property
-    def yarn_mscale(self) -> float:
-        if self.max_seq_len <= self.original_seq_len or self.rope_factor <= 1.0:
-            return 1.0
-        return 0.1 * self.mscale * math.log(self.rope_factor) + 1.0
-
-    @property
-    def softmax_scale(self) -> float:
-        """MLA softmax scale ``qk_head_dim^-0.5 * mscale^2`` (192^-0.5 * mscale^2 for V3.2)."""
-        return self.qk_head_dim**-0.5 * self.yarn_mscale**2
-
-    def with_layers(self, n_layers: int) -> "ModelConfig":
-        return dataclasses.replace(self, n_layers=n_layers)
-
-
-PRESETS: dict[str, ModelConfig] = {
-    "deepseek-v3.2": ModelConfig(
-        name="deepseek-v3.2",
-        n_layers=61,
-        dim=7168,
-        n_heads=128,
-        q_lora_rank=1536,
-        kv_lora_rank=512,
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
-        index_n_heads=64,
-        index_head_dim=128,
-        index_topk=2048,
-        index_rope_interleaved=False,
-    ),
-    # GLM-5 shares the DSA layer; RoPE settings below are placeholders that only move positions
-    # (override them from the checkpoint's config): no layout or CP logic depends on them.
-    "glm-5": ModelConfig(
-        name="glm-5",
-        n_layers=78,
-        dim=6144,
-        n_heads=64,
-        q_lora_rank=2048,
-        kv_lora_rank=512,
-        qk_nope_head_dim=192,
-        qk_rope_head_dim=64,
-        v_head_dim=256,
-        index_n_heads=32,
-        index_head_dim=128,
-        index_topk=2048,
-        index_rope_interleaved=True,
-        vocab_size=154880,
-        rope_theta=1_000_000.0,
-        rope_factor=1.0,
-        max_seq_len=202752,
-    ),
-    # Small enough for CPU tests, big enough that top-k (32) selects a strict subset.
-    "tiny": ModelConfig(
-        name="tiny",
-        n_layers=2,
-        dim=256,
-        n_heads=4,
-        q_lora_rank=96,
-        kv_lora_rank=128,
-        qk_nope_head_dim=32,
-        qk_rope_head_dim=64,
-        v_head_dim=32,
-        index_n_heads=16,  # enough heads that ReLU-zero index scores (exact ties) are rare
-        index_head_dim=128,
-        index_topk=32,
-        index_rope_interleaved=False,
-        vocab_size=512,
-        rope_factor=4.0,
-        original_seq_len=64,
-        max_seq_len=8192,
-    ),
-}
-
-
-def get_preset(name: str) -> ModelConfig:
-    """Look a preset up by name; an unknown name is a :class:`ConfigError` listing the known ones."""
-    try:
-        return PRESETS[name]
-    except KeyError:
-        raise ConfigError(f"unknown preset {name!r}; known presets: {', '.join(sorted(PRESETS))}") from None
-
-
-# --------------------------------------------------------------------------------------------
-# Phases
-# --------------------------------------------------------------------------------------------
-
-PHASE_NAMES: dict[int, str] = {
-    1: "narrow output collection",
-    2: "KV sharded at rest",
-    3: "current-chunk reuse",
-    4: "page-aligned split",
-    5: "compute-owner layout",
-    6: "sort-free remap",
-    7: "fused Triton kernels",
-    8: "one-layer-ahead prefix prefetch",
-}
-
-# Each phase's hard prerequisites (other phases that must be on).
-PHASE_REQUIRES: dict[int, frozenset[int]] = {
-    1: frozenset(),
-    2: frozenset(),
-    3: frozenset({2}),
-    4: frozenset(),
-    5: frozenset({2, 4}),
-    6: frozenset({2}),
-    7: frozenset(),
-    8: frozenset({2, 3}),
-}
-
-# Phases whose code exists in this version of the package; asking for another is refused.
-IMPLEMENTED_PHASES: frozenset[int] = frozenset({1, 2, 3, 4, 5, 6, 7, 8})
-
-
-@dataclass(frozen=True)
-class PhaseSet:
-    """A set of enabled phases (1..8), validated against :data:`PHASE_REQUIRES`."""
-
-    enabled: frozenset[int] = frozenset()
-
-    def __post_init__(self) -> None:
-        unknown = sorted(p for p in self.enabled if p not in PHASE_NAMES)
-        if unknown:
-            raise ConfigError(f"unknown phase(s) {unknown}; phases are 1..8")
-        for p in sorted(self.enabled):
-            missing = sorted(PHASE_REQUIRES[p] - self.enabled)
-            if missing:
-                raise ConfigError(
-                    f"phase {p} ({PHASE_NAMES[p]}) needs phase(s) {missing} "
-                    f"({', '.join(PHASE_NAMES[m] for m in missing)}) enabled"
-                )
-
-    def check_implemented(self) -> None:
-        """Refuse phases whose code does not exist in this version."""
-        not_built = sorted(self.enabled - IMPLEMENTED_PHASES)
-        if not_built:
-            raise ConfigError(
-                f"phase(s) {not_built} are not implemented in this version; available: "
-                f"{sorted(IMPLEMENTED_PHASES)}"
-            )
-
-    @classmethod
-    def level(cls, k: int) -> "PhaseSet":
-        """Cumulative phase level ``k``: phases 1..k on (level 0 is the baseline)."""
-        if not 0 <= k <= 8:
-            raise ConfigError(f"phase level {k} is out of range 0..8")
-        return cls(frozenset(range(1, k + 1)))
-
-    @classmethod
-    def parse(cls, spec: str) -> "PhaseSet":
-        """Parse ``"3"`` (a level), ``"1,3"`` or ``"+2,+3"`` (explicit phases), ``""``/``"0"`` (baseline)."""
-        spec = spec.strip()
-        if spec in ("", "0", "baseline"):
-            return cls()
-        try:
-            if "," in spec or spec.startswith("+"):
-                return cls(frozenset(int(p.strip().lstrip("+")) for p in spec.split(",") if p.strip()))
-            return cls.level(int(spec))
-        except ValueError as exc:
-            if isinstance(exc, ConfigError):
-                raise
-            raise ConfigError(f"malformed phase spec {spec!r}: use a level 0..8 or a list like '1,2'") from None
-
-    def __contains__(self, phase: object) -> bool:
-        return phase in self.enabled
-
-    def __str__(self) -> str:
-        return ",".join(str(p) for p in sorted(self.enabled)) or "0"
-
-    @property
-    def max_level(self) -> int:
-        """The largest k such that phases 1..k are all on."""
-        k = 0
-        while k + 1 in self.enabled:
-            k += 1
-        return k
-
-
-def available_levels() -> list[int]:
-    """Cumulative phase levels whose phases are all implemented."""
-    levels = [0]
-    while levels[-1] + 1 in IMPLEMENTED_PHASES:
-        levels.append(levels[-1] + 1)
-    return levels
+def validate_page_size(page_size: int) -> None:
+    """Raise :class:`ConfigError` unless ``page_size`` is a power of two in ``[4, 4096]``."""
+    if page_size < 1 or page_size & (page_size - 1):
+        raise ConfigError(f"page_size={page_size} must be a power of two")
+    if page_size < MIN_PAGE_SIZE:
+        raise ConfigError(
+            f"page_size={page_size} is below {MIN_PAGE_SIZE}: an index page's scale block of page_size "
+            "float32 values must fill whole 16-byte vectors"
+        )
+    if page_size > MAX_PAGE_SIZE:
+        raise ConfigError(f"page_size={page_size} exceeds {MAX_PAGE_SIZE} tokens")
 
 
 # --------------------------------------------------------------------------------------------
@@ -349,17 +123,14 @@ class RunConfig:
             raise ConfigError(f"kv_dtype={self.kv_dtype!r}: use 'bf16' or 'fp8'")
         if self.split_mode not in ("in-seq", "round-robin"):
             raise ConfigError(f"split_mode={self.split_mode!r}: use 'in-seq' or 'round-robin'")
-        from reference_impl.kvcache.layout import validate_page_size
-
         validate_page_size(self.page_size)
         if not self.requests:
             raise ConfigError("a batch needs at least one request")
-        if self.split_mode == "round-robin" and 4 in self.phases:
+        if self.split_mode == "round-robin" and self.phases.page_aligned:
             raise ConfigError("round-robin split cannot run phase 4 (page-aligned split): it is an in-seq split; use --split-mode in-seq")
-        sharded = {2, 3, 5, 6, 8} & self.phases.enabled
-        if self.split_mode == "round-robin" and sharded:
+        if self.split_mode == "round-robin" and self.phases.shared_kv:
             raise ConfigError(
-                f"round-robin split cannot run shared-KV phases {sorted(sharded)}: its materialization and "
+                f"round-robin split cannot run shared-KV phases {sorted(self.phases.shared_kv)}: its materialization and "
                 "PD-transfer contracts are not wired; use --split-mode in-seq"
             )
         if self.compute_dtype not in ("auto", "fp32", "bf16"):

@@ -30,10 +30,11 @@ from typing import Any
 import torch
 
 from reference_impl.config import RunConfig
-from reference_impl.cp.batch import BatchPlan, new_page_table
+from reference_impl.cp.batch import BatchLocs, new_page_table
 from reference_impl.cp.comm import CPGroup
 from reference_impl.cp.kv_replicated import ReplicatedKV
 from reference_impl.cp.kv_sharded import ShardedKV
+from reference_impl.cp.kv_store import KVStore
 from reference_impl.cp.narrow_output import collect_narrow
 from reference_impl.cp.page_aligned import build_page_aligned_split
 from reference_impl.cp.prefetch import MlaPrefetcher
@@ -87,17 +88,15 @@ class RankResult:
     kernel_fallbacks: dict[str, str] = field(default_factory=dict)  # kernel -> first error, in this rank's process
 
 
-KVStore = ReplicatedKV | ShardedKV
-
-
-def make_kv_store(run: RunConfig, plan: BatchPlan, layout: KVLayout, group: CPGroup) -> KVStore:
+def make_kv_store(run: RunConfig, batch: BatchLocs, layout: KVLayout, group: CPGroup) -> KVStore:
     """The KV store the phase set asks for: a replica per rank (baseline) or sharded (phases 2, 3, 5)."""
-    if 2 in run.phases:
+    if run.phases.sharded_kv:
         return ShardedKV(
-            plan, layout, run.model.n_layers, group, group.debug,
-            reuse_current=3 in run.phases, direct_write=5 in run.phases, fused=7 in run.phases,
+            batch, layout, run.model.n_layers, group, group.debug,
+            reuse_current=run.phases.current_reuse, direct_write=run.phases.compute_owner,
+            fused=run.phases.fused_kernels,
         )
-    return ReplicatedKV(plan, layout, run.model.n_layers, group.device, group.debug, fused=7 in run.phases)
+    return ReplicatedKV(batch, layout, run.model.n_layers, group.device, group.debug, fused=run.phases.fused_kernels)
 
 
 @torch.no_grad()
@@ -166,11 +165,11 @@ class HostSyncError(AssertionError):
     """The phase-6 layer loop synchronized with the host (debug-mode audit)."""
 
 
-def _host_key_bounds(meta: SplitMetadata, plan: BatchPlan, rank: int) -> HostKeyBounds:
+def _host_key_bounds(meta: SplitMetadata, batch: BatchLocs, rank: int) -> HostKeyBounds:
     """Host copies of the local queries' key ranges ``(key_start, key_end)``, from metadata alone
     (phase 6: the indexer bounds each chunk of rows without reading the device)."""
-    starts = [plan.view_offsets[meta.token_request[g]] for g in meta.local_tokens(rank)]
-    ends = [plan.view_offsets[meta.token_request[g]] + meta.token_position[g] + 1 for g in meta.local_tokens(rank)]
+    starts = [batch.view_offsets[meta.token_request[g]] for g in meta.local_tokens(rank)]
+    ends = [batch.view_offsets[meta.token_request[g]] + meta.token_position[g] + 1 for g in meta.local_tokens(rank)]
     return starts, ends
 
 
@@ -178,7 +177,7 @@ def chunk_metadata(run: RunConfig, chunk: Chunk) -> SplitMetadata:
     """The split of one chunk (identical on every rank); page-aligned with phase 4."""
     extend, prefix = list(chunk.extend_lens), list(chunk.prefix_lens)
     meta = build_split(run.split_mode, run.cp_size, extend, prefix, page_size=run.page_size)  # validates the batch
-    if 4 in run.phases:
+    if run.phases.page_aligned:
         return build_page_aligned_split(run.cp_size, extend, prefix, run.page_size)
     return meta
 
@@ -189,9 +188,9 @@ def replay_page_table(run: RunConfig) -> RequestPageTable:
     Every rank allocates identically, so a process outside the CP group (the decode side of a PD
     transfer) derives the same logical locs from the config alone.
     """
-    table = new_page_table([r.total for r in run.requests], run.page_size, run.cp_size, 5 in run.phases)
+    table = new_page_table([r.total for r in run.requests], run.page_size, run.cp_size, run.phases.compute_owner)
     for chunk in chunk_schedule(run):
-        BatchPlan.build(chunk_metadata(run, chunk), "cpu", 5 in run.phases, table=table, request_ids=chunk.requests,
+        BatchLocs.build(chunk_metadata(run, chunk), "cpu", run.phases.compute_owner, table=table, request_ids=chunk.requests,
                         id_space=table.allocator.n_pages)
     return table
 
@@ -214,15 +213,15 @@ def run_rank(group: CPGroup, run: RunConfig, *, keep_store: bool = False) -> Ran
     inputs = build_inputs(run, device)
     chunks = chunk_schedule(run)
     id_space = run_id_space(replay_page_table(run), len(run.requests))  # pure metadata: same on every rank
-    table = new_page_table([r.total for r in run.requests], run.page_size, run.cp_size, 5 in run.phases)
+    table = new_page_table([r.total for r in run.requests], run.page_size, run.cp_size, run.phases.compute_owner)
     store: KVStore | None = None
     acc = _Accumulated()
     start = time.perf_counter()
     for chunk in chunks:
         meta = chunk_metadata(run, chunk)
-        plan = BatchPlan.build(meta, device, 5 in run.phases, table=table, request_ids=chunk.requests, id_space=id_space)
+        batch = BatchLocs.build(meta, device, run.phases.compute_owner, table=table, request_ids=chunk.requests, id_space=id_space)
         if store is None:
-            store = make_kv_store(run, plan, layout, group)
+            store = make_kv_store(run, batch, layout, group)
             install_prefixes(run, model, inputs, store)
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -230,8 +229,8 @@ def run_rank(group: CPGroup, run: RunConfig, *, keep_store: bool = False) -> Ran
                 base_allocated = torch.cuda.memory_allocated(device)
             start = time.perf_counter()
         else:
-            store.bind(plan)
-        _run_chunk(group, run, model, inputs, chunk, meta, plan, store, acc)
+            store.bind(batch)
+        _run_chunk(group, run, model, inputs, chunk, meta, batch, store, acc)
     assert store is not None
     total_ms = (time.perf_counter() - start) * 1e3
     if group.debug:
@@ -246,7 +245,7 @@ def run_rank(group: CPGroup, run: RunConfig, *, keep_store: bool = False) -> Ran
         "output_gather_bytes": sum(s.buffer_bytes for s in group.stats if s.tag == "tail"),
         "collectives": len(group.stats),
     }
-    if 6 in run.phases:
+    if run.phases.sort_free_remap:
         stats["host_syncs_in_layer_loop"] = acc.host_syncs
         stats["transport_syncs_in_layer_loop"] = acc.transport_syncs
     if device.type == "cuda":
@@ -310,7 +309,7 @@ def _run_chunk(
     inputs: list[torch.Tensor],
     chunk: Chunk,
     meta: SplitMetadata,
-    plan: BatchPlan,
+    batch: BatchLocs,
     store: KVStore,
     acc: _Accumulated,
 ) -> None:
@@ -320,21 +319,21 @@ def _run_chunk(
     local = index.local
     positions = torch.tensor(meta.local_positions(group.rank), dtype=torch.long, device=device)
     x = local_inputs(inputs, chunk, meta, group.rank, positions)  # [T_local, dim]
-    key_start, key_end = plan.key_start.index_select(0, local), plan.key_end.index_select(0, local)
+    key_start, key_end = batch.key_start.index_select(0, local), batch.key_end.index_select(0, local)
     # Top-k rows relative to the request's first full-view row, i.e. token positions in the request.
     request_start = key_start[:, None].int()
 
-    host_bounds = _host_key_bounds(meta, plan, group.rank) if 6 in run.phases else None
-    fused = 7 in run.phases  # phase 7: one-pass rerange of the per-layer all-gathers
+    host_bounds = _host_key_bounds(meta, batch, group.rank) if run.phases.sort_free_remap else None
+    fused = run.phases.fused_kernels  # phase 7: one-pass rerange of the per-layer all-gathers
 
     clock = _LayerClock(device)
     topk_per_layer: list[torch.Tensor] = []
     audit = (
         HostSyncAudit(api=group.debug or device.type != "cuda", cuda=device.type == "cuda")
-        if 6 in run.phases
+        if run.phases.sort_free_remap
         else contextlib.nullcontext()
     )
-    prefetch = MlaPrefetcher(store, len(model.layers)) if (8 in run.phases and isinstance(store, ShardedKV)) else None
+    prefetch = MlaPrefetcher(store, len(model.layers)) if run.phases.prefetch else None
     with audit:
         clock.mark()
         if prefetch is not None:
@@ -372,13 +371,13 @@ def _run_chunk(
         acc.prefetch_wait_ms.extend(prefetch.exposed_wait_ms())
 
     tail_start = time.perf_counter()
-    collect = collect_narrow if 1 in run.phases else collect_full
+    collect = collect_narrow if run.phases.narrow_output else collect_full
     tail = collect(group, meta, x, output_spec(run))
     if device.type == "cuda":
         torch.cuda.synchronize()
     acc.tail_ms += (time.perf_counter() - tail_start) * 1e3
     acc.tail_mode = tail.mode
-    acc.store_paths.add("direct" if getattr(store, "direct_write", False) else store.name.replace("sharded", "gathered"))
+    acc.store_paths.add(store.store_path)
     acc.row_ids.extend(chunk.token_ids[g] for g in tail.row_ids)
     acc.rows.append(tail.rows.float().cpu())
     acc.logits.append(model.logits(tail.rows).cpu())

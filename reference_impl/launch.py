@@ -70,7 +70,7 @@ class RankFailedError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class LaunchPlan:
+class LaunchSpec:
     """How the ranks run: ``backend`` ("none" in-process, "gloo", "nccl"), one device per rank,
     ``start_method`` ("inline", "fork", "forkserver" inside a Jupyter kernel, "spawn"), and whether
     ranks share GPUs."""
@@ -95,7 +95,7 @@ def choose_backend(
     *,
     cuda_initialized: bool = False,
     fork_available: bool = True,
-) -> LaunchPlan:
+) -> LaunchSpec:
     """Decide backend, per-rank devices and start method; pure (the caller passes the machine's facts).
 
     ``device`` is "auto" | "cpu" | "cuda"; ``backend`` is "auto" | "gloo" | "nccl".
@@ -136,8 +136,8 @@ def choose_backend(
         shared = cp_size > cuda_count
         start = "spawn"  # a forked child cannot use CUDA once the parent touched it
     if cp_size == 1:
-        return LaunchPlan("none", devices, "inline", False)
-    return LaunchPlan(chosen, devices, start, shared)
+        return LaunchSpec("none", devices, "inline", False)
+    return LaunchSpec(chosen, devices, start, shared)
 
 
 def rank_cpu_threads(world: int) -> int:
@@ -275,7 +275,7 @@ def _to_cpu(obj: Any) -> Any:
 
 
 def _rank_main(
-    rank: int, plan: LaunchPlan, init_method: str, fn: Callable[[CPGroup, Any], Any], payload: Any,
+    rank: int, plan: LaunchSpec, init_method: str, fn: Callable[[CPGroup, Any], Any], payload: Any,
     results: Any, timeout_s: float, debug: bool | None,
 ) -> None:
     """Body of one rank's process: init, run, send ``("ok", rank, pickled)`` or ``("error", rank, info)``."""
@@ -344,7 +344,7 @@ def _stop(processes: list[Any]) -> None:
 
 
 def _run_processes(
-    fn: Callable[[CPGroup, Any], Any], payload: Any, plan: LaunchPlan, timeout_s: float, debug: bool | None
+    fn: Callable[[CPGroup, Any], Any], payload: Any, plan: LaunchSpec, timeout_s: float, debug: bool | None
 ) -> list[Any]:
     ctx = mp.get_context(plan.start_method)
     results = ctx.Queue()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -21,7 +22,8 @@ from reference_impl.config import RunConfig
 from reference_impl.engine import RankResult, build_metadata, chunk_metadata, run_rank
 from reference_impl.schedule import chunk_schedule
 from reference_impl.launch import choose_backend, launch, rank_cpu_threads, under_torchrun
-from reference_impl.model.oracle import run_oracle
+from reference_impl.cp.comm import CPGroup
+from reference_impl.model.oracle import DSAModel, OracleResult, run_oracle
 from reference_impl.report import build_report
 from reference_impl.workload import build_inputs, build_model, compute_dtype, resolve_device
 
@@ -42,27 +44,78 @@ def run_prefill(run: RunConfig, timeout_s: float = 600) -> dict[str, Any]:
 
     Bad input raises :class:`~reference_impl.config.ConfigError` before any rank starts.
     """
+    return run_prefills([run], timeout_s)[0]
+
+
+def run_prefills(runs: Sequence[RunConfig], timeout_s: float = 600) -> list[dict[str, Any]]:
+    """Run several configurations and return their reports, in order.
+
+    Runs that share ``cp_size``, ``device`` and ``backend`` share one launch: the ranks start once
+    (and on a GPU compile their kernels once) and run the configurations one after another, each
+    with its own CP group view (collective records, debug recorder). The oracle runs once per
+    distinct model, batch and cache layout, whatever the phases. ``timeout_s`` bounds each launch.
+    """
+    for run in runs:  # every chunk's split is validated here, before any rank starts
+        for chunk in chunk_schedule(run):
+            chunk_metadata(run, chunk)
+    launches: dict[tuple[int, str, str], list[int]] = {}
+    for i, run in enumerate(runs):
+        launches.setdefault((run.cp_size, run.device, run.backend), []).append(i)
+    reports: list[dict[str, Any] | None] = [None] * len(runs)
+    oracles: dict[tuple[Any, ...], tuple[DSAModel, OracleResult]] = {}
+    for (cp_size, device, backend), indices in launches.items():
+        batch = [runs[i] for i in indices]
+        per_rank = launch(_run_each, cp_size, batch, device=device, backend=backend, timeout_s=timeout_s, debug=False)
+        launch_backend, shared_gpu = _launch_plan_line(batch[0])
+        for k, i in enumerate(indices):
+            reports[i] = _report(runs[i], [results[k] for results in per_rank], launch_backend, shared_gpu, oracles)
+    return reports  # type: ignore[return-value]
+
+
+def _run_each(group: CPGroup, runs: list[RunConfig]) -> list[RankResult]:
+    """One rank's results for every run of a launch (each run gets its own view of the group)."""
+    out = []
+    for run in runs:
+        view = CPGroup.single(group.device, debug=run.debug) if group.is_trivial else CPGroup(device=group.device, debug=run.debug)
+        out.append(run_rank(view, run))
+    return out
+
+
+def _oracle_threads(run: RunConfig, device: torch.device) -> int | None:
+    """CPU intra-op threads for the oracle: the ranks' count, so reductions split alike (bitwise-equal caches)."""
+    return rank_cpu_threads(run.cp_size) if device.type == "cpu" and run.cp_size > 1 else None
+
+
+def _oracle_key(run: RunConfig, device: torch.device) -> tuple[Any, ...]:
+    """What the oracle's bits depend on (not the phases, split or debug)."""
+    return (run.preset, run.n_layers, run.requests, run.kv_dtype, run.page_size, run.chunk_size, run.seed,
+            compute_dtype(run, device), str(device), _oracle_threads(run, device))
+
+
+def _report(
+    run: RunConfig, results: list[RankResult], backend: str, shared_gpu: bool,
+    oracles: dict[tuple[Any, ...], tuple[DSAModel, OracleResult]],
+) -> dict[str, Any]:
     meta = build_metadata(run)  # the whole batch's token numbering
-    for chunk in chunk_schedule(run):
-        chunk_metadata(run, chunk)  # validates every chunk's split in this process, before any rank starts
-    backend, shared_gpu = ("nccl" if torch.cuda.is_available() else "gloo", False) if under_torchrun() else _launch_plan_line(run)
-    results: list[RankResult] = launch(
-        run_rank, run.cp_size, run, device=run.device, backend=run.backend, timeout_s=timeout_s, debug=run.debug
-    )
+    if under_torchrun():
+        backend, shared_gpu = ("nccl" if torch.cuda.is_available() else "gloo"), False
     agreement = None
     if run.check:
         device = resolve_device(run)
-        threads = torch.get_num_threads()
-        if device.type == "cpu" and run.cp_size > 1:
-            torch.set_num_threads(rank_cpu_threads(run.cp_size))  # same reduction splits as the ranks
-        try:
-            model = build_model(run, device)
-            prefixes = [r.prefix for r in run.requests]
-            oracle = run_oracle(
-                model, prefixes, build_inputs(run, device), run.kv_dtype, run.page_size, chunk_size=run.chunk_size
-            )
-        finally:
-            torch.set_num_threads(threads)
+        key = _oracle_key(run, device)
+        if key not in oracles:
+            threads, oracle_threads = torch.get_num_threads(), _oracle_threads(run, device)
+            if oracle_threads is not None:
+                torch.set_num_threads(oracle_threads)
+            try:
+                model = build_model(run, device)
+                prefixes = [r.prefix for r in run.requests]
+                oracles[key] = (model, run_oracle(
+                    model, prefixes, build_inputs(run, device), run.kv_dtype, run.page_size, chunk_size=run.chunk_size
+                ))
+            finally:
+                torch.set_num_threads(threads)
+        model, oracle = oracles[key]
         agreement = compare(run, meta, model, oracle, results, compute_dtype(run, device))
         if not agreement.matches_oracle:
             logger.error("CP run disagrees with the oracle: %s", "; ".join(agreement.problems))

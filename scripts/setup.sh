@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Install the package and everything the tests and docs need (idempotent; fast when already there).
+# Install what the tests, docs and main job need, keeping what is already installed (idempotent;
+# installs nothing on a machine that has it all, e.g. a GPU box with its own CUDA torch). Use a
+# virtual environment: on a fresh one this pulls the pinned CPU torch and triton.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install -q --disable-pip-version-check -r requirements-dev.txt
-python3 -m pip install -q --disable-pip-version-check --no-deps -e .
+python3 scripts/ensure_deps.py
 python3 -m ipykernel install --user --name python3 >/dev/null 2>&1 || true

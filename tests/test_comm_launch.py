@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from reference_impl.config import ConfigError
 from reference_impl.cp.comm import CollectiveMismatchError, CPGroup, CollectiveRecorder, CollectiveEntry, first_mismatch
-from reference_impl.launch import LaunchPlan, RankFailedError, choose_backend, launch
+from reference_impl.launch import LaunchSpec, RankFailedError, choose_backend, launch
 
 DTYPES = (torch.bfloat16, torch.float32, torch.uint8)
 
@@ -102,23 +102,23 @@ def test_single_rank_group_needs_no_process_group() -> None:
 
 
 def test_choose_backend_cpu() -> None:
-    assert choose_backend(4, "auto", "auto", 0) == LaunchPlan("gloo", ("cpu",) * 4, "fork", False)
+    assert choose_backend(4, "auto", "auto", 0) == LaunchSpec("gloo", ("cpu",) * 4, "fork", False)
     assert choose_backend(2, "cpu", "auto", 8, cuda_initialized=True).start_method == "spawn"
-    assert choose_backend(1, "cpu", "auto", 0) == LaunchPlan("none", ("cpu",), "inline", False)
+    assert choose_backend(1, "cpu", "auto", 0) == LaunchSpec("none", ("cpu",), "inline", False)
     with pytest.raises(ConfigError, match="NCCL needs CUDA"):
         choose_backend(2, "cpu", "nccl", 0)
 
 
 def test_choose_backend_shared_gpu() -> None:
     plan = choose_backend(4, "auto", "auto", 1)
-    assert plan == LaunchPlan("gloo", ("cuda:0",) * 4, "spawn", True)
+    assert plan == LaunchSpec("gloo", ("cuda:0",) * 4, "spawn", True)
     assert "share GPUs" in plan.describe()
     assert choose_backend(3, "cuda", "auto", 2).device_per_rank == ("cuda:0", "cuda:1", "cuda:0")
 
 
 def test_choose_backend_nccl() -> None:
     plan = choose_backend(8, "auto", "auto", 8)
-    assert plan == LaunchPlan("nccl", tuple(f"cuda:{r}" for r in range(8)), "spawn", False)
+    assert plan == LaunchSpec("nccl", tuple(f"cuda:{r}" for r in range(8)), "spawn", False)
     assert choose_backend(2, "cuda", "gloo", 8).backend == "gloo"
 
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from conftest import tiny
 from reference_impl.config import ConfigError, PhaseSet, Request
-from reference_impl.cp.batch import BatchPlan
+from reference_impl.cp.batch import BatchLocs
 from reference_impl.cp.compute_owner import direct_write_ok
 from reference_impl.cp.page_aligned import build_page_aligned_split
 from reference_impl.kvcache.allocator import PageAllocator
@@ -38,12 +38,12 @@ def test_short_request_is_not_page_aligned_so_no_direct_write(report_of) -> None
        st.integers(1, 4))
 def test_current_pages_get_their_compute_rank_as_owner(reqs, cp_size) -> None:
     meta = build_page_aligned_split(cp_size, [e for _, e in reqs], [p for p, _ in reqs], 8)
-    plan = BatchPlan.build(meta, compute_owner=True)
-    assert meta.page_aligned and direct_write_ok(meta, plan.extend_locs)  # page-multiple prefixes: always
+    batch = BatchLocs.build(meta, compute_owner=True)
+    assert meta.page_aligned and direct_write_ok(meta, batch.extend_locs)  # page-multiple prefixes: always
     for rank, tokens in enumerate(meta.rank_tokens):
-        pages = plan.extend_locs[list(tokens)] // 8
+        pages = batch.extend_locs[list(tokens)] // 8
         assert bool((pages % cp_size == rank).all())
-    assert len(set(torch.cat(plan.request_locs).tolist())) == plan.view_len  # no loc handed out twice
+    assert len(set(torch.cat(batch.request_locs).tolist())) == batch.view_len  # no loc handed out twice
 
 
 def test_lane_exhaustion_is_a_clear_error_and_frees_nothing_wrong() -> None:

@@ -6,6 +6,7 @@ import pytest
 
 from conftest import tiny
 from reference_impl.config import PhaseSet, Request
+from reference_impl.runner import run_prefill
 
 MIXED = (Request(0, 96), Request(40, 70), Request(13, 37))  # prefixes 40 and 13 are not page multiples
 
@@ -89,3 +90,18 @@ def test_few_row_products_give_the_bits_of_many_row_products() -> None:
     for rows in (0, 1, 3, 7, MIN_CPU_GEMM_ROWS - 1, MIN_CPU_GEMM_ROWS, 40):
         few = linear(x[:rows])
         assert few.shape == (rows, 96) and torch.equal(few, many[:rows]), rows
+
+
+def test_a_nan_output_disagrees_with_the_oracle(monkeypatch) -> None:
+    """NaN compares false with every tolerance: the check must treat it as a failure, not a pass."""
+    from reference_impl.model.attention import DSAAttention
+
+    original = DSAAttention.attend
+
+    def nan_attend(self, *args, **kwargs):
+        out, topk = original(self, *args, **kwargs)
+        return out * float("nan"), topk
+
+    monkeypatch.setattr(DSAAttention, "attend", nan_attend)
+    rep = run_prefill(tiny(cp_size=1, requests=(Request(0, 40),)))
+    assert rep["matches_oracle"] is False and "hidden states differ" in rep["problems"][0]

@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 
 from reference_impl.kernels import dispatch, fallback  # noqa: E402
 from reference_impl.model import sparse_attention as ref  # noqa: E402
-from reference_impl.model.fp8 import act_quant  # noqa: E402
+from reference_impl.fp8 import act_quant  # noqa: E402
 
 
 @pytest.fixture(scope="module")

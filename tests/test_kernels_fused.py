@@ -30,10 +30,10 @@ import triton.language as tl  # noqa: E402
 
 from reference_impl.config import ConfigError  # noqa: E402
 from reference_impl.cp import remap  # noqa: E402
-from reference_impl.cp.batch import BatchPlan  # noqa: E402
+from reference_impl.cp.batch import BatchLocs  # noqa: E402
 from reference_impl.cp.comm import CPGroup  # noqa: E402
 from reference_impl.cp.kv_sharded import ShardedKV  # noqa: E402
-from reference_impl.cp.materialize import gather_pages, unpack_index_rows  # noqa: E402
+from reference_impl.cp.page_gather import gather_pages, unpack_index_rows  # noqa: E402
 from reference_impl.cp.ownership import page_owner, physical_locs  # noqa: E402
 from reference_impl.cp.split import SplitIndex, build_split, rerange_tensor  # noqa: E402
 from reference_impl.cp import fused_ops  # noqa: E402
@@ -201,13 +201,13 @@ def test_store_matches_sharded_store_current(fs: object) -> None:
     """Wired like ShardedKV.store_current (phase 2: owned rows of the gathered chunk; rank 1 of 3)."""
     gen = torch.Generator().manual_seed(3)
     meta = build_split("in-seq", 3, [45, 30], [0, 0], page_size=8)
-    plan = BatchPlan.build(meta)
+    batch = BatchLocs.build(meta)
     layout = KVLayout(128, 64, "fp8", 8)
 
     class Rank:  # a store needs rank, size and device only
         rank, size, device = 1, 3, torch.device("cpu")
 
-    store = ShardedKV(plan, layout, 1, Rank(), debug=False, reuse_current=False)  # type: ignore[arg-type]
+    store = ShardedKV(batch, layout, 1, Rank(), debug=False, reuse_current=False)  # type: ignore[arg-type]
     kv_seq, index_seq = _random_kv(gen, 75, 192, torch.bfloat16), _random_kv(gen, 75, 128, torch.bfloat16)
     mla, index = store.pool.mla[0].clone(), store.pool.index[0].clone()
     store.store_current(0, kv_seq, index_seq)
@@ -324,25 +324,25 @@ def test_materialize_matches_sharded_full_view(fm: object) -> None:
     """Phase 2 full materialization on one rank: gather_pages + the kernel == ShardedKV.full_view."""
     gen = torch.Generator().manual_seed(5)
     meta = build_split("in-seq", 1, [21, 9], [11, 4], page_size=8)
-    plan = BatchPlan.build(meta)
+    batch = BatchLocs.build(meta)
     layout = KVLayout(128, 64, "fp8", 8)
     group = CPGroup.single()
-    store = ShardedKV(plan, layout, 1, group, debug=False, reuse_current=False)
+    store = ShardedKV(batch, layout, 1, group, debug=False, reuse_current=False)
     for req, prefix in enumerate(meta.prefix_lens):
         rows = pack_mla(_random_kv(gen, prefix, 192, torch.float32), 128, "fp8")
         store.write_prefix(0, req, rows, *layout.quantize_index_k(_random_kv(gen, prefix, 128, torch.float32)))
     kv_seq, index_seq = _random_kv(gen, 30, 192, torch.bfloat16), _random_kv(gen, 30, 128, torch.bfloat16)
     store.store_current(0, kv_seq, index_seq)
     want = store.full_view(0, kv_seq, index_seq)
-    mplan = store._mplan
-    mla_rows, index_pages = gather_pages(group, store.pool, 0, mplan)
+    gather = store._gather
+    mla_rows, index_pages = gather_pages(group, store.pool, 0, gather)
     kv = torch.zeros_like(want.kv)
     i8, sc = (
         torch.zeros_like(want.index_k_fp8.view(torch.uint8)).view(torch.float8_e4m3fn),
         torch.zeros_like(want.index_k_scale),
     )
-    fm.materialize_rows_triton(mla_rows, index_pages, mplan.row_source, mplan.view_rows, kv, i8, sc, layout)  # type: ignore[attr-defined]
-    assert mplan.view_rows.numel() == plan.view_len
+    fm.materialize_rows_triton(mla_rows, index_pages, gather.row_source, gather.view_rows, kv, i8, sc, layout)  # type: ignore[attr-defined]
+    assert gather.view_rows.numel() == batch.view_len
     assert (
         torch.equal(kv, want.kv)
         and torch.equal(as_bytes(i8), as_bytes(want.index_k_fp8))

@@ -22,8 +22,8 @@ from reference_impl.kvcache import (
     quantize_index_k,
     unpack_index_pages,
     unpack_mla_fp8,
-    validate_page_size,
 )
+from reference_impl.config import validate_page_size
 
 # ---------------------------------------------------------------------------------------------
 # Independent encoders (numpy only)
@@ -210,7 +210,7 @@ def test_index_quant_scales_fp32_and_ue8m0() -> None:
 def test_block_scales_are_correctly_rounded_divisions() -> None:
     """``amax / 448`` rounded once (IEEE), not ``amax * (1 / 448)``: CUDA torch computes a division by a
     Python scalar as the latter, which is one ulp off for some amax, and the fused kernels divide."""
-    from reference_impl.model.fp8 import block_scales
+    from reference_impl.fp8 import block_scales
 
     amax = torch.linspace(1.0, 2.0, 4097)  # one binade, every 2**-12 step
     x = torch.zeros(amax.numel(), 128)

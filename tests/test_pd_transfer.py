@@ -12,7 +12,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from reference_impl.config import ConfigError, PhaseSet, Request, RunConfig
-from reference_impl.cp.batch import BatchPlan
+from reference_impl.cp.batch import BatchLocs
 from reference_impl.cp.comm import CPGroup
 from reference_impl.cp.kv_replicated import ReplicatedKV
 from reference_impl.cp.kv_sharded import ShardedKV
@@ -24,13 +24,12 @@ from reference_impl.launch import rank_cpu_threads
 from reference_impl.model.oracle import OracleResult, run_oracle
 from reference_impl.pd import (
     DecodeCache,
-    TransferPlan,
-    build_transfer_plan,
-    check_plans_cover,
-    oracle_mismatches,
-    run_prefill_and_decode,
+    TransferManifest,
+    build_manifest,
+    check_manifests_cover,
     transfer_in_process,
 )
+from reference_impl.prefill_decode import oracle_mismatches, run_prefill_and_decode
 from reference_impl.workload import build_inputs, build_model
 
 MIXED = (Request(0, 96), Request(40, 70), Request(13, 37))  # prefixes 40 and 13 end mid-page
@@ -76,11 +75,11 @@ def sharded_stores(run: RunConfig, oracle: OracleResult) -> list[ShardedKV]:
     Prefixes go through ``write_prefix``; the extend chunk (unquantized, sequence order) through
     ``store_current``, from the oracle's own projections.
     """
-    plan = BatchPlan.build(build_metadata(run), CPU)
+    manifest = BatchLocs.build(build_metadata(run), CPU)
     layout = KVLayout.from_config(run.model, run.kv_dtype, run.page_size)
     n_layers = run.model.n_layers
     stores = [
-        ShardedKV(plan, layout, n_layers, RankSlot(r, run.cp_size), debug=True, reuse_current=False)  # type: ignore
+        ShardedKV(manifest, layout, n_layers, RankSlot(r, run.cp_size), debug=True, reuse_current=False)  # type: ignore
         for r in range(run.cp_size)
     ]
     for layer in range(n_layers):
@@ -96,11 +95,11 @@ def sharded_stores(run: RunConfig, oracle: OracleResult) -> list[ShardedKV]:
     return stores
 
 
-def assert_pool_equals_oracle(pool: PagedKVPool, plan: BatchPlan, oracle: OracleResult) -> None:
+def assert_pool_equals_oracle(pool: PagedKVPool, manifest: BatchLocs, oracle: OracleResult) -> None:
     """Rows at every request's logical locs equal the oracle's cache byte for byte."""
     for layer, caches in enumerate(oracle.caches):
         for req, cache in enumerate(caches):
-            locs = plan.request_locs[req]
+            locs = manifest.request_locs[req]
             assert locs.shape[0] == len(cache)
             k_fp8, k_scale = pool.read_index(layer, locs)
             assert torch.equal(pool.read_mla(layer, locs), cache.mla_rows)
@@ -116,19 +115,19 @@ def assert_pool_equals_oracle(pool: PagedKVPool, plan: BatchPlan, oracle: Oracle
 def test_in_process_transfer_equals_oracle(cp_size: int, kv_dtype: str) -> None:
     run, oracle = pd_run(cp_size, kv_dtype), cached_oracle(kv_dtype)
     stores = sharded_stores(run, oracle)
-    batch, layout = stores[0].plan, stores[0].layout
+    batch, layout = stores[0].batch, stores[0].layout
     pool = transfer_in_process(stores, batch.n_pages, layout, run.model.n_layers)
     assert pool.n_pages == batch.n_pages
     assert_pool_equals_oracle(pool, batch, oracle)
 
-    # Each rank stored only its share, and the plans move exactly the full pool's bytes.
-    plans = [build_transfer_plan(s) for s in stores]
-    for store, plan in zip(stores, plans):
-        assert store.pool.n_pages == owned_page_count(batch.n_pages, plan.rank, cp_size) == plan.n_pages
-    assert sum(p.nbytes for p in plans) == pool.bytes_total
+    # Each rank stored only its share, and the manifests move exactly the full pool's bytes.
+    manifests = [build_manifest(s, s.group.rank, s.group.size) for s in stores]
+    for store, manifest in zip(stores, manifests):
+        assert store.pool.n_pages == owned_page_count(batch.n_pages, manifest.rank, cp_size) == manifest.n_pages
+    assert sum(p.nbytes for p in manifests) == pool.bytes_total
 
-    # The (plan, pool) form rebuilds the same bytes.
-    again = transfer_in_process([(p, s.pool) for p, s in zip(plans, stores)], batch.n_pages, layout, run.model.n_layers)
+    # The (manifest, pool) form rebuilds the same bytes.
+    again = transfer_in_process([(p, s.pool) for p, s in zip(manifests, stores)], batch.n_pages, layout, run.model.n_layers)
     assert torch.equal(again.mla, pool.mla) and torch.equal(again.index, pool.index)
 
 
@@ -137,7 +136,7 @@ def test_engine_store_transfers_in_process() -> None:
     run = pd_run(1, "fp8", level=3)
     result = run_rank(CPGroup.single(), run, keep_store=True)
     assert isinstance(result.store, ShardedKV)
-    batch = result.store.plan
+    batch = result.store.batch
     pool = transfer_in_process([result.store], batch.n_pages, result.store.layout, run.model.n_layers)
     assert_pool_equals_oracle(pool, batch, oracle_of(run))
 
@@ -145,7 +144,7 @@ def test_engine_store_transfers_in_process() -> None:
 def test_incomplete_or_overlapping_transfer_is_refused() -> None:
     run = pd_run(3)
     stores = sharded_stores(run, cached_oracle("fp8"))
-    n_pages, layout, n_layers = stores[0].plan.n_pages, stores[0].layout, run.model.n_layers
+    n_pages, layout, n_layers = stores[0].batch.n_pages, stores[0].layout, run.model.n_layers
     with pytest.raises(ConfigError, match="missing"):
         transfer_in_process(stores[:-1], n_pages, layout, n_layers)
     with pytest.raises(ConfigError, match="twice"):
@@ -156,17 +155,17 @@ def test_incomplete_or_overlapping_transfer_is_refused() -> None:
 
 
 def test_rank_without_pages_sends_nothing() -> None:
-    """Two pages over C=4: ranks 2 and 3 own none; their empty plans still count as covering."""
+    """Two pages over C=4: ranks 2 and 3 own none; their empty manifests still count as covering."""
     run = pd_run(4, requests=(Request(5, 20),))
     oracle = oracle_of(run)
     stores = sharded_stores(run, oracle)
-    plans = [build_transfer_plan(s) for s in stores]
-    assert [p.n_pages for p in plans] == [1, 1, 0, 0] and plans[2].nbytes == 0
+    manifests = [build_manifest(s, s.group.rank, s.group.size) for s in stores]
+    assert [p.n_pages for p in manifests] == [1, 1, 0, 0] and manifests[2].nbytes == 0
     pool = transfer_in_process(stores, 2, stores[0].layout, run.model.n_layers)
-    assert_pool_equals_oracle(pool, stores[0].plan, oracle)
+    assert_pool_equals_oracle(pool, stores[0].batch, oracle)
 
 
-# ------------------------------------------------------------------------------- plan properties
+# ------------------------------------------------------------------------------- manifest properties
 
 
 @settings(max_examples=40, deadline=None)
@@ -181,35 +180,35 @@ def test_plans_partition_the_pages(cp_size: int, page_size: int, requests: list[
         preset="tiny", cp_size=cp_size, phases=PhaseSet.level(2), page_size=page_size,
         requests=tuple(Request(p, e) for p, e in requests),
     )
-    batch = BatchPlan.build(build_metadata(run), CPU)
+    batch = BatchLocs.build(build_metadata(run), CPU)
     layout = KVLayout.from_config(run.model, run.kv_dtype, page_size)
     stores = [ShardedKV(batch, layout, 1, RankSlot(r, cp_size), False, False) for r in range(cp_size)]  # type: ignore
-    plans = [build_transfer_plan(s) for s in stores]
+    manifests = [build_manifest(s, s.group.rank, s.group.size) for s in stores]
 
-    check_plans_cover(plans, batch.n_pages)
-    assert sorted(p for plan in plans for p in plan.logical_pages) == list(range(batch.n_pages))
-    for plan in plans:
-        assert plan.physical_pages == tuple(range(plan.n_pages))  # compact on the owner
-        assert all(p % cp_size == plan.rank for p in plan.logical_pages)
-    assert sum(p.nbytes for p in plans) == batch.n_pages * (layout.mla_page_bytes + layout.index_page_bytes)
+    check_manifests_cover(manifests, batch.n_pages)
+    assert sorted(p for manifest in manifests for p in manifest.logical_pages) == list(range(batch.n_pages))
+    for manifest in manifests:
+        assert manifest.physical_pages == tuple(range(manifest.n_pages))  # compact on the owner
+        assert all(p % cp_size == manifest.rank for p in manifest.logical_pages)
+    assert sum(p.nbytes for p in manifests) == batch.n_pages * (layout.mla_page_bytes + layout.index_page_bytes)
 
     with pytest.raises(ConfigError):
-        check_plans_cover(plans + plans[:1], batch.n_pages)  # a rank twice
-    owner = next(p for p in plans if p.n_pages)
+        check_manifests_cover(manifests + manifests[:1], batch.n_pages)  # a rank twice
+    owner = next(p for p in manifests if p.n_pages)
     with pytest.raises(ConfigError, match="missing"):
-        check_plans_cover([p if p is not owner else _without_last_page(p) for p in plans], batch.n_pages)
+        check_manifests_cover([p if p is not owner else _without_last_page(p) for p in manifests], batch.n_pages)
 
 
-def _without_last_page(plan: TransferPlan) -> TransferPlan:
-    return TransferPlan(
-        plan.rank, plan.cp_size, plan.page_size, plan.logical_pages[:-1], plan.physical_pages[:-1],
-        plan.n_layers, plan.mla_page_bytes, plan.index_page_bytes,
+def _without_last_page(manifest: TransferManifest) -> TransferManifest:
+    return TransferManifest(
+        manifest.rank, manifest.cp_size, manifest.page_size, manifest.logical_pages[:-1], manifest.physical_pages[:-1],
+        manifest.n_layers, manifest.mla_page_bytes, manifest.index_page_bytes,
     )
 
 
 def test_plan_rejects_pages_the_rank_does_not_own() -> None:
     with pytest.raises(ConfigError, match="not owned"):
-        TransferPlan(1, 2, PAGE, (2,), (1,), 1, 10, 10)
+        TransferManifest(1, 2, PAGE, (2,), (1,), 1, 10, 10)
 
 
 # ------------------------------------------------------------------------------ phase 0 refused
@@ -217,10 +216,10 @@ def test_plan_rejects_pages_the_rank_does_not_own() -> None:
 
 def test_replicated_store_is_refused() -> None:
     run = pd_run(2).replace(phases=PhaseSet.level(1))
-    batch = BatchPlan.build(build_metadata(run), CPU)
+    batch = BatchLocs.build(build_metadata(run), CPU)
     layout = KVLayout.from_config(run.model, run.kv_dtype, PAGE)
     with pytest.raises(ConfigError, match="phase 2"):
-        build_transfer_plan(ReplicatedKV(batch, layout, run.model.n_layers, CPU, False))
+        build_manifest(ReplicatedKV(batch, layout, run.model.n_layers, CPU, False), 0, run.cp_size)
     with pytest.raises(ConfigError, match="phase 2"):
         run_prefill_and_decode(run)
 
@@ -255,14 +254,14 @@ def test_multiprocess_transfer_equals_oracle(
             assert torch.equal(k_bytes, cache.index_fp8.view(torch.uint8))
             assert torch.equal(k_scale.view(torch.uint8), cache.index_scale.view(torch.uint8))
 
-    batch = BatchPlan.build(build_metadata(run), CPU)
-    check_plans_cover(res.plans, batch.n_pages)
-    assert [p.rank for p in res.plans] == list(range(cp_size))
-    assert res.bytes_received == sum(p.nbytes for p in res.plans)
+    batch = BatchLocs.build(build_metadata(run), CPU)
+    check_manifests_cover(res.manifests, batch.n_pages)
+    assert [p.rank for p in res.manifests] == list(range(cp_size))
+    assert res.bytes_received == sum(p.nbytes for p in res.manifests)
     full = DecodeCache(batch.n_pages, KVLayout.from_config(run.model, kv_dtype, PAGE), run.model.n_layers).pool
     assert res.bytes_received == full.bytes_total
     assert all(r.store is None for r in res.prefill)  # the store stays in its process
-    assert [p.n_pages == 0 for p in res.plans] == [r >= batch.n_pages for r in range(cp_size)]
+    assert [p.n_pages == 0 for p in res.manifests] == [r >= batch.n_pages for r in range(cp_size)]
 
 
 def test_multiprocess_transfer_after_chunked_compute_owner_prefill() -> None:

@@ -10,12 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reference_impl import capacity
+from reference_impl.cp import capacity
 from reference_impl.cli import main
 from reference_impl.config import PhaseSet, Request, RunConfig, get_preset
 from reference_impl.planner import (
     RESULTS_DIR,
-    PlanConfig,
+    PlannerConfig,
     PlannerRates,
     layer_terms,
     level_status,
@@ -32,9 +32,9 @@ V32 = get_preset("deepseek-v3.2")
 
 @pytest.mark.parametrize(
     "config",
-    [PlanConfig(), PlanConfig(preset="glm-5", cp_size=3, kv_dtype="bf16", page_size=128, contexts=(1000, 70001))],
+    [PlannerConfig(), PlannerConfig(preset="glm-5", cp_size=3, kv_dtype="bf16", page_size=128, contexts=(1000, 70001))],
 )
-def test_kv_bytes_and_max_context_come_from_capacity(config: PlanConfig) -> None:
+def test_kv_bytes_and_max_context_come_from_capacity(config: PlannerConfig) -> None:
     plan = plan_capacity(config, PlannerRates())
     cfg = get_preset(config.preset)
     assert [lv["level"] for lv in plan["levels"]] == list(range(9))
@@ -51,7 +51,7 @@ def test_kv_bytes_and_max_context_come_from_capacity(config: PlanConfig) -> None
 
 def test_published_v32_figures() -> None:
     """The numbers docs/benchmarks.md and the phase 2 page quote: 48 GiB budget, 128K and 1M at C=8."""
-    plan = plan_capacity(PlanConfig(), PlannerRates())
+    plan = plan_capacity(PlannerConfig(), PlannerRates())
     assert plan["inputs"]["kv_budget_bytes"] == 48 * 2**30
     base, sharded = plan["levels"][0], plan["levels"][2]
     assert base["max_context"] == 1_072_192 and sharded["max_context"] == 8_577_536
@@ -68,7 +68,7 @@ def test_published_v32_figures() -> None:
 )
 def test_max_context_monotone_in_cp_size_and_budget(cp_size: int, hbm: float, reserved_share: float, more_budget: float) -> None:
     def max_contexts(c: int, hbm_gib: float) -> list[int]:
-        config = PlanConfig(cp_size=c, hbm_gib=hbm_gib, reserved_gib=hbm * reserved_share, contexts=(64,))
+        config = PlannerConfig(cp_size=c, hbm_gib=hbm_gib, reserved_gib=hbm * reserved_share, contexts=(64,))
         return [lv["max_context"] for lv in plan_capacity(config, PlannerRates())["levels"]]
 
     base = max_contexts(cp_size, hbm)

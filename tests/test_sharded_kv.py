@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from conftest import tiny
 from reference_impl.config import ConfigError, PhaseSet, Request, RunConfig
 from reference_impl.cp import current_reuse
-from reference_impl.cp.batch import BatchPlan
+from reference_impl.cp.batch import BatchLocs
 from reference_impl.cp.current_reuse import classify_batch
 from reference_impl.cp.ownership import logical_page, owned_page_count, page_owner, physical_page
 from reference_impl.cp.split import build_split
@@ -88,19 +88,19 @@ def test_phase2_materializes_every_page(report_of) -> None:
 
 def test_classify_batch() -> None:
     meta = build_split("in-seq", 2, [20, 9], [0, 5], page_size=8)
-    plan = BatchPlan.build(meta)
-    assert classify_batch(plan, meta.total_tokens) == "mixed"
-    assert classify_batch(plan, meta.total_tokens - 1) == "fallback"
-    no_prefix = BatchPlan.build(build_split("in-seq", 2, [20, 9], [0, 0], page_size=8))
+    batch = BatchLocs.build(meta)
+    assert classify_batch(batch, meta.total_tokens) == "mixed"
+    assert classify_batch(batch, meta.total_tokens - 1) == "fallback"
+    no_prefix = BatchLocs.build(build_split("in-seq", 2, [20, 9], [0, 0], page_size=8))
     assert classify_batch(no_prefix, 29) == "current-only"
 
 
 def test_phase3_fallback_path_matches_oracle(monkeypatch) -> None:
     """The fallback branch (full materialization under phase 3) is a path: run it and check it."""
-    monkeypatch.setattr(current_reuse, "classify_batch", lambda plan, n: "fallback")
+    monkeypatch.setattr(current_reuse, "classify_batch", lambda batch, n: "fallback")
     import reference_impl.cp.kv_sharded as kv_sharded
 
-    monkeypatch.setattr(kv_sharded, "classify_batch", lambda plan, n: "fallback")
+    monkeypatch.setattr(kv_sharded, "classify_batch", lambda batch, n: "fallback")
     run = tiny(cp_size=2, requests=MIXED, page_size=16, phases=PhaseSet.level(3))
     rep = run_prefill(run)  # forked ranks inherit the patch
     pages = sum(-(-r.total // 16) for r in MIXED)
@@ -114,16 +114,16 @@ def test_round_robin_refuses_shared_kv() -> None:
 
 
 @given(st.lists(st.tuples(st.integers(0, 40), st.integers(4, 60)), min_size=1, max_size=4), st.integers(1, 4))
-def test_materialize_plan_covers_each_needed_page_once(reqs: list, cp_size: int) -> None:
-    from reference_impl.cp.materialize import MaterializePlan
+def test_page_gather_covers_each_needed_page_once(reqs: list, cp_size: int) -> None:
+    from reference_impl.cp.page_gather import PageGather
 
     meta = build_split("in-seq", cp_size, [e for _, e in reqs], [p for p, _ in reqs], page_size=8)
-    plan = BatchPlan.build(meta)
-    rows = torch.arange(plan.view_len)
-    plans = [MaterializePlan.build(plan, rows, r, cp_size) for r in range(cp_size)]
+    batch = BatchLocs.build(meta)
+    rows = torch.arange(batch.view_len)
+    plans = [PageGather.build(batch, rows, r, cp_size) for r in range(cp_size)]
     pages = plans[0].pages
-    assert sorted(pages.tolist()) == list(range(plan.n_pages))
-    assert sum(plans[0].counts) == plan.n_pages
+    assert sorted(pages.tolist()) == list(range(batch.n_pages))
+    assert sum(plans[0].counts) == batch.n_pages
     for r, mp in enumerate(plans):
         assert mp.send_physical.numel() == mp.counts[r]
         assert torch.equal(mp.pages, pages)  # identical on every rank

@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from reference_impl.capacity import kv_bytes_per_rank
+from reference_impl.cp.capacity import kv_bytes_per_rank
 from reference_impl.config import ConfigError, PhaseSet, Request, RunConfig, get_preset
 from reference_impl.cp.kv_sharded import ShardedKV
 from reference_impl.cp.loopback import LoopbackGroup
@@ -97,7 +97,7 @@ def _run(run: RunConfig, group: LoopbackGroup, keep_store: bool = False, empty_c
 
 def payload_ms(store: ShardedKV, n_layers: int, device: torch.device) -> float | None:
     """Median ms of one layer's prefetch payload (history MLA rows), alone on the current stream."""
-    if store.materialize_plan is None:
+    if store.page_gather is None:
         return None
     times = []
     kv = store.new_view_kv()

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from reference_impl.config import KVDtype, get_preset
-from reference_impl.cp.batch import BatchPlan
+from reference_impl.cp.batch import BatchLocs
 from reference_impl.cp.kv_sharded import ShardedKV
 from reference_impl.cp.page_aligned import build_page_aligned_split
 from reference_impl.cp.split import local_index_tensor
@@ -68,7 +68,7 @@ def time_store_paths(
     dev = torch.device(device)
     cfg = get_preset(preset)
     meta = build_page_aligned_split(cp_size, [tokens], [0], 64)
-    plan = BatchPlan.build(meta, dev, compute_owner=True)
+    batch = BatchLocs.build(meta, dev, compute_owner=True)
     layout = KVLayout.from_config(cfg, kv_dtype, 64)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     kv_seq = torch.randn(tokens, layout.kv_width, device=dev).to(dtype)
@@ -82,7 +82,7 @@ def time_store_paths(
     select = int(local.numel()) * row_in * 2  # phase 2 on torch: index_select of its rows, read + write
     for name, direct, fused in (("phase2", False, False), ("phase5", True, False),
                                 ("phase2_fused", False, True), ("phase5_fused", True, True)):
-        store = ShardedKV(plan, layout, 1, RankIdentity(0, cp_size, dev), debug=False, reuse_current=True,  # type: ignore[arg-type]
+        store = ShardedKV(batch, layout, 1, RankIdentity(0, cp_size, dev), debug=False, reuse_current=True,  # type: ignore[arg-type]
                           direct_write=direct, fused=fused)
         assert store.direct_write == direct
         out[f"{name}_ms"] = _median_ms(lambda s=store: s.store_current(0, kv_seq, index_seq, kv_local, index_local), dev, repeats)

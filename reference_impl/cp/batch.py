@@ -1,7 +1,7 @@
-"""The batch plan: logical locs and full-view coordinates, identical on every rank.
+"""the batch locs: logical locs and full-view coordinates, identical on every rank.
 
 Built from the request list, the page size and the split metadata alone, so every rank derives the
-same plan without communicating. Logical locs come from the allocator (``page = loc // page_size``);
+same batch without communicating. Logical locs come from the allocator (``page = loc // page_size``);
 each request starts on a fresh page and its prefix tokens are its first locs. The **full view**
 concatenates the requests' whole sequences (prefix + extend) in request order.
 """
@@ -30,7 +30,7 @@ def new_page_table(final_lens: list[int], page_size: int, cp_size: int, compute_
 
 
 @dataclass(frozen=True)
-class BatchPlan:
+class BatchLocs:
     """Locs and full-view rows of one prefill batch. Tensors live on ``device``; int64 unless noted."""
 
     meta: SplitMetadata
@@ -54,7 +54,7 @@ class BatchPlan:
         table: RequestPageTable | None = None,
         request_ids: tuple[int, ...] | None = None,
         id_space: int | None = None,
-    ) -> "BatchPlan":
+    ) -> "BatchLocs":
         """Allocate this batch's logical locs and derive the full-view coordinates.
 
         ``table`` is the page table that persists across the chunks of a chunked prefill (request

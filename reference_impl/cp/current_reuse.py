@@ -10,7 +10,7 @@ the cache stores them, so the view's values are identical) and materializes only
   current rows are then overwritten from the gathered chunk);
 * otherwise (**fallback**): the phase-2 full materialization.
 
-The decision is made per batch from the batch plan alone, so every rank takes the same branch and
+The decision is made per batch from the batch locs alone, so every rank takes the same branch and
 issues the same collectives.
 """
 
@@ -20,32 +20,32 @@ from typing import Literal
 
 import torch
 
-from reference_impl.cp.batch import BatchPlan
+from reference_impl.cp.batch import BatchLocs
 from reference_impl.kvcache.layout import KVLayout
 
 BatchKind = Literal["current-only", "mixed", "fallback"]
 
 
-def classify_batch(plan: BatchPlan, gathered_tokens: int) -> BatchKind:
+def classify_batch(batch: BatchLocs, gathered_tokens: int) -> BatchKind:
     """How phase 3 treats this batch. ``gathered_tokens`` is the length of the all-gathered chunk.
 
     Reuse needs the gathered chunk to cover every extend token of the batch (in-seq CP gathers all
     of them; a batch computed partly outside the CP group would not); anything else falls back.
     """
-    if gathered_tokens != plan.meta.total_tokens:
+    if gathered_tokens != batch.meta.total_tokens:
         return "fallback"
-    return "mixed" if plan.has_prefix else "current-only"
+    return "mixed" if batch.has_prefix else "current-only"
 
 
-def history_rows(plan: BatchPlan) -> torch.Tensor:
+def history_rows(batch: BatchLocs) -> torch.Tensor:
     """Full-view rows of prefix tokens (request order) -> int64 ``[n_history]``."""
-    device = plan.view_locs.device
-    rows = [torch.arange(off, off + p, device=device) for off, p in zip(plan.view_offsets, plan.meta.prefix_lens)]
+    device = batch.view_locs.device
+    rows = [torch.arange(off, off + p, device=device) for off, p in zip(batch.view_offsets, batch.meta.prefix_lens)]
     return torch.cat(rows) if rows else torch.empty(0, dtype=torch.long, device=device)
 
 
 def fill_current(
-    plan: BatchPlan,
+    batch: BatchLocs,
     layout: KVLayout,
     kv_seq: torch.Tensor,  # [T, 576] gathered, sequence order, pre-quantization
     index_k_seq: torch.Tensor,  # [T, 128]
@@ -54,7 +54,7 @@ def fill_current(
     index_scale: torch.Tensor,  # [S] f32, filled in place
 ) -> None:
     """Write the current rows of the full view from the gathered chunk, with the cache's rounding."""
-    rows = plan.extend_view_rows
+    rows = batch.extend_view_rows
     kv_view[rows] = layout.dequantize_mla(layout.pack_mla(kv_seq)).to(kv_view.dtype)
     k_fp8, k_scale = layout.quantize_index_k(index_k_seq)
     index_fp8.view(torch.uint8)[rows] = k_fp8.view(torch.uint8)  # fp8 has no index_put on CPU

@@ -4,58 +4,46 @@ After the per-layer all-gather and rerange every rank holds the whole current ch
 order; it quantizes it and writes **every** token into its own pool, so each rank keeps a full
 replica of the batch's KV and indexer K. The full view is read back from that pool.
 
-The interface (``write_prefix``, ``store_current``, ``full_view``, byte counters) is the one the
-sharded stores of later phases implement too, so the engine does not change between phases.
+It implements :class:`~reference_impl.cp.kv_store.KVStore`, the interface the sharded store of
+later phases implements too, so the engine does not change between phases.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from reference_impl.cp.batch import BatchPlan
+from reference_impl.cp.batch import BatchLocs
 from reference_impl.cp.fused_ops import fused_store
+from reference_impl.cp.kv_store import FullView, StoredRows
 from reference_impl.kvcache.layout import KVLayout
 from reference_impl.kvcache.pool import PagedKVPool, check_in_range
-
-
-@dataclass
-class FullView:
-    """Dense, sequence-ordered KV of the whole batch, as the attention and top-k code expect."""
-
-    kv: torch.Tensor  # [S, kv_lora + rope] bf16 (dequantized cache)
-    index_k_fp8: torch.Tensor  # [S, D] float8_e4m3fn
-    index_k_scale: torch.Tensor  # [S] float32
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.kv, self.index_k_fp8, self.index_k_scale))
 
 
 class ReplicatedKV:
     """Every rank stores every token of the batch (the baseline)."""
 
     name = "replicated"
+    sharded = False
+    store_path = "replicated"
 
     def __init__(
-        self, plan: BatchPlan, layout: KVLayout, n_layers: int, device: torch.device, debug: bool, fused: bool = False
+        self, batch: BatchLocs, layout: KVLayout, n_layers: int, device: torch.device, debug: bool, fused: bool = False
     ) -> None:
-        self.plan = plan
+        self.batch = batch
         self.fused, self.debug = fused, debug  # phase 7: the fused store kernels
         self.layout = layout
-        self.pool = PagedKVPool(n_layers, plan.n_pages, plan.page_size, layout, device, debug)
+        self.pool = PagedKVPool(n_layers, batch.n_pages, batch.page_size, layout, device, debug)
         self.materialized_bytes = 0  # bytes read from storage to build full views, all layers
         self.transient_bytes = 0  # no gather buffers beyond the full view
-        self.bind(plan)
+        self.bind(batch)
 
-    def bind(self, plan: BatchPlan) -> None:
+    def bind(self, batch: BatchLocs) -> None:
         """Serve the next chunk of a chunked prefill (same page-id space, same pool)."""
-        if plan.n_pages != self.plan.n_pages:
-            raise ValueError(f"chunk plan spans {plan.n_pages} pages, the pool was built for {self.plan.n_pages}")
-        self.plan = plan
+        if batch.n_pages != self.batch.n_pages:
+            raise ValueError(f"chunk batch spans {batch.n_pages} pages, the pool was built for {self.batch.n_pages}")
+        self.batch = batch
         # Range-checked once per batch (a host read), so the layer loop's fused ops read nothing.
-        check_in_range("store locs", plan.extend_locs, self.pool.n_slots)
+        check_in_range("store locs", batch.extend_locs, self.pool.n_slots)
 
     @property
     def kv_bytes(self) -> int:
@@ -67,7 +55,7 @@ class ReplicatedKV:
 
     def write_prefix(self, layer: int, request: int, rows: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor) -> None:
         """Install a request's already-cached prefix (packed rows and quantized index K)."""
-        locs = self.plan.prefix_locs(request)
+        locs = self.batch.prefix_locs(request)
         self.pool.write_mla(layer, locs, rows)
         self.pool.write_index(layer, locs, k_fp8, k_scale)
 
@@ -84,20 +72,30 @@ class ReplicatedKV:
         (``kv_local``/``index_k_local`` are for phase 5's direct writes; a replica needs the whole chunk.)
         """
         if self.fused:
-            fused_store(self.pool, layer, kv_seq, index_k_seq, None, self.plan.extend_locs, self.debug, locs_checked=True)
+            fused_store(self.pool, layer, kv_seq, index_k_seq, None, self.batch.extend_locs, self.debug, locs_checked=True)
             return
-        self.pool.write_mla(layer, self.plan.extend_locs, self.layout.pack_mla(kv_seq))
+        self.pool.write_mla(layer, self.batch.extend_locs, self.layout.pack_mla(kv_seq))
         k_fp8, k_scale = self.layout.quantize_index_k(index_k_seq)
-        self.pool.write_index(layer, self.plan.extend_locs, k_fp8, k_scale)
+        self.pool.write_index(layer, self.batch.extend_locs, k_fp8, k_scale)
 
-    def full_view(self, layer: int, kv_seq: torch.Tensor, index_k_seq: torch.Tensor) -> FullView:
-        """Read every full-view row back from the local replica and dequantize the MLA part."""
-        rows = self.pool.read_mla(layer, self.plan.view_locs)
-        k_fp8, k_scale = self.pool.read_index(layer, self.plan.view_locs)
+    def full_view(
+        self, layer: int, kv_seq: torch.Tensor, index_k_seq: torch.Tensor, prefetched_kv: torch.Tensor | None = None
+    ) -> FullView:
+        """Read every full-view row back from the local replica and dequantize the MLA part.
+
+        (A replica has nothing to prefetch: ``prefetched_kv`` must be ``None``.)"""
+        if prefetched_kv is not None:
+            raise ValueError("a replicated store has no history to prefetch")
+        rows = self.pool.read_mla(layer, self.batch.view_locs)
+        k_fp8, k_scale = self.pool.read_index(layer, self.batch.view_locs)
         self.materialized_bytes += rows.numel() + k_fp8.numel() + k_scale.numel() * 4
         return FullView(self.layout.dequantize_mla(rows).to(torch.bfloat16), k_fp8, k_scale)
 
-    def stored_rows(self, layer: int, request_locs: list[torch.Tensor] | None = None) -> dict[int, tuple[torch.Tensor, ...]]:
+    def owned_pages(self) -> torch.Tensor:
+        """Every logical page of the batch: a replica holds them all."""
+        return torch.arange(self.batch.n_pages, device=self.batch.view_locs.device)
+
+    def stored_rows(self, layer: int, request_locs: list[torch.Tensor] | None = None) -> StoredRows:
         """What this rank holds for ``layer``, per request: ``(positions, mla rows, index fp8, index scale)``.
 
         ``request_locs`` (default: this batch's) lists each request's logical locs.
@@ -105,7 +103,7 @@ class ReplicatedKV:
         values come as raw bytes (uint8) so they pickle across processes.
         """
         out = {}
-        for req, locs in enumerate(request_locs if request_locs is not None else self.plan.request_locs):
+        for req, locs in enumerate(request_locs if request_locs is not None else self.batch.request_locs):
             k_fp8, k_scale = self.pool.read_index(layer, locs)
             positions = torch.arange(locs.shape[0], device=locs.device)
             out[req] = (positions, self.pool.read_mla(layer, locs), k_fp8.view(torch.uint8), k_scale)

@@ -5,7 +5,7 @@ lives on rank ``p % C`` at compact physical page ``p // C`` (:mod:`reference_imp
 
 * **store**: after all-gather #1 every rank holds the whole current chunk, quantizes the tokens
   whose pages it owns, and writes them at their physical locs;
-* **full view**: rebuilt per layer by :mod:`reference_impl.cp.materialize` (all pages), or, with
+* **full view**: rebuilt per layer by :mod:`reference_impl.cp.page_gather` (all pages), or, with
   phase 3 (:mod:`reference_impl.cp.current_reuse`), current rows from the gathered chunk and only
   the history pages materialized.
 
@@ -18,12 +18,12 @@ from __future__ import annotations
 import torch
 
 from reference_impl.config import ConfigError
-from reference_impl.cp.batch import BatchPlan
+from reference_impl.cp.batch import BatchLocs
 from reference_impl.cp.comm import CPGroup
 from reference_impl.cp.compute_owner import direct_write_ok
 from reference_impl.cp.current_reuse import BatchKind, classify_batch, fill_current, history_rows
-from reference_impl.cp.kv_replicated import FullView
-from reference_impl.cp.materialize import MaterializePlan, gather_page_part, gather_pages, unpack_index_rows
+from reference_impl.cp.kv_store import FullView, StoredRows
+from reference_impl.cp.page_gather import PageGather, gather_page_part, gather_pages, unpack_index_rows
 from reference_impl.cp.ownership import owned_page_count, page_owner, physical_locs
 from reference_impl.cp.split import local_index_tensor
 from reference_impl.cp.fused_ops import fused_store, materialize_mla_rows, materialize_rows
@@ -35,10 +35,11 @@ class ShardedKV:
     """Each rank stores the MLA latent and indexer K pages it owns (``page % C == rank``)."""
 
     name = "sharded"
+    sharded = True
 
     def __init__(
         self,
-        plan: BatchPlan,
+        batch: BatchLocs,
         layout: KVLayout,
         n_layers: int,
         group: CPGroup,
@@ -47,54 +48,59 @@ class ShardedKV:
         direct_write: bool = False,
         fused: bool = False,
     ) -> None:
-        if plan.meta.mode != "in-seq":
-            raise ConfigError(f"sharded KV needs the in-seq split, got {plan.meta.mode!r}")
+        if batch.meta.mode != "in-seq":
+            raise ConfigError(f"sharded KV needs the in-seq split, got {batch.meta.mode!r}")
         self.layout, self.group = layout, group
-        self.plan = plan
+        self.batch = batch
         self.reuse_current, self.allow_direct_write = reuse_current, direct_write
         self.fused, self.debug = fused, debug  # phase 7: fused store / materialize kernels
         self.pool = PagedKVPool(
-            n_layers, owned_page_count(plan.n_pages, group.rank, group.size), plan.page_size, layout, group.device, debug
+            n_layers, owned_page_count(batch.n_pages, group.rank, group.size), batch.page_size, layout, group.device, debug
         )
         self.materialized_bytes = 0
         self.transient_bytes = 0
-        self.bind(plan)
+        self.bind(batch)
 
-    def bind(self, plan: BatchPlan) -> None:
+    def bind(self, batch: BatchLocs) -> None:
         """Derive this batch's store and full-view plans (once per batch; every layer reuses them).
 
         Called again for each chunk of a chunked prefill: same page-id space, same pool.
         """
-        if plan.n_pages != self.plan.n_pages:
-            raise ConfigError(f"chunk plan spans {plan.n_pages} pages, the pool was built for {self.plan.n_pages}")
-        self.plan = plan
-        cp, rank, page_size = self.group.size, self.group.rank, plan.page_size
+        if batch.n_pages != self.batch.n_pages:
+            raise ConfigError(f"chunk batch spans {batch.n_pages} pages, the pool was built for {self.batch.n_pages}")
+        self.batch = batch
+        cp, rank, page_size = self.group.size, self.group.rank, batch.page_size
 
         # Store path: which current tokens (sequence order) this rank owns, and where they go.
-        own = page_owner(plan.extend_locs // page_size, cp) == rank
+        own = page_owner(batch.extend_locs // page_size, cp) == rank
         self._store_rows = own.nonzero().flatten()
-        self._store_locs = physical_locs(plan.extend_locs[own], page_size, cp)
+        self._store_locs = physical_locs(batch.extend_locs[own], page_size, cp)
         # Phase 5: the rank owns every token it computed, so it writes its local rows directly.
-        self.direct_write = self.allow_direct_write and direct_write_ok(plan.meta, plan.extend_locs)
+        self.direct_write = self.allow_direct_write and direct_write_ok(batch.meta, batch.extend_locs)
         if self.direct_write:
-            local = local_index_tensor(plan.meta, rank, plan.extend_locs.device)
-            self._local_locs = physical_locs(plan.extend_locs.index_select(0, local), page_size, cp)
+            local = local_index_tensor(batch.meta, rank, batch.extend_locs.device)
+            self._local_locs = physical_locs(batch.extend_locs.index_select(0, local), page_size, cp)
 
         # Full-view path, decided once per batch (identical on every rank).
-        self.batch_kind: BatchKind = classify_batch(plan, plan.meta.total_tokens) if self.reuse_current else "fallback"
+        self.batch_kind: BatchKind = classify_batch(batch, batch.meta.total_tokens) if self.reuse_current else "fallback"
         storage_rows = (
-            history_rows(plan)
+            history_rows(batch)
             if self.batch_kind != "fallback"
-            else torch.arange(plan.view_len, device=plan.view_locs.device)
+            else torch.arange(batch.view_len, device=batch.view_locs.device)
         )
-        self._mplan = MaterializePlan.build(plan, storage_rows, rank, cp) if storage_rows.numel() else None
+        self._gather = PageGather.build(batch, storage_rows, rank, cp) if storage_rows.numel() else None
         # Range-checked once per batch (a host read), so the layer loop's fused ops read nothing.
         check_in_range("store locs", self._store_locs, self.pool.n_slots)
         if self.direct_write:
             check_in_range("direct-write locs", self._local_locs, self.pool.n_slots)
-        if self._mplan is not None:
-            check_in_range("view rows", self._mplan.view_rows, plan.view_len)
-            check_in_range("gathered token rows", self._mplan.row_source, self._mplan.n_pages * page_size)
+        if self._gather is not None:
+            check_in_range("view rows", self._gather.view_rows, batch.view_len)
+            check_in_range("gathered token rows", self._gather.row_source, self._gather.n_pages * page_size)
+
+    @property
+    def store_path(self) -> str:
+        """``"direct"`` when this batch's rank writes its own rows (phase 5), else ``"gathered"``."""
+        return "direct" if self.direct_write else "gathered"
 
     @property
     def kv_bytes(self) -> int:
@@ -105,13 +111,13 @@ class ShardedKV:
         return self.pool.index_bytes_total
 
     def _owned(self, locs: torch.Tensor) -> torch.Tensor:
-        return page_owner(locs // self.plan.page_size, self.group.size) == self.group.rank
+        return page_owner(locs // self.batch.page_size, self.group.size) == self.group.rank
 
     def write_prefix(self, layer: int, request: int, rows: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor) -> None:
         """Install the owned part of a request's already-cached prefix."""
-        locs = self.plan.prefix_locs(request)
+        locs = self.batch.prefix_locs(request)
         own = self._owned(locs)
-        phys = physical_locs(locs[own], self.plan.page_size, self.group.size)
+        phys = physical_locs(locs[own], self.batch.page_size, self.group.size)
         self.pool.write_mla(layer, phys, rows[own])
         self.pool.write_index(layer, phys, k_fp8[own], k_scale[own])
 
@@ -143,23 +149,23 @@ class ShardedKV:
 
     def new_view_kv(self) -> torch.Tensor:
         """An uninitialized full-view KV buffer for this batch: bf16 ``[view_len, kv_width]``."""
-        return torch.empty(self.plan.view_len, self.layout.kv_width, dtype=torch.bfloat16, device=self.pool.mla.device)
+        return torch.empty(self.batch.view_len, self.layout.kv_width, dtype=torch.bfloat16, device=self.pool.mla.device)
 
     def materialize_history_mla(self, layer: int, kv: torch.Tensor) -> None:
         """Phase 8's prefetch payload: write ``layer``'s history MLA rows into their full-view rows of
         ``kv`` (bf16 ``[view_len, kv_width]``). One all-gather, then one unpack (fused with phase 7)."""
-        assert self._mplan is not None
-        mla_rows = gather_page_part(self.group, self.pool, layer, self._mplan, "mla")
+        assert self._gather is not None
+        mla_rows = gather_page_part(self.group, self.pool, layer, self._gather, "mla")
         self.materialized_bytes += mla_rows.numel()
-        rows, source = self._mplan.view_rows, self._mplan.row_source
+        rows, source = self._gather.view_rows, self._gather.row_source
         if self.fused:
             materialize_mla_rows(mla_rows, source, rows, kv, self.layout, debug=self.debug, locs_checked=True)
         else:
             kv[rows] = self.layout.dequantize_mla(mla_rows.index_select(0, source)).to(torch.bfloat16)
 
     @property
-    def materialize_plan(self) -> MaterializePlan | None:
-        return self._mplan
+    def page_gather(self) -> PageGather | None:
+        return self._gather
 
     def full_view(
         self, layer: int, kv_seq: torch.Tensor, index_k_seq: torch.Tensor, prefetched_kv: torch.Tensor | None = None
@@ -170,24 +176,24 @@ class ShardedKV:
         :meth:`materialize_history_mla` already wrote for this layer; it becomes the view's ``kv``
         and only the index pages are gathered here, synchronously.
         """
-        n, layout, device = self.plan.view_len, self.layout, kv_seq.device
+        n, layout, device = self.batch.view_len, self.layout, kv_seq.device
         kv = prefetched_kv if prefetched_kv is not None else self.new_view_kv()
         index_fp8 = torch.empty(n, layout.index_head_dim, dtype=torch.float8_e4m3fn, device=device)
         index_scale = torch.empty(n, dtype=torch.float32, device=device)
         self.transient_bytes = 0
-        if self._mplan is not None and prefetched_kv is not None:
-            rows, source = self._mplan.view_rows, self._mplan.row_source
-            index_pages = gather_page_part(self.group, self.pool, layer, self._mplan, "index")
+        if self._gather is not None and prefetched_kv is not None:
+            rows, source = self._gather.view_rows, self._gather.row_source
+            index_pages = gather_page_part(self.group, self.pool, layer, self._gather, "index")
             k_fp8, k_scale = unpack_index_rows(index_pages, source, layout)
             index_fp8.view(torch.uint8)[rows] = k_fp8.view(torch.uint8)
             index_scale[rows] = k_scale
             # the second alternating view buffer, and the gathered MLA pages of the next layer
-            next_mla = self._mplan.n_pages * self.plan.page_size * layout.mla_bytes
+            next_mla = self._gather.n_pages * self.batch.page_size * layout.mla_bytes
             self.transient_bytes = index_pages.numel() + kv.numel() * kv.element_size() + next_mla
             self.materialized_bytes += index_pages.numel()
-        elif self._mplan is not None:
-            mla_rows, index_pages = gather_pages(self.group, self.pool, layer, self._mplan)
-            rows, source = self._mplan.view_rows, self._mplan.row_source
+        elif self._gather is not None:
+            mla_rows, index_pages = gather_pages(self.group, self.pool, layer, self._gather)
+            rows, source = self._gather.view_rows, self._gather.row_source
             if self.fused:
                 materialize_rows(
                     mla_rows, index_pages, source, rows, kv, index_fp8, index_scale, layout, debug=self.debug, locs_checked=True
@@ -200,21 +206,21 @@ class ShardedKV:
             self.transient_bytes = mla_rows.numel() + index_pages.numel()
             self.materialized_bytes += self.transient_bytes
         if self.batch_kind != "fallback":
-            fill_current(self.plan, layout, kv_seq, index_k_seq, kv, index_fp8, index_scale)
+            fill_current(self.batch, layout, kv_seq, index_k_seq, kv, index_fp8, index_scale)
         return FullView(kv, index_fp8, index_scale)
 
     def owned_pages(self) -> torch.Tensor:
         """Logical pages of this batch stored on this rank, ascending (their physical page is ``p // C``)."""
-        pages = torch.arange(self.plan.n_pages, device=self.plan.view_locs.device)
+        pages = torch.arange(self.batch.n_pages, device=self.batch.view_locs.device)
         return pages[page_owner(pages, self.group.size) == self.group.rank]
 
-    def stored_rows(self, layer: int, request_locs: list[torch.Tensor] | None = None) -> dict[int, tuple[torch.Tensor, ...]]:
+    def stored_rows(self, layer: int, request_locs: list[torch.Tensor] | None = None) -> StoredRows:
         """Per request (``request_locs``, default this batch's), the tokens this rank holds:
         ``(positions, mla rows, index bytes, index scale)``."""
         out = {}
-        for req, locs in enumerate(request_locs if request_locs is not None else self.plan.request_locs):
+        for req, locs in enumerate(request_locs if request_locs is not None else self.batch.request_locs):
             own = self._owned(locs)
-            phys = physical_locs(locs[own], self.plan.page_size, self.group.size)
+            phys = physical_locs(locs[own], self.batch.page_size, self.group.size)
             k_fp8, k_scale = self.pool.read_index(layer, phys)
             positions = own.nonzero().flatten()
             out[req] = (positions, self.pool.read_mla(layer, phys), k_fp8.view(torch.uint8), k_scale)

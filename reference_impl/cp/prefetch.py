@@ -8,7 +8,7 @@ the history is written where attention reads it); layer ``l + 1`` waits on an ev
 consumes its buffer. One wait policy: wait at consumption, nowhere else.
 
 * MLA only: the indexer K history stays synchronous (v1 scope).
-* The materialization plan is the store's, built once per batch and shared by every layer.
+* The page gather is the store's, built once per batch and shared by every layer.
 * Buffer reuse is safe: before the side stream overwrites a slot it waits for the event the main
   stream recorded after the slot's previous consumer (two layers back) used it.
 * On CPU (and where no CUDA stream exists) the same code runs synchronously and stays correct.
@@ -24,7 +24,9 @@ from typing import Any, Protocol
 
 import torch
 
+from reference_impl.config import ConfigError
 from reference_impl.cp.kv_sharded import ShardedKV
+from reference_impl.cp.kv_store import KVStore
 
 
 class Stream(Protocol):
@@ -102,9 +104,11 @@ class MlaPrefetcher:
     rows are filled in on the main stream), so the history is written once, where it is read.
     """
 
-    def __init__(self, store: ShardedKV, n_layers: int, stream: Stream | None = None) -> None:
+    def __init__(self, store: KVStore, n_layers: int, stream: Stream | None = None) -> None:
+        if not isinstance(store, ShardedKV):
+            raise ConfigError(f"phase 8 prefetches history from sharded storage (phase 2); got a {store.name!r} store")
         self.store, self.n_layers = store, n_layers
-        self.active = store.materialize_plan is not None and store.batch_kind != "fallback"
+        self.active = store.page_gather is not None and store.batch_kind != "fallback"
         if stream is None:
             device = store.pool.mla.device
             stream = CudaSideStream(device) if device.type == "cuda" else InlineStream()

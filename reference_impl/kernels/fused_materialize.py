@@ -1,6 +1,6 @@
 """Fused materialize (phase 7): gathered owned pages -> full-view rows in one pass.
 
-After the materialization all-gather (:func:`reference_impl.cp.materialize.gather_pages`) every rank
+After the materialization all-gather (:func:`reference_impl.cp.page_gather.gather_pages`) every rank
 holds the needed pages' raw bytes. The torch path then selects token rows (``index_select``: a
 copy), dequantizes them in fp32 (another buffer), casts to bf16 (another) and scatters them into
 the view, and does the same select + scatter for the index bytes and scales. The kernel reads each

@@ -46,7 +46,7 @@ NaN outputs, not necessarily torch's NaN bit pattern (torch's own CPU and CUDA p
 
 With ``ue8m0`` the kernel rounds the scale up to a power of two exactly (exponent + 1 when the
 mantissa is non-zero, as DeepSeek's kernels do), the same rule as the torch path
-(:func:`reference_impl.model.fp8.round_up_pow2`), so the two agree on every scale.
+(:func:`reference_impl.fp8.round_up_pow2`), so the two agree on every scale.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import torch
 
 from reference_impl.config import ConfigError
 from reference_impl.kvcache.layout import INDEX_HEAD_DIM, SCALE_BYTES, KVLayout
-from reference_impl.model.fp8 import FP8_DTYPE
+from reference_impl.fp8 import FP8_DTYPE
 
 # ---- argument checks (metadata only: no device sync), shared with the kernels --------------------
 

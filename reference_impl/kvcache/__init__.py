@@ -16,7 +16,6 @@ from .layout import (
     quantize_index_k,
     unpack_index_pages,
     unpack_mla_fp8,
-    validate_page_size,
 )
 from .pool import LocOutOfRangeError, PagedKVPool
 
@@ -38,5 +37,4 @@ __all__ = [
     "quantize_index_k",
     "unpack_index_pages",
     "unpack_mla_fp8",
-    "validate_page_size",
 ]

@@ -20,14 +20,14 @@ from dataclasses import dataclass
 
 import torch
 
-from reference_impl.config import ConfigError, KVDtype, ModelConfig
-from reference_impl.model.fp8 import FP8_DTYPE, act_dequant, act_quant
+from reference_impl.config import KVDtype, validate_page_size
+from reference_impl.errors import ConfigError
+from reference_impl.presets import ModelConfig
+from reference_impl.fp8 import FP8_DTYPE, act_dequant, act_quant
 
 MLA_QUANT_BLOCK = 128  # latent values per float32 scale in the packed FP8 layout
 INDEX_HEAD_DIM = 128  # indexer K width; one quantization block, hence one scale per token
 SCALE_BYTES = 4  # float32
-MIN_PAGE_SIZE = 4
-MAX_PAGE_SIZE = 4096
 KV_DTYPES: tuple[str, ...] = ("bf16", "fp8")
 
 
@@ -52,19 +52,6 @@ def _check_index_head_dim(index_head_dim: int) -> None:
             f"index_head_dim={index_head_dim}: the indexer K layout holds one float32 scale per token, "
             f"which needs exactly one FP8 block of {INDEX_HEAD_DIM} values"
         )
-
-
-def validate_page_size(page_size: int) -> None:
-    """Raise :class:`ConfigError` unless ``page_size`` is a power of two in ``[4, 4096]``."""
-    if page_size < 1 or page_size & (page_size - 1):
-        raise ConfigError(f"page_size={page_size} must be a power of two")
-    if page_size < MIN_PAGE_SIZE:
-        raise ConfigError(
-            f"page_size={page_size} is below {MIN_PAGE_SIZE}: an index page's scale block of page_size "
-            "float32 values must fill whole 16-byte vectors"
-        )
-    if page_size > MAX_PAGE_SIZE:
-        raise ConfigError(f"page_size={page_size} exceeds {MAX_PAGE_SIZE} tokens")
 
 
 # --------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import torch
 
 from reference_impl.config import ConfigError
 from reference_impl.sync_audit import diagnostic
-from reference_impl.model.fp8 import FP8_DTYPE
+from reference_impl.fp8 import FP8_DTYPE
 
 from .layout import SCALE_BYTES, KVLayout
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from reference_impl.config import ModelConfig
-from reference_impl.model.fp8 import act_quant, hadamard_matrix, hadamard_rotate
+from reference_impl.presets import ModelConfig
+from reference_impl.fp8 import act_quant, hadamard_matrix, hadamard_rotate
 from reference_impl.model.rope import apply_rope, rope_cos_sin, rope_frequencies
 from reference_impl.model.sparse_attention import TORCH_OPS, ComputeOps, HostKeyBounds
 

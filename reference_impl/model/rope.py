@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from reference_impl.config import ModelConfig
+from reference_impl.presets import ModelConfig
 
 
 def rope_frequencies(cfg: ModelConfig, device: torch.device | str | None = None) -> torch.Tensor:

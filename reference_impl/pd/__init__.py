@@ -1,28 +1,17 @@
 """Prefill -> decode transfer of the KV cache (phase 2): each prefill rank sends its owned pages
-with their logical positions (:mod:`.plan`); a non-CP decode rebuilds the full layout (:mod:`.transfer`)."""
+with their logical positions (:mod:`.manifest`); a non-CP decode rebuilds the full layout (:mod:`.transfer`).
+The driver that runs a prefill and a decode end to end is :mod:`reference_impl.prefill_decode`."""
 
-from .plan import TransferPlan, build_transfer_plan, check_plans_cover
-from .transfer import (
-    DecodeCache,
-    PDResult,
-    oracle_mismatches,
-    pack_pages,
-    receive_pages,
-    run_prefill_and_decode,
-    send_owned_pages,
-    transfer_in_process,
-)
+from .manifest import TransferManifest, build_manifest, check_manifests_cover
+from .transfer import DecodeCache, pack_pages, receive_pages, send_owned_pages, transfer_in_process
 
 __all__ = [
     "DecodeCache",
-    "PDResult",
-    "TransferPlan",
-    "build_transfer_plan",
-    "check_plans_cover",
-    "oracle_mismatches",
+    "TransferManifest",
+    "build_manifest",
+    "check_manifests_cover",
     "pack_pages",
     "receive_pages",
-    "run_prefill_and_decode",
     "send_owned_pages",
     "transfer_in_process",
 ]

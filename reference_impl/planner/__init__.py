@@ -1,7 +1,7 @@
 """Capacity planner: KV bytes, max context and per-layer time per rank, for every phase level.
 
 ``python -m reference_impl plan --preset deepseek-v3.2 --cp 8 --hbm-gib 141`` prints it. Nothing
-here is timed: memory is arithmetic on the real byte layouts (:mod:`reference_impl.capacity`) and
+here is timed: memory is arithmetic on the real byte layouts (:mod:`reference_impl.cp.capacity`) and
 time is FLOPs or bytes divided by rates measured on an H200 (:class:`PlannerRates`, loaded from
 ``docs/results/compute_bench.json``, ``kernels_bench.json`` and ``elementwise_rate.json``), plus
 one assumed interconnect bandwidth. Every figure is a prediction, for levels that are built and for those that are not.
@@ -15,7 +15,7 @@ blocks from level 4. Times are those of the slowest rank.
 * KV at rest: levels 0-1 replicated (``kv_bytes_per_rank(..., sharded=False)``), levels >= 2
   sharded (rank 0, which owns ``ceil(pages / C)`` pages). Phase 5's allocator slack (a few pages
   of id space) is not counted.
-* Max context: :func:`~reference_impl.capacity.max_context_per_rank` for the KV budget
+* Max context: :func:`~reference_impl.cp.capacity.max_context_per_rank` for the KV budget
   ``hbm_gib - reserved_gib`` (or ``hbm_gib * kv_budget_fraction``). The reserved part stands for
   weights, activations and workspace. Its default, 93 GiB whatever the preset and ``C``, is an
   assumption (DeepSeek-V3.2's 671e9 FP8 weight bytes over 8 GPUs, 78 GiB, plus 15 GiB): it leaves
@@ -96,7 +96,7 @@ from .plan import (
     DEFAULT_RESERVED_GIB,
     GIB,
     LEVELS,
-    PlanConfig,
+    PlannerConfig,
     level_status,
     parse_contexts,
     plan_capacity,
@@ -110,7 +110,7 @@ __all__ = [
     "GIB",
     "LEVELS",
     "RESULTS_DIR",
-    "PlanConfig",
+    "PlannerConfig",
     "PlannerRates",
     "activation_bytes",
     "allgather1_bytes",

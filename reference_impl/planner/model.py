@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import functools
 
-from reference_impl.capacity import page_bytes
-from reference_impl.config import KVDtype, ModelConfig
+from reference_impl.cp.capacity import page_bytes
+from reference_impl.config import KVDtype
+from reference_impl.presets import ModelConfig
 from reference_impl.cp.ownership import owned_page_count
 from reference_impl.cp.page_aligned import page_aligned_block_sizes
 from reference_impl.cp.split import in_seq_block_sizes

@@ -1,6 +1,6 @@
-"""The plan: the planner's knobs (:class:`PlanConfig`) and the predictions for every phase level.
+"""The plan: the planner's knobs (:class:`PlannerConfig`) and the predictions for every phase level.
 
-:func:`plan_capacity` turns a :class:`PlanConfig` and the rates into a JSON-ready dict: per level,
+:func:`plan_capacity` turns a :class:`PlannerConfig` and the rates into a JSON-ready dict: per level,
 the longest request whose KV fits the budget and, per context, KV and transient bytes per rank and
 the slowest rank's layer time with its terms (:func:`~reference_impl.planner.model.layer_terms`).
 """
@@ -11,9 +11,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from reference_impl.capacity import kv_bytes_per_rank, max_context_per_rank, page_bytes
-from reference_impl.config import IMPLEMENTED_PHASES, PHASE_NAMES, ConfigError, KVDtype, ModelConfig, get_preset
-from reference_impl.kvcache.layout import validate_page_size
+from reference_impl.cp.capacity import kv_bytes_per_rank, max_context_per_rank, page_bytes
+from reference_impl.config import ConfigError, KVDtype, validate_page_size
+from reference_impl.phases import IMPLEMENTED_PHASES, PHASE_NAMES
+from reference_impl.presets import ModelConfig, get_preset
 from reference_impl.planner.model import (
     activation_bytes,
     local_queries,
@@ -52,7 +53,7 @@ def parse_contexts(spec: str) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
-class PlanConfig:
+class PlannerConfig:
     """The planner's knobs (each field is a CLI flag ``--field-name`` and ``DSACP_FIELD_NAME``).
 
     The KV budget per GPU is ``hbm_gib - reserved_gib`` GiB, or ``hbm_gib x kv_budget_fraction``
@@ -111,7 +112,7 @@ class PlanConfig:
         return f"{self.hbm_gib:g} GiB HBM - {self.reserved:g} GiB reserved for weights and activations{default}"
 
 
-def plan_capacity(config: PlanConfig, rates: PlannerRates) -> dict[str, Any]:
+def plan_capacity(config: PlannerConfig, rates: PlannerRates) -> dict[str, Any]:
     """Predictions for every phase level 0..8 at every context -> a JSON-ready dict.
 
     Per level: ``max_context`` (tokens of one request whose KV fits the budget on every rank) and,
@@ -152,7 +153,7 @@ def plan_capacity(config: PlanConfig, rates: PlannerRates) -> dict[str, Any]:
     }
 
 
-def _assumptions(config: PlanConfig, cfg: ModelConfig) -> list[str]:
+def _assumptions(config: PlannerConfig, cfg: ModelConfig) -> list[str]:
     out = [
         f"KV budget: {config.budget_rule}; the reserved part is not modeled, only subtracted.",
         ("Terms are added: no overlap of compute and communication. Not modeled: the MoE/MLP half of the layer, "

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from reference_impl.config import KVDtype, get_preset
-from reference_impl.cp.batch import BatchPlan
+from reference_impl.cp.batch import BatchLocs
 from reference_impl.cp.comm import CPGroup
 from reference_impl.cp.kv_sharded import ShardedKV
 from reference_impl.cp.ownership import owned_page_count
@@ -40,7 +40,7 @@ def time_full_view(group: CPGroup, bench: FullViewBench) -> dict[str, float]:
     """Median ms of one layer's full view under phase 2 and phase 3, and the bytes each materializes."""
     cfg = get_preset(bench.preset)
     meta = build_split("in-seq", group.size, [bench.extend], [bench.prefix], page_size=bench.page_size)
-    plan = BatchPlan.build(meta, group.device)
+    batch = BatchLocs.build(meta, group.device)
     layout = KVLayout.from_config(cfg, bench.kv_dtype, bench.page_size)
     gen = torch.Generator(device=group.device).manual_seed(group.rank)
     dtype = torch.bfloat16 if group.device.type == "cuda" else torch.float32
@@ -48,7 +48,7 @@ def time_full_view(group: CPGroup, bench: FullViewBench) -> dict[str, float]:
     index_k = torch.randn(meta.total_tokens, layout.index_head_dim, generator=gen, device=group.device).to(dtype)
     out: dict[str, float] = {}
     for name, reuse in (("phase2", False), ("phase3", True)):
-        store = ShardedKV(plan, layout, 1, group, debug=False, reuse_current=reuse)
+        store = ShardedKV(batch, layout, 1, group, debug=False, reuse_current=reuse)
         store.pool.mla.random_(0, 256, generator=gen)
         store.pool.index.random_(0, 256, generator=gen)
         times = []

@@ -1,30 +1,36 @@
-"""The Gluon sparse MLA kernel against the torch reference and the Triton kernel, on an sm_90 GPU.
+"""The Gluon sparse MLA kernel against the torch reference and the Triton kernel, on an sm_90 GPU (GPU tier).
 
-Gluon has no CPU interpreter, so this module runs only where the kernel does (an H100 / H200) and
-skips elsewhere, including CI; the CPU suite checks the dispatch around it
-(``tests/test_kernels_compute.py``). On the device: ``TRITON_INTERPRET=0 PYTHONPATH=. python3 -m
-pytest -q tests/test_sparse_mla_gluon.py`` (the suite's conftest turns the interpreter on otherwise).
+Gluon has no CPU interpreter, so this module runs only where the kernel does (an H100 / H200); the
+CPU tier checks the dispatch around it (``tests/test_kernels_compute.py``).
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9):
-    pytest.skip("the Gluon kernel needs an sm_90 GPU", allow_module_level=True)
-if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-    pytest.skip("the Gluon kernel does not run under TRITON_INTERPRET=1: run with TRITON_INTERPRET=0",
-                allow_module_level=True)
+from reference_impl.kernels import dispatch
+from reference_impl.model import sparse_attention as ref
 
-from reference_impl.kernels import dispatch  # noqa: E402
-from reference_impl.kernels.sparse_mla_gluon import sparse_mla_attention_gluon  # noqa: E402
-from reference_impl.kernels.sparse_mla_triton import sparse_mla_attention_triton  # noqa: E402
-from reference_impl.model import sparse_attention as ref  # noqa: E402
 
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _sm90(), reason="the Gluon kernel needs an sm_90 GPU")]
 DEVICE = torch.device("cuda")
+
+
+def sparse_mla_attention_gluon(*args, **kwargs):  # imported on use: the module needs Gluon (CUDA Triton)
+    from reference_impl.kernels.sparse_mla_gluon import sparse_mla_attention_gluon as kernel
+
+    return kernel(*args, **kwargs)
+
+
+def sparse_mla_attention_triton(*args, **kwargs):
+    from reference_impl.kernels.sparse_mla_triton import sparse_mla_attention_triton as kernel
+
+    return kernel(*args, **kwargs)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

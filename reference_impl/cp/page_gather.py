@@ -6,8 +6,8 @@ rank contributes the pages it owns among those the view needs, one padded all-ga
 (MLA page bytes and index page bytes side by side in one row per page), and every rank unpacks
 the rows of the view from the gathered pages.
 
-The plan (which pages, who sends what, where each view row comes from) depends only on the batch
-plan and ``C``, so it is built once per forward, is identical on every rank, and is reused by
+The batch (which pages, who sends what, where each view row comes from) depends only on the batch
+batch and ``C``, so it is built once per forward, is identical on every rank, and is reused by
 every layer.
 """
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from reference_impl.cp.batch import BatchPlan
+from reference_impl.cp.batch import BatchLocs
 from reference_impl.cp.comm import CPGroup
 from reference_impl.cp.ownership import page_owner, physical_page
 from reference_impl.kvcache.layout import KVLayout
@@ -25,7 +25,7 @@ from reference_impl.kvcache.pool import PagedKVPool
 
 
 @dataclass(frozen=True)
-class MaterializePlan:
+class PageGather:
     """Which pages one rank sends and how the gathered pages map onto full-view rows."""
 
     pages: torch.Tensor  # [n_need] logical pages the view needs, rank-major order (the gather's order)
@@ -39,10 +39,10 @@ class MaterializePlan:
         return int(self.pages.shape[0])
 
     @classmethod
-    def build(cls, plan: BatchPlan, view_rows: torch.Tensor, rank: int, cp_size: int) -> "MaterializePlan":
-        """Plan the gather of the pages holding ``view_rows`` (full-view rows) of ``plan``."""
-        page_size = plan.page_size
-        locs = plan.view_locs.index_select(0, view_rows)
+    def build(cls, batch: BatchLocs, view_rows: torch.Tensor, rank: int, cp_size: int) -> "PageGather":
+        """Plan the gather of the pages holding ``view_rows`` (full-view rows) of ``batch``."""
+        page_size = batch.page_size
+        locs = batch.view_locs.index_select(0, view_rows)
         needed = torch.unique(locs // page_size)  # sorted logical pages
         owner = page_owner(needed, cp_size)
         per_rank = [needed[owner == r] for r in range(cp_size)]  # ascending within each rank
@@ -57,12 +57,12 @@ class MaterializePlan:
 
 
 def gather_pages(
-    group: CPGroup, pool: PagedKVPool, layer: int, mplan: MaterializePlan
+    group: CPGroup, pool: PagedKVPool, layer: int, gather: PageGather
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One padded all-gather of the needed pages -> ``(mla [n_need * P, mla_bytes], index [n_need, page bytes])``."""
-    mla, index = pool.read_pages(layer, mplan.send_physical)
+    mla, index = pool.read_pages(layer, gather.send_physical)
     packed = torch.cat([mla, index], dim=1)  # one row per page: MLA page bytes then index page bytes
-    gathered = group.all_gather_padded(packed, mplan.counts, tag="materialize")  # rank-major = mplan.pages
+    gathered = group.all_gather_padded(packed, gather.counts, tag="materialize")  # rank-major = gather.pages
     split = mla.shape[1]
     return gathered[:, :split].reshape(-1, pool.layout.mla_bytes), gathered[:, split:]
 
@@ -76,17 +76,17 @@ def unpack_index_rows(index_pages: torch.Tensor, token_rows: torch.Tensor, layou
 
 
 def gather_page_part(
-    group: CPGroup, pool: PagedKVPool, layer: int, mplan: MaterializePlan, part: str
+    group: CPGroup, pool: PagedKVPool, layer: int, gather: PageGather, part: str
 ) -> torch.Tensor:
     """One padded all-gather of one buffer of the needed pages (phase 8 splits MLA from index K).
 
     ``part="mla"`` -> token rows ``[n_need * P, mla_bytes]``; ``part="index"`` -> ``[n_need, page bytes]``.
     """
     if part == "mla":
-        mla = pool.mla[layer].view(pool.n_pages, pool.layout.mla_page_bytes).index_select(0, mplan.send_physical)
-        gathered = group.all_gather_padded(mla, mplan.counts, tag="prefetch_mla")
+        mla = pool.mla[layer].view(pool.n_pages, pool.layout.mla_page_bytes).index_select(0, gather.send_physical)
+        gathered = group.all_gather_padded(mla, gather.counts, tag="prefetch_mla")
         return gathered.reshape(-1, pool.layout.mla_bytes)
     if part == "index":
-        index = pool.index[layer].index_select(0, mplan.send_physical)
-        return group.all_gather_padded(index, mplan.counts, tag="materialize_index")
+        index = pool.index[layer].index_select(0, gather.send_physical)
+        return group.all_gather_padded(index, gather.counts, tag="materialize_index")
     raise ValueError(f"unknown page part {part!r}")

@@ -2,13 +2,13 @@
 
 With KV sharded at rest (phase 2) every logical page of the batch lives on exactly one prefill
 rank, its owner ``p % C``, at compact physical page ``p // C`` (:mod:`reference_impl.cp.ownership`).
-A rank's **transfer plan** lists those pages: the logical page ids the decode side writes to and
+A rank's **manifest** lists those pages: the logical page ids the decode side writes to and
 the physical pages the rank reads from, for the MLA buffer and the indexer K buffer of every
-layer. The plans of the ``C`` ranks partition the batch's logical pages (each page in exactly one
-plan), which :func:`check_plans_cover` verifies before a decode cache is declared complete.
+layer. The manifests of the ``C`` ranks partition the batch's logical pages (each page in exactly one
+manifest), which :func:`check_manifests_cover` verifies before a decode cache is declared complete.
 
 On the wire a page travels as one row of ``mla_page_bytes + index_page_bytes`` bytes: the MLA
-page bytes, then the index page bytes (the row layout of :func:`reference_impl.cp.materialize.gather_pages`).
+page bytes, then the index page bytes (the row layout of :func:`reference_impl.cp.page_gather.gather_pages`).
 
 Only a sharded store has owned pages: a replicated (phase 0) store is refused, since every rank
 holds every page and "the pages a rank sends" would need a different rule.
@@ -22,12 +22,12 @@ from dataclasses import dataclass
 import torch
 
 from reference_impl.config import ConfigError
-from reference_impl.cp.kv_sharded import ShardedKV
+from reference_impl.cp.kv_store import KVStore
 from reference_impl.cp.ownership import logical_page, page_owner, physical_page
 
 
 @dataclass(frozen=True)
-class TransferPlan:
+class TransferManifest:
     """Pages prefill rank ``rank`` of a CP group of ``cp_size`` sends, every layer.
 
     ``logical_pages[i]`` (ascending) is stored at ``physical_pages[i]`` of the rank's pool; both
@@ -46,16 +46,16 @@ class TransferPlan:
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.cp_size:
-            raise ConfigError(f"transfer plan rank {self.rank} is outside the CP group of {self.cp_size}")
+            raise ConfigError(f"manifest rank {self.rank} is outside the CP group of {self.cp_size}")
         if len(self.logical_pages) != len(self.physical_pages):
             raise ConfigError(
-                f"transfer plan of rank {self.rank}: {len(self.logical_pages)} logical pages but "
+                f"manifest of rank {self.rank}: {len(self.logical_pages)} logical pages but "
                 f"{len(self.physical_pages)} physical pages"
             )
         for logical, physical in zip(self.logical_pages, self.physical_pages):
             if logical % self.cp_size != self.rank or logical // self.cp_size != physical:
                 raise ConfigError(
-                    f"transfer plan of rank {self.rank}: logical page {logical} is not owned by this rank "
+                    f"manifest of rank {self.rank}: logical page {logical} is not owned by this rank "
                     f"at physical page {physical} (owner = page % {self.cp_size}, physical = page // {self.cp_size})"
                 )
 
@@ -86,8 +86,8 @@ class TransferPlan:
     def from_logical(
         cls, rank: int, cp_size: int, page_size: int, logical_pages: Sequence[int], n_layers: int,
         mla_page_bytes: int, index_page_bytes: int,
-    ) -> TransferPlan:
-        """The plan of ``rank`` for the given logical pages (the decode side's view of a header)."""
+    ) -> TransferManifest:
+        """The manifest of ``rank`` for the given logical pages (the decode side's view of a header)."""
         pages = tuple(int(p) for p in logical_pages)
         return cls(
             rank, cp_size, page_size, pages, tuple(p // cp_size for p in pages),
@@ -95,17 +95,17 @@ class TransferPlan:
         )
 
 
-def build_transfer_plan(store: object) -> TransferPlan:
-    """The transfer plan of a phase-2 store: its owned logical pages and their physical pages.
+def build_manifest(store: KVStore, rank: int, cp_size: int) -> TransferManifest:
+    """The manifest of rank ``rank``'s sharded store: its owned logical pages and their physical pages.
 
-    Raises :class:`ConfigError` for any other store (the replicated baseline has no owned pages).
+    Raises :class:`ConfigError` for a store that does not shard its pages (the replicated baseline:
+    every rank holds every page, so "the pages a rank sends" is not defined).
     """
-    if not isinstance(store, ShardedKV):
-        name = getattr(store, "name", type(store).__name__)
+    if not store.sharded:
         raise ConfigError(
-            f"PD transfer of owned pages needs phase 2 (KV sharded at rest); got a {name!r} KV store"
+            f"PD transfer of owned pages needs phase 2 (KV sharded at rest); got a {store.name!r} KV store"
         )
-    cp, rank, layout = store.group.size, store.group.rank, store.layout
+    cp, layout = cp_size, store.layout
     logical = store.owned_pages().cpu()
     physical = physical_page(logical, cp)
     # The ownership rule and its inverse must agree with where the store put the pages.
@@ -114,10 +114,10 @@ def build_transfer_plan(store: object) -> TransferPlan:
         raise ConfigError(
             f"rank {rank}: owned page {int(logical.max())} maps past its pool of {store.pool.n_pages} pages"
         )
-    return TransferPlan(
+    return TransferManifest(
         rank=rank,
         cp_size=cp,
-        page_size=store.plan.page_size,
+        page_size=store.batch.page_size,
         logical_pages=tuple(logical.tolist()),
         physical_pages=tuple(physical.tolist()),
         n_layers=store.pool.n_layers,
@@ -126,31 +126,31 @@ def build_transfer_plan(store: object) -> TransferPlan:
     )
 
 
-def check_plans_cover(plans: Sequence[TransferPlan], n_pages: int) -> None:
-    """Raise :class:`ConfigError` unless ``plans`` come from one CP group, agree on the layout and
+def check_manifests_cover(manifests: Sequence[TransferManifest], n_pages: int) -> None:
+    """Raise :class:`ConfigError` unless ``manifests`` come from one CP group, agree on the layout and
     cover logical pages ``0 .. n_pages-1`` exactly once."""
-    if not plans:
-        raise ConfigError("no transfer plans: a decode cache needs the pages of every prefill rank")
-    first = plans[0]
+    if not manifests:
+        raise ConfigError("no manifests: a decode cache needs the pages of every prefill rank")
+    first = manifests[0]
     shape = (first.cp_size, first.page_size, first.n_layers, first.mla_page_bytes, first.index_page_bytes)
-    ranks = [p.rank for p in plans]
+    ranks = [p.rank for p in manifests]
     if sorted(ranks) != list(range(first.cp_size)):
         absent = sorted(set(range(first.cp_size)) - set(ranks))
         repeated = sorted({r for r in ranks if ranks.count(r) > 1})
         raise ConfigError(
-            f"transfer plans of a CP group of {first.cp_size}: missing rank(s) {absent}, repeated rank(s) {repeated}"
+            f"manifests of a CP group of {first.cp_size}: missing rank(s) {absent}, repeated rank(s) {repeated}"
         )
     seen = [0] * n_pages
-    for plan in plans:
-        if (plan.cp_size, plan.page_size, plan.n_layers, plan.mla_page_bytes, plan.index_page_bytes) != shape:
-            raise ConfigError(f"transfer plan of rank {plan.rank} disagrees with rank {first.rank}'s layout")
-        for page in plan.logical_pages:
+    for manifest in manifests:
+        if (manifest.cp_size, manifest.page_size, manifest.n_layers, manifest.mla_page_bytes, manifest.index_page_bytes) != shape:
+            raise ConfigError(f"manifest of rank {manifest.rank} disagrees with rank {first.rank}'s layout")
+        for page in manifest.logical_pages:
             if not 0 <= page < n_pages:
-                raise ConfigError(f"rank {plan.rank} sends logical page {page}, outside the batch's {n_pages} pages")
+                raise ConfigError(f"rank {manifest.rank} sends logical page {page}, outside the batch's {n_pages} pages")
             seen[page] += 1
     missing = [p for p, n in enumerate(seen) if n == 0]
     twice = [p for p, n in enumerate(seen) if n > 1]
     if missing or twice:
         raise ConfigError(
-            f"transfer plans do not partition {n_pages} pages: missing {missing[:8]}, repeated {twice[:8]}"
+            f"manifests do not partition {n_pages} pages: missing {missing[:8]}, repeated {twice[:8]}"
         )

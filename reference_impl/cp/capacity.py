@@ -7,7 +7,8 @@ these sizes (tested).
 
 from __future__ import annotations
 
-from reference_impl.config import KVDtype, ModelConfig
+from reference_impl.config import KVDtype
+from reference_impl.presets import ModelConfig
 from reference_impl.cp.ownership import owned_page_count
 from reference_impl.kvcache.layout import KVLayout
 

@@ -1,0 +1,81 @@
+"""The KV store interface: what the engine and the PD transfer ask of a rank's KV storage.
+
+Two implementations: :class:`~reference_impl.cp.kv_replicated.ReplicatedKV` (the baseline: every
+rank stores every token) and :class:`~reference_impl.cp.kv_sharded.ShardedKV` (phase 2 and the
+phases on top: each rank stores the pages it owns). The engine builds one per run
+(:func:`reference_impl.engine.make_kv_store`) and from then on uses only this protocol.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from reference_impl.cp.batch import BatchLocs
+from reference_impl.kvcache.layout import KVLayout
+from reference_impl.kvcache.pool import PagedKVPool
+
+StoredRows = dict[int, tuple[torch.Tensor, ...]]
+"""Per request: ``(positions in the request, mla rows uint8, index fp8 bytes uint8, index scale f32)``."""
+
+
+@dataclass
+class FullView:
+    """Dense, sequence-ordered KV of the whole batch, as the attention and top-k code expect."""
+
+    kv: torch.Tensor  # [S, kv_lora + rope] bf16 (dequantized cache)
+    index_k_fp8: torch.Tensor  # [S, D] float8_e4m3fn
+    index_k_scale: torch.Tensor  # [S] float32
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.kv, self.index_k_fp8, self.index_k_scale))
+
+
+class KVStore(Protocol):
+    """A rank's KV storage for one run: its pool, the batch it serves, and the per-layer operations."""
+
+    name: str  # "replicated" or "sharded"
+    sharded: bool  # True when every logical page lives on exactly one rank (its owner)
+    layout: KVLayout
+    pool: PagedKVPool
+    batch: BatchLocs  # the batch (chunk) it serves now
+    materialized_bytes: int  # bytes read from storage to build full views, all layers so far
+    transient_bytes: int  # gather buffers of the last full view, beyond the view itself
+
+    @property
+    def kv_bytes(self) -> int:
+        """MLA bytes at rest, all layers."""
+
+    @property
+    def index_bytes(self) -> int:
+        """Indexer K bytes at rest, all layers."""
+
+    @property
+    def store_path(self) -> str:
+        """How this batch's current tokens reach the pool: ``"replicated"``, ``"gathered"`` or ``"direct"``."""
+
+    def bind(self, batch: BatchLocs) -> None:
+        """Serve the next batch (chunk) of the run: same page-id space, same pool."""
+
+    def write_prefix(self, layer: int, request: int, rows: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor) -> None:
+        """Install the part of a request's already-cached prefix this rank keeps."""
+
+    def store_current(
+        self, layer: int, kv_seq: torch.Tensor, index_k_seq: torch.Tensor,
+        kv_local: torch.Tensor | None = None, index_k_local: torch.Tensor | None = None,
+    ) -> None:
+        """Quantize and write the current tokens this rank keeps (from the gathered chunk or its own rows)."""
+
+    def full_view(
+        self, layer: int, kv_seq: torch.Tensor, index_k_seq: torch.Tensor, prefetched_kv: torch.Tensor | None = None
+    ) -> FullView:
+        """The dense full view of ``layer`` (``prefetched_kv``: a view buffer whose history is already written)."""
+
+    def owned_pages(self) -> torch.Tensor:
+        """Logical pages of this batch stored on this rank, ascending."""
+
+    def stored_rows(self, layer: int, request_locs: list[torch.Tensor] | None = None) -> StoredRows:
+        """What this rank holds for ``layer``, per request (default: this batch's requests)."""

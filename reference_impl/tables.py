@@ -1,0 +1,52 @@
+"""The run report as text: the table the CLI prints for each run (``python -m reference_impl run``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _human_bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
+
+
+def format_table(reports: list[dict[str, Any]]) -> str:
+    """A readable table: one block per report, one row per rank."""
+    lines = []
+    for rep in reports:
+        cfg = rep["config"]
+        verdict = {True: "MATCHES oracle", False: "DIFFERS from oracle", None: "not checked"}[rep["matches_oracle"]]
+        lines.append(
+            f"phases {rep['phases'] or '[0]'} | cp={rep['cp_size']} {cfg['split_mode']} | {cfg['preset']} "
+            f"{cfg['kv_dtype']} | requests {cfg['requests']} | {rep['device']} / {rep['backend']}"
+            f" / attention {rep.get('attention_kernel', '?')}"
+            + (" (ranks share one device)" if rep["ranks_share_device"] else "")
+        )
+        if rep["matches_oracle"] is not None:
+            lines.append(
+                f"  {verdict}: max abs err {rep['max_abs_err']:.2e}, top-k agreement {rep['topk_agreement']:.4f}"
+                f" (+{rep['topk_boundary_ties']} boundary ties), cache equal {rep['cache_equal']}, tail {rep['tail_mode']}"
+            )
+        header = ["rank", "tokens", "kv", "index", "transient peak", "gather", "materialized", "tail gather", "colls", "layer ms"]
+        rows = [
+            [
+                str(p["rank"]), str(p["tokens"]), _human_bytes(p["kv_bytes"]), _human_bytes(p["index_bytes"]),
+                _human_bytes(p["transient_peak_bytes"]), _human_bytes(p["gather_bytes"]),
+                _human_bytes(p["materialized_bytes"]), _human_bytes(p["output_gather_bytes"]),
+                str(p["collectives"]), f"{p['layer_ms_median']:.2f}",
+            ]
+            for p in rep["per_rank"]
+        ]
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+        lines.append("  " + "  ".join(h.rjust(w) for h, w in zip(header, widths)))
+        lines.extend("  " + "  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)
+        for problem in rep["problems"]:
+            lines.append(f"  ! {problem}")
+        for kernel, error in rep.get("kernel_fallbacks", {}).items():
+            lines.append(f"  ! {kernel} failed and fell back ({error})")
+        lines.append("")
+    return "\n".join(lines)

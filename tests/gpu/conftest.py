@@ -1,0 +1,38 @@
+"""The GPU tier's shared runs: every phase level on CUDA at DeepSeek-V3.2 dimensions, launched once.
+
+Two ranks share the one GPU over gloo (NCCL refuses two ranks on one device), so the collectives
+stage through the host; the runs check agreement with the oracle and the host-sync audit, not
+speed. :func:`engine_reports` runs every configuration in one launch (the ranks start and compile
+their kernels once) and returns the reports by name.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from reference_impl.config import PhaseSet, Request, RunConfig
+
+# Two requests at DeepSeek-V3.2 dims, two layers. "prefix": prefixes that end mid-page (a partial
+# page whose owner is fixed), uneven extends; "current-only": no history at all.
+PREFIX = (Request(1000, 2100), Request(64, 900))
+CURRENT_ONLY = (Request(0, 2048), Request(0, 1500))
+V32 = RunConfig(preset="deepseek-v3.2", n_layers=2, cp_size=2, requests=PREFIX, page_size=64, device="cuda")
+
+
+def engine_configs() -> dict[str, RunConfig]:
+    configs = {f"level{k}": V32.replace(phases=PhaseSet.level(k)) for k in range(9)}
+    for k in (0, 5, 8):
+        configs[f"current-only-level{k}"] = V32.replace(phases=PhaseSet.level(k), requests=CURRENT_ONLY)
+    for k in (3, 8):
+        configs[f"chunked-level{k}"] = V32.replace(phases=PhaseSet.level(k), chunk_size=1024)
+    for k in (6, 7, 8):
+        configs[f"debug-level{k}"] = V32.replace(phases=PhaseSet.level(k), debug=True)
+    return configs
+
+
+@pytest.fixture(scope="session")
+def engine_reports() -> dict[str, dict]:
+    from reference_impl.runner import run_prefills
+
+    configs = engine_configs()
+    return dict(zip(configs, run_prefills(list(configs.values()), timeout_s=900)))
