@@ -30,12 +30,13 @@ import json
 import matplotlib.pyplot as plt
 import torch
 
-from reference_impl.config import PhaseSet, Request, RunConfig, get_preset
+from reference_impl.config import PhaseSet, Request, RunConfig, env_flag, get_preset
 from reference_impl.cp.split import build_split
 from reference_impl.kvcache.layout import KVLayout
 from reference_impl.runner import run_prefill
 
 ON_GPU = torch.cuda.is_available()  # does not initialize CUDA, so CPU ranks below can fork
+SMOKE = env_flag("notebook_smoke")  # the test command's quick GPU pass: small sizes, the same code
 print("GPU available:", ON_GPU)
 
 # %% [markdown]
@@ -99,8 +100,8 @@ from reference_impl.bench.collectives import sweep_collectives
 from reference_impl.launch import choose_backend
 
 cp = 4
-REPEATS = 3 if ON_GPU else 5
-sizes = [4096, 16384, 32768] if ON_GPU else [1024, 4096]
+REPEATS = (1 if SMOKE else 3) if ON_GPU else 5
+sizes = ([4096] if SMOKE else [4096, 16384, 32768]) if ON_GPU else [1024, 4096]
 points = sweep_collectives(cp, sizes, REPEATS, torch.bfloat16 if ON_GPU else torch.float32)
 print(json.dumps({"device": torch.cuda.get_device_name(0) if ON_GPU else "cpu", "cp_size": cp, "repeats": REPEATS,
                   "launch": choose_backend(cp, "auto", "auto", torch.cuda.device_count()).describe(),

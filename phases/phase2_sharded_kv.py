@@ -32,10 +32,11 @@ import matplotlib.pyplot as plt
 import torch
 
 from reference_impl.cp.capacity import kv_bytes_per_rank, max_context_per_rank
-from reference_impl.config import PhaseSet, Request, RunConfig, get_preset
+from reference_impl.config import PhaseSet, Request, RunConfig, env_flag, get_preset
 from reference_impl.runner import run_prefill
 
 ON_GPU = torch.cuda.is_available()  # does not initialize CUDA, so CPU ranks below can fork
+SMOKE = env_flag("notebook_smoke")  # the test command's quick GPU pass: small sizes, the same code
 print("GPU available:", ON_GPU)
 
 # %% [markdown]
@@ -115,7 +116,7 @@ from reference_impl.bench.full_view import pool_memory
 
 measured = []
 if ON_GPU:
-    for tokens in (131072, 524288, 1048576):
+    for tokens in (131072,) if SMOKE else (131072, 524288, 1048576):
         for c, sharded in ((1, False), (2, True), (4, True), (8, True)):
             used = pool_memory("deepseek-v3.2", tokens, c, sharded, "cuda:0")
             measured.append({"tokens": tokens, "C": c, "sharded": sharded, "measured_GiB": round(used / GiB, 3),

@@ -29,10 +29,11 @@ import json
 import matplotlib.pyplot as plt
 import torch
 
-from reference_impl.config import PhaseSet, Request, RunConfig
+from reference_impl.config import PhaseSet, Request, RunConfig, env_flag
 from reference_impl.runner import run_prefill
 
 ON_GPU = torch.cuda.is_available()  # does not initialize CUDA, so CPU ranks below can fork
+SMOKE = env_flag("notebook_smoke")  # the test command's quick GPU pass: small sizes, the same code
 print("GPU available:", ON_GPU)
 
 # %% [markdown]
@@ -70,8 +71,9 @@ from reference_impl.launch import choose_backend, launch
 
 cp = 4
 if ON_GPU:
-    cases = [("current-only", 0, 32768), ("prefix-heavy", 32768, 4096)]
-    repeats = 3
+    cases = [("current-only", 0, 4096), ("prefix-heavy", 4096, 1024)] if SMOKE else [
+        ("current-only", 0, 32768), ("prefix-heavy", 32768, 4096)]
+    repeats = 1 if SMOKE else 3
 else:
     cases = [("current-only", 0, 1024), ("prefix-heavy", 2048, 256)]
     repeats = 3

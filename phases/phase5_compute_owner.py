@@ -29,10 +29,11 @@ import json
 import torch
 
 from reference_impl.bench.store import time_store_paths
-from reference_impl.config import PhaseSet, Request, RunConfig
+from reference_impl.config import PhaseSet, Request, RunConfig, env_flag
 from reference_impl.runner import run_prefill
 
 ON_GPU = torch.cuda.is_available()
+SMOKE = env_flag("notebook_smoke")  # the test command's quick GPU pass: small sizes, the same code
 print("GPU available:", ON_GPU)
 
 # %% [markdown]
@@ -62,7 +63,7 @@ for prefix in (16, 13):
 # figure is device time: eager, one store is ~20 launches and the host's launch rate would be timed.
 
 # %%
-sizes = [8192, 32768, 131072] if ON_GPU else [4096]
+sizes = ([8192] if SMOKE else [8192, 32768, 131072]) if ON_GPU else [4096]
 points = [time_store_paths(n, 8, "cuda" if ON_GPU else "cpu") for n in sizes]
 print(json.dumps({"device": torch.cuda.get_device_name(0) if ON_GPU else "cpu", "points": points}, indent=1))
 print(f"{'tokens':>7} {'rows':>6} | {'path':>14} {'MB moved':>9} {'ms':>7} {'GB/s':>6}")

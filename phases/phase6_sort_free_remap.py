@@ -35,9 +35,11 @@ import torch
 ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the kernel benchmark's CPU dry run
-from reference_impl.config import PhaseSet, Request, RunConfig
+from reference_impl.config import PhaseSet, Request, RunConfig, env_flag
 from reference_impl.cp.remap import page_inverse_remap, sorted_remap
 from reference_impl.runner import run_prefill
+
+SMOKE = env_flag("notebook_smoke")  # the test command's quick GPU pass: small sizes, the same code
 
 print("GPU available:", ON_GPU)
 
@@ -77,5 +79,5 @@ for cp, rank in ((2, 1), (8, 3)):
 from reference_impl.bench.kernels import main as bench_kernels
 
 out = os.path.join(tempfile.mkdtemp(), "kernels.json")
-bench_kernels(["--out", out] + (["--tokens", "32768,131072"] if ON_GPU else ["--device", "cpu"]))
+bench_kernels(["--out", out] + (["--tokens", "8192" if SMOKE else "32768,131072"] if ON_GPU else ["--device", "cpu"]))
 print(json.dumps({"device": json.load(open(out))["device"], "remap": json.load(open(out))["remap"]}, indent=1))

@@ -34,8 +34,10 @@ import torch
 ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # kernels run under the interpreter on CPU
-from reference_impl.config import PhaseSet, Request, RunConfig
+from reference_impl.config import PhaseSet, Request, RunConfig, env_flag
 from reference_impl.runner import run_prefill
+
+SMOKE = env_flag("notebook_smoke")  # the test command's quick GPU pass: small sizes, the same code
 
 print("GPU available:", ON_GPU)
 
@@ -67,7 +69,7 @@ from reference_impl.bench.kernels import format_table
 from reference_impl.bench.kernels import main as bench_kernels
 
 out = os.path.join(tempfile.mkdtemp(), "kernels.json")
-bench_kernels(["--out", out] + (["--tokens", "32768,131072"] if ON_GPU else ["--device", "cpu"]))
+bench_kernels(["--out", out] + (["--tokens", "8192" if SMOKE else "32768,131072"] if ON_GPU else ["--device", "cpu"]))
 result = json.load(open(out))
 print(format_table(result))
 

@@ -29,11 +29,12 @@ import matplotlib.pyplot as plt
 import torch
 
 from reference_impl import engine
-from reference_impl.config import PhaseSet, Request, RunConfig
+from reference_impl.config import PhaseSet, Request, RunConfig, env_flag
 from reference_impl.cp.prefetch import MlaPrefetcher
 from reference_impl.runner import run_prefill
 
 ON_GPU = torch.cuda.is_available()
+SMOKE = env_flag("notebook_smoke")  # the test command's quick GPU pass: small sizes, the same code
 print("GPU available:", ON_GPU)
 
 # %% [markdown]
@@ -121,11 +122,12 @@ print(f"C=3 with the real stream: matches oracle {rep['matches_oracle']}, collec
 from reference_impl.bench.layer import Workload, measure
 
 if ON_GPU:
-    for extend, wire in ((2048, 450.0), (8192, 450.0), (8192, 25.0)):
-        ph = measure("deepseek-v3.2", Workload("prefix-heavy", 131072, extend), [7, 8], cp_size=8, rank=0, n_layers=4,
-                     device="cuda", wire_gbps=wire, prefetch_repeats=6)
+    history = 8192 if SMOKE else 131072
+    for extend, wire in ((1024, 450.0),) if SMOKE else ((2048, 450.0), (8192, 450.0), (8192, 25.0)):
+        ph = measure("deepseek-v3.2", Workload("prefix-heavy", history, extend), [7, 8], cp_size=8, rank=0,
+                     n_layers=2 if SMOKE else 4, device="cuda", wire_gbps=wire, prefetch_repeats=2 if SMOKE else 6)
         pf = ph["prefetch"]
-        print(f"131072 + {extend}, wire {wire:g} GB/s: level 7 {pf['level7_ms']:.3f} ms, level 8 {pf['level8_ms']:.3f} ms per layer "
+        print(f"{history} + {extend}, wire {wire:g} GB/s: level 7 {pf['level7_ms']:.3f} ms, level 8 {pf['level8_ms']:.3f} ms per layer "
               f"(median of {pf['samples_per_level']} layers each); payload {pf['payload_ms']:.3f} ms")
         print(f"   direct: median stall {pf['exposed_wait_ms_median'] * 1e3:.0f} us at the wait -> hidden "
               f"{pf['hidden_fraction_direct']:.1%};  layer difference: saved {pf['saved_ms']:+.3f} ms -> hidden "
@@ -151,7 +153,8 @@ else:
 
 # %%
 if ON_GPU:
-    co = measure("deepseek-v3.2", Workload("current-only", 0, 32768), list(range(9)), cp_size=8, rank=0, n_layers=4,
+    co = measure("deepseek-v3.2", Workload("current-only", 0, 4096 if SMOKE else 32768),
+                 [0, 7, 8] if SMOKE else list(range(9)), cp_size=8, rank=0, n_layers=2 if SMOKE else 4,
                  device="cuda", wire_gbps=450.0)
     print(f"{'level':>5} {'layer ms':>9} {'planner':>8} {'err':>6} | {'KV MiB':>7} {'err':>6} | {'peak MiB':>8} {'store':>8}")
     for p in co["levels"]:

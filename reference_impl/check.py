@@ -5,7 +5,13 @@ Three checks, each of which can fail on its own:
 * **outputs**: every token's final hidden state (reassembled from the ranks' local outputs) and
   every rank's collected output rows and logits, within the compute dtype's tolerance;
 * **top-k**: per layer and query, the index **sets** equal the oracle's; a differing element is
-  accepted only when its oracle score ties the k-th score within FP8 rounding (a boundary tie);
+  accepted only at the selection boundary. In float32 compute the CP run's index scores equal the
+  oracle's up to FP8 rounding flips, so a differing element's oracle score must tie the k-th
+  within :data:`TIE_RTOL`. In bf16 compute a rank's projections round differently from the
+  oracle's (its GEMMs multiply other row counts), the FP8 codes of q and k flip more often, and
+  keys near the k-th trade places: there a differing element must rank within
+  :data:`BF16_BOUNDARY_BAND` of k in the oracle's order. Either way a selected key the oracle
+  cannot see (outside the causal range) fails;
 * **cache**: the KV and indexer K bytes rebuilt from every rank equal the oracle's dense cache
   byte for byte (where several ranks hold a token, every copy must be equal).
 """
@@ -23,7 +29,8 @@ from reference_impl.model.oracle import DSAModel, OracleResult
 
 # Max abs error allowed, relative to max(1, max |reference|).
 TOLERANCE = {torch.float32: 2e-3, torch.bfloat16: 6e-2}
-TIE_RTOL = 2e-2  # an FP8 rounding flip moves an index score by a few percent at most
+TIE_RTOL = 2e-2  # float32: an FP8 rounding flip moves an index score by a few percent at most
+BF16_BOUNDARY_BAND = 0.05  # bf16: swaps only among the oracle's ranks k(1 +- 5%)
 
 
 @dataclass
@@ -54,16 +61,25 @@ def _assemble(results: list[RankResult], per_rank: list[torch.Tensor], total: in
     return full
 
 
-def _topk_rows_agree(got: torch.Tensor, ref: torch.Tensor, scores: torch.Tensor | None) -> bool:
-    """Sets equal, or every differing element ties the k-th reference score."""
+def _topk_rows_agree(got: torch.Tensor, ref: torch.Tensor, scores: torch.Tensor | None, dtype: torch.dtype) -> bool:
+    """Sets equal, or every differing element sits at the boundary (see the module docstring).
+
+    ``scores``: the oracle's index scores of the row's visible keys (request positions).
+    """
     a, b = set(got[got >= 0].tolist()), set(ref[ref >= 0].tolist())
     if a == b:
         return True
-    if scores is None or len(a) != len(b):
+    if scores is None or len(a) != len(b) or max(a | b) >= scores.shape[0]:
         return False
-    kth = scores[ref[ref >= 0].long()].min()
     diff = torch.tensor(sorted(a ^ b), dtype=torch.long)
-    return bool(((scores[diff] - kth).abs() <= TIE_RTOL * kth.abs() + 1e-6).all())
+    if dtype == torch.float32:
+        kth = scores[ref[ref >= 0].long()].min()
+        return bool(((scores[diff] - kth).abs() <= TIE_RTOL * kth.abs() + 1e-6).all())
+    k = len(b)
+    rank = torch.empty_like(scores, dtype=torch.long)
+    rank[scores.argsort(descending=True)] = torch.arange(scores.shape[0])
+    band = max(1, round(BF16_BOUNDARY_BAND * k))
+    return bool(((rank[diff] >= k - band) & (rank[diff] < k + band)).all())
 
 
 def compare(
@@ -107,7 +123,7 @@ def compare(
             rows_total += 1
             if set(got[got >= 0].tolist()) == set(ref[ref >= 0].tolist()):
                 rows_equal += 1
-            elif _topk_rows_agree(got, ref, oracle.index_scores(layer, req, j).cpu()):
+            elif _topk_rows_agree(got, ref, oracle.index_scores(layer, req, j)[: meta.token_position[g] + 1].cpu(), dtype):
                 ties += 1
             else:
                 problems.append(f"layer {layer} token {g}: top-k sets differ beyond boundary ties")

@@ -63,7 +63,9 @@ def main(argv: list[str]) -> int:
             subprocess.run(pip + missing, check=True)
     if installed_version("dsa-cp-reference") is None:
         print("installing the package in editable mode", flush=True)
-        if not dry_run and subprocess.run(pip + ["--no-deps", "-e", str(ROOT)]).returncode != 0:
+        # With setuptools at hand, build without fetching it (offline machines have no index).
+        isolation = ["--no-build-isolation"] if installed_version("setuptools") is not None else []
+        if not dry_run and subprocess.run(pip + ["--no-deps", *isolation, "-e", str(ROOT)]).returncode != 0:
             # Offline machines cannot fetch the build backend: the scripts run the package from
             # the checkout (PYTHONPATH) instead.
             print("could not install the package; the scripts run it from the checkout", file=sys.stderr)

@@ -11,15 +11,20 @@ start=$SECONDS
 cuda=$(python3 -c "import torch; print(int(torch.cuda.is_available()))")
 
 python3 -m pytest -q tests  # the CPU tier
+notebook_args=()
 if [ "$cuda" = 1 ]; then
   python3 -m pytest -q --gpu tests  # the GPU tier
+  # The walkthroughs' GPU sections at small sizes (the committed outputs are full runs:
+  # scripts/execute_notebooks.py), one notebook per worker where pytest-xdist is installed.
+  export DSACP_NOTEBOOK_SMOKE=1
+  python3 -c "import xdist" 2>/dev/null && notebook_args=(-n 4 --dist loadfile)
   notebooks_on="the GPU"
 else
   export TRITON_INTERPRET=1  # notebooks on CPU: Triton kernels under the interpreter
   notebooks_on="the CPU"
 fi
-python3 -m pytest -q --nbval-lax --nbval-current-env -p no:cacheprovider notebooks
-unset TRITON_INTERPRET
+python3 -m pytest -q --nbval-lax --nbval-current-env -p no:cacheprovider "${notebook_args[@]}" notebooks
+unset TRITON_INTERPRET DSACP_NOTEBOOK_SMOKE
 # --strict aborts on most warnings but not on unresolved cross-references (mkdocs-autorefs), so
 # any WARNING line fails the build here too.
 docs_log="$(mktemp)"

@@ -105,3 +105,22 @@ def test_a_nan_output_disagrees_with_the_oracle(monkeypatch) -> None:
     monkeypatch.setattr(DSAAttention, "attend", nan_attend)
     rep = run_prefill(tiny(cp_size=1, requests=(Request(0, 40),)))
     assert rep["matches_oracle"] is False and "hidden states differ" in rep["problems"][0]
+
+
+def test_topk_boundary_rules() -> None:
+    """float32: a swap must tie the k-th score; bf16: a swap must rank near k; never an invisible key."""
+    import torch
+
+    from reference_impl.check import _topk_rows_agree
+
+    scores = 100 * 0.9 ** torch.arange(100).float()  # key i has rank i; neighbours 10% apart
+    ref = torch.arange(40)  # the oracle's top 40
+    near = torch.cat([torch.arange(39), torch.tensor([40])])  # swaps rank 39 for rank 40
+    far = torch.cat([torch.arange(1, 40), torch.tensor([90])])  # drops the best, takes rank 90
+    assert _topk_rows_agree(near, ref, scores, torch.bfloat16)
+    assert not _topk_rows_agree(far, ref, scores, torch.bfloat16)
+    assert not _topk_rows_agree(near, ref, scores, torch.float32)  # 10% apart: not a tie within 2%
+    tied = scores.clone()
+    tied[40] = tied[39]
+    assert _topk_rows_agree(near, ref, tied, torch.float32)
+    assert not _topk_rows_agree(near, ref, scores[:40], torch.bfloat16)  # key 40 is not visible

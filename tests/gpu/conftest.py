@@ -4,6 +4,11 @@ Two ranks share the one GPU over gloo (NCCL refuses two ranks on one device), so
 stage through the host; the runs check agreement with the oracle and the host-sync audit, not
 speed. :func:`engine_reports` runs every configuration in one launch (the ranks start and compile
 their kernels once) and returns the reports by name.
+
+The matrix computes in float32 (``compute_dtype="fp32"``: the projections round alike in the CP
+run and the oracle, so the top-k sets must agree up to FP8 ties, as on CPU; attention still reads
+the bf16 view through the Gluon kernel). The ``bf16-*`` runs are the production dtype, checked
+with bf16's boundary rule (:mod:`reference_impl.check`).
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ from reference_impl.config import PhaseSet, Request, RunConfig
 # page whose owner is fixed), uneven extends; "current-only": no history at all.
 PREFIX = (Request(1000, 2100), Request(64, 900))
 CURRENT_ONLY = (Request(0, 2048), Request(0, 1500))
-V32 = RunConfig(preset="deepseek-v3.2", n_layers=2, cp_size=2, requests=PREFIX, page_size=64, device="cuda")
+V32 = RunConfig(preset="deepseek-v3.2", n_layers=2, cp_size=2, requests=PREFIX, page_size=64, device="cuda",
+                compute_dtype="fp32")
 
 
 def engine_configs() -> dict[str, RunConfig]:
@@ -27,6 +33,8 @@ def engine_configs() -> dict[str, RunConfig]:
         configs[f"chunked-level{k}"] = V32.replace(phases=PhaseSet.level(k), chunk_size=1024)
     for k in (6, 7, 8):
         configs[f"debug-level{k}"] = V32.replace(phases=PhaseSet.level(k), debug=True)
+    for k in (0, 7, 8):
+        configs[f"bf16-level{k}"] = V32.replace(phases=PhaseSet.level(k), compute_dtype="bf16")
     return configs
 
 

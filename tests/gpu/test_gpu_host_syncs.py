@@ -37,7 +37,7 @@ def test_ranks_sharing_the_gpu_sync_only_on_the_wire(engine_reports: dict[str, d
 def test_one_rank_of_eight_syncs_nowhere_in_the_layer_loop(level: int, debug: bool) -> None:
     """Rank 0 of C = 8 alone (loopback collectives, no gloo staging): zero syncs of any kind, with the
     fused kernels in production and the torch paths plus diagnostics in debug."""
-    run = V32.replace(cp_size=8, phases=PhaseSet.level(level), debug=debug, check=False,
+    run = V32.replace(cp_size=8, phases=PhaseSet.level(level), debug=debug, check=False, compute_dtype="bf16",
                       requests=(Request(4096, 8192),))
     group = LoopbackGroup(0, 8, "cuda")
     group.debug = debug
@@ -63,7 +63,7 @@ def _inject_item(monkeypatch: pytest.MonkeyPatch, inside_diagnostic: bool) -> No
 
 def test_an_injected_item_fails_the_audit_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     _inject_item(monkeypatch, inside_diagnostic=False)
-    run = V32.replace(cp_size=1, phases=PhaseSet.level(6), check=False)
+    run = V32.replace(cp_size=1, phases=PhaseSet.level(6), check=False, compute_dtype="bf16")
     with pytest.raises(HostSyncError, match=r"host sync\(s\) in the phase-6 layer loop: item\(\) at "):
         run_rank(CPGroup.single("cuda", debug=True), run.replace(debug=True))
     production = run_rank(CPGroup.single("cuda", debug=False), run)
@@ -72,6 +72,6 @@ def test_an_injected_item_fails_the_audit_on_cuda(monkeypatch: pytest.MonkeyPatc
 
 def test_a_sync_inside_a_diagnostic_passes_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     _inject_item(monkeypatch, inside_diagnostic=True)
-    run = V32.replace(cp_size=1, phases=PhaseSet.level(6), check=False, debug=True)
+    run = V32.replace(cp_size=1, phases=PhaseSet.level(6), check=False, debug=True, compute_dtype="bf16")
     assert run_rank(CPGroup.single("cuda", debug=True), run).stats["host_syncs_in_layer_loop"] == 0
     assert torch.cuda.get_sync_debug_mode() == 0  # the audit restored CUDA's mode
