@@ -27,7 +27,6 @@ import matplotlib.pyplot as plt
 import torch
 
 from reference_impl.config import PhaseSet, Request, RunConfig
-from reference_impl.cp.page_aligned import build_page_aligned_split
 from reference_impl.cp.split import build_split
 from reference_impl.runner import run_prefill
 
@@ -42,7 +41,7 @@ print("GPU available:", ON_GPU)
 
 # %%
 # NBVAL_CHECK_OUTPUT
-aligned = build_page_aligned_split(2, [100], [13], 16)
+aligned = build_split("in-seq", 2, [100], [13], 16, page_aligned=True)
 balanced = build_split("in-seq", 2, [100], [13], page_size=16)
 print("token-balanced blocks:", balanced.block_sizes[0])
 print("page-aligned blocks:  ", aligned.block_sizes[0], "| page_aligned:", aligned.page_aligned)
@@ -68,7 +67,7 @@ for n in lengths:
     row = []
     for cp in (2, 4, 8):
         for name, meta in (("tok", build_split("in-seq", cp, [n], [37], page_size=64)),
-                           ("page", build_page_aligned_split(cp, [n], [37], 64))):
+                           ("page", build_split("in-seq", cp, [n], [37], 64, page_aligned=True))):
             ratio = max(meta.rank_lengths) / (sum(meta.rank_lengths) / cp)
             imbalance[(cp, name, n)] = ratio
             row.append(f"{ratio:>9.4f}" if name == "tok" else f"{ratio:>10.4f}")

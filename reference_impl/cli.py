@@ -1,8 +1,9 @@
-"""Command line: ``python -m reference_impl {run,split,demo,plan} ...``.
+"""Command line: ``python -m reference_impl {run,demo,split,plan} ...``.
 
 Every run flag is a :class:`~reference_impl.config.RunConfig` field: ``--cp-size`` is the field
 ``cp_size`` and the environment variable ``DSACP_CP_SIZE`` (an environment variable sets the
-default; a flag overrides it). Bad input prints one line naming the problem and exits with 2.
+default; a flag overrides it). Exit codes: 0 success, 1 a run disagrees with the oracle, 2 bad
+input (one line on stderr naming the flag or variable, no traceback).
 """
 
 from __future__ import annotations
@@ -10,233 +11,287 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 from reference_impl.config import (
     ConfigError,
     PhaseSet,
     RunConfig,
-    available_levels,
     env_flag,
+    env_value,
     knob_names,
+    parse_int_list,
     parse_requests,
+    validate_page_size,
 )
 
-EXIT_BAD_INPUT = 2
+EXIT_OK = 0
 EXIT_DISAGREES = 1
+EXIT_BAD_INPUT = 2
 
 
-def _env_default(field: str, fallback: Any) -> Any:
-    value = os.environ.get(knob_names(field)[2])
-    return fallback if value is None else value
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line (``error: ...``) and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(f"{self.prog.split()[-1]}: {message}")
+
+
+# ---- typed flag values: each refuses what it cannot use, naming the flag ----------------------
+
+
+def _int_arg(minimum: int | None = None) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if minimum is not None and value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is below {minimum}")
+        return value
+
+    return parse
+
+
+def _float_arg(positive: bool = True) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+        if positive and value <= 0:
+            raise argparse.ArgumentTypeError(f"{value:g} is not positive")
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"{value:g} is negative")
+        return value
+
+    return parse
 
 
 def _flag(field: str) -> str:
     return knob_names(field)[1]
 
 
-def _add_run_flags(p: argparse.ArgumentParser, defaults: RunConfig) -> None:
-    p.add_argument(_flag("preset"), default=_env_default("preset", None), help="deepseek-v3.2 | glm-5 | tiny")
-    p.add_argument(_flag("cp_size"), type=int, default=_env_default("cp_size", None), help="CP ranks C")
-    p.add_argument(
-        _flag("requests"), default=_env_default("requests", None),
-        help="comma-separated PREFIX+EXTEND pairs (or EXTEND), e.g. 0+96,40+70",
-    )
-    p.add_argument(_flag("kv_dtype"), default=_env_default("kv_dtype", defaults.kv_dtype), help="fp8 | bf16")
-    p.add_argument(
-        _flag("phases"), default=_env_default("phases", None),
-        help="a cumulative level 0..8 (e.g. 1) or an explicit list (e.g. 1,2)",
-    )
-    p.add_argument(_flag("split_mode"), default=_env_default("split_mode", defaults.split_mode), help="in-seq | round-robin")
-    p.add_argument(_flag("page_size"), type=int, default=_env_default("page_size", defaults.page_size))
-    p.add_argument(_flag("n_layers"), type=int, default=_env_default("n_layers", None), help="default: the preset's")
-    p.add_argument(_flag("chunk_size"), type=int, default=_env_default("chunk_size", None),
-                   help="chunked prefill: extend tokens per request per chunk (default: one chunk)")
-    p.add_argument(_flag("seed"), type=int, default=_env_default("seed", defaults.seed))
-    p.add_argument(_flag("device"), default=_env_default("device", defaults.device), help="auto | cpu | cuda")
-    p.add_argument(_flag("backend"), default=_env_default("backend", defaults.backend), help="auto | gloo | nccl")
-    p.add_argument(_flag("compute_dtype"), default=_env_default("compute_dtype", defaults.compute_dtype))
-    boolean = argparse.BooleanOptionalAction
-    p.add_argument(_flag("debug"), action=boolean, default=env_flag("debug"), help="syncing diagnostics, collective recorder")
-    p.add_argument(_flag("check"), action=boolean, default=env_flag("check", True), help="compare with the oracle")
-    p.add_argument(_flag("input_logprobs"), action=boolean, default=env_flag("input_logprobs"),
-                   help="needs every row: full tail gather")
-    p.add_argument(_flag("return_hidden_states"), action=boolean, default=env_flag("return_hidden_states"),
-                   help="needs every row: full tail gather")
+# ---- run flags ---------------------------------------------------------------------------------
+
+# field -> (parse, help); defaults come from RunConfig, then DSACP_<FIELD> overrides them.
+_RUN_KNOBS: dict[str, tuple[Callable[[str], Any], str]] = {
+    "preset": (str, "deepseek-v3.2 | glm-5 | tiny"),
+    "cp_size": (_int_arg(1), "CP ranks C"),
+    "requests": (str, "comma-separated PREFIX+EXTEND pairs (or EXTEND), e.g. 0+96,40+70"),
+    "kv_dtype": (str, "fp8 | bf16"),
+    "phases": (str, "a cumulative level 0..8 (e.g. 1) or an explicit list (e.g. 1,2)"),
+    "split_mode": (str, "in-seq | round-robin"),
+    "page_size": (_int_arg(1), "tokens per KV page (a power of two, 4..4096)"),
+    "n_layers": (_int_arg(1), "layers (default: the preset's)"),
+    "chunk_size": (_int_arg(1), "chunked prefill: extend tokens per request per chunk"),
+    "seed": (_int_arg(0), "weights and inputs"),
+    "device": (str, "auto | cpu | cuda"),
+    "backend": (str, "auto | gloo | nccl"),
+    "compute_dtype": (str, "auto | fp32 | bf16"),
+    "timeout_s": (_float_arg(), "seconds a run may take before its ranks are stopped"),
+}
+_RUN_SWITCHES: dict[str, str] = {
+    "debug": "syncing diagnostics, collective recorder",
+    "check": "compare with the oracle",
+    "input_logprobs": "needs every row: full tail gather",
+    "return_hidden_states": "needs every row: full tail gather",
+}
+
+
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
+    for field, (parse, help_text) in _RUN_KNOBS.items():
+        p.add_argument(_flag(field), type=parse, default=None, help=f"{help_text} (env {knob_names(field)[2]})")
+    for field, help_text in _RUN_SWITCHES.items():
+        p.add_argument(_flag(field), action=argparse.BooleanOptionalAction, default=None,
+                       help=f"{help_text} (env {knob_names(field)[2]})")
     p.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
 
 
-def _run_config(args: argparse.Namespace, preset: str, cp_size: int, requests: str, phases: str) -> RunConfig:
-    return RunConfig(
-        preset=args.preset or preset,
-        cp_size=args.cp_size if args.cp_size is not None else cp_size,
-        requests=tuple(parse_requests(args.requests or requests)),
-        kv_dtype=args.kv_dtype,
-        split_mode=args.split_mode,
-        phases=PhaseSet.parse(str(args.phases if args.phases is not None else phases)),
-        page_size=int(args.page_size),
-        n_layers=int(args.n_layers) if args.n_layers is not None else None,
-        chunk_size=int(args.chunk_size) if args.chunk_size is not None else None,
-        seed=int(args.seed),
-        debug=bool(args.debug),
-        device=args.device,
-        backend=args.backend,
-        compute_dtype=args.compute_dtype,
-        check=args.check,
-        input_logprobs=args.input_logprobs,
-        return_hidden_states=args.return_hidden_states,
-    )
+def _knob(args: argparse.Namespace, field: str, default: Any) -> Any:
+    """The flag if given, else ``DSACP_<FIELD>`` (parsed, naming the variable on error), else ``default``."""
+    value = getattr(args, field)
+    if value is not None:
+        return value
+    if field in _RUN_SWITCHES:
+        return env_flag(field, default)
+    parse = _RUN_KNOBS[field][0]
+    text = env_value(field)
+    if text is None:
+        return default
+    try:
+        return parse(text)
+    except argparse.ArgumentTypeError as exc:
+        raise ConfigError(f"{knob_names(field)[2]}: {exc}") from None
+
+
+def _run_config(args: argparse.Namespace, **defaults: Any) -> RunConfig:
+    base = RunConfig(**{k: v for k, v in defaults.items() if k not in ("requests", "phases")})
+    fields: dict[str, Any] = {}
+    for field in (*_RUN_KNOBS, *_RUN_SWITCHES):
+        value = _knob(args, field, getattr(base, field) if field not in ("requests", "phases") else None)
+        if value is not None:
+            fields[field] = value
+    fields["requests"] = tuple(parse_requests(fields.get("requests", defaults.get("requests", "0+96,40+70"))))
+    fields["phases"] = PhaseSet.parse(str(fields.get("phases", defaults.get("phases", "0"))))
+    return base.replace(**fields)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from reference_impl.tables import format_table
     from reference_impl.runner import run_prefill
+    from reference_impl.tables import format_table
 
-    run = _run_config(args, "tiny", 2, "0+96,40+70", "0")
-    report = run_prefill(run)
+    report = run_prefill(_run_config(args))
     print(json.dumps(report, indent=2) if args.json else format_table([report]))
-    return EXIT_DISAGREES if report["matches_oracle"] is False else 0
+    return EXIT_DISAGREES if report["matches_oracle"] is False else EXIT_OK
+
+
+# ---- demo --------------------------------------------------------------------------------------
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    """The main job: every available phase level on this machine's device, one table."""
-    import torch
+    from reference_impl.demo import format_demo, run_demo
 
-    from reference_impl.tables import format_table
-    from reference_impl.runner import run_prefill
-
-    cuda = torch.cuda.is_available() and args.device != "cpu"
-    preset = "deepseek-v3.2" if cuda else "tiny"
-    cp_size = max(2, torch.cuda.device_count()) if cuda else 4
-    requests = "0+2048,1024+1024" if cuda else "0+96,40+70,0+37"
-    base = _run_config(args, preset, cp_size, requests, "0")
-    if base.n_layers is None:
-        base = base.replace(n_layers=2)
-    reports = [run_prefill(base.replace(phases=PhaseSet.level(level))) for level in available_levels()]
-    if args.json:
-        print(json.dumps(reports, indent=2))
-    else:
-        print(format_table(reports))
-        print(_level_summary(reports))
-        print("layer ms: one run per level, median over its layers, no warm-up: a level whose kernels run for the first "
-              "time in the process includes their compilation. Per-layer timings: python -m reference_impl.bench.layer")
-    return EXIT_DISAGREES if any(r["matches_oracle"] is False for r in reports) else 0
+    device = args.device or env_value("device") or "auto"
+    if device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"--device {device!r}: use auto, cpu or cuda")
+    result = run_demo(device=device, out_dir=args.out, progress=not args.json)
+    print(json.dumps(result, indent=2) if args.json else format_demo(result))
+    return EXIT_DISAGREES if not result["all_match_oracle"] else EXIT_OK
 
 
-def _level_summary(reports: list[dict[str, Any]]) -> str:
-    lines = ["summary (rank 0): level | matches | KV at rest | tail-gather bytes | layer ms"]
-    for rep in reports:
-        r0 = rep["per_rank"][0]
-        lines.append(
-            f"  {rep['phase_level']} | {rep['matches_oracle']} | {r0['kv_bytes'] + r0['index_bytes']:,} B"
-            f" | {r0['output_gather_bytes']:,} B | {r0['layer_ms_median']:.2f}"
-        )
-    return "\n".join(lines)
+# ---- split -------------------------------------------------------------------------------------
 
 
 def _cmd_split(args: argparse.Namespace) -> int:
     from reference_impl.cp.split import build_split
 
-    extend = [int(x) for x in _int_list(args.extend, "--extend")]
-    prefix = [int(x) for x in _int_list(args.prefix, "--prefix")] if args.prefix else [0] * len(extend)
+    extend = parse_int_list(args.extend, "--extend", minimum=1)
+    prefix = parse_int_list(args.prefix, "--prefix", minimum=0) if args.prefix is not None else [0] * len(extend)
     if len(prefix) != len(extend):
         raise ConfigError(f"--prefix has {len(prefix)} values but --extend has {len(extend)}")
-    meta = build_split(args.split_mode, args.cp_size, extend, prefix, page_size=args.page_size)
+    validate_page_size(args.page_size)
+    meta = build_split(args.split_mode, args.cp_size, extend, prefix, args.page_size, page_aligned=args.page_aligned)
     doc = meta.to_json()
     if args.json:
         print(json.dumps(doc))
-        return 0
-    print(f"{meta.mode} split, C={meta.cp_size}, requests (prefix+extend): "
+        return EXIT_OK
+    aligned = f", page-aligned: {meta.page_aligned}" if args.page_aligned else ""
+    print(f"{meta.mode} split, C={meta.cp_size}{aligned}, requests (prefix+extend): "
           + ", ".join(f"{p}+{e}" for p, e in zip(prefix, extend)))
+    if meta.block_sizes:
+        print(f"  block sizes per request: {[list(b) for b in meta.block_sizes]}")
     for rank in doc["ranks"]:
         print(f"  rank {rank['rank']} ({rank['length']} tokens): {rank['tokens']}")
     print(f"  rerange index: {doc['rerange_index']}")
-    return 0
+    return EXIT_OK
 
 
-def _int_list(text: str, flag: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ConfigError(f"malformed {flag} {text!r}: use comma-separated integers") from None
+# ---- plan --------------------------------------------------------------------------------------
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     """Capacity planner: predictions per phase level (:mod:`reference_impl.planner`); nothing runs."""
     from reference_impl.planner import PlannerConfig, format_plan, load_rates, parse_contexts, plan_capacity
 
+    def knob(field: str, parse: Callable[[str], Any], default: Any) -> Any:
+        value = getattr(args, field)
+        if value is not None:
+            return value
+        text = env_value(field)
+        if text is None:
+            return default
+        try:
+            return parse(text)
+        except (argparse.ArgumentTypeError, ConfigError) as exc:
+            raise ConfigError(f"{knob_names(field)[2]}: {exc}") from None
+
     config = PlannerConfig(
-        preset=args.preset,
-        cp_size=int(args.cp_size),
-        hbm_gib=float(args.hbm_gib),
-        reserved_gib=None if args.reserved_gib is None else float(args.reserved_gib),
-        kv_budget_fraction=None if args.kv_budget_fraction is None else float(args.kv_budget_fraction),
-        contexts=parse_contexts(str(args.contexts)),
-        kv_dtype=args.kv_dtype,
-        page_size=int(args.page_size),
+        preset=knob("preset", str, "deepseek-v3.2"),
+        cp_size=knob("cp_size", _int_arg(1), 8),
+        hbm_gib=knob("hbm_gib", _float_arg(), 141.0),
+        reserved_gib=knob("reserved_gib", _float_arg(positive=False), None),
+        kv_budget_fraction=knob("kv_budget_fraction", _float_arg(), None),
+        contexts=parse_contexts(knob("contexts", str, "8192,131072,1048576")),
+        kv_dtype=knob("kv_dtype", str, "fp8"),
+        page_size=knob("page_size", _int_arg(1), 64),
     )
-    rates = load_rates(args.rates)
-    if args.interconnect_gbps is not None:
-        rates = rates.override({"interconnect_gbps": args.interconnect_gbps}, "--interconnect-gbps")
+    env_rates = env_value("rates")
+    rates = load_rates(args.rates if args.rates else [env_rates] if env_rates else None)
+    gbps = knob("interconnect_gbps", _float_arg(), None)
+    if gbps is not None:
+        rates = rates.override({"interconnect_gbps": gbps}, "--interconnect-gbps")
     plan = plan_capacity(config, rates)
     print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
-    return 0
+    return EXIT_OK
 
 
 def _add_plan_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument(_flag("preset"), default=_env_default("preset", "deepseek-v3.2"), help="deepseek-v3.2 | glm-5 | tiny")
-    p.add_argument(_flag("cp_size"), "--cp", dest="cp_size", type=int, default=_env_default("cp_size", 8), help="CP ranks C")
-    p.add_argument(_flag("hbm_gib"), type=float, default=_env_default("hbm_gib", 141.0), help="HBM per GPU, GiB")
+    env = lambda field: knob_names(field)[2]  # noqa: E731
+    p.add_argument(_flag("preset"), default=None, help=f"deepseek-v3.2 | glm-5 | tiny (env {env('preset')})")
+    p.add_argument(_flag("cp_size"), "--cp", dest="cp_size", type=_int_arg(1), default=None,
+                   help=f"CP ranks C (env {env('cp_size')})")
+    p.add_argument(_flag("hbm_gib"), type=_float_arg(), default=None, help="HBM per GPU, GiB (default 141)")
     budget = p.add_mutually_exclusive_group()
-    budget.add_argument(
-        _flag("reserved_gib"), type=float, default=_env_default("reserved_gib", None),
-        help="GiB of HBM kept for weights, activations and workspace; KV gets the rest (default 93)",
-    )
-    budget.add_argument(
-        _flag("kv_budget_fraction"), type=float, default=_env_default("kv_budget_fraction", None),
-        help="instead of --reserved-gib: the fraction of HBM given to the KV cache",
-    )
-    p.add_argument(_flag("contexts"), default=_env_default("contexts", "8192,131072,1048576"),
-                   help="request lengths, comma separated (K = 1024, M = 1024^2 allowed)")
-    p.add_argument(_flag("kv_dtype"), default=_env_default("kv_dtype", "fp8"), help="fp8 | bf16")
-    p.add_argument(_flag("page_size"), type=int, default=_env_default("page_size", 64))
-    env_rates = _env_default("rates", None)
-    p.add_argument(_flag("rates"), action="append", default=[env_rates] if env_rates else None, metavar="FILE.json",
+    budget.add_argument(_flag("reserved_gib"), type=_float_arg(positive=False), default=None,
+                        help="GiB of HBM kept for weights, activations and workspace; KV gets the rest (default 93)")
+    budget.add_argument(_flag("kv_budget_fraction"), type=_float_arg(), default=None,
+                        help="instead of --reserved-gib: the fraction of HBM given to the KV cache")
+    p.add_argument(_flag("contexts"), default=None, help="request lengths, comma separated (K = 1024, M = 1024^2)")
+    p.add_argument(_flag("kv_dtype"), default=None, help="fp8 | bf16")
+    p.add_argument(_flag("page_size"), type=_int_arg(1), default=None)
+    p.add_argument(_flag("rates"), action="append", default=None, metavar="FILE.json",
                    help="override rates: a compute_bench.json, a kernels_bench.json or {field: value}; repeatable")
-    p.add_argument(_flag("interconnect_gbps"), type=float, default=_env_default("interconnect_gbps", None),
+    p.add_argument(_flag("interconnect_gbps"), type=_float_arg(), default=None,
                    help="all-gather bandwidth per GPU per direction, GB/s (assumed default 450: NVLink 4)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m reference_impl", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="python -m reference_impl", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
-    sub = parser.add_subparsers(dest="command", required=True)
-    defaults = RunConfig()
-    _add_run_flags(sub.add_parser("run", help="one CP prefill, compared with the oracle"), defaults)
-    _add_run_flags(sub.add_parser("demo", help="the main job: every available phase level"), defaults)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _add_run_flags(sub.add_parser("run", help="one CP prefill, compared with the oracle"))
+    demo = sub.add_parser("demo", help="the main job: every phase level, what each buys (memory, time), one folder")
+    demo.add_argument("--device", default=None, help="auto | cpu | cuda (env DSACP_DEVICE)")
+    demo.add_argument("--out", default=None, help="results folder (default results/demo-<device>-<time>)")
+    demo.add_argument("--json", action="store_true", help="print the JSON instead of the table")
     sp = sub.add_parser("split", help="show how a batch is split over CP ranks")
-    sp.add_argument("--split-mode", "--mode", dest="split_mode", default="in-seq", help="in-seq | round-robin")
-    sp.add_argument("--cp-size", "--cp", dest="cp_size", type=int, required=True)
+    sp.add_argument("--split-mode", "--mode", dest="split_mode", default="in-seq", choices=["in-seq", "round-robin"])
+    sp.add_argument("--cp-size", "--cp", dest="cp_size", type=_int_arg(1), required=True)
     sp.add_argument("--extend", required=True, help="extend lengths, comma separated")
-    sp.add_argument("--prefix", default="", help="prefix lengths, comma separated (default 0)")
-    sp.add_argument("--page-size", type=int, default=64)
+    sp.add_argument("--prefix", default=None, help="prefix lengths, comma separated (default 0)")
+    sp.add_argument("--page-size", type=_int_arg(1), default=64)
+    sp.add_argument("--page-aligned", action="store_true", help="phase 4: blocks on absolute page boundaries")
     sp.add_argument("--json", action="store_true")
     _add_plan_flags(sub.add_parser("plan", help="capacity planner: KV per rank, max context, per-layer time per level"))
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        return {"run": _cmd_run, "demo": _cmd_demo, "split": _cmd_split, "plan": _cmd_plan}[args.command](args)
+        args, unknown = build_parser().parse_known_args(argv)
+        if unknown:
+            hint = " (the demo runs every level; --phases is a flag of `run`)" if args.command == "demo" and any(
+                u.startswith("--phases") for u in unknown) else ""
+            raise ConfigError(f"{args.command}: unrecognized arguments: {' '.join(unknown)}{hint}")
+        logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                            format="%(levelname)s %(name)s: %(message)s")
+        command = {"run": _cmd_run, "demo": _cmd_demo, "split": _cmd_split, "plan": _cmd_plan}[args.command]
+        return command(args)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except BrokenPipeError:  # the reader went away (``... | head``): stop quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_OK
 
 
 if __name__ == "__main__":

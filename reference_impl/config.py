@@ -21,7 +21,8 @@ from reference_impl.presets import PRESETS, ModelConfig, get_preset
 
 __all__ = [
     "PRESETS", "ConfigError", "KVDtype", "ModelConfig", "PhaseSet", "Request", "RunConfig", "SplitMode",
-    "available_levels", "env_flag", "get_preset", "knob_names", "parse_requests", "validate_page_size",
+    "available_levels", "env_flag", "env_value", "get_preset", "knob_names", "parse_int_list", "parse_requests",
+    "validate_page_size",
 ]
 
 KVDtype = Literal["bf16", "fp8"]
@@ -50,6 +51,12 @@ def validate_page_size(page_size: int) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+def _check_type(name: str, value: object, kind: type) -> None:
+    """``ConfigError`` unless ``value`` is a ``kind`` (a bool is not an int here)."""
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ConfigError(f"{name}={value!r}: need {kind.__name__}, got {type(value).__name__}")
+
+
 @dataclass(frozen=True)
 class Request:
     """One request of a prefill batch: ``prefix`` tokens already cached, ``extend`` tokens to compute."""
@@ -58,6 +65,8 @@ class Request:
     extend: int
 
     def __post_init__(self) -> None:
+        for name in ("prefix", "extend"):
+            _check_type(f"Request.{name}", getattr(self, name), int)
         if self.prefix < 0 or self.extend <= 0:
             raise ConfigError(f"request prefix={self.prefix} extend={self.extend}: need prefix >= 0 and extend >= 1")
 
@@ -66,13 +75,35 @@ class Request:
         return self.prefix + self.extend
 
 
+def _list_items(spec: str, what: str) -> list[str]:
+    """Comma-separated items of ``spec``; an empty spec or an empty item (``a,,b``, ``a,``) is refused."""
+    items = [item.strip() for item in spec.split(",")]
+    if not spec.strip():
+        raise ConfigError(f"{what} is empty")
+    for position, item in enumerate(items, 1):
+        if not item:
+            raise ConfigError(f"{what} {spec!r}: entry {position} is empty (doubled or trailing comma?)")
+    return items
+
+
+def parse_int_list(spec: str, what: str, minimum: int = 0) -> list[int]:
+    """``"11,13"`` -> ``[11, 13]``; refuses empty entries, non-integers and values below ``minimum``."""
+    values = []
+    for item in _list_items(spec, what):
+        try:
+            value = int(item)
+        except ValueError:
+            raise ConfigError(f"{what} {spec!r}: {item!r} is not an integer") from None
+        if value < minimum:
+            raise ConfigError(f"{what} {spec!r}: {value} is below {minimum}")
+        values.append(value)
+    return values
+
+
 def parse_requests(spec: str) -> list[Request]:
     """Parse ``"0+128,64+200"`` (prefix+extend pairs) or ``"128,200"`` (extend only)."""
     requests: list[Request] = []
-    for item in spec.split(","):
-        item = item.strip()
-        if not item:
-            continue
+    for item in _list_items(spec, "request spec"):
         parts = item.split("+")
         try:
             if len(parts) == 1:
@@ -111,11 +142,13 @@ class RunConfig:
     compute_dtype: str = "auto"  # "auto" (fp32 on CPU, bf16 on CUDA) | "fp32" | "bf16"
     check: bool = True  # compare with the single-device oracle
     backend: str = "auto"  # "auto" | "gloo" | "nccl"
+    timeout_s: float = 600.0  # a run whose ranks have not all finished by then is stopped
     # Per-request output needs (phase 1 eligibility): any True forces the full tail gather.
     return_hidden_states: bool = False
     input_logprobs: bool = False
 
     def __post_init__(self) -> None:
+        self._check_types()
         get_preset(self.preset)
         if self.cp_size < 1:
             raise ConfigError(f"cp_size={self.cp_size}: need at least one rank")
@@ -145,6 +178,33 @@ class RunConfig:
             raise ConfigError(f"chunk_size={self.chunk_size}: need at least one token per chunk")
         self.phases.check_implemented()
 
+    def _check_types(self) -> None:
+        """Wrong types fail here, by name, not later inside a rank."""
+        if isinstance(self.requests, list):  # a list of requests is fine: keep the config hashable
+            object.__setattr__(self, "requests", tuple(self.requests))
+        if isinstance(self.requests, str) or not isinstance(self.requests, tuple) or not all(
+            isinstance(r, Request) for r in self.requests
+        ):
+            raise ConfigError(
+                f"requests={self.requests!r}: need a tuple of Request (from a spec string: parse_requests({self.requests!r}))"
+                if isinstance(self.requests, str) else f"requests={self.requests!r}: need a tuple of Request"
+            )
+        if not isinstance(self.phases, PhaseSet):
+            hint = f" (e.g. PhaseSet.level({self.phases}))" if isinstance(self.phases, int) else ""
+            raise ConfigError(f"phases={self.phases!r}: need a PhaseSet{hint}")
+        for name, kind in (("preset", str), ("kv_dtype", str), ("split_mode", str), ("device", str),
+                           ("compute_dtype", str), ("backend", str), ("cp_size", int), ("page_size", int),
+                           ("seed", int), ("debug", bool), ("check", bool), ("return_hidden_states", bool),
+                           ("input_logprobs", bool)):
+            _check_type(name, getattr(self, name), kind)
+        if not isinstance(self.timeout_s, (int, float)) or isinstance(self.timeout_s, bool) or not (
+            0 < self.timeout_s < float("inf")
+        ):
+            raise ConfigError(f"timeout_s={self.timeout_s!r}: need a positive, finite number of seconds")
+        for name in ("n_layers", "chunk_size"):
+            if getattr(self, name) is not None:
+                _check_type(name, getattr(self, name), int)
+
     @property
     def model(self) -> ModelConfig:
         cfg = get_preset(self.preset)
@@ -159,9 +219,23 @@ def knob_names(field_name: str) -> tuple[str, str, str]:
     return field_name, "--" + field_name.replace("_", "-"), ENV_PREFIX + field_name.upper()
 
 
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+def env_value(field_name: str) -> str | None:
+    """The raw value of a knob's environment variable (``DSACP_<FIELD>``), or ``None`` when unset."""
+    return os.environ.get(knob_names(field_name)[2])
+
+
 def env_flag(field_name: str, default: bool = False) -> bool:
-    """Read a boolean knob from its environment variable (``1/true/yes/on`` are true)."""
-    value = os.environ.get(knob_names(field_name)[2])
+    """Read a boolean knob from its environment variable: ``1/true/yes/on`` or ``0/false/no/off``
+    (any case); anything else is a :class:`ConfigError` naming the variable, never a silent false."""
+    value = env_value(field_name)
     if value is None:
         return default
-    return value.strip().lower() in ("1", "true", "yes", "on")
+    word = value.strip().lower()
+    if word in _TRUE:
+        return True
+    if word in _FALSE:
+        return False
+    raise ConfigError(f"{knob_names(field_name)[2]}={value!r}: use 1/0, true/false, yes/no or on/off")

@@ -36,7 +36,6 @@ from reference_impl.cp.kv_replicated import ReplicatedKV
 from reference_impl.cp.kv_sharded import ShardedKV
 from reference_impl.cp.kv_store import KVStore
 from reference_impl.cp.narrow_output import collect_narrow
-from reference_impl.cp.page_aligned import build_page_aligned_split
 from reference_impl.cp.prefetch import MlaPrefetcher
 from reference_impl.cp.rerange import gather_current
 from reference_impl.cp.split import SplitIndex, SplitMetadata, build_split
@@ -175,11 +174,10 @@ def _host_key_bounds(meta: SplitMetadata, batch: BatchLocs, rank: int) -> HostKe
 
 def chunk_metadata(run: RunConfig, chunk: Chunk) -> SplitMetadata:
     """The split of one chunk (identical on every rank); page-aligned with phase 4."""
-    extend, prefix = list(chunk.extend_lens), list(chunk.prefix_lens)
-    meta = build_split(run.split_mode, run.cp_size, extend, prefix, page_size=run.page_size)  # validates the batch
-    if run.phases.page_aligned:
-        return build_page_aligned_split(run.cp_size, extend, prefix, run.page_size)
-    return meta
+    return build_split(
+        run.split_mode, run.cp_size, chunk.extend_lens, chunk.prefix_lens, run.page_size,
+        page_aligned=run.phases.page_aligned,
+    )
 
 
 def replay_page_table(run: RunConfig) -> RequestPageTable:

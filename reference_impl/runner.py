@@ -20,6 +20,7 @@ import torch
 from reference_impl.check import compare
 from reference_impl.config import RunConfig
 from reference_impl.engine import RankResult, build_metadata, chunk_metadata, run_rank
+from reference_impl.footprint import check_fits
 from reference_impl.schedule import chunk_schedule
 from reference_impl.launch import choose_backend, launch, rank_cpu_threads, under_torchrun
 from reference_impl.cp.comm import CPGroup
@@ -39,25 +40,29 @@ def _launch_plan_line(run: RunConfig) -> tuple[str, bool]:
     return plan.backend, plan.shared_gpu
 
 
-def run_prefill(run: RunConfig, timeout_s: float = 600) -> dict[str, Any]:
+def run_prefill(run: RunConfig, timeout_s: float | None = None) -> dict[str, Any]:
     """Run ``run`` on ``run.cp_size`` ranks and return the report (a JSON-ready dict).
 
-    Bad input raises :class:`~reference_impl.config.ConfigError` before any rank starts.
+    Bad input raises :class:`~reference_impl.config.ConfigError` before any rank starts, a run
+    that cannot fit the device too (:mod:`reference_impl.footprint`). ``timeout_s`` (default:
+    ``run.timeout_s``) bounds the whole run.
     """
     return run_prefills([run], timeout_s)[0]
 
 
-def run_prefills(runs: Sequence[RunConfig], timeout_s: float = 600) -> list[dict[str, Any]]:
+def run_prefills(runs: Sequence[RunConfig], timeout_s: float | None = None) -> list[dict[str, Any]]:
     """Run several configurations and return their reports, in order.
 
     Runs that share ``cp_size``, ``device`` and ``backend`` share one launch: the ranks start once
     (and on a GPU compile their kernels once) and run the configurations one after another, each
     with its own CP group view (collective records, debug recorder). The oracle runs once per
-    distinct model, batch and cache layout, whatever the phases. ``timeout_s`` bounds each launch.
+    distinct model, batch and cache layout, whatever the phases. ``timeout_s`` bounds each launch
+    (default: the sum of its runs' ``timeout_s``).
     """
-    for run in runs:  # every chunk's split is validated here, before any rank starts
+    for run in runs:  # every chunk's split and the memory are checked here, before any rank starts
         for chunk in chunk_schedule(run):
             chunk_metadata(run, chunk)
+        check_fits(run, resolve_device(run).type)
     launches: dict[tuple[int, str, str], list[int]] = {}
     for i, run in enumerate(runs):
         launches.setdefault((run.cp_size, run.device, run.backend), []).append(i)
@@ -65,7 +70,8 @@ def run_prefills(runs: Sequence[RunConfig], timeout_s: float = 600) -> list[dict
     oracles: dict[tuple[Any, ...], tuple[DSAModel, OracleResult]] = {}
     for (cp_size, device, backend), indices in launches.items():
         batch = [runs[i] for i in indices]
-        per_rank = launch(_run_each, cp_size, batch, device=device, backend=backend, timeout_s=timeout_s, debug=False)
+        limit = timeout_s if timeout_s is not None else sum(run.timeout_s for run in batch)
+        per_rank = launch(_run_each, cp_size, batch, device=device, backend=backend, timeout_s=limit, debug=False)
         launch_backend, shared_gpu = _launch_plan_line(batch[0])
         for k, i in enumerate(indices):
             reports[i] = _report(runs[i], [results[k] for results in per_rank], launch_backend, shared_gpu, oracles)

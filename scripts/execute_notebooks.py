@@ -7,6 +7,7 @@ Run on a CUDA box to record the GPU figures that the committed notebooks show:
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -36,7 +37,19 @@ def execute(source: Path) -> Path:
     return target
 
 
-if __name__ == "__main__":
-    sources = [Path(p) for p in sys.argv[1:]] or sorted((ROOT / "phases").glob("*.py"))
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("walkthroughs", nargs="*", type=Path, help="phases/*.py files (default: all)")
+    args = parser.parse_args(argv)
+    sources = args.walkthroughs or sorted((ROOT / "phases").glob("*.py"))
+    missing = [str(p) for p in sources if not p.is_file() or p.suffix != ".py"]
+    if missing:
+        print(f"error: not a walkthrough (phases/*.py): {', '.join(missing)}", file=sys.stderr)
+        return 2
     for src in sources:
         execute(src.resolve())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -11,7 +11,7 @@ from conftest import tiny
 from reference_impl.config import ConfigError, PhaseSet, Request
 from reference_impl.cp.batch import BatchLocs
 from reference_impl.cp.compute_owner import direct_write_ok
-from reference_impl.cp.page_aligned import build_page_aligned_split
+from reference_impl.cp.split import build_split
 from reference_impl.kvcache.allocator import PageAllocator
 
 
@@ -37,7 +37,7 @@ def test_short_request_is_not_page_aligned_so_no_direct_write(report_of) -> None
 @given(st.lists(st.tuples(st.integers(0, 5).map(lambda k: 8 * k), st.integers(64, 200)), min_size=1, max_size=3),
        st.integers(1, 4))
 def test_current_pages_get_their_compute_rank_as_owner(reqs, cp_size) -> None:
-    meta = build_page_aligned_split(cp_size, [e for _, e in reqs], [p for p, _ in reqs], 8)
+    meta = build_split("in-seq", cp_size, [e for _, e in reqs], [p for p, _ in reqs], 8, page_aligned=True)
     batch = BatchLocs.build(meta, compute_owner=True)
     assert meta.page_aligned and direct_write_ok(meta, batch.extend_locs)  # page-multiple prefixes: always
     for rank, tokens in enumerate(meta.rank_tokens):

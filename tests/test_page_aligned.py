@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 
 from conftest import tiny
 from reference_impl.config import PhaseSet, Request
-from reference_impl.cp.page_aligned import build_page_aligned_split, page_aligned_block_sizes, page_units
+from reference_impl.cp.page_aligned import page_aligned_block_sizes, page_units
+from reference_impl.cp.split import build_split
 
 
 def test_units_follow_absolute_page_boundaries() -> None:
@@ -19,7 +20,7 @@ def test_units_follow_absolute_page_boundaries() -> None:
 
 def test_short_request_keeps_token_balanced_blocks() -> None:
     assert page_aligned_block_sizes(0, 30, 2, 16) is None  # 2 units < 2C = 4
-    meta = build_page_aligned_split(2, [100, 30], [13, 0], 16)
+    meta = build_split("in-seq", 2, [100, 30], [13, 0], 16, page_aligned=True)
     assert not meta.page_aligned
     assert meta.block_sizes[1] == (8, 8, 7, 7)
 
@@ -34,7 +35,7 @@ def test_split_covers_every_token_once_and_aligned_pages_have_one_owner(reqs, cp
     if max(extend) < cp_size:
         return
     try:
-        meta = build_page_aligned_split(cp_size, extend, prefix, page_size)
+        meta = build_split("in-seq", cp_size, extend, prefix, page_size, page_aligned=True)
     except Exception as exc:  # a rank left without tokens is refused, with a message
         assert "without tokens" in str(exc)
         return
@@ -66,6 +67,6 @@ def test_phase4_alone_without_sharding(report_of) -> None:
 
 
 def test_aligned_segments_have_unequal_lengths() -> None:
-    meta = build_page_aligned_split(2, [100], [13], 16)
+    meta = build_split("in-seq", 2, [100], [13], 16, page_aligned=True)
     prev, nxt = meta.segments[0]
     assert prev.length != nxt.length  # consumers must not split local queries by halves

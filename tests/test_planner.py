@@ -154,15 +154,15 @@ def test_parse_contexts() -> None:
 @pytest.mark.parametrize(
     ("argv", "words"),
     [
-        (["plan", "--hbm-gib", "-1"], "hbm_gib=-1.0"),
+        (["plan", "--hbm-gib", "-1"], "--hbm-gib: -1 is not positive"),
         (["plan", "--preset", "nope"], "unknown preset 'nope'"),
         (["plan", "--hbm-gib", "80", "--reserved-gib", "90"], "no HBM left for the KV cache"),
-        (["plan", "--kv-budget-fraction", "1.5"], "kv_budget_fraction=1.5"),
+        (["plan", "--kv-budget-fraction", "1.5"], "kv_budget_fraction=1.5: need a fraction in (0, 1]"),
         (["plan", "--contexts", "8K,lots"], "malformed context 'lots'"),
         (["plan", "--cp", "8", "--contexts", "10"], "at least 2C = 16 tokens"),
         (["plan", "--kv-dtype", "int4"], "kv_dtype='int4'"),
         (["plan", "--rates", "/nonexistent/rates.json"], "--rates /nonexistent/rates.json"),
-        (["plan", "--interconnect-gbps", "0"], "interconnect_gbps=0.0 must be a positive number"),
+        (["plan", "--interconnect-gbps", "0"], "--interconnect-gbps: 0 is not positive"),
     ],
 )
 def test_plan_bad_input_is_one_line_exit_2(capsys, argv: list[str], words: str) -> None:

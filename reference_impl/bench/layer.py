@@ -47,6 +47,7 @@ import shlex
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -170,12 +171,14 @@ def replan(doc: dict[str, Any]) -> dict[str, Any]:
 def measure(
     preset: str, workload: Workload, levels: list[int], cp_size: int, rank: int, n_layers: int,
     device: str, wire_gbps: float | None, prefetch_repeats: int = 6, level_repeats: int = 1,
+    on_level: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
     """Every level of one workload on one rank -> JSON-ready dict.
 
     ``level_repeats > 1`` runs each level that many times in a row (the allocator kept warm after
     the first) and takes the median over all their layers: short, launch-bound layers vary more
     between runs than within one. Memory and byte counts are the first run's (they repeat exactly).
+    ``on_level(level)`` is called after each level (progress).
     """
     dev = torch.device(device)
     group_of = lambda: LoopbackGroup(rank, cp_size, dev, wire_gbps)  # noqa: E731 (fresh stats per run)
@@ -205,6 +208,8 @@ def measure(
             point["prefetch_payload_ms"] = payload_ms(result.store, n_layers, dev)
         points.append(point)
         del result
+        if on_level is not None:
+            on_level(level)
     out: dict[str, Any] = {"workload": workload.__dict__, "levels": points}
     by_level = {p["level"]: p for p in points}
     payload = by_level.get(8, {}).get("prefetch_payload_ms")

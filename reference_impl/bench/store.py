@@ -20,7 +20,7 @@ import torch
 from reference_impl.config import KVDtype, get_preset
 from reference_impl.cp.batch import BatchLocs
 from reference_impl.cp.kv_sharded import ShardedKV
-from reference_impl.cp.page_aligned import build_page_aligned_split
+from reference_impl.cp.split import build_split
 from reference_impl.cp.split import local_index_tensor
 from reference_impl.kvcache.layout import KVLayout
 
@@ -67,7 +67,7 @@ def time_store_paths(
     and fused (phase 7: the selection of phase 2's rows happens inside the kernel)."""
     dev = torch.device(device)
     cfg = get_preset(preset)
-    meta = build_page_aligned_split(cp_size, [tokens], [0], 64)
+    meta = build_split("in-seq", cp_size, [tokens], [0], 64, page_aligned=True)
     batch = BatchLocs.build(meta, dev, compute_owner=True)
     layout = KVLayout.from_config(cfg, kv_dtype, 64)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32

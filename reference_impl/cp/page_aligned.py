@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from reference_impl.cp.split import SplitMetadata, in_seq_block_sizes, split_from_blocks
+from reference_impl.cp.split import in_seq_block_sizes
 
 
 def page_units(prefix: int, extend: int, page_size: int) -> list[int]:
@@ -45,10 +45,14 @@ def page_aligned_block_sizes(prefix: int, extend: int, cp_size: int, page_size: 
     return tuple(sizes)
 
 
-def build_page_aligned_split(
+def page_aligned_blocks(
     cp_size: int, extend_lens: Sequence[int], prefix_lens: Sequence[int], page_size: int
-) -> SplitMetadata:
-    """In-seq metadata with page-aligned blocks where each request has at least ``2C`` page units."""
+) -> tuple[list[tuple[int, ...]], bool]:
+    """Per request the ``2C`` block sizes (page-aligned where the request has at least ``2C`` page
+    units, token-balanced otherwise) and whether every request got aligned blocks.
+
+    :func:`reference_impl.cp.split.build_split` with ``page_aligned=True`` builds the metadata from them.
+    """
     blocks, aligned = [], True
     for prefix, extend in zip(prefix_lens, extend_lens):
         sizes = page_aligned_block_sizes(prefix, extend, cp_size, page_size)
@@ -56,4 +60,4 @@ def build_page_aligned_split(
             aligned = False
             sizes = in_seq_block_sizes(extend, cp_size)
         blocks.append(sizes)
-    return split_from_blocks(cp_size, extend_lens, prefix_lens, blocks, page_size=page_size, page_aligned=aligned)
+    return blocks, aligned

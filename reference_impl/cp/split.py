@@ -326,14 +326,22 @@ def build_split(
     extend_lens: Sequence[int],
     prefix_lens: Sequence[int] | None = None,
     page_size: int = DEFAULT_PAGE_SIZE,
+    *,
+    page_aligned: bool = False,
 ) -> SplitMetadata:
-    """Token-balanced split of a batch (``prefix_lens`` default to zeros); see the module docstring."""
+    """The split of a batch (``prefix_lens`` default to zeros); see the module docstring.
+
+    ``mode`` is ``"in-seq"`` or ``"round-robin"``; ``page_aligned=True`` (phase 4, in-seq only)
+    cuts the zigzag blocks on absolute page boundaries (:mod:`reference_impl.cp.page_aligned`).
+    """
     extend_lens = tuple(int(e) for e in extend_lens)
     prefix_lens = (0,) * len(extend_lens) if prefix_lens is None else tuple(int(p) for p in prefix_lens)
     if mode not in SPLIT_MODES:
         raise ConfigError(f"split mode {mode!r}: use 'in-seq' or 'round-robin'")
     _check_batch(cp_size, extend_lens, prefix_lens, page_size)
     if mode == "round-robin":
+        if page_aligned:
+            raise ConfigError("a page-aligned split is an in-seq split: use mode 'in-seq'")
         if sum(extend_lens) < cp_size:
             raise ConfigError(
                 f"cp_size={cp_size} is larger than the tokens allow: round-robin split needs at least "
@@ -346,6 +354,11 @@ def build_split(
             f"cp_size={cp_size} is larger than the tokens allow: in-seq split needs at least {cp_size} "
             f"extend tokens in the longest request (longest has {longest})"
         )
+    if page_aligned:
+        from reference_impl.cp.page_aligned import page_aligned_blocks
+
+        blocks, aligned = page_aligned_blocks(cp_size, extend_lens, prefix_lens, page_size)
+        return split_from_blocks(cp_size, extend_lens, prefix_lens, blocks, page_size=page_size, page_aligned=aligned)
     blocks = [in_seq_block_sizes(e, cp_size) for e in extend_lens]
     return split_from_blocks(cp_size, extend_lens, prefix_lens, blocks, page_size=page_size, page_aligned=False)
 

@@ -11,13 +11,14 @@ collective between:
 * :meth:`DSAAttention.attend` -- indexer top-k and sparse attention of those queries against a
   **full view** (dense, sequence-ordered KV of whole requests), then the output projection.
 
-:meth:`DSAAttention.forward` is the documented single-device call: one request's hidden states
-with a start position, against a dense cache of the earlier tokens.
+:meth:`DSAAttention.forward` is the single-device call: one request's new tokens at a start
+position, against a dense cache of its earlier tokens (:class:`~reference_impl.model.cache.LayerCache`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -26,6 +27,9 @@ from reference_impl.presets import ModelConfig
 from reference_impl.fp8 import act_quant, hadamard_matrix, hadamard_rotate
 from reference_impl.model.rope import apply_rope, rope_cos_sin, rope_frequencies
 from reference_impl.model.sparse_attention import TORCH_OPS, ComputeOps, HostKeyBounds
+
+if TYPE_CHECKING:
+    from reference_impl.model.cache import LayerCache
 
 
 class RMSNorm(nn.Module):
@@ -125,6 +129,23 @@ class DSAAttention(nn.Module):
         self.wo = _linear(h * cfg.v_head_dim, cfg.dim, dtype)
         self.indexer = Indexer(cfg, dtype)
         self.register_buffer("rope_freqs", rope_frequencies(cfg), persistent=False)
+
+    def forward(
+        self, x: torch.Tensor, start_pos: int = 0, cache: "LayerCache | None" = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One request's new tokens ``x [T, dim]`` at positions ``start_pos ..`` -> ``(out [T, dim], topk [T, K])``.
+
+        ``cache`` holds the request's first ``start_pos`` tokens in the KV byte layouts and gets the
+        ``T`` new ones appended; ``None`` starts an empty one (FP8 cache, 64-token pages; then
+        ``start_pos`` must be 0). ``topk`` lists the selected key positions per query, ``-1`` padded.
+        """
+        from reference_impl.kvcache.layout import KVLayout
+        from reference_impl.model.cache import LayerCache, attention_forward
+
+        if cache is None:
+            cache = LayerCache.empty(KVLayout.from_config(self.cfg, "fp8", 64), x.device)
+        out, topk, _ = attention_forward(self, x, start_pos, cache)
+        return out, topk
 
     # ---- per-token half -----------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from reference_impl.config import KVDtype
 from reference_impl.presets import ModelConfig
 from reference_impl.kvcache.layout import KVLayout
 from reference_impl.model.attention import DSAAttention, Projection, RMSNorm
+from reference_impl.model.cache import LayerCache, attention_forward
 from reference_impl.model.sparse_attention import TORCH_OPS, ComputeOps
 
 
@@ -78,59 +79,6 @@ def init_weights(model: DSAModel, seed: int) -> DSAModel:
 
 
 @dataclass
-class LayerCache:
-    """Dense cache of one request for one layer, in the KV byte layouts."""
-
-    layout: KVLayout
-    mla_rows: torch.Tensor  # uint8 [N, layout.mla_bytes]
-    index_fp8: torch.Tensor  # float8_e4m3fn [N, D]
-    index_scale: torch.Tensor  # float32 [N]
-
-    @classmethod
-    def empty(cls, layout: KVLayout, device: torch.device | str) -> "LayerCache":
-        d = layout.index_head_dim
-        return cls(
-            layout,
-            torch.empty(0, layout.mla_bytes, dtype=torch.uint8, device=device),
-            torch.empty(0, d, dtype=torch.float8_e4m3fn, device=device),
-            torch.empty(0, dtype=torch.float32, device=device),
-        )
-
-    def __len__(self) -> int:
-        return int(self.mla_rows.shape[0])
-
-    def append(self, proj: Projection) -> None:
-        """Quantize and append the projected tokens' KV and index K."""
-        k_fp8, k_scale = self.layout.quantize_index_k(proj.index_k)
-        self.mla_rows = torch.cat([self.mla_rows, self.layout.pack_mla(proj.kv)])
-        self.index_fp8 = torch.cat([self.index_fp8, k_fp8])
-        self.index_scale = torch.cat([self.index_scale, k_scale])
-
-    def kv_view(self) -> torch.Tensor:
-        """The full view of this request: dequantized ``[N, kv_lora + rope]`` bf16."""
-        return self.layout.dequantize_mla(self.mla_rows).to(torch.bfloat16)
-
-
-@torch.no_grad()
-def attention_forward(
-    attn: DSAAttention, x: torch.Tensor, start_pos: int, cache: LayerCache
-) -> tuple[torch.Tensor, torch.Tensor, Projection]:
-    """The single-device call: one request's tokens ``x [T, dim]`` at ``start_pos`` against ``cache``.
-
-    ``cache`` must hold exactly the request's first ``start_pos`` tokens; this call appends the
-    ``T`` new ones. Returns ``(out [T, dim], topk [T, K] int32 positions in the request, projection)``.
-    """
-    if len(cache) != start_pos:
-        raise ValueError(f"cache holds {len(cache)} tokens but start_pos is {start_pos}")
-    positions = torch.arange(start_pos, start_pos + x.shape[0], device=x.device)
-    proj = attn.project(x, positions)
-    cache.append(proj)
-    key_start = torch.zeros_like(positions)
-    out, topk = attn.attend(proj, cache.kv_view(), cache.index_fp8, cache.index_scale, key_start, positions + 1)
-    return out, topk, proj
-
-
-@dataclass
 class OracleResult:
     """Everything a CP run is compared against."""
 
@@ -157,8 +105,13 @@ def run_oracle(
     kv_dtype: KVDtype,
     page_size: int = 64,
     chunk_size: int | None = None,
+    view_dtype: torch.dtype = torch.bfloat16,
 ) -> OracleResult:
     """Run the batch on one device. ``inputs[i]`` is request i's layer-0 input ``[prefix + extend, dim]``.
+
+    ``view_dtype``: the dtype the dequantized KV is read in for attention. bf16 (the default) is
+    what the engine's full view holds; ``torch.float32`` gives a float32 oracle end to end for a
+    float32 model (a reference for kernel work, not for comparing with the engine).
 
     ``chunk_size`` runs each extend in chunks (chunked prefill), the way a CP run with the same
     ``chunk_size`` does; the math is the same causal function either way, and matching chunk
@@ -181,7 +134,7 @@ def run_oracle(
                 continue
             h = x_all[start:stop]
             for layer, block in enumerate(model.layers):
-                out, topk, proj = attention_forward(block.attn, block.attn_norm(h), start, caches[layer][req])
+                out, topk, proj = attention_forward(block.attn, block.attn_norm(h), start, caches[layer][req], view_dtype)
                 h = h + out
                 if start >= prefix:
                     outs[layer].append(topk)

@@ -36,17 +36,24 @@ def level_status(level: int) -> str:
     return "built" if set(range(1, level + 1)) <= IMPLEMENTED_PHASES else "predicted, not built"
 
 
+MAX_CONTEXT = 1 << 27  # 128M tokens: far past any model's window; the planner walks pages one by one
+
+
 def parse_contexts(spec: str) -> tuple[int, ...]:
     """``"8192,128K,1M"`` -> ``(8192, 131072, 1048576)`` (``K`` = 1024, ``M`` = 1024^2)."""
     out = []
-    for item in (s.strip() for s in spec.split(",")):
+    if not spec.strip():
+        raise ConfigError("--contexts is empty")
+    for position, item in enumerate((s.strip() for s in spec.split(",")), 1):
         if not item:
-            continue
+            raise ConfigError(f"--contexts {spec!r}: entry {position} is empty (doubled or trailing comma?)")
         scale = {"k": 1024, "m": 1024**2}.get(item[-1].lower(), 1)
         try:
             out.append(int(item[:-1] if scale > 1 else item) * scale)
         except ValueError:
             raise ConfigError(f"malformed context {item!r} in --contexts: use integers like 8192, 128K or 1M") from None
+        if not 0 < out[-1] <= MAX_CONTEXT:
+            raise ConfigError(f"--contexts: {item} tokens is outside 1 .. {MAX_CONTEXT:,} (128M)")
     if not out:
         raise ConfigError(f"malformed --contexts {spec!r}: no context")
     return tuple(out)

@@ -1,0 +1,201 @@
+"""The main job (``python -m reference_impl demo``, ``bash scripts/main.sh``): every phase level on
+this machine's device, and what each level buys.
+
+**On a CUDA machine**, two parts, each figure labeled with how it was made:
+
+1. *Correctness*: every level 0..8 against the single-device oracle at DeepSeek-V3.2 dimensions
+   (2 layers, two requests whose prefixes end mid-page), in one launch. Ranks share the GPU over
+   gloo (C = 2) or, with C GPUs, one rank per GPU over NCCL. float32 compute, so the oracle's
+   strict top-k rule applies (:mod:`reference_impl.check`).
+2. *What each level buys, per rank*: rank 0 of C = 8 alone (:class:`~reference_impl.cp.loopback.
+   LoopbackGroup`: its own kernels and collectives, the wire modeled at 450 GB/s), bf16, 4 layers,
+   one request of a 32K-token cached prefix and 32K new tokens. A warm-up run compiles the
+   kernels first; the per-layer time is the median over the run's layers; memory is the rank's KV
+   at rest and the measured peak during the prefill. Phase 8's prefetch is measured as in
+   :mod:`reference_impl.bench.layer` (2 extra alternating level 7 / 8 runs).
+
+**On a CPU machine**: the tiny preset on 4 gloo ranks, every level against the oracle, the ranks'
+memory; the times are CPU times (cold, a few hundred tokens) and say nothing about a GPU.
+
+Either way it writes ``demo.json`` and ``demo.png`` (memory and time per level) into one results
+folder and names it at the end.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from reference_impl.config import PhaseSet, Request, RunConfig, available_levels
+from reference_impl.report import device_name, versions
+from reference_impl.runner import run_prefills
+
+MIB = 2**20
+GPU_CHECK = RunConfig(
+    preset="deepseek-v3.2", n_layers=2, requests=(Request(1000, 2100), Request(64, 900)), page_size=64,
+    device="cuda", compute_dtype="fp32",
+)
+GPU_WORKLOAD = (32768, 32768)  # cached prefix, new tokens: history to materialize and queries to hide it behind
+GPU_WIRE_GBPS = 450.0
+CPU_CHECK = RunConfig(preset="tiny", cp_size=4, requests=(Request(0, 96), Request(40, 70), Request(0, 37)), device="cpu")
+
+
+def _levels_bar(levels: list[int], what: str, progress: bool) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(levels, desc=what, unit="level", disable=not progress, file=sys.stderr)
+
+
+def _correctness(base: RunConfig, progress: bool) -> list[dict[str, Any]]:
+    levels = available_levels()
+    with _levels_bar(levels, "oracle check, every level", progress) as bar:
+        reports = run_prefills([base.replace(phases=PhaseSet.level(k)) for k in levels])
+        bar.update(len(levels))
+    return reports
+
+
+def _gpu_per_rank(progress: bool) -> dict[str, Any]:
+    from reference_impl.bench.layer import Workload, measure
+
+    levels = available_levels()
+    prefix, extend = GPU_WORKLOAD
+    with _levels_bar(levels, "per-rank time and memory (rank 0 of C=8, warm)", progress) as bar:
+        return measure(
+            "deepseek-v3.2", Workload("mixed", prefix, extend), levels, cp_size=8, rank=0, n_layers=4, device="cuda",
+            wire_gbps=GPU_WIRE_GBPS, prefetch_repeats=2, on_level=lambda level: bar.update(1),
+        )
+
+
+def run_demo(device: str = "auto", out_dir: str | Path | None = None, progress: bool = True) -> dict[str, Any]:
+    """Run the main job on ``device`` (``auto``: CUDA when present) -> the JSON-ready result, also
+    written with its plot into ``out_dir`` (default ``results/demo-<device>-<time>``)."""
+    cuda = torch.cuda.is_available() and device != "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        from reference_impl.config import ConfigError
+
+        raise ConfigError("demo --device cuda: no CUDA device is visible")
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = Path(out_dir) if out_dir is not None else Path("results") / f"demo-{'cuda' if cuda else 'cpu'}-{stamp}"
+    out.mkdir(parents=True, exist_ok=True)
+    if cuda:
+        base = GPU_CHECK.replace(cp_size=max(2, torch.cuda.device_count()))
+    else:
+        base = CPU_CHECK
+    reports = _correctness(base, progress)
+    per_rank = _gpu_per_rank(progress) if cuda else None
+    levels = []
+    for rep in reports:
+        r0 = rep["per_rank"][0]
+        row: dict[str, Any] = {
+            "level": rep["phase_level"], "phases": rep["phases"], "matches_oracle": rep["matches_oracle"],
+            "problems": rep["problems"], "store_path": rep["store_path"],
+            "check_kv_at_rest_bytes": r0["kv_bytes"] + r0["index_bytes"], "check_transient_peak_bytes": r0["transient_peak_bytes"],
+            "check_tail_gather_bytes": r0["output_gather_bytes"], "check_layer_ms": r0["layer_ms_median"],
+        }
+        levels.append(row)
+    if per_rank is not None:
+        for row, point in zip(levels, per_rank["levels"]):
+            row.update({
+                "layer_ms": point["layer_ms_median"], "kv_at_rest_bytes": point["kv_bytes"],
+                "measured_peak_bytes": point["measured_peak_bytes"], "transient_peak_bytes": point["transient_peak_bytes"],
+                "materialized_bytes": point["materialized_bytes"], "per_rank_store_path": point["store_path"],
+            })
+    result: dict[str, Any] = {
+        "command": "python -m reference_impl demo " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["demo"] else []),
+        "device": device_name(torch.device("cuda" if cuda else "cpu")),
+        "versions": versions(),
+        "check": {
+            "how": (f"{base.cp_size} ranks sharing the GPU over {reports[0]['backend']}" if cuda and reports[0]["ranks_share_device"]
+                    else f"{base.cp_size} ranks over {reports[0]['backend']}"),
+            "preset": base.preset, "cp_size": base.cp_size, "n_layers": base.model.n_layers, "requests": [[r.prefix, r.extend] for r in base.requests],
+            "compute_dtype": reports[0]["config"]["compute_dtype"],
+            "times": "cold: one run per level, kernels compiling in it; not a performance figure",
+        },
+        "per_rank": None if per_rank is None else {
+            "how": f"rank 0 of C=8 alone (LoopbackGroup), all-gathers as local copies plus a modeled "
+                   f"{GPU_WIRE_GBPS:g} GB/s wire, bf16, 4 layers, after a warm-up run",
+            "workload": {"prefix": GPU_WORKLOAD[0], "extend": GPU_WORKLOAD[1]},
+            "timing": "CUDA events per layer, median over the run's layers",
+            "prefetch": per_rank.get("prefetch"),
+        },
+        "levels": levels,
+        "all_match_oracle": all(r["matches_oracle"] for r in reports),
+        "out_dir": str(out),
+    }
+    result["plot"] = str(plot_demo(result, out / "demo.png"))
+    (out / "demo.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def plot_demo(result: dict[str, Any], path: Path) -> Path:
+    """Memory per rank and time per layer, by level (two panels)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = [row["level"] for row in result["levels"]]
+    gpu = result["per_rank"] is not None
+    fig, (mem, time) = plt.subplots(1, 2, figsize=(11, 3.8))
+    kv_key = "kv_at_rest_bytes" if gpu else "check_kv_at_rest_bytes"
+    mem.bar([lv - 0.2 for lv in levels], [row[kv_key] / MIB for row in result["levels"]], width=0.4, label="KV at rest")
+    peak_key = "measured_peak_bytes" if gpu else "check_transient_peak_bytes"
+    mem.bar([lv + 0.2 for lv in levels], [(row.get(peak_key) or 0) / MIB for row in result["levels"]], width=0.4,
+            label="measured peak during the prefill" if gpu else "transient peak (gather + view buffers)")
+    mem.set_xlabel("phase level")
+    mem.set_ylabel("MiB per rank")
+    mem.set_title("rank 0 of C=8, 4 layers" if gpu else f"{result['check']['preset']} preset, rank 0 of C={result['check']['cp_size']}")
+    mem.legend(fontsize=8, loc="lower right")
+    time_key = "layer_ms" if gpu else "check_layer_ms"
+    time.plot(levels, [row[time_key] for row in result["levels"]], "o-")
+    time.set_xlabel("phase level")
+    time.set_ylabel("ms per layer")
+    time.set_title("warm, rank 0 of C=8, modeled 450 GB/s wire" if gpu else "CPU, cold: not a GPU figure")
+    fig.suptitle(f"{result['device']}: what each phase level buys", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def format_demo(result: dict[str, Any]) -> str:
+    """The demo's table: one row per level, then where the files went."""
+    gpu = result["per_rank"] is not None
+    check = result["check"]
+    lines = [
+        f"{result['device']} | oracle check: {check['how']}, {check['preset']} ({check['n_layers']} layers, "
+        f"{check['compute_dtype']}), requests {check['requests']}",
+    ]
+    if gpu:
+        pr = result["per_rank"]
+        lines.append(f"per rank: {pr['how']}; prefix {pr['workload']['prefix']} + {pr['workload']['extend']} new tokens")
+        header = ["level", "oracle", "store", "KV at rest", "peak (measured)", "materialized", "layer ms (warm)"]
+        rows = [[str(r["level"]), "match" if r["matches_oracle"] else "DIFFERS", r["per_rank_store_path"],
+                 f"{r['kv_at_rest_bytes'] / MIB:,.1f} MiB", f"{(r['measured_peak_bytes'] or 0) / MIB:,.0f} MiB",
+                 f"{r['materialized_bytes'] / MIB:,.1f} MiB", f"{r['layer_ms']:.2f}"] for r in result["levels"]]
+    else:
+        lines.append("times: CPU, cold, a few hundred tokens: they say nothing about a GPU")
+        header = ["level", "oracle", "store", "KV at rest", "transient peak", "tail gather", "layer ms (CPU, cold)"]
+        rows = [[str(r["level"]), "match" if r["matches_oracle"] else "DIFFERS", r["store_path"],
+                 f"{r['check_kv_at_rest_bytes']:,} B", f"{r['check_transient_peak_bytes']:,} B",
+                 f"{r['check_tail_gather_bytes']:,} B", f"{r['check_layer_ms']:.2f}"] for r in result["levels"]]
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+    lines.append("  ".join(h.rjust(w) for h, w in zip(header, widths)))
+    lines.extend("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows)
+    prefetch = (result["per_rank"] or {}).get("prefetch")
+    if prefetch:
+        direct = prefetch["hidden_fraction_direct"]
+        lines.append(f"phase 8: history payload {prefetch['payload_ms']:.2f} ms per layer; stall at the wait "
+                     f"{(prefetch['exposed_wait_ms_median'] or 0) * 1e3:.0f} us -> "
+                     f"{'n/a' if direct is None else f'{direct:.0%}'} hidden (direct measure)")
+    for r in result["levels"]:
+        for problem in r["problems"][:3]:
+            lines.append(f"  ! level {r['level']}: {problem}")
+    lines.append(f"results: {result['out_dir']} (demo.json, demo.png)")
+    return "\n".join(lines)

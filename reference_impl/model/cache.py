@@ -1,0 +1,69 @@
+"""A request's dense KV cache in the byte layouts, and one DSA layer's single-device call on it.
+
+:class:`LayerCache` holds exactly the bytes the paged pools hold for one request and one layer
+(:mod:`reference_impl.kvcache.layout`), dense and sequence-ordered, so the oracle's cache can be
+compared with a CP run's byte for byte. :func:`attention_forward` runs one layer for a request's
+new tokens against it (what :meth:`DSAAttention.forward` calls).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from reference_impl.kvcache.layout import KVLayout
+from reference_impl.model.attention import DSAAttention, Projection
+
+
+@dataclass
+class LayerCache:
+    """Dense cache of one request for one layer, in the KV byte layouts."""
+
+    layout: KVLayout
+    mla_rows: torch.Tensor  # uint8 [N, layout.mla_bytes]
+    index_fp8: torch.Tensor  # float8_e4m3fn [N, D]
+    index_scale: torch.Tensor  # float32 [N]
+
+    @classmethod
+    def empty(cls, layout: KVLayout, device: torch.device | str) -> "LayerCache":
+        d = layout.index_head_dim
+        return cls(
+            layout,
+            torch.empty(0, layout.mla_bytes, dtype=torch.uint8, device=device),
+            torch.empty(0, d, dtype=torch.float8_e4m3fn, device=device),
+            torch.empty(0, dtype=torch.float32, device=device),
+        )
+
+    def __len__(self) -> int:
+        return int(self.mla_rows.shape[0])
+
+    def append(self, proj: Projection) -> None:
+        """Quantize and append the projected tokens' KV and index K."""
+        k_fp8, k_scale = self.layout.quantize_index_k(proj.index_k)
+        self.mla_rows = torch.cat([self.mla_rows, self.layout.pack_mla(proj.kv)])
+        self.index_fp8 = torch.cat([self.index_fp8, k_fp8])
+        self.index_scale = torch.cat([self.index_scale, k_scale])
+
+    def kv_view(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """The full view of this request: dequantized ``[N, kv_lora + rope]`` in ``dtype`` (bf16, as the engine's)."""
+        return self.layout.dequantize_mla(self.mla_rows).to(dtype)
+
+
+@torch.no_grad()
+def attention_forward(
+    attn: DSAAttention, x: torch.Tensor, start_pos: int, cache: LayerCache, view_dtype: torch.dtype = torch.bfloat16
+) -> tuple[torch.Tensor, torch.Tensor, Projection]:
+    """The single-device call: one request's tokens ``x [T, dim]`` at ``start_pos`` against ``cache``.
+
+    ``cache`` must hold exactly the request's first ``start_pos`` tokens; this call appends the
+    ``T`` new ones. Returns ``(out [T, dim], topk [T, K] int32 positions in the request, projection)``.
+    """
+    if len(cache) != start_pos:
+        raise ValueError(f"cache holds {len(cache)} tokens but start_pos is {start_pos}")
+    positions = torch.arange(start_pos, start_pos + x.shape[0], device=x.device)
+    proj = attn.project(x, positions)
+    cache.append(proj)
+    key_start = torch.zeros_like(positions)
+    out, topk = attn.attend(proj, cache.kv_view(view_dtype), cache.index_fp8, cache.index_scale, key_start, positions + 1)
+    return out, topk, proj
