@@ -1,10 +1,78 @@
 """Reference implementation of context-parallel prefill with shared KV for DSA models.
 
-Reading order: :mod:`reference_impl.config` -> :mod:`reference_impl.model` (the DSA layer and the
-single-device oracle) -> :mod:`reference_impl.kvcache` (byte layouts, pools, allocator) ->
-:mod:`reference_impl.cp` (split, collectives, rerange, KV stores, output collection) ->
-:mod:`reference_impl.engine` (one rank's prefill) -> :mod:`reference_impl.runner` (launch, oracle,
-report) -> :mod:`reference_impl.cli`.
+The package is the architecture, bottom to top (an import never runs upward; ``tests/test_layers.py``):
+
+0. ``config``, ``presets``, ``phases``, ``errors`` -- the knobs, the models, the phase set;
+   ``fp8`` -- FP8 quantization and the Hadamard rotation; ``sync_audit`` -- host-sync counting;
+1. ``kvcache/`` -- byte layouts, paged pools, page allocator;
+2. ``model/`` -- the DSA layer (MLA + lightning indexer), the single-device oracle, checkpoints;
+3. ``kernels/`` -- Triton / Gluon kernels, one dispatch, one fallback rule;
+4. ``cp/`` -- split, collectives, KV stores, materialization, fused ops, prefetch, remap;
+5. ``pd/`` -- prefill -> decode transfer of the KV cache;
+6. the engine -- ``engine`` (one rank's prefill), ``runner`` (launch, oracle, report), ``launch``,
+   ``schedule`` (chunked prefill), ``workload``, ``check``, ``report``, ``footprint``,
+   ``prefill_decode``;
+7. the face -- ``api`` (this package's exports), ``cli``, ``demo`` (the main job), ``tables``,
+   ``bench/``, ``planner/``.
+
+Where each phase lives (one module each; the phase set asks for them by name,
+``run.phases.sharded_kv``):
+
+| phase | what | module |
+| --- | --- | --- |
+| 0 | split, all-gather #1, replicated cache, tail gather | `cp/split.py`, `cp/rerange.py`, `cp/kv_replicated.py`, `cp/tail.py` |
+| 1 | narrow output collection | `cp/narrow_output.py` |
+| 2 | KV sharded at rest, materialization, PD transfer | `cp/kv_sharded.py`, `cp/ownership.py`, `cp/page_gather.py`, `pd/` |
+| 3 | current-chunk reuse | `cp/current_reuse.py` |
+| 4 | page-aligned split | `cp/page_aligned.py` |
+| 5 | compute-owner layout | `cp/compute_owner.py` |
+| 6 | no host sync in the layer loop, sort-free remap | `sync_audit.py`, `cp/remap.py` |
+| 7 | fused Triton kernels | `cp/fused_ops.py`, `kernels/fused_*.py` |
+| 8 | one-layer-ahead prefix prefetch | `cp/prefetch.py` |
+
+Reading order for a newcomer: ``config`` -> ``model/attention.py`` -> ``model/oracle.py`` ->
+``cp/split.py`` -> ``engine.py`` -> the phase modules in the table -> ``runner.py``.
+
+The public names below load on first use, so ``import reference_impl.config`` stays light.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 __version__ = "0.1.0"
+
+_EXPORTS: dict[str, str] = {
+    # configuration
+    "RunConfig": "reference_impl.config", "Request": "reference_impl.config", "parse_requests": "reference_impl.config",
+    "ConfigError": "reference_impl.errors", "PhaseSet": "reference_impl.phases", "Phase": "reference_impl.phases",
+    "ModelConfig": "reference_impl.presets", "PRESETS": "reference_impl.presets", "get_preset": "reference_impl.presets",
+    # the model and the oracle
+    "make_model": "reference_impl.api", "make_inputs": "reference_impl.api", "oracle": "reference_impl.api",
+    "load_hf_weights": "reference_impl.model.checkpoint", "DSAModel": "reference_impl.model.oracle",
+    "DSAAttention": "reference_impl.model.attention", "LayerCache": "reference_impl.model.cache",
+    "OracleResult": "reference_impl.model.oracle", "KVLayout": "reference_impl.kvcache.layout",
+    # the split and a CP prefill
+    "build_split": "reference_impl.cp.split", "SplitMetadata": "reference_impl.cp.split",
+    "run_prefill": "reference_impl.runner", "run_prefills": "reference_impl.runner",
+    "PrefillResult": "reference_impl.runner",
+    # the planner and the main job
+    "plan_capacity": "reference_impl.planner", "PlannerConfig": "reference_impl.planner",
+    "run_demo": "reference_impl.demo",
+}
+
+__all__ = ["__version__", *sorted(_EXPORTS)]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'reference_impl' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal, overload
 
 import torch
 
@@ -40,14 +41,33 @@ def _launch_plan_line(run: RunConfig) -> tuple[str, bool]:
     return plan.backend, plan.shared_gpu
 
 
-def run_prefill(run: RunConfig, timeout_s: float | None = None) -> dict[str, Any]:
-    """Run ``run`` on ``run.cp_size`` ranks and return the report (a JSON-ready dict).
+@dataclass
+class PrefillResult:
+    """A run's report and every rank's tensors: hidden states and top-k of its tokens, its
+    collected output rows and logits, and the cache rows it stores (CPU tensors; see
+    :class:`~reference_impl.engine.RankResult`), plus the oracle's result when ``run.check``."""
+
+    report: dict[str, Any]
+    ranks: list[RankResult]
+    oracle: OracleResult | None
+
+
+@overload
+def run_prefill(run: RunConfig, timeout_s: float | None = None, *, tensors: Literal[False] = False) -> dict[str, Any]: ...
+@overload
+def run_prefill(run: RunConfig, timeout_s: float | None = None, *, tensors: Literal[True]) -> PrefillResult: ...
+
+
+def run_prefill(run: RunConfig, timeout_s: float | None = None, *, tensors: bool = False) -> dict[str, Any] | PrefillResult:
+    """Run ``run`` on ``run.cp_size`` ranks and return the report (a JSON-ready dict), or with
+    ``tensors=True`` a :class:`PrefillResult` (the report, the ranks' tensors, the oracle's).
 
     Bad input raises :class:`~reference_impl.config.ConfigError` before any rank starts, a run
     that cannot fit the device too (:mod:`reference_impl.footprint`). ``timeout_s`` (default:
     ``run.timeout_s``) bounds the whole run.
     """
-    return run_prefills([run], timeout_s)[0]
+    result = _run_all([run], timeout_s)[0]
+    return result if tensors else result.report
 
 
 def run_prefills(runs: Sequence[RunConfig], timeout_s: float | None = None) -> list[dict[str, Any]]:
@@ -59,6 +79,10 @@ def run_prefills(runs: Sequence[RunConfig], timeout_s: float | None = None) -> l
     distinct model, batch and cache layout, whatever the phases. ``timeout_s`` bounds each launch
     (default: the sum of its runs' ``timeout_s``).
     """
+    return [result.report for result in _run_all(runs, timeout_s)]
+
+
+def _run_all(runs: Sequence[RunConfig], timeout_s: float | None) -> list[PrefillResult]:
     for run in runs:  # every chunk's split and the memory are checked here, before any rank starts
         for chunk in chunk_schedule(run):
             chunk_metadata(run, chunk)
@@ -66,7 +90,7 @@ def run_prefills(runs: Sequence[RunConfig], timeout_s: float | None = None) -> l
     launches: dict[tuple[int, str, str], list[int]] = {}
     for i, run in enumerate(runs):
         launches.setdefault((run.cp_size, run.device, run.backend), []).append(i)
-    reports: list[dict[str, Any] | None] = [None] * len(runs)
+    reports: list[PrefillResult | None] = [None] * len(runs)
     oracles: dict[tuple[Any, ...], tuple[DSAModel, OracleResult]] = {}
     for (cp_size, device, backend), indices in launches.items():
         batch = [runs[i] for i in indices]
@@ -74,7 +98,9 @@ def run_prefills(runs: Sequence[RunConfig], timeout_s: float | None = None) -> l
         per_rank = launch(_run_each, cp_size, batch, device=device, backend=backend, timeout_s=limit, debug=False)
         launch_backend, shared_gpu = _launch_plan_line(batch[0])
         for k, i in enumerate(indices):
-            reports[i] = _report(runs[i], [results[k] for results in per_rank], launch_backend, shared_gpu, oracles)
+            ranks = [results[k] for results in per_rank]
+            report, oracle = _report(runs[i], ranks, launch_backend, shared_gpu, oracles)
+            reports[i] = PrefillResult(report, ranks, oracle)
     return reports  # type: ignore[return-value]
 
 
@@ -101,11 +127,11 @@ def _oracle_key(run: RunConfig, device: torch.device) -> tuple[Any, ...]:
 def _report(
     run: RunConfig, results: list[RankResult], backend: str, shared_gpu: bool,
     oracles: dict[tuple[Any, ...], tuple[DSAModel, OracleResult]],
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], OracleResult | None]:
     meta = build_metadata(run)  # the whole batch's token numbering
     if under_torchrun():
         backend, shared_gpu = ("nccl" if torch.cuda.is_available() else "gloo"), False
-    agreement = None
+    agreement, oracle = None, None
     if run.check:
         device = resolve_device(run)
         key = _oracle_key(run, device)
@@ -125,4 +151,4 @@ def _report(
         agreement = compare(run, meta, model, oracle, results, compute_dtype(run, device))
         if not agreement.matches_oracle:
             logger.error("CP run disagrees with the oracle: %s", "; ".join(agreement.problems))
-    return build_report(run, meta, results, agreement, backend=backend, shared_gpu=shared_gpu)
+    return build_report(run, meta, results, agreement, backend=backend, shared_gpu=shared_gpu), oracle
