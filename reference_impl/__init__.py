@@ -20,13 +20,13 @@ Where each phase lives (one module each; the phase set asks for them by name,
 
 | phase | what | module |
 | --- | --- | --- |
-| 0 | split, all-gather #1, replicated cache, tail gather | `cp/split.py`, `cp/rerange.py`, `cp/kv_replicated.py`, `cp/tail.py` |
+| 0 | split, all-gather #1, replicated cache, tail gather | `cp/split.py` (`split_metadata.py`), `cp/rerange.py`, `cp/kv_replicated.py`, `cp/tail.py` |
 | 1 | narrow output collection | `cp/narrow_output.py` |
 | 2 | KV sharded at rest, materialization, PD transfer | `cp/kv_sharded.py`, `cp/ownership.py`, `cp/page_gather.py`, `pd/` |
 | 3 | current-chunk reuse | `cp/current_reuse.py` |
 | 4 | page-aligned split | `cp/page_aligned.py` |
 | 5 | compute-owner layout | `cp/compute_owner.py` |
-| 6 | no host sync in the layer loop, sort-free remap | `sync_audit.py`, `cp/remap.py` |
+| 6 | no host sync in the layer loop, sort-free remap | `sync_audit.py`, `cp/split_index.py`, `cp/remap.py` |
 | 7 | fused Triton kernels | `cp/fused_ops.py`, `kernels/fused_*.py` |
 | 8 | one-layer-ahead prefix prefetch | `cp/prefetch.py` |
 

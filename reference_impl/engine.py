@@ -38,7 +38,8 @@ from reference_impl.cp.kv_store import KVStore
 from reference_impl.cp.narrow_output import collect_narrow
 from reference_impl.cp.prefetch import MlaPrefetcher
 from reference_impl.cp.rerange import gather_current
-from reference_impl.cp.split import SplitIndex, SplitMetadata, build_split
+from reference_impl.cp.split import SplitMetadata, build_split
+from reference_impl.cp.split_index import SplitIndex
 from reference_impl.cp.tail import OutputSpec, collect_full
 from reference_impl.kernels import fallback
 from reference_impl.kvcache.allocator import RequestPageTable

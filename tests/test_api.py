@@ -30,7 +30,7 @@ def test_hf_names_load_into_the_model_fp8_blocks_dequantized() -> None:
     name = "model.layers.6.self_attn.kv_b_proj.weight"  # [H * (nope + v), kv_lora] = [256, 128]
     weight = tensors[name]
     blocks = (-(-weight.shape[0] // FP8_BLOCK), -(-weight.shape[1] // FP8_BLOCK))
-    scale = torch.rand(blocks) + 0.5
+    scale = torch.rand(blocks, generator=torch.Generator().manual_seed(0)) + 0.5
     fp8 = (weight / scale.repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)[: weight.shape[0], : weight.shape[1]])
     tensors[name] = fp8.clamp(-448, 448).to(torch.float8_e4m3fn)
     tensors[name + "_scale_inv"] = scale
@@ -40,7 +40,7 @@ def test_hf_names_load_into_the_model_fp8_blocks_dequantized() -> None:
     assert torch.equal(model.layers[0].attn.wq_a.weight, donor.layers[0].attn.wq_a.weight)
     assert torch.equal(model.layers[1].attn.indexer.k_norm.bias, donor.layers[1].attn.indexer.k_norm.bias)
     assert torch.equal(model.layers[1].attn.wkv_b.weight, dequantize_fp8_weight(tensors[name], scale))
-    assert torch.allclose(model.layers[1].attn.wkv_b.weight, donor.layers[1].attn.wkv_b.weight, rtol=0.07, atol=1e-3)
+    assert torch.allclose(model.layers[1].attn.wkv_b.weight, donor.layers[1].attn.wkv_b.weight, rtol=0.07, atol=3e-3)  # e4m3 steps
 
 
 def test_a_sharded_checkpoint_directory_loads(tmp_path) -> None:

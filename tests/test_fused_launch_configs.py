@@ -24,7 +24,8 @@ from conftest import as_bytes
 triton = pytest.importorskip("triton")
 
 from reference_impl.config import ConfigError
-from reference_impl.cp.split import build_split, rerange_tensor
+from reference_impl.cp.split import build_split
+from reference_impl.cp.split_index import rerange_tensor
 from reference_impl.kernels import fused_configs, fused_torch
 from reference_impl.kvcache.layout import KVLayout
 

@@ -35,7 +35,8 @@ from reference_impl.cp.comm import CPGroup  # noqa: E402
 from reference_impl.cp.kv_sharded import ShardedKV  # noqa: E402
 from reference_impl.cp.page_gather import gather_pages, unpack_index_rows  # noqa: E402
 from reference_impl.cp.ownership import page_owner, physical_locs  # noqa: E402
-from reference_impl.cp.split import SplitIndex, build_split, rerange_tensor  # noqa: E402
+from reference_impl.cp.split import build_split  # noqa: E402
+from reference_impl.cp.split_index import SplitIndex, rerange_tensor  # noqa: E402
 from reference_impl.cp import fused_ops  # noqa: E402
 from reference_impl.kernels import fallback, fused_torch  # noqa: E402
 from reference_impl.kernels import triton_helpers  # noqa: E402

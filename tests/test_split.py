@@ -15,15 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reference_impl.config import ConfigError
-from reference_impl.cp.split import (
-    Segment,
-    build_split,
-    in_seq_block_sizes,
-    SplitIndex,
-    local_index_tensor,
-    rerange_tensor,
-    split_from_blocks,
-)
+from reference_impl.cp.split import Segment, build_split, in_seq_block_sizes, split_from_blocks
+from reference_impl.cp.split_index import SplitIndex, local_index_tensor, rerange_tensor
 
 # ---- published and hand-written cases ---------------------------------------------------
 

@@ -23,7 +23,8 @@ import torch
 from reference_impl.cp.comm import CPGroup
 from reference_impl.cp.narrow_output import collect_narrow
 from reference_impl.cp.rerange import gather_current
-from reference_impl.cp.split import SplitIndex, build_split
+from reference_impl.cp.split import build_split
+from reference_impl.cp.split_index import SplitIndex
 from reference_impl.cp.tail import OutputSpec, collect_full
 
 

@@ -30,7 +30,7 @@ import torch
 from reference_impl.kernels.fused_configs import LaunchConfig, default_config
 
 if TYPE_CHECKING:
-    from reference_impl.bench.kernels import Case
+    from reference_impl.bench.kernel_cases import Case
 
 logger = logging.getLogger(__name__)
 

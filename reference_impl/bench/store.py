@@ -21,7 +21,7 @@ from reference_impl.config import KVDtype, get_preset
 from reference_impl.cp.batch import BatchLocs
 from reference_impl.cp.kv_sharded import ShardedKV
 from reference_impl.cp.split import build_split
-from reference_impl.cp.split import local_index_tensor
+from reference_impl.cp.split_index import local_index_tensor
 from reference_impl.kvcache.layout import KVLayout
 
 

@@ -270,9 +270,6 @@ class CPGroup:
             "buffer_bytes": sum(s.buffer_bytes for s in self.stats),
         }
 
-    def reset_stats(self) -> None:
-        self.stats.clear()
-
     # ----------------------------------------------------------------------------------- debug
 
     def check_consistent(self) -> None:

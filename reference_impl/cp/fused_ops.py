@@ -25,7 +25,7 @@ import contextlib
 
 import torch
 
-from reference_impl.cp.split import SplitIndex
+from reference_impl.cp.split_index import SplitIndex
 from reference_impl.kernels import fallback, fused_torch
 from reference_impl.kvcache.layout import KVLayout
 from reference_impl.kvcache.pool import PagedKVPool, check_in_range

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from reference_impl.cp.comm import CPGroup
-from reference_impl.cp.split import SplitIndex
+from reference_impl.cp.split_index import SplitIndex
 
 
 def rerange(gathered: torch.Tensor, index: SplitIndex) -> torch.Tensor:

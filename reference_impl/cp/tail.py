@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from reference_impl.cp.comm import CPGroup
-from reference_impl.cp.split import SplitMetadata, rerange_tensor
+from reference_impl.cp.split import SplitMetadata
+from reference_impl.cp.split_index import rerange_tensor
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ import torch
 from conftest import as_bytes
 from reference_impl.cp import fused_ops
 from reference_impl.cp.ownership import page_owner, physical_locs
-from reference_impl.cp.split import SplitIndex, build_split
+from reference_impl.cp.split import build_split
+from reference_impl.cp.split_index import SplitIndex
 from reference_impl.kernels import fallback, fused_torch
 from reference_impl.kvcache.layout import KVLayout
 from reference_impl.kvcache.pool import LocOutOfRangeError
