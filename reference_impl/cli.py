@@ -3,7 +3,9 @@
 Every run flag is a :class:`~reference_impl.config.RunConfig` field: ``--cp-size`` is the field
 ``cp_size`` and the environment variable ``DSACP_CP_SIZE`` (an environment variable sets the
 default; a flag overrides it). Exit codes: 0 success, 1 a run disagrees with the oracle, 2 bad
-input (one line on stderr naming the flag or variable, no traceback).
+input (one line on stderr naming the flag or variable, no traceback), 3 a rank failed, died or hung
+(one line naming the rank; with ``--debug`` that rank's traceback too), 128 + N stopped by signal N
+(SIGTERM, SIGINT: every rank stopped first).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 import logging
 import math
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
@@ -28,10 +31,12 @@ from reference_impl.config import (
     parse_requests,
     validate_page_size,
 )
+from reference_impl.errors import RankFailedError, RunStopped
 
 EXIT_OK = 0
 EXIT_DISAGREES = 1
 EXIT_BAD_INPUT = 2
+EXIT_RANK_FAILED = 3  # a rank raised, died or hung (the message names it)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -147,7 +152,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from reference_impl.runner import run_prefill
     from reference_impl.tables import format_table
 
-    report = run_prefill(_run_config(args))
+    run = _run_config(args)
+    args.debug = run.debug  # the error handler prints a rank's traceback in debug mode
+    report = run_prefill(run)
+    if report is None:  # a torchrun rank other than 0: rank 0 prints the one report
+        return EXIT_OK
     print(json.dumps(report, indent=2) if args.json else format_table([report]))
     return EXIT_DISAGREES if report["matches_oracle"] is False else EXIT_OK
 
@@ -275,6 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args: argparse.Namespace | None = None
     try:
         args, unknown = build_parser().parse_known_args(argv)
         if unknown:
@@ -288,6 +298,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except RankFailedError as exc:
+        print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        if getattr(args, "debug", False) and exc.remote_traceback:
+            print(f"traceback from rank {exc.rank}:\n{exc.remote_traceback}", file=sys.stderr, end="")
+        return EXIT_RANK_FAILED
+    except (RunStopped, KeyboardInterrupt) as exc:
+        signum = exc.signum if isinstance(exc, RunStopped) else signal.SIGINT
+        print(f"error: stopped by {signal.Signals(signum).name}; every rank was stopped", file=sys.stderr)
+        return 128 + signum
     except BrokenPipeError:  # the reader went away (``... | head``): stop quietly
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())

@@ -9,6 +9,7 @@ scale is rounded up to a power of two (exactly, by exponent bits: :func:`round_u
 from __future__ import annotations
 
 import math
+
 import torch
 
 FP8_DTYPE = torch.float8_e4m3fn

@@ -15,15 +15,20 @@ per-rank results ordered by rank:
 payload to be picklable (a module-level function). Results travel back pickled through a queue,
 tensors moved to CPU first. A rank that raises makes the launcher kill the others and re-raise in
 this process (``ConfigError`` and ``CollectiveMismatchError`` keep their type and message; others
-become :class:`RankFailedError`), with the rank and its traceback attached (``.rank``,
-``.remote_traceback``, and an exception note). A rank still running after ``timeout_s`` gets every
-rank killed and a ``TimeoutError`` naming the unfinished ranks. Nothing waits forever.
+become :class:`~reference_impl.rank_processes.RankFailedError`), with the rank and its traceback
+attached (``.rank``, ``.remote_traceback``). A rank killed by a signal is named as such, a hang
+names the rank(s) that did not reach the collective the others wait in
+(:class:`~reference_impl.rank_processes.RankTimeoutError`), SIGTERM stops every rank, and the ranks
+die with this process: :mod:`reference_impl.rank_processes` supervises them. Nothing waits forever.
 
 **torchrun.** The same call works in processes that ``torchrun`` started (one per GPU, any number
 of nodes): when ``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` are set, ``launch`` initializes from
 ``env://`` (NCCL on CUDA, rank on ``cuda:LOCAL_RANK``; gloo on CPU), runs ``fn`` on this rank only,
-and returns every rank's result on every rank (``all_gather_object``). ``cp_size`` must equal
-``WORLD_SIZE``. :func:`run_under_torchrun` returns just this rank's result. A script that calls
+and returns every rank's result on rank 0 (``gather_object``) and ``None`` on the others, so one
+process reports. ``cp_size`` must equal ``WORLD_SIZE``. :func:`run_under_torchrun` returns just this
+rank's result. At ``timeout_s`` a rank that is not waiting in a collective (the one a hang left
+behind) exits first with code 3 and a message naming the collective it did not reach; the ranks
+waiting for it follow a few seconds later, so torchrun names the right rank as the root cause. A script that calls
 ``launch(fn, 8, payload)`` runs unchanged as ``python my_script.py`` (local processes) or as
 ``torchrun --nnodes 2 --nproc-per-node 4 ... my_script.py`` (one rank per GPU, any nodes).
 
@@ -37,11 +42,8 @@ import datetime
 import logging
 import multiprocessing as mp
 import os
-import pickle
-import queue as queue_module
-import socket
-import time
-import traceback
+import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -50,23 +52,25 @@ import torch
 import torch.distributed as dist
 
 from reference_impl.config import ConfigError
-from reference_impl.cp.comm import CollectiveMismatchError, CPGroup
+from reference_impl.cp.comm import CPGroup, report_progress_to
+from reference_impl.errors import RankFailedError, RankTimeoutError, RunStopped
+from reference_impl.rank_processes import (
+    run_rank_processes,
+    set_rank_env,
+    to_cpu,
+)
+
+__all__ = [
+    "LaunchSpec", "RankFailedError", "RankTimeoutError", "RunStopped", "choose_backend", "launch",
+    "rank_cpu_threads", "run_under_torchrun", "under_torchrun",
+]
 
 logger = logging.getLogger(__name__)
 
 R = TypeVar("R")
 
-RANK_ENV_DEFAULTS: dict[str, str] = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
-_EXIT_GRACE_S = 2.0  # how long a rank that exited may take to have its result read
-
-
-class RankFailedError(RuntimeError):
-    """A rank raised (or died); the message holds the rank, the original error and its traceback."""
-
-    def __init__(self, message: str, rank: int = -1, remote_traceback: str = "") -> None:
-        super().__init__(message)
-        self.rank = rank
-        self.remote_traceback = remote_traceback
+EXIT_RANK_FAILED = 3  # the exit code of a torchrun rank that a timeout found behind
+_TORCHRUN_FOLLOW_S = 5.0  # how long ranks waiting in a collective outlive the one that hung
 
 
 @dataclass(frozen=True)
@@ -195,7 +199,10 @@ def launch(
     if plan.start_method == "inline":
         group = CPGroup.single(plan.device_per_rank[0], debug=debug)
         return [fn(group, payload)]
-    return _run_processes(fn, payload, plan, timeout_s, debug)
+    return run_rank_processes(
+        fn, payload, plan.backend, plan.device_per_rank, plan.start_method, timeout_s, debug,
+        rank_cpu_threads(len(plan.device_per_rank)),
+    )
 
 
 def run_under_torchrun(
@@ -215,19 +222,46 @@ def run_under_torchrun(
     return _run_torchrun_rank(fn, payload, device, backend, timeout_s, debug, gather=False)
 
 
-# ------------------------------------------------------------------------------------ internals
+# ------------------------------------------------------------------------------------ torchrun
 
 
-def _set_rank_env() -> None:
-    for key, value in RANK_ENV_DEFAULTS.items():
-        os.environ.setdefault(key, value)
+class _TorchrunWatchdog:
+    """The torchrun rank's side of a timeout: the rank a hang left behind (not waiting in a
+    collective) reports first and exits; the ranks waiting for it follow a few seconds later."""
+
+    def __init__(self, rank: int, timeout_s: float) -> None:
+        self.rank, self.entered, self.left, self.tag = rank, 0, 0, ""
+        self._done = threading.Event()
+        self._timeout_s = timeout_s
+        threading.Thread(target=self._watch, name="dsacp-timeout", daemon=True).start()
+
+    def enter(self, op: str, tag: str) -> None:
+        self.entered, self.tag = self.entered + 1, f"{op}[{tag}]"
+
+    def leave(self) -> None:
+        self.left += 1
+
+    def finish(self) -> None:
+        self._done.set()
+
+    def _watch(self) -> None:
+        if self._done.wait(self._timeout_s):
+            return
+        waiting = self.entered > self.left
+        if waiting and self._done.wait(_TORCHRUN_FOLLOW_S):
+            return
+        last = f"last entered: #{self.entered} {self.tag}" if self.entered else "none entered yet"
+        where = (f"waiting in collective #{self.entered} ({self.tag}) for a rank that did not reach it" if waiting
+                 else f"did not reach collective #{self.entered + 1} ({last})")
+        print(f"error: rank {self.rank}: no result within {self._timeout_s:g} s: {where}", file=sys.stderr, flush=True)
+        os._exit(EXIT_RANK_FAILED)
 
 
 def _run_torchrun_rank(
     fn: Callable[[CPGroup, Any], Any], payload: Any, device: str, backend: str, timeout_s: float,
     debug: bool | None, gather: bool,
 ) -> Any:
-    _set_rank_env()
+    set_rank_env()
     if device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"device={device!r}: use 'auto', 'cpu' or 'cuda'")
     if device == "cuda" and not torch.cuda.is_available():
@@ -242,155 +276,24 @@ def _run_torchrun_rank(
         chosen = backend if backend != "auto" else ("nccl" if rank_device != "cpu" else "gloo")
         if chosen == "nccl" and rank_device == "cpu":
             raise ConfigError("NCCL needs CUDA devices; use --backend gloo for CPU ranks")
-        dist.init_process_group(chosen, init_method="env://", timeout=datetime.timedelta(seconds=timeout_s))
-    # On failure the exception leaves without teardown: torchrun stops the other ranks, and a
-    # destroy while a peer sits in a collective could hang.
-    group = CPGroup(device=rank_device, debug=debug)
-    result = fn(group, payload)
-    group.check_consistent()
-    if gather:
-        results: list[Any] = [None] * group.size
-        dist.all_gather_object(results, _to_cpu(result))
-        result = results
+        # The group's own timeout comes after the watchdog's decision (see _TorchrunWatchdog).
+        limit = datetime.timedelta(seconds=timeout_s + 3 * _TORCHRUN_FOLLOW_S)
+        dist.init_process_group(chosen, init_method="env://", timeout=limit)
+    watchdog = _TorchrunWatchdog(dist.get_rank(), timeout_s)
+    report_progress_to(watchdog)
+    try:
+        # On failure the exception leaves without teardown: torchrun stops the other ranks, and a
+        # destroy while a peer sits in a collective could hang.
+        group = CPGroup(device=rank_device, debug=debug)
+        result = fn(group, payload)
+        group.check_consistent()
+        if gather:
+            results: list[Any] | None = [None] * group.size if group.rank == 0 else None
+            dist.gather_object(to_cpu(result), results, dst=0)
+            result = results
+    finally:
+        watchdog.finish()
+        report_progress_to(None)
     if owns_group:
         dist.destroy_process_group()
     return result
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _to_cpu(obj: Any) -> Any:
-    """Tensors (also inside lists, tuples and dicts) moved to CPU, so results pickle without CUDA."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
-
-
-def _rank_main(
-    rank: int, plan: LaunchSpec, init_method: str, fn: Callable[[CPGroup, Any], Any], payload: Any,
-    results: Any, timeout_s: float, debug: bool | None,
-) -> None:
-    """Body of one rank's process: init, run, send ``("ok", rank, pickled)`` or ``("error", rank, info)``."""
-    world = len(plan.device_per_rank)
-    try:
-        _set_rank_env()
-        device = plan.device_per_rank[rank]
-        if device.startswith("cuda"):
-            torch.cuda.set_device(torch.device(device))
-        else:
-            # Ranks share this machine's cores; oversubscribed intra-op threads only slow everyone.
-            torch.set_num_threads(rank_cpu_threads(world))
-        dist.init_process_group(
-            plan.backend, init_method=init_method, rank=rank, world_size=world,
-            timeout=datetime.timedelta(seconds=max(timeout_s, 1.0)),
-        )
-        group = CPGroup(device=device, debug=debug)
-        result = fn(group, payload)
-        group.check_consistent()  # catches a rank that issued fewer collectives than the others
-        results.put(("ok", rank, pickle.dumps(_to_cpu(result))))
-    except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
-        info = {
-            "type": type(exc).__qualname__,
-            "kind": "config" if isinstance(exc, ConfigError)
-            else "mismatch" if isinstance(exc, CollectiveMismatchError) else "other",
-            "message": str(exc),
-            "traceback": traceback.format_exc(),
-        }
-        results.put(("error", rank, info))
-        return  # no destroy: a peer may be stuck in a collective; the parent kills the rest
-    # Every rank has its result out; leave together so no peer sees a closed connection mid-collective.
-    if plan.backend == "nccl":
-        dist.barrier(device_ids=[torch.device(plan.device_per_rank[rank]).index or 0])
-    else:
-        dist.barrier()
-    dist.destroy_process_group()
-
-
-def _rank_error(rank: int, info: dict[str, str]) -> BaseException:
-    message, tb = info["message"], info["traceback"]
-    note = f"raised on rank {rank}; traceback from that rank:\n{tb}"
-    exc: BaseException
-    if info["kind"] == "config":
-        exc = ConfigError(message)
-    elif info["kind"] == "mismatch":
-        exc = CollectiveMismatchError(message)
-    else:
-        exc = RankFailedError(f"rank {rank} raised {info['type']}: {message}\n\n{note}", rank, tb)
-    exc.rank = rank  # type: ignore[attr-defined]
-    exc.remote_traceback = tb  # type: ignore[attr-defined]
-    if not isinstance(exc, RankFailedError):
-        exc.add_note(note)
-    return exc
-
-
-def _stop(processes: list[Any]) -> None:
-    for p in processes:
-        if p.is_alive():
-            p.terminate()
-    deadline = time.monotonic() + 2.0
-    for p in processes:
-        p.join(max(0.0, deadline - time.monotonic()))
-        if p.is_alive():
-            p.kill()
-            p.join(1.0)
-
-
-def _run_processes(
-    fn: Callable[[CPGroup, Any], Any], payload: Any, plan: LaunchSpec, timeout_s: float, debug: bool | None
-) -> list[Any]:
-    ctx = mp.get_context(plan.start_method)
-    results = ctx.Queue()
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
-    world = len(plan.device_per_rank)
-    processes = [
-        ctx.Process(
-            target=_rank_main,
-            args=(r, plan, init_method, fn, payload, results, timeout_s, debug),
-            name=f"dsacp-rank{r}",
-            daemon=True,
-        )
-        for r in range(world)
-    ]
-    done: dict[int, Any] = {}
-    exited_at: dict[int, float] = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        for p in processes:
-            p.start()
-        while len(done) < world:
-            now = time.monotonic()
-            if now >= deadline:
-                missing = sorted(set(range(world)) - set(done))
-                raise TimeoutError(
-                    f"rank(s) {missing} did not finish within {timeout_s:g} s "
-                    f"(finished: {sorted(done)}); all ranks killed"
-                )
-            try:
-                status, rank, body = results.get(timeout=min(0.1, deadline - now))
-            except queue_module.Empty:
-                for r, p in enumerate(processes):
-                    if r in done or p.exitcode is None:
-                        continue
-                    first_seen = exited_at.setdefault(r, now)
-                    if now - first_seen > _EXIT_GRACE_S:
-                        raise RankFailedError(
-                            f"rank {r} exited with code {p.exitcode} without sending a result", r
-                        ) from None
-                continue
-            if status == "error":
-                raise _rank_error(rank, body)
-            done[rank] = pickle.loads(body)
-        for p in processes:  # let them leave the barrier and exit on their own before the cleanup
-            p.join(max(0.0, min(5.0, deadline - time.monotonic())))
-    finally:
-        _stop(processes)
-        results.close()
-    return [done[r] for r in range(world)]

@@ -13,6 +13,7 @@ from typing import Literal
 
 from reference_impl.errors import ConfigError
 
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Dimensions and semantics of one DSA attention layer (MLA + lightning indexer).

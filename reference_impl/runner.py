@@ -20,13 +20,13 @@ import torch
 
 from reference_impl.check import compare
 from reference_impl.config import RunConfig
+from reference_impl.cp.comm import CPGroup
 from reference_impl.engine import RankResult, build_metadata, chunk_metadata, run_rank
 from reference_impl.footprint import check_fits
-from reference_impl.schedule import chunk_schedule
 from reference_impl.launch import choose_backend, launch, rank_cpu_threads, under_torchrun
-from reference_impl.cp.comm import CPGroup
 from reference_impl.model.oracle import DSAModel, OracleResult, run_oracle
 from reference_impl.report import build_report
+from reference_impl.schedule import chunk_schedule
 from reference_impl.workload import build_inputs, build_model, compute_dtype, resolve_device
 
 logger = logging.getLogger(__name__)
@@ -64,9 +64,13 @@ def run_prefill(run: RunConfig, timeout_s: float | None = None, *, tensors: bool
 
     Bad input raises :class:`~reference_impl.config.ConfigError` before any rank starts, a run
     that cannot fit the device too (:mod:`reference_impl.footprint`). ``timeout_s`` (default:
-    ``run.timeout_s``) bounds the whole run.
+    ``run.timeout_s``) bounds the whole run. A rank that fails, dies or hangs raises
+    :class:`~reference_impl.rank_processes.RankFailedError` naming it. Under torchrun every rank
+    calls this; rank 0 gets the report and the others ``None``.
     """
     result = _run_all([run], timeout_s)[0]
+    if result is None:  # a torchrun rank other than 0: rank 0 reports
+        return None  # type: ignore[return-value]
     return result if tensors else result.report
 
 
@@ -79,10 +83,10 @@ def run_prefills(runs: Sequence[RunConfig], timeout_s: float | None = None) -> l
     distinct model, batch and cache layout, whatever the phases. ``timeout_s`` bounds each launch
     (default: the sum of its runs' ``timeout_s``).
     """
-    return [result.report for result in _run_all(runs, timeout_s)]
+    return [None if result is None else result.report for result in _run_all(runs, timeout_s)]  # type: ignore[misc]
 
 
-def _run_all(runs: Sequence[RunConfig], timeout_s: float | None) -> list[PrefillResult]:
+def _run_all(runs: Sequence[RunConfig], timeout_s: float | None) -> list[PrefillResult | None]:
     for run in runs:  # every chunk's split and the memory are checked here, before any rank starts
         for chunk in chunk_schedule(run):
             chunk_metadata(run, chunk)
@@ -96,12 +100,14 @@ def _run_all(runs: Sequence[RunConfig], timeout_s: float | None) -> list[Prefill
         batch = [runs[i] for i in indices]
         limit = timeout_s if timeout_s is not None else sum(run.timeout_s for run in batch)
         per_rank = launch(_run_each, cp_size, batch, device=device, backend=backend, timeout_s=limit, debug=False)
+        if per_rank is None:  # under torchrun, on a rank other than 0: rank 0 runs the oracle and reports
+            continue
         launch_backend, shared_gpu = _launch_plan_line(batch[0])
         for k, i in enumerate(indices):
             ranks = [results[k] for results in per_rank]
             report, oracle = _report(runs[i], ranks, launch_backend, shared_gpu, oracles)
             reports[i] = PrefillResult(report, ranks, oracle)
-    return reports  # type: ignore[return-value]
+    return reports
 
 
 def _run_each(group: CPGroup, runs: list[RunConfig]) -> list[RankResult]:

@@ -10,7 +10,6 @@ checked exhaustively in exact arithmetic, and its kernel code runs here with an 
 
 from __future__ import annotations
 
-import os
 
 
 import struct

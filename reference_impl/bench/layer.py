@@ -54,8 +54,8 @@ from typing import Any
 
 import torch
 
-from reference_impl.cp.capacity import kv_bytes_per_rank
 from reference_impl.config import ConfigError, PhaseSet, Request, RunConfig, get_preset
+from reference_impl.cp.capacity import kv_bytes_per_rank
 from reference_impl.cp.kv_sharded import ShardedKV
 from reference_impl.cp.loopback import LoopbackGroup
 from reference_impl.engine import run_rank

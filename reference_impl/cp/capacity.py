@@ -8,9 +8,9 @@ these sizes (tested).
 from __future__ import annotations
 
 from reference_impl.config import KVDtype
-from reference_impl.presets import ModelConfig
 from reference_impl.cp.ownership import owned_page_count
 from reference_impl.kvcache.layout import KVLayout
+from reference_impl.presets import ModelConfig
 
 
 def page_bytes(cfg: ModelConfig, kv_dtype: KVDtype, page_size: int = 64) -> int:

@@ -17,12 +17,13 @@ or silently gathering the wrong tensors. Off by default: no extra collective run
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -104,6 +105,35 @@ def first_mismatch(sequences: Sequence[Sequence[str]]) -> int | None:
         if len(column) > 1:
             return i
     return None
+
+
+class ProgressReporter(Protocol):
+    """Told when this process enters and leaves each collective, so a supervisor can say which rank
+    a hang left behind (:mod:`reference_impl.rank_processes`)."""
+
+    def enter(self, op: str, tag: str) -> None: ...
+    def leave(self) -> None: ...
+
+
+_progress: ProgressReporter | None = None
+
+
+def report_progress_to(reporter: ProgressReporter | None) -> None:
+    """Every CP group of this process reports its collectives to ``reporter`` (``None``: nobody)."""
+    global _progress
+    _progress = reporter
+
+
+@contextlib.contextmanager
+def _in_collective(op: str, tag: str) -> Iterator[None]:
+    if _progress is None:
+        yield
+        return
+    _progress.enter(op, tag)
+    try:
+        yield
+    finally:
+        _progress.leave()
 
 
 def _row_shape_bytes(t: torch.Tensor) -> int:
@@ -208,7 +238,7 @@ class CPGroup:
         # Reinterpret rows as raw bytes: a gather is pure data movement and gloo lacks some dtypes.
         send_bytes = send.reshape(max_len, -1).view(torch.uint8)
         out_bytes = out.view(self._size, max_len, -1).view(torch.uint8)
-        with transport():  # gloo stages CUDA tensors through the host: the wire's syncs, not the layer's
+        with transport(), _in_collective("all_gather", tag):  # gloo stages CUDA tensors through the host
             self._exchange(out_bytes, send_bytes)
 
         padded = max_len * row_bytes
@@ -253,10 +283,11 @@ class CPGroup:
             self._record_debug("barrier", tag, (), None)
             return
         self._before_collective("barrier", tag, (), None)
-        if self.backend == "nccl" and self._device.type == "cuda":
-            dist.barrier(group=self._pg, device_ids=[self._device.index or 0])
-        else:
-            dist.barrier(group=self._pg)
+        with _in_collective("barrier", tag):
+            if self.backend == "nccl" and self._device.type == "cuda":
+                dist.barrier(group=self._pg, device_ids=[self._device.index or 0])
+            else:
+                dist.barrier(group=self._pg)
         self.stats.append(CollectiveRecord("barrier", tag, (), "none", 0, 0, 0))
 
     # ----------------------------------------------------------------------------------- stats

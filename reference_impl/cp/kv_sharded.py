@@ -22,11 +22,11 @@ from reference_impl.cp.batch import BatchLocs
 from reference_impl.cp.comm import CPGroup
 from reference_impl.cp.compute_owner import direct_write_ok
 from reference_impl.cp.current_reuse import BatchKind, classify_batch, fill_current, history_rows
-from reference_impl.cp.kv_store import FullView, StoredRows
-from reference_impl.cp.page_gather import PageGather, gather_page_part, gather_pages, unpack_index_rows
-from reference_impl.cp.ownership import owned_page_count, page_owner, physical_locs
-from reference_impl.cp.split_index import local_index_tensor
 from reference_impl.cp.fused_ops import fused_store, materialize_mla_rows, materialize_rows
+from reference_impl.cp.kv_store import FullView, StoredRows
+from reference_impl.cp.ownership import owned_page_count, page_owner, physical_locs
+from reference_impl.cp.page_gather import PageGather, gather_page_part, gather_pages, unpack_index_rows
+from reference_impl.cp.split_index import local_index_tensor
 from reference_impl.kvcache.layout import KVLayout
 from reference_impl.kvcache.pool import PagedKVPool, check_in_range
 

@@ -24,7 +24,7 @@ import functools
 import torch
 
 from reference_impl.config import ConfigError
-from reference_impl.cp.comm import CPGroup, CollectiveRecorder
+from reference_impl.cp.comm import CollectiveRecorder, CPGroup
 
 
 @functools.lru_cache(maxsize=8)

@@ -32,8 +32,8 @@ import triton
 import triton.language as tl
 
 from reference_impl.kernels.fused_configs import launch_config
-from reference_impl.kernels.triton_helpers import bf16_bits, check_aligned
 from reference_impl.kernels.fused_torch import check_materialize_args, check_materialize_mla_args, mla_strides
+from reference_impl.kernels.triton_helpers import bf16_bits, check_aligned
 from reference_impl.kvcache.layout import INDEX_HEAD_DIM, MLA_QUANT_BLOCK, KVLayout
 
 

@@ -56,9 +56,10 @@ import triton
 import triton.language as tl
 
 from reference_impl.kernels.fused_configs import launch_config
-from reference_impl.kernels.triton_helpers import bf16_bits, check_aligned, quantize_block
 from reference_impl.kernels.fused_torch import check_store_args
+from reference_impl.kernels.triton_helpers import bf16_bits, check_aligned, quantize_block
 from reference_impl.kvcache.layout import INDEX_HEAD_DIM, MLA_QUANT_BLOCK, SCALE_BYTES, KVLayout
+
 
 @triton.jit
 def _row_ids(src_ptr, dst_ptr, n_rows, n_slots, BLOCK_M: tl.constexpr, HAS_SRC: tl.constexpr):

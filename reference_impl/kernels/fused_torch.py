@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 
 from reference_impl.config import ConfigError
-from reference_impl.kvcache.layout import INDEX_HEAD_DIM, SCALE_BYTES, KVLayout
 from reference_impl.fp8 import FP8_DTYPE
+from reference_impl.kvcache.layout import INDEX_HEAD_DIM, SCALE_BYTES, KVLayout
 
 # ---- argument checks (metadata only: no device sync), shared with the kernels --------------------
 

@@ -26,7 +26,6 @@ import triton
 import triton.language as tl
 
 from reference_impl.kernels.triton_helpers import pow2_at_least_16
-
 from reference_impl.model.sparse_attention import HostKeyBounds, chunk_key_range
 
 # (BLOCK_T, BLOCK_S, num_warps, num_stages, dot dtype) used on GPU unless the caller overrides them.

@@ -22,8 +22,8 @@ import torch
 
 from reference_impl.config import KVDtype, validate_page_size
 from reference_impl.errors import ConfigError
-from reference_impl.presets import ModelConfig
 from reference_impl.fp8 import FP8_DTYPE, act_dequant, act_quant
+from reference_impl.presets import ModelConfig
 
 MLA_QUANT_BLOCK = 128  # latent values per float32 scale in the packed FP8 layout
 INDEX_HEAD_DIM = 128  # indexer K width; one quantization block, hence one scale per token

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 
 from reference_impl.config import ConfigError
-from reference_impl.sync_audit import diagnostic
 from reference_impl.fp8 import FP8_DTYPE
+from reference_impl.sync_audit import diagnostic
 
 from .layout import SCALE_BYTES, KVLayout
 

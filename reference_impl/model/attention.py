@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from reference_impl.presets import ModelConfig
 from reference_impl.fp8 import act_quant, hadamard_matrix, hadamard_rotate
 from reference_impl.model.rope import apply_rope, rope_cos_sin, rope_frequencies
 from reference_impl.model.sparse_attention import TORCH_OPS, ComputeOps, HostKeyBounds
+from reference_impl.presets import ModelConfig
 
 if TYPE_CHECKING:
     from reference_impl.model.cache import LayerCache

@@ -19,11 +19,11 @@ import torch
 from torch import nn
 
 from reference_impl.config import KVDtype
-from reference_impl.presets import ModelConfig
 from reference_impl.kvcache.layout import KVLayout
 from reference_impl.model.attention import DSAAttention, Projection, RMSNorm
 from reference_impl.model.cache import LayerCache, attention_forward
 from reference_impl.model.sparse_attention import TORCH_OPS, ComputeOps
+from reference_impl.presets import ModelConfig
 
 
 class DSABlock(nn.Module):

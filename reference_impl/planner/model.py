@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import functools
 
-from reference_impl.cp.capacity import page_bytes
 from reference_impl.config import KVDtype
-from reference_impl.presets import ModelConfig
+from reference_impl.cp.capacity import page_bytes
 from reference_impl.cp.ownership import owned_page_count
 from reference_impl.cp.page_aligned import page_aligned_block_sizes
 from reference_impl.cp.split import in_seq_block_sizes
 from reference_impl.kvcache.layout import KVLayout
 from reference_impl.planner.rates import PlannerRates
+from reference_impl.presets import ModelConfig
 
 ACT_BYTES = 2  # bf16 activations on the GPU
 

@@ -11,10 +11,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from reference_impl.cp.capacity import kv_bytes_per_rank, max_context_per_rank, page_bytes
 from reference_impl.config import ConfigError, KVDtype, validate_page_size
+from reference_impl.cp.capacity import kv_bytes_per_rank, max_context_per_rank, page_bytes
 from reference_impl.phases import IMPLEMENTED_PHASES, PHASE_NAMES
-from reference_impl.presets import ModelConfig, get_preset
 from reference_impl.planner.model import (
     activation_bytes,
     local_queries,
@@ -24,6 +23,7 @@ from reference_impl.planner.model import (
     transient_bytes,
 )
 from reference_impl.planner.rates import PlannerRates
+from reference_impl.presets import ModelConfig, get_preset
 
 GIB = 2**30
 DEFAULT_RESERVED_GIB = 93.0

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu.conftest import PREFIX, V32
+from gpu.conftest import V32
 from reference_impl.config import PhaseSet, Request
 from reference_impl.cp.comm import CPGroup
 from reference_impl.cp.kv_sharded import ShardedKV

@@ -1,0 +1,159 @@
+"""Faults: a signal, a dead rank or a hang ends a run cleanly, names the culprit, and leaves nothing.
+
+Each test injects one fault (``tests/fault_driver.py`` holds the misbehaving rank functions and a
+driver process) and checks what the run does, its exit code, and what is left: no rank process,
+no ``/dev/shm`` semaphore, no ``pymp-*`` temp directory. ``docs/faults.md`` tabulates them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from fault_driver import die_by_sigkill_on_rank2, hang_before_the_gather_on_rank1
+from reference_impl import runner
+from reference_impl.cli import main
+from reference_impl.errors import RankFailedError, RankTimeoutError
+from reference_impl.launch import launch
+
+DRIVER = Path(__file__).resolve().parent / "fault_driver.py"
+ROOT = DRIVER.parent.parent
+
+
+def _leftovers() -> set[str]:
+    """What a run could leave behind: multiprocessing's semaphores and temp directories."""
+    shm = {f"/dev/shm/{n}" for n in os.listdir("/dev/shm") if n.startswith("sem.mp-")} if os.path.isdir("/dev/shm") else set()
+    return shm | {str(p) for p in Path(tempfile.gettempdir()).glob("pymp-*")}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+
+
+def _wait_gone(pids: list[int], seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if _alive(p)]
+
+
+def _start_driver(start_method: str, piddir: Path) -> tuple[subprocess.Popen, list[int]]:
+    proc = subprocess.Popen([sys.executable, str(DRIVER), start_method, str(piddir)], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(list(piddir.glob("rank*"))) < 4:
+        assert time.monotonic() < deadline and proc.poll() is None, "the ranks did not start"
+        time.sleep(0.1)
+    time.sleep(0.5)  # ranks 1-3 are in the all-gather now
+    return proc, [int(p.read_text()) for p in sorted(piddir.glob("rank*"))]
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_sigterm_to_the_parent_stops_every_rank_and_leaves_nothing(tmp_path: Path, start_method: str) -> None:
+    before = _leftovers()
+    proc, pids = _start_driver(start_method, tmp_path)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=20) == 128 + signal.SIGTERM
+    assert _wait_gone(pids, 5) == []
+    time.sleep(0.5)
+    assert _leftovers() - before == set()
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_a_killed_parent_takes_its_ranks_along(tmp_path: Path, start_method: str) -> None:
+    before = _leftovers()
+    proc, pids = _start_driver(start_method, tmp_path)
+    proc.kill()
+    proc.wait(timeout=10)
+    assert _wait_gone(pids, 5) == []
+    deadline = time.monotonic() + 5  # the resource tracker unlinks the semaphores once the ranks are gone
+    while time.monotonic() < deadline and {p for p in _leftovers() - before if "sem.mp-" in p}:
+        time.sleep(0.1)
+    left = _leftovers() - before
+    assert {p for p in left if "sem.mp-" in p} == set()
+    if start_method == "fork":
+        assert left == set()
+
+
+def test_a_killed_rank_is_named_with_its_signal_not_its_peers_error() -> None:
+    for _ in range(3):  # the peers' "connection closed" must never win
+        with pytest.raises(RankFailedError, match=r"^rank 2 was killed by SIGKILL \(exit -9\)") as info:
+            launch(die_by_sigkill_on_rank2, 4, None, device="cpu", timeout_s=60)
+        assert info.value.rank == 2
+
+
+def test_a_hang_names_the_rank_that_did_not_reach_the_collective() -> None:
+    start = time.monotonic()
+    with pytest.raises(RankTimeoutError, match=(
+        r"rank\(s\) \[1\] did not reach collective #1 \(all_gather\[kv\]\), which rank\(s\) \[0, 2\] are waiting in, "
+        r"within 3 s")) as info:
+        launch(hang_before_the_gather_on_rank1, 3, None, device="cpu", timeout_s=3)
+    assert info.value.rank == 1 and time.monotonic() - start < 10
+
+
+def _failing_run_rank(group, run):  # noqa: ANN001
+    if group.rank == 1:
+        raise RuntimeError("boom on purpose")
+    return ORIGINAL_RUN_RANK(group, run)
+
+
+def _hanging_run_rank(group, run):  # noqa: ANN001
+    if group.rank == 1:
+        time.sleep(3600)
+    return ORIGINAL_RUN_RANK(group, run)
+
+
+ORIGINAL_RUN_RANK = runner.run_rank
+
+
+def test_the_cli_exits_3_naming_the_failed_rank(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(runner, "run_rank", _failing_run_rank)  # forked ranks inherit the patch
+    assert main(["run", "--requests", "0+40"]) == 3
+    err = capsys.readouterr().err
+    assert err == "error: rank 1 raised RuntimeError: boom on purpose\n"
+    assert main(["run", "--requests", "0+40", "--debug"]) == 3
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "error: rank 1 raised RuntimeError: boom on purpose"
+    assert err[1] == "traceback from rank 1:" and "Traceback" in err[2] and "boom on purpose" in err[-1]
+
+
+def test_the_timeout_knob_ends_a_hang_with_exit_3(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(runner, "run_rank", _hanging_run_rank)
+    monkeypatch.setenv("DSACP_TIMEOUT_S", "3")
+    start = time.monotonic()
+    assert main(["run", "--requests", "0+40"]) == 3
+    err = capsys.readouterr().err
+    assert err.startswith("error: rank(s) [1] did not reach collective #1 (all_gather[kv])") and "within 3 s" in err
+    assert time.monotonic() - start < 15
+
+
+def _torchrun(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+def test_torchrun_prints_one_report_from_rank_0() -> None:
+    proc = _torchrun("-m", "reference_impl", "run", "--cp-size", "2", "--requests", "0+40,9+30", "--device", "cpu", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)  # exactly one JSON document: nothing else on stdout
+    assert report["matches_oracle"] is True and report["cp_size"] == 2 and len(report["per_rank"]) == 2
+
+
+def test_torchrun_names_the_rank_that_hung_as_the_root_cause() -> None:
+    proc = _torchrun(str(DRIVER), "torchrun-hang")
+    assert proc.returncode != 0
+    assert "error: rank 1: no result within 3 s: did not reach collective #1" in proc.stderr
+    root_cause = proc.stderr[proc.stderr.index("Root Cause"):]
+    assert "rank      : 1 (local_rank: 1)" in root_cause and "exitcode  : 3" in root_cause
