@@ -129,20 +129,26 @@ def describe_hang(states: dict[int, tuple[int, int, str]], unfinished: list[int]
 
 
 def _die_with_parent(parent: int) -> None:
-    """Exit when the launching process dies: the kernel's parent-death signal where there is one
-    (Linux), and a watchdog thread everywhere (it also covers a parent that died before the prctl)."""
+    """Exit when the launching process dies.
+
+    Where the launcher is this process's parent (fork, spawn) the kernel sends the parent-death
+    signal (Linux, ``PR_SET_PDEATHSIG``); a watchdog thread covers every start method, forkserver
+    included (there the parent is the fork server): multiprocessing's sentinel of the launching
+    process reads end-of-file when it dies.
+    """
     libc_name = ctypes.util.find_library("c")
-    if sys.platform.startswith("linux") and libc_name:
+    if sys.platform.startswith("linux") and libc_name and os.getppid() == parent:
         pr_set_pdeathsig = 1
         ctypes.CDLL(libc_name, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    launcher = mp.parent_process()
 
     def watch() -> None:
-        while True:
-            if os.getppid() != parent:
-                os._exit(EXIT_PARENT_DIED)
+        while launcher is None or launcher.is_alive():
             time.sleep(_PARENT_POLL_S)
+        os._exit(EXIT_PARENT_DIED)
 
-    threading.Thread(target=watch, name="dsacp-parent-watch", daemon=True).start()
+    if launcher is not None:
+        threading.Thread(target=watch, name="dsacp-parent-watch", daemon=True).start()
 
 
 def rank_main(

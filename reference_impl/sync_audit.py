@@ -19,9 +19,10 @@ counted twice. Two regions are set apart:
 
 * :func:`diagnostic`: debug checks that sync on purpose (loc range checks, collective digests);
   nothing inside is counted.
-* :func:`transport`: the wire's own staging (gloo moves CUDA tensors through host memory, which
-  synchronizes); counted separately as ``transport``, never hidden and never mixed with the
-  layer's own syncs.
+* :func:`transport`: the wire's own work. A collective that stages CUDA tensors through host
+  memory (gloo with CUDA tensors: ranks sharing a GPU) synchronizes by design; each such collective
+  counts once as ``transport``, never hidden and never mixed with the layer's own syncs. Inside the
+  wire CUDA's own counter is paused (gloo's worker threads would print a warning per staged copy).
 """
 
 from __future__ import annotations
@@ -110,14 +111,29 @@ def diagnostic() -> Iterator[None]:
         _state.paused -= 1
 
 
+def _set_cuda_sync_mode(mode: int | str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "a prototype feature", on every call
+        torch.cuda.set_sync_debug_mode(mode)
+
+
 @contextlib.contextmanager
-def transport() -> Iterator[None]:
-    """Run a collective's wire transfer: syncs inside count as ``transport``, not as the caller's."""
+def transport(stages_through_host: bool = False) -> Iterator[None]:
+    """Run a collective's wire transfer: a staging collective counts once as ``transport``; syncs
+    the API counter sees inside count as ``transport`` too, never as the caller's."""
+    audit = _state.audit
+    paused_cuda = audit is not None and audit.cuda and stages_through_host
+    if audit is not None and stages_through_host:
+        audit.transport += 1
     _state.transport += 1
+    if paused_cuda:
+        _set_cuda_sync_mode("default")
     try:
         yield
     finally:
         _state.transport -= 1
+        if paused_cuda:
+            _set_cuda_sync_mode("warn")
 
 
 def _caller_site() -> str:
@@ -178,8 +194,7 @@ class HostSyncAudit:
 
     def _hit(self, site: str) -> None:
         if _state.transport:
-            self.transport += 1
-            return
+            return  # the wire's: a staging collective already counted once (see transport())
         self.count += 1
         if len(self.sites) < self._keep:
             self.sites.append(site)
@@ -203,7 +218,7 @@ class HostSyncAudit:
             self._previous_showwarning = warnings.showwarning
             warnings.showwarning = self._on_warning
             self._previous_debug_mode = torch.cuda.get_sync_debug_mode()
-            torch.cuda.set_sync_debug_mode("warn")
+            _set_cuda_sync_mode("warn")
         if self.api:
             self._mode = _ApiSyncMode(self)
             self._mode.__enter__()
@@ -214,7 +229,7 @@ class HostSyncAudit:
             self._mode.__exit__(*exc)
             self._mode = None
         if self._warnings is not None:
-            torch.cuda.set_sync_debug_mode(self._previous_debug_mode)
+            _set_cuda_sync_mode(self._previous_debug_mode)
             self._warnings.__exit__(*exc)
             self._warnings = None
         _state.audit = None

@@ -2,29 +2,37 @@
 # Every test: the CPU tier (pytest: unit, multi-process, Triton under the interpreter, CUDA hidden),
 # the walkthrough notebooks under nbval, and the strict docs build. On a machine with a CUDA device,
 # also the GPU tier (pytest --gpu: compiled kernels, DeepSeek-V3.2 dims), and the notebooks run on
-# the GPU instead of the CPU.
+# the GPU instead of the CPU, beside the GPU tier.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 start=$SECONDS
 cuda=$(python3 -c "import torch; print(int(torch.cuda.is_available()))")
+notebooks=(python3 -m pytest -q --nbval-lax --nbval-current-env -p no:cacheprovider notebooks)
 
 python3 -m pytest -q tests  # the CPU tier
-notebook_args=()
 if [ "$cuda" = 1 ]; then
-  python3 -m pytest -q --gpu tests  # the GPU tier
   # The walkthroughs' GPU sections at small sizes (the committed outputs are full runs:
-  # scripts/execute_notebooks.py), one notebook per worker where pytest-xdist is installed.
-  export DSACP_NOTEBOOK_SMOKE=1
-  python3 -c "import xdist" 2>/dev/null && notebook_args=(-n 4 --dist loadfile)
+  # scripts/execute_notebooks.py), one notebook per worker where pytest-xdist is installed, running
+  # beside the GPU tier (both only check; neither times anything).
+  python3 -c "import xdist" 2>/dev/null && notebooks+=(-n 4 --dist loadfile)
+  notebook_log="$(mktemp)"
+  DSACP_NOTEBOOK_SMOKE=1 "${notebooks[@]}" > "$notebook_log" 2>&1 &
+  notebook_job=$!
+  gpu_status=0
+  python3 -m pytest -q --gpu tests || gpu_status=$?  # the GPU tier
+  notebook_status=0
+  wait "$notebook_job" || notebook_status=$?
+  echo "notebooks on the GPU:"; tail -n 15 "$notebook_log"
+  if [ "$gpu_status" != 0 ] || [ "$notebook_status" != 0 ]; then
+    echo "GPU tier exit $gpu_status, notebooks exit $notebook_status" >&2; exit 1
+  fi
   notebooks_on="the GPU"
 else
-  export TRITON_INTERPRET=1  # notebooks on CPU: Triton kernels under the interpreter
+  TRITON_INTERPRET=1 "${notebooks[@]}"  # notebooks on CPU: Triton kernels under the interpreter
   notebooks_on="the CPU"
 fi
-python3 -m pytest -q --nbval-lax --nbval-current-env -p no:cacheprovider "${notebook_args[@]}" notebooks
-unset TRITON_INTERPRET DSACP_NOTEBOOK_SMOKE
 # --strict aborts on most warnings but not on unresolved cross-references (mkdocs-autorefs), so
 # any WARNING line fails the build here too.
 docs_log="$(mktemp)"

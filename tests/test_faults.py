@@ -59,7 +59,7 @@ def _start_driver(start_method: str, piddir: Path) -> tuple[subprocess.Popen, li
     return proc, [int(p.read_text()) for p in sorted(piddir.glob("rank*"))]
 
 
-@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+@pytest.mark.parametrize("start_method", ["fork", "spawn", "forkserver"])
 def test_sigterm_to_the_parent_stops_every_rank_and_leaves_nothing(tmp_path: Path, start_method: str) -> None:
     before = _leftovers()
     proc, pids = _start_driver(start_method, tmp_path)
@@ -70,7 +70,7 @@ def test_sigterm_to_the_parent_stops_every_rank_and_leaves_nothing(tmp_path: Pat
     assert _leftovers() - before == set()
 
 
-@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+@pytest.mark.parametrize("start_method", ["fork", "spawn", "forkserver"])
 def test_a_killed_parent_takes_its_ranks_along(tmp_path: Path, start_method: str) -> None:
     before = _leftovers()
     proc, pids = _start_driver(start_method, tmp_path)

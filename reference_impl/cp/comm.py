@@ -238,7 +238,8 @@ class CPGroup:
         # Reinterpret rows as raw bytes: a gather is pure data movement and gloo lacks some dtypes.
         send_bytes = send.reshape(max_len, -1).view(torch.uint8)
         out_bytes = out.view(self._size, max_len, -1).view(torch.uint8)
-        with transport(), _in_collective("all_gather", tag):  # gloo stages CUDA tensors through the host
+        staged = self.backend == "gloo" and local.is_cuda  # gloo moves CUDA tensors through host memory
+        with transport(stages_through_host=staged), _in_collective("all_gather", tag):
             self._exchange(out_bytes, send_bytes)
 
         padded = max_len * row_bytes
