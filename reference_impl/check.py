@@ -5,13 +5,18 @@ Three checks, each of which can fail on its own:
 * **outputs**: every token's final hidden state (reassembled from the ranks' local outputs) and
   every rank's collected output rows and logits, within the compute dtype's tolerance;
 * **top-k**: per layer and query, the index **sets** equal the oracle's; a differing element is
-  accepted only at the selection boundary. In float32 compute the CP run's index scores equal the
-  oracle's up to FP8 rounding flips, so a differing element's oracle score must tie the k-th
-  within :data:`TIE_RTOL`. In bf16 compute a rank's projections round differently from the
-  oracle's (its GEMMs multiply other row counts), the FP8 codes of q and k flip more often, and
-  keys near the k-th trade places: there a differing element must rank within
-  :data:`BF16_BOUNDARY_BAND` of k in the oracle's order. Either way a selected key the oracle
-  cannot see (outside the causal range) fails;
+  accepted only at the selection boundary, and a selected key the oracle cannot see (outside the
+  causal range) always fails. Two rules, by how reproducible the arithmetic is:
+
+  - *exact* (float32 on a CPU, where a rank's GEMMs give the oracle's bits): a differing
+    element's oracle score must tie the k-th within :data:`TIE_RTOL`;
+  - *rounding-tolerant* (a GPU, or bf16): a rank's GEMMs batch other rows than the oracle's, the
+    last bits of the projections differ, FP8 codes of indexer q / k flip, scores move by a few
+    percent and keys near the k-th trade places, more in later layers. A differing element must
+    rank within :data:`BOUNDARY_BAND` x k of k in the oracle's order, and outputs get the bf16
+    tolerance. Calibrated on an H200 (``docs/results/check_calibration.json``, from
+    ``scripts/calibrate_check.py``): swaps reached 6% of k and output errors 2% of the largest
+    value, in bf16 and float32 alike;
 * **cache**: the KV and indexer K bytes rebuilt from every rank equal the oracle's dense cache
   byte for byte (where several ranks hold a token, every copy must be equal).
 """
@@ -26,11 +31,17 @@ from reference_impl.config import RunConfig
 from reference_impl.cp.split import SplitMetadata
 from reference_impl.engine import RankResult
 from reference_impl.model.oracle import DSAModel, OracleResult
+from reference_impl.workload import resolve_device
 
-# Max abs error allowed, relative to max(1, max |reference|).
-TOLERANCE = {torch.float32: 2e-3, torch.bfloat16: 6e-2}
-TIE_RTOL = 2e-2  # float32: an FP8 rounding flip moves an index score by a few percent at most
-BF16_BOUNDARY_BAND = 0.05  # bf16: swaps only among the oracle's ranks k(1 +- 5%)
+# Max abs error allowed, relative to max(1, max |reference|): exact, and rounding-tolerant.
+EXACT_TOLERANCE, ROUNDING_TOLERANCE = 2e-3, 6e-2
+TIE_RTOL = 2e-2  # exact: an FP8 rounding flip moves an index score by a few percent at most
+BOUNDARY_BAND = 0.10  # rounding-tolerant: swaps only among the oracle's ranks k(1 +- 10%) (6% seen)
+
+
+def exact_arithmetic(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a rank reproduces the oracle's bits: float32 on a CPU (GEMMs over >= 16 rows)."""
+    return device.type == "cpu" and dtype == torch.float32
 
 
 @dataclass
@@ -61,7 +72,7 @@ def _assemble(results: list[RankResult], per_rank: list[torch.Tensor], total: in
     return full
 
 
-def _topk_rows_agree(got: torch.Tensor, ref: torch.Tensor, scores: torch.Tensor | None, dtype: torch.dtype) -> bool:
+def _topk_rows_agree(got: torch.Tensor, ref: torch.Tensor, scores: torch.Tensor | None, exact: bool) -> bool:
     """Sets equal, or every differing element sits at the boundary (see the module docstring).
 
     ``scores``: the oracle's index scores of the row's visible keys (request positions).
@@ -72,13 +83,13 @@ def _topk_rows_agree(got: torch.Tensor, ref: torch.Tensor, scores: torch.Tensor 
     if scores is None or len(a) != len(b) or max(a | b) >= scores.shape[0]:
         return False
     diff = torch.tensor(sorted(a ^ b), dtype=torch.long)
-    if dtype == torch.float32:
+    if exact:
         kth = scores[ref[ref >= 0].long()].min()
         return bool(((scores[diff] - kth).abs() <= TIE_RTOL * kth.abs() + 1e-6).all())
     k = len(b)
     rank = torch.empty_like(scores, dtype=torch.long)
     rank[scores.argsort(descending=True)] = torch.arange(scores.shape[0])
-    band = max(1, round(BF16_BOUNDARY_BAND * k))
+    band = max(1, round(BOUNDARY_BAND * k))
     return bool(((rank[diff] >= k - band) & (rank[diff] < k + band)).all())
 
 
@@ -91,7 +102,8 @@ def compare(
     dtype: torch.dtype,
 ) -> Agreement:
     """Compare every rank's results with the oracle; see the module docstring."""
-    tol = TOLERANCE[dtype]
+    exact = exact_arithmetic(resolve_device(run), dtype)
+    tol = EXACT_TOLERANCE if exact else ROUNDING_TOLERANCE
     problems: list[str] = []
 
     ref_hidden = torch.cat(oracle.hidden).float().cpu()
@@ -123,7 +135,7 @@ def compare(
             rows_total += 1
             if set(got[got >= 0].tolist()) == set(ref[ref >= 0].tolist()):
                 rows_equal += 1
-            elif _topk_rows_agree(got, ref, oracle.index_scores(layer, req, j)[: meta.token_position[g] + 1].cpu(), dtype):
+            elif _topk_rows_agree(got, ref, oracle.index_scores(layer, req, j)[: meta.token_position[g] + 1].cpu(), exact):
                 ties += 1
             else:
                 problems.append(f"layer {layer} token {g}: top-k sets differ beyond boundary ties")

@@ -36,10 +36,10 @@ def test_the_phases_change_what_they_claim(engine_reports: dict[str, dict]) -> N
     assert engine_reports["level5"]["store_path"] == "gathered"  # a prefix ends mid-page: the phase-2 path
 
 
-@pytest.mark.parametrize(("level", "dtype"), [(0, "fp32"), (6, "fp32"), (7, "fp32"), (8, "fp32"), (8, "bf16")])
-def test_one_rank_alone_matches_the_oracle(level: int, dtype: str) -> None:
+@pytest.mark.parametrize("level", [0, 6, 7, 8])
+def test_one_rank_alone_matches_the_oracle(level: int) -> None:
     from reference_impl.runner import run_prefill
 
-    rep = run_prefill(V32.replace(cp_size=1, phases=PhaseSet.level(level), requests=PREFIX, compute_dtype=dtype))
+    rep = run_prefill(V32.replace(cp_size=1, phases=PhaseSet.level(level), requests=PREFIX))
     assert rep["matches_oracle"] is True, rep["problems"]
     assert rep["backend"] == "none" and rep["kernel_fallbacks"] == {}
