@@ -20,7 +20,7 @@ Where each phase lives (one module each; the phase set asks for them by name,
 
 | phase | what | module |
 | --- | --- | --- |
-| 0 | split, all-gather #1, replicated cache, tail gather | `cp/split.py` (`split_metadata.py`), `cp/rerange.py`, `cp/kv_replicated.py`, `cp/tail.py` |
+| 0 | split, all-gather #1, replicated cache, tail gather | `cp/split.py`, `cp/split_metadata.py`, `cp/rerange.py`, `cp/kv_replicated.py`, `cp/tail.py` |
 | 1 | narrow output collection | `cp/narrow_output.py` |
 | 2 | KV sharded at rest, materialization, PD transfer | `cp/kv_sharded.py`, `cp/ownership.py`, `cp/page_gather.py`, `pd/` |
 | 3 | current-chunk reuse | `cp/current_reuse.py` |

@@ -36,6 +36,12 @@ def die_by_sigkill_on_rank2(group: CPGroup, payload: Any) -> None:
     group.all_gather_padded(torch.ones(1, 2), [1] * group.size, tag="kv")
 
 
+def exit_without_result_on_rank1(group: CPGroup, payload: Any) -> None:
+    if group.rank == 1:
+        os._exit(5)
+    group.all_gather_padded(torch.ones(1, 2), [1] * group.size, tag="kv")
+
+
 def hang_before_the_gather_on_rank1(group: CPGroup, payload: Any) -> None:
     if group.rank == 1:
         time.sleep(3600)
@@ -55,6 +61,8 @@ def main(argv: list[str]) -> int:
         run_rank_processes(write_pid_then_wait, piddir, "gloo", ("cpu",) * 4, start_method, 600, False, 1)
     except RunStopped as exc:
         return 128 + exc.signum
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT
     return 0
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from fault_driver import die_by_sigkill_on_rank2, hang_before_the_gather_on_rank1
+from fault_driver import die_by_sigkill_on_rank2, exit_without_result_on_rank1, hang_before_the_gather_on_rank1
 from reference_impl import runner
 from reference_impl.cli import main
 from reference_impl.errors import RankFailedError, RankTimeoutError
@@ -70,6 +70,16 @@ def test_sigterm_to_the_parent_stops_every_rank_and_leaves_nothing(tmp_path: Pat
     assert _leftovers() - before == set()
 
 
+def test_sigint_to_the_parent_stops_every_rank(tmp_path: Path) -> None:
+    before = _leftovers()
+    proc, pids = _start_driver("fork", tmp_path)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=20) == 128 + signal.SIGINT
+    assert _wait_gone(pids, 5) == []
+    time.sleep(0.5)
+    assert _leftovers() - before == set()
+
+
 @pytest.mark.parametrize("start_method", ["fork", "spawn", "forkserver"])
 def test_a_killed_parent_takes_its_ranks_along(tmp_path: Path, start_method: str) -> None:
     before = _leftovers()
@@ -91,6 +101,12 @@ def test_a_killed_rank_is_named_with_its_signal_not_its_peers_error() -> None:
         with pytest.raises(RankFailedError, match=r"^rank 2 was killed by SIGKILL \(exit -9\)") as info:
             launch(die_by_sigkill_on_rank2, 4, None, device="cpu", timeout_s=60)
         assert info.value.rank == 2
+
+
+def test_a_rank_that_exits_without_a_result_is_named() -> None:
+    with pytest.raises(RankFailedError, match=r"^rank 1 exited with code 5 without sending a result") as info:
+        launch(exit_without_result_on_rank1, 3, None, device="cpu", timeout_s=60)
+    assert info.value.rank == 1
 
 
 def test_a_hang_names_the_rank_that_did_not_reach_the_collective() -> None:

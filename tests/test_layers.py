@@ -123,3 +123,19 @@ def test_the_check_sees_an_upward_import(tmp_path: Path) -> None:
     fake.write_text((PACKAGE / "kvcache" / "pool.py").read_text() + "\n\ndef _late():\n    from ..engine import run_rank\n")
     found = {t for t, _, top in _imports(fake, "reference_impl.kvcache.pool") if not top}
     assert "reference_impl.engine" in found and _layer("reference_impl.engine") > _layer("reference_impl.kvcache.pool")
+
+
+def test_the_phase_map_names_modules_that_exist() -> None:
+    """The package docstring's "where is phase N" table names files of the tree, every phase once."""
+    import re
+
+    import reference_impl
+
+    rows = [line for line in reference_impl.__doc__.splitlines() if re.match(r"\| \d \|", line)]
+    assert [int(row.split("|")[1]) for row in rows] == list(range(9))
+    for row in rows:
+        names = re.findall(r"`([\w/.*]+)`", row.split("|")[3])
+        assert names, row
+        for name in names:
+            paths = list(PACKAGE.glob(name)) if "*" in name else [PACKAGE / name]
+            assert paths and all(p.exists() for p in paths), f"phase map names {name!r}, which is not in the tree"

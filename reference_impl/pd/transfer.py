@@ -59,7 +59,7 @@ class DecodeCache:
         self.bytes_received = 0
         self._received = torch.zeros(n_layers, n_pages, dtype=torch.int32)  # host-side counts
 
-    def _check_plan(self, manifest: TransferManifest) -> None:
+    def _check_manifest(self, manifest: TransferManifest) -> None:
         layout, pool = self.layout, self.pool
         if (manifest.page_size, manifest.n_layers, manifest.mla_page_bytes, manifest.index_page_bytes) != (
             layout.page_size, pool.n_layers, layout.mla_page_bytes, layout.index_page_bytes
@@ -72,15 +72,15 @@ class DecodeCache:
         if manifest.logical_pages and not 0 <= min(manifest.logical_pages) <= max(manifest.logical_pages) < pool.n_pages:
             raise ConfigError(f"rank {manifest.rank} sends pages outside the decode pool's {pool.n_pages} pages")
 
-    def add_plan(self, manifest: TransferManifest) -> None:
+    def add_manifest(self, manifest: TransferManifest) -> None:
         """Announce a prefill rank's manifest (before its pages arrive)."""
-        self._check_plan(manifest)
+        self._check_manifest(manifest)
         self.manifests.append(manifest)
 
     def write(self, manifest: TransferManifest, layer: int, rows: torch.Tensor) -> None:
         """Install ``rows uint8 [manifest.n_pages, page row bytes]`` (:func:`pack_pages`) at ``manifest``'s logical pages."""
         if manifest not in self.manifests:
-            self.add_plan(manifest)
+            self.add_manifest(manifest)
         if rows.dtype != torch.uint8 or tuple(rows.shape) != (manifest.n_pages, manifest.page_row_bytes):
             raise ConfigError(
                 f"rank {manifest.rank} layer {layer}: expected page rows uint8 [{manifest.n_pages}, {manifest.page_row_bytes}], "
@@ -134,7 +134,7 @@ def transfer_in_process(
     cache = DecodeCache(n_pages, layout, n_layers, device)
     for source in sources:
         manifest, pool = source if isinstance(source, tuple) else (build_manifest(source, source.group.rank, source.group.size), source.pool)
-        cache.add_plan(manifest)
+        cache.add_manifest(manifest)
         physical = manifest.physical_tensor(pool.device)
         for layer in range(manifest.n_layers):
             cache.write(manifest, layer, pack_pages(pool, physical, layer))
@@ -174,7 +174,7 @@ def receive_pages(cache: DecodeCache, prefill_ranks: Sequence[int]) -> list[Tran
         manifest = TransferManifest.from_logical(
             cp_rank, cp_size, page_size, pages.tolist(), n_layers, mla_page_bytes, index_page_bytes
         )
-        cache.add_plan(manifest)  # checks the layout before any page bytes arrive
+        cache.add_manifest(manifest)  # checks the layout before any page bytes arrive
         for layer in range(n_layers if n else 0):
             rows = torch.empty(n, manifest.page_row_bytes, dtype=torch.uint8)
             dist.recv(rows, src)
