@@ -28,7 +28,7 @@ import torch
 from reference_impl.config import env_flag
 from reference_impl.kernels import fallback
 from reference_impl.model import sparse_attention as torch_ref
-from reference_impl.model.sparse_attention import HostKeyBounds
+from reference_impl.model.sparse_attention import ComputeOps, HostKeyBounds
 
 logger = logging.getLogger(__name__)
 
@@ -152,22 +152,5 @@ def indexer_topk(
     return fallback.run_with_fallback("Triton indexer_topk", lambda: _triton_indexer_topk(*args), torch_path)
 
 
-class KernelOps:
-    """The model's :class:`~reference_impl.model.sparse_attention.ComputeOps` through this dispatch."""
-
-    name = "kernels"
-
-    def indexer_topk(
-        self, q_fp8: torch.Tensor, weights: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor,
-        key_start: torch.Tensor, key_end: torch.Tensor, topk: int, *, host_bounds: HostKeyBounds | None = None,
-    ) -> torch.Tensor:
-        return indexer_topk(q_fp8, weights, k_fp8, k_scale, key_start, key_end, topk, host_bounds=host_bounds)
-
-    def sparse_mla_attention(
-        self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float, d_v: int,
-        *, out_dtype: torch.dtype = torch.float32,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return sparse_mla_attention(q, kv, indices, softmax_scale, d_v, out_dtype=out_dtype)
-
-
-KERNEL_OPS = KernelOps()
+KERNEL_OPS = ComputeOps("kernels", indexer_topk, sparse_mla_attention)
+"""The model's :class:`~reference_impl.model.sparse_attention.ComputeOps` through this dispatch."""

@@ -15,8 +15,8 @@ references, the default, so the model stays pure torch) or
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -122,39 +122,28 @@ def sparse_mla_attention(
     return out, lse
 
 
-class ComputeOps(Protocol):
-    """The two compute cores a DSA layer calls, with the references' contracts."""
+def _sparse_mla_out(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float, d_v: int,
+    *, out_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sparse_mla_attention` with its output stored in ``out_dtype`` (the ops' signature)."""
+    out, lse = sparse_mla_attention(q, kv, indices, softmax_scale, d_v)
+    return out.to(out_dtype), lse
+
+
+@dataclass(frozen=True)
+class ComputeOps:
+    """The two compute cores a DSA layer calls, with the contracts of this module's references:
+
+    * ``indexer_topk(q_fp8, weights, k_fp8, k_scale, key_start, key_end, topk, *, host_bounds=None)``
+      -> ``[T, topk]`` int32 full-view rows (:func:`indexer_topk`);
+    * ``sparse_mla_attention(q, kv, indices, softmax_scale, d_v, *, out_dtype=float32)``
+      -> ``(out [T, H, d_v] out_dtype, lse [T, H] f32)`` (:func:`sparse_mla_attention`).
+    """
 
     name: str
-
-    def indexer_topk(
-        self, q_fp8: torch.Tensor, weights: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor,
-        key_start: torch.Tensor, key_end: torch.Tensor, topk: int, *, host_bounds: HostKeyBounds | None = None,
-    ) -> torch.Tensor: ...
-
-    def sparse_mla_attention(
-        self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float, d_v: int,
-        *, out_dtype: torch.dtype = torch.float32,
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    indexer_topk: Callable[..., torch.Tensor]
+    sparse_mla_attention: Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
-class TorchOps:
-    """:class:`ComputeOps` through the torch references of this module (any device)."""
-
-    name = "torch"
-
-    def indexer_topk(
-        self, q_fp8: torch.Tensor, weights: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor,
-        key_start: torch.Tensor, key_end: torch.Tensor, topk: int, *, host_bounds: HostKeyBounds | None = None,
-    ) -> torch.Tensor:
-        return indexer_topk(q_fp8, weights, k_fp8, k_scale, key_start, key_end, topk, host_bounds=host_bounds)
-
-    def sparse_mla_attention(
-        self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float, d_v: int,
-        *, out_dtype: torch.dtype = torch.float32,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse = sparse_mla_attention(q, kv, indices, softmax_scale, d_v)
-        return out.to(out_dtype), lse
-
-
-TORCH_OPS = TorchOps()
+TORCH_OPS = ComputeOps("torch", indexer_topk, _sparse_mla_out)
