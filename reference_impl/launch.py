@@ -5,8 +5,11 @@ per-rank results ordered by rank:
 
 * ``cp_size == 1``: in this process, on a trivial :class:`~reference_impl.cp.comm.CPGroup` (no
   process group, no timeout).
-* CPU (``device="cpu"``, or ``"auto"`` without CUDA): gloo; processes are forked when CUDA is not
-  initialized in this process (fast, and ``fn`` may be a closure), else spawned.
+* CPU (``device="cpu"``, or ``"auto"`` without CUDA): gloo. Processes are forked (fast, and ``fn``
+  may be a closure) when each rank computes on one thread and CUDA is not initialized here; a rank
+  of several threads starts from a fork server instead, because GNU OpenMP's thread pool does not
+  survive ``fork``: a forked child that computes on several threads after this process used the
+  pool deadlocks (seen on a 16-core box: 8 threads per rank). With CUDA initialized, spawned.
 * CUDA with at least ``cp_size`` GPUs: NCCL, rank ``r`` on ``cuda:r``, spawned.
 * CUDA with fewer GPUs: gloo with CUDA tensors, ranks sharing GPUs round-robin (``cuda:r % n``),
   because NCCL refuses two ranks on one device; logged as a warning and visible in the plan.
@@ -76,8 +79,7 @@ _TORCHRUN_FOLLOW_S = 5.0  # how long ranks waiting in a collective outlive the o
 @dataclass(frozen=True)
 class LaunchSpec:
     """How the ranks run: ``backend`` ("none" in-process, "gloo", "nccl"), one device per rank,
-    ``start_method`` ("inline", "fork", "forkserver" inside a Jupyter kernel, "spawn"), and whether
-    ranks share GPUs."""
+    ``start_method`` ("inline", "fork", "forkserver", "spawn"), and whether ranks share GPUs."""
 
     backend: str
     device_per_rank: tuple[str, ...]
@@ -99,10 +101,12 @@ def choose_backend(
     *,
     cuda_initialized: bool = False,
     fork_available: bool = True,
+    rank_threads: int = 1,
 ) -> LaunchSpec:
     """Decide backend, per-rank devices and start method; pure (the caller passes the machine's facts).
 
-    ``device`` is "auto" | "cpu" | "cuda"; ``backend`` is "auto" | "gloo" | "nccl".
+    ``device`` is "auto" | "cpu" | "cuda"; ``backend`` is "auto" | "gloo" | "nccl"; ``rank_threads`` is
+    how many intra-op threads each CPU rank will use (:func:`rank_cpu_threads`).
     Raises ConfigError for an impossible request (NCCL on CPU or with fewer GPUs than ranks,
     CUDA without GPUs).
     """
@@ -131,6 +135,10 @@ def choose_backend(
         elif in_jupyter_kernel():
             # Forking a Jupyter kernel copies its ZMQ sockets into the ranks; seen killing the kernel
             # (ENOTSOCK) on the GPU box. A fork server starts clean and then forks cheaply.
+            start = "forkserver"
+        elif rank_threads > 1:
+            # GNU OpenMP's pool does not survive fork: a child that runs a parallel region after the
+            # parent used the pool deadlocks. A fork server never ran one.
             start = "forkserver"
         else:
             start = "fork"
@@ -191,6 +199,7 @@ def launch(
         torch.cuda.device_count() if torch.cuda.is_available() else 0,
         cuda_initialized=torch.cuda.is_initialized(),
         fork_available="fork" in mp.get_all_start_methods(),
+        rank_threads=rank_cpu_threads(cp_size),
     )
     if plan.shared_gpu:
         logger.warning("launch: %s", plan.describe())

@@ -276,6 +276,9 @@ def run_rank_processes(
 ) -> list[Any]:
     """Run ``fn`` on one process per entry of ``devices``; results by rank (see the module docstring)."""
     ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        # The server imports torch and this package once; each rank is then a cheap fork of it.
+        ctx.set_forkserver_preload(["reference_impl.runner"])
     world = len(devices)
     results = ctx.Queue()
     progress = SharedProgress(ctx, world)

@@ -8,7 +8,8 @@
 
 Both environment variables must be set before Triton compiles a kernel module or CUDA initializes,
 which is why the tier is decided here, in ``pytest_configure``, before any test module is imported.
-Shared fixtures: small CP runs on CPU (gloo, forked ranks) cached per configuration.
+Shared fixtures: small CP runs on CPU (gloo) cached per configuration; ``forked_ranks`` for a test
+whose monkeypatches the ranks must inherit.
 """
 
 from __future__ import annotations
@@ -68,6 +69,18 @@ def cached_report(run: object) -> dict:
 @pytest.fixture
 def report_of():
     return cached_report
+
+
+@pytest.fixture
+def forked_ranks(monkeypatch):
+    """CPU ranks (and the oracle) compute on one thread each, so the launcher forks them and they
+    inherit this test's monkeypatches; with several threads per rank (a many-core machine) it
+    would start them from a fork server, where no patch reaches."""
+    from reference_impl import launch, runner
+
+    monkeypatch.setattr(launch, "rank_cpu_threads", lambda world: 1)
+    monkeypatch.setattr(runner, "rank_cpu_threads", lambda world: 1)
+    return monkeypatch
 
 
 def tiny(**changes):  # -> RunConfig

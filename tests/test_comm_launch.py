@@ -105,6 +105,9 @@ def test_choose_backend_cpu() -> None:
     assert choose_backend(4, "auto", "auto", 0) == LaunchSpec("gloo", ("cpu",) * 4, "fork", False)
     assert choose_backend(2, "cpu", "auto", 8, cuda_initialized=True).start_method == "spawn"
     assert choose_backend(1, "cpu", "auto", 0) == LaunchSpec("none", ("cpu",), "inline", False)
+    # Ranks of several threads never fork: GNU OpenMP's pool does not survive it.
+    assert choose_backend(2, "cpu", "auto", 0, rank_threads=8).start_method == "forkserver"
+    assert choose_backend(2, "cpu", "auto", 0, rank_threads=1).start_method == "fork"
     with pytest.raises(ConfigError, match="NCCL needs CUDA"):
         choose_backend(2, "cpu", "nccl", 0)
 
@@ -151,7 +154,32 @@ def test_choose_backend_invariants(cp_size: int, device: str, backend: str, cuda
         assert not plan.shared_gpu and plan.start_method == "spawn"
     if plan.device_per_rank[0] == "cpu":
         assert plan.backend in ("gloo", "none") and plan.start_method in ("fork", "inline")
+    threaded = choose_backend(cp_size, device, backend, cuda_count, rank_threads=2)
+    assert threaded.start_method in ("forkserver", "spawn", "inline")
     assert (plan.backend == "none") == (cp_size == 1)
+
+
+def threaded_matmul(group: CPGroup, payload: Any) -> tuple[int, float]:
+    a = torch.ones(512, 512)
+    return torch.get_num_threads(), float((a @ a).sum() + torch.softmax(a, -1).sum())
+
+
+def test_ranks_of_several_threads_run_after_the_parent_used_its_thread_pool(monkeypatch) -> None:
+    """The hang the H200 box showed: ranks forked after the parent ran an OpenMP parallel region
+    deadlock in their first parallel region. The launcher must start them another way."""
+    import reference_impl.launch as launch_module
+
+    monkeypatch.setattr(launch_module, "rank_cpu_threads", lambda world: 2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        a = torch.ones(512, 512)
+        assert float((a @ a).sum()) == 512.0**3  # the parent's pool is now up
+        results = launch(threaded_matmul, 2, None, device="cpu", timeout_s=60)
+    finally:
+        torch.set_num_threads(threads)
+    assert [r[0] for r in results] == [2, 2]
+    assert all(r[1] == pytest.approx(512.0**3 + 512.0) for r in results)
 
 
 # ------------------------------------------------------------------------------------ failures

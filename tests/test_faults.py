@@ -133,8 +133,8 @@ def _hanging_run_rank(group, run):  # noqa: ANN001
 ORIGINAL_RUN_RANK = runner.run_rank
 
 
-def test_the_cli_exits_3_naming_the_failed_rank(monkeypatch, capsys) -> None:
-    monkeypatch.setattr(runner, "run_rank", _failing_run_rank)  # forked ranks inherit the patch
+def test_the_cli_exits_3_naming_the_failed_rank(forked_ranks, capsys) -> None:
+    forked_ranks.setattr(runner, "run_rank", _failing_run_rank)  # forked ranks inherit the patch
     assert main(["run", "--requests", "0+40"]) == 3
     err = capsys.readouterr().err
     assert err == "error: rank 1 raised RuntimeError: boom on purpose\n"
@@ -144,9 +144,9 @@ def test_the_cli_exits_3_naming_the_failed_rank(monkeypatch, capsys) -> None:
     assert err[1] == "traceback from rank 1:" and "Traceback" in err[2] and "boom on purpose" in err[-1]
 
 
-def test_the_timeout_knob_ends_a_hang_with_exit_3(monkeypatch, capsys) -> None:
-    monkeypatch.setattr(runner, "run_rank", _hanging_run_rank)
-    monkeypatch.setenv("DSACP_TIMEOUT_S", "3")
+def test_the_timeout_knob_ends_a_hang_with_exit_3(forked_ranks, capsys) -> None:
+    forked_ranks.setattr(runner, "run_rank", _hanging_run_rank)
+    forked_ranks.setenv("DSACP_TIMEOUT_S", "3")
     start = time.monotonic()
     assert main(["run", "--requests", "0+40"]) == 3
     err = capsys.readouterr().err

@@ -37,9 +37,9 @@ def _force_kernels_and_spy(monkeypatch) -> list[str]:
 
 
 @pytest.mark.parametrize(("kv_dtype", "cp_size"), [("fp8", 1), ("bf16", 1), ("fp8", 2)])
-def test_phase7_triton_kernels_match_oracle(monkeypatch, kv_dtype: str, cp_size: int) -> None:
+def test_phase7_triton_kernels_match_oracle(forked_ranks, kv_dtype: str, cp_size: int) -> None:
     """Force the Triton kernels on CPU tensors (interpreter); forked ranks inherit the patch."""
-    calls = _force_kernels_and_spy(monkeypatch)
+    calls = _force_kernels_and_spy(forked_ranks)
     run = tiny(cp_size=cp_size, requests=(Request(16, 90), Request(5, 40)), page_size=8, kv_dtype=kv_dtype,
                phases=PhaseSet.level(7))
     rep = run_prefill(run)

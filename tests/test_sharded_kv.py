@@ -95,12 +95,12 @@ def test_classify_batch() -> None:
     assert classify_batch(no_prefix, 29) == "current-only"
 
 
-def test_phase3_fallback_path_matches_oracle(monkeypatch) -> None:
+def test_phase3_fallback_path_matches_oracle(forked_ranks) -> None:
     """The fallback branch (full materialization under phase 3) is a path: run it and check it."""
-    monkeypatch.setattr(current_reuse, "classify_batch", lambda batch, n: "fallback")
+    forked_ranks.setattr(current_reuse, "classify_batch", lambda batch, n: "fallback")
     import reference_impl.cp.kv_sharded as kv_sharded
 
-    monkeypatch.setattr(kv_sharded, "classify_batch", lambda batch, n: "fallback")
+    forked_ranks.setattr(kv_sharded, "classify_batch", lambda batch, n: "fallback")
     run = tiny(cp_size=2, requests=MIXED, page_size=16, phases=PhaseSet.level(3))
     rep = run_prefill(run)  # forked ranks inherit the patch
     pages = sum(-(-r.total // 16) for r in MIXED)
