@@ -78,7 +78,7 @@ print(format_table(result))
 # BF16 MLA stores, the KV rerange and the FP8 materialize reach the 80%-of-copy bar, 5-23x faster
 # than torch (the KV rerange 1.1x: with no rank padded, torch's trim is a view). The index store
 # stays near 60%: each token's 4-byte scale is a separate scattered store into its page. The index
-# rerange moves 256-byte rows in about 0.02 ms, and its timing is bimodal across runs. At 32,768
+# rerange is the shortest call of the table (256-byte rows), and its timing is bimodal across runs. At 32,768
 # tokens every kernel is short of the bar: a few microseconds of traffic, where launch, the grid's
 # tail and `do_bench`'s L2 flush weigh heavily. The launch configs are the best byte-exact ones of
 # `python -m reference_impl.bench.kernels --sweep`; the FP8 store got there by dividing with a

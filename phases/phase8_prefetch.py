@@ -111,12 +111,13 @@ print(f"C=3 with the real stream: matches oracle {rep['matches_oracle']}, collec
 #   consume; `hidden = 1 - median stall / payload`. It misses what the side stream costs the main
 #   stream's kernels by sharing the GPU with them.
 # * **layer difference**: `hidden = (level 7 layer - level 8 layer) / payload`. It includes that
-#   cost, but it is the difference of two medians of ~4-10 ms layers, for a payload under 0.5 ms:
-#   the run-to-run spread of a median is of the same size, so it can say little at this scale.
+#   cost, but it is the difference of two medians of layers many times longer than the payload
+#   (the figures printed below): the run-to-run spread of a median is of the payload's size, so it
+#   can say little at this scale.
 #
 # The third run models a slower wire, 25 GB/s (a cross-node link rather than NVLink): the same
-# batch, the same compute, but the history's all-gather takes ~3 ms, several times the spread of
-# the layer medians, so the layer difference can resolve the hidden share.
+# batch, the same compute, but the history's all-gather takes several times the spread of the
+# layer medians, so the layer difference can resolve the hidden share.
 
 # %%
 from reference_impl.bench.layer import Workload, measure
@@ -147,9 +148,10 @@ else:
 # is on the [benchmarks page](../benchmarks.md) (`docs/results/layer_bench.json`).
 #
 # The committed outputs below were printed by the planner of their day, before it gained its
-# elementwise term (`planner.elementwise`, 0.96 us per local token): rerun here it predicts about
-# 3.9 ms more per layer at 32,768 tokens. The benchmarks page re-evaluates the current planner on
-# stored runs (`python -m reference_impl.bench.layer --replan`): -5% to -7% at this size.
+# elementwise term (`planner.elementwise`, a per-local-token rate fitted on the H200 and stored in
+# `docs/results/elementwise_rate.json`): rerun here it predicts more time per layer than printed.
+# The benchmarks page re-evaluates the current planner on stored runs
+# (`python -m reference_impl.bench.layer --replan`) and shows its errors.
 
 # %%
 if ON_GPU:

@@ -1,0 +1,98 @@
+"""Docs that cannot drift: every measured figure on a page is rendered from the results it came from.
+
+``scripts/render_docs.py`` rewrites the text between a page's markers; these tests fail when a page
+and its results disagree (someone edited one and not the other), and show that they would.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import render_docs  # noqa: E402
+from render_docs import Sources, normalize_console, page_paths, render_all, render_page, typed_figures  # noqa: E402
+
+
+def _explain(differences: list) -> str:
+    return "\n".join(map(str, differences)) + "\nrun: python3 scripts/render_docs.py --write"
+
+
+def test_every_figure_on_the_pages_matches_its_results() -> None:
+    differences = render_all(Sources(), console=False, write=False)
+    assert not differences, _explain(differences)
+
+
+def test_no_time_or_rate_is_typed_on_a_page() -> None:
+    """A time or a rate outside a marker is a measurement nobody re-renders (``typed:`` lines excepted)."""
+    typed = [f"{p.relative_to(ROOT)}:{n}: {f!r}" for p in page_paths() for n, f in typed_figures(p.read_text())]
+    assert not typed, "typed, not rendered from a result:\n" + "\n".join(typed)
+
+
+def test_the_typed_figure_check_sees_prose_and_timed_table_columns() -> None:
+    page = (
+        "It took 12.5 ms, `3 ms` in code, <!-- fig 1 -->1<!-- /fig --> ms rendered.\n"
+        "A datasheet 4.8 TB/s. <!-- typed: the H200 datasheet -->\n\n"
+        "| tokens | layer ms | KiB |\n| --- | --- | --- |\n| 4,096 | 79.4 | 56.0 |\n\nAfter 7 layers.\n"
+    )
+    assert typed_figures(page) == [(1, "12.5 ms"), (6, "79.4")]
+
+
+def test_every_console_example_is_what_the_cli_prints() -> None:
+    """The documented ``python -m reference_impl ...`` outputs, run again on this CPU (wall-clock
+    columns and the machine's architecture compared as patterns)."""
+    differences = [d for d in render_all(Sources(), console=True, write=False) if d.spec.startswith("console:")]
+    assert not differences, _explain(differences)
+
+
+def test_editing_a_result_makes_the_pages_disagree(tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    shutil.copytree(ROOT / "docs" / "results", results)
+    doc = json.loads((results / "layer_bench.json").read_text())
+    level3 = next(w for w in doc["workloads"] if w["workload"]["extend"] == 131072)["levels"][3]
+    level3["layer_ms_median"] += 1.0
+    (results / "layer_bench.json").write_text(json.dumps(doc))
+    differences = render_all(Sources(results_dir=results), console=False, write=False)
+    pages = {d.page.name for d in differences}
+    assert "phase3-current-reuse.md" in pages, _explain(differences)
+    assert all("layer_bench" in d.spec for d in differences)
+
+
+def test_render_fills_a_figure_and_keeps_a_table_in_its_list_item() -> None:
+    names = {**Sources().namespace(), "r": render_docs.wrap({"xs": [{"a": 1.234, "b": 5000}, {"a": 2.5, "b": 7}]})}
+    page = (
+        "Took <!-- fig r.xs[0].a | .2f -->9<!-- /fig --> ms, span <!-- fig span((x.a for x in r.xs), '.1f') -->?<!-- /fig -->.\n"
+        "1. item\n\n"
+        '    <!-- fig rows(r.xs, "| a | b |", "| {a:.1f} | {b:,} |") --><!-- /fig -->\n'
+    )
+    text, changes = render_page(page, names, console=None)
+    assert "Took <!-- fig r.xs[0].a | .2f -->1.23<!-- /fig --> ms" in text
+    assert "-->1.2-2.5<!-- /fig -->" in text
+    assert "\n    | a | b |\n    | --- | --- |\n    | 1.2 | 5,000 |\n    | 2.5 | 7 |\n\n    <!-- /fig -->" in text
+    assert len(changes) == 3
+    again, changes = render_page(text, names, console=None)
+    assert again == text and not changes
+
+
+def test_an_inline_figure_may_not_start_a_line() -> None:
+    """Markdown reads a line that starts with a comment as an HTML block and cuts the paragraph."""
+    with pytest.raises(ValueError, match="starts the line"):
+        render_page("Some words\n<!-- fig 1 + 1 -->2<!-- /fig --> more.\n", {}, console=None)
+
+
+def test_a_figure_that_cannot_render_names_its_line() -> None:
+    with pytest.raises(ValueError, match=r"line 2: `nope\.field` does not render: NameError"):
+        render_page("a\nb <!-- fig nope.field -->1<!-- /fig -->\n", {}, console=None)
+
+
+def test_console_normalization_keeps_everything_but_wall_time_and_architecture() -> None:
+    a = "x | cpu (x86_64) / gloo\n  rank  tokens  layer ms\n     0      88     12.50\n"
+    b = "x | cpu (aarch64) / gloo\n  rank  tokens  layer ms\n     0      88    101.07\n"
+    c = "x | cpu (aarch64) / gloo\n  rank  tokens  layer ms\n     0      89    101.07\n"
+    assert normalize_console(a) == normalize_console(b) != normalize_console(c)
