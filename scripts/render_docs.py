@@ -150,27 +150,27 @@ class Sources:
             names[path.stem] = wrap(json.loads(path.read_text()))
         return names
 
-    def printed(self, name: str, pattern: str) -> str:
-        """The first group of ``pattern`` in what ``docs/notebooks/NAME.ipynb`` printed (its stored outputs)."""
+    def _printed_outputs(self, name: str) -> list[str]:
+        """What each output of ``docs/notebooks/NAME.ipynb`` printed (its stored, executed outputs)."""
         cells = json.loads((self.notebooks_dir / f"{name}.ipynb").read_text())["cells"]
-        text = "\n".join("".join(o.get("text", [])) for c in cells for o in c.get("outputs", []))
-        m = re.search(pattern, text, re.M)
+        return ["".join(out.get("text", [])) for cell in cells for out in cell.get("outputs", [])]
+
+    def printed(self, name: str, pattern: str) -> str:
+        """The first group of ``pattern`` in what ``docs/notebooks/NAME.ipynb`` printed."""
+        m = re.search(pattern, "\n".join(self._printed_outputs(name)), re.M)
         if m is None:
             raise LookupError(f"docs/notebooks/{name}.ipynb printed nothing that matches {pattern!r}")
         return m.group(1)
 
     def notebook(self, name: str) -> Doc:
-        """The last JSON object printed by ``docs/notebooks/NAME.ipynb`` (its stored, executed outputs)."""
-        cells = json.loads((self.notebooks_dir / f"{name}.ipynb").read_text())["cells"]
+        """The last JSON object printed by ``docs/notebooks/NAME.ipynb``."""
         found, decoder = None, json.JSONDecoder()
-        for cell in cells:
-            for out in cell.get("outputs", []):
-                printed = "".join(out.get("text", []))
-                for m in re.finditer(r"^\{", printed, re.M):
-                    try:
-                        found = decoder.raw_decode(printed, m.start())[0]
-                    except json.JSONDecodeError:
-                        continue
+        for printed in self._printed_outputs(name):
+            for m in re.finditer(r"^\{", printed, re.M):
+                try:
+                    found = decoder.raw_decode(printed, m.start())[0]
+                except json.JSONDecodeError:
+                    continue
         if found is None:
             raise LookupError(f"docs/notebooks/{name}.ipynb printed no JSON object")
         return wrap(found)
@@ -202,7 +202,7 @@ def _indent_like(text: str, start: int, value: str) -> str:
 # --------------------------------------------------------------------------------- the console
 
 
-_WALL_CLOCK_HEADER = re.compile(r"\b(layer ms|ms)\s*$")
+_WALL_CLOCK_HEADER = re.compile(r"\bms\s*$")
 
 
 def normalize_console(text: str) -> str:
@@ -236,7 +236,8 @@ def run_console(args: str) -> str:
 # A time or a rate typed into prose is a measurement nobody re-renders. Figures that are not
 # measurements (a device's datasheet, another project's published number, a configured wire speed in
 # a command line) go in code spans or carry a ``<!-- typed: why -->`` comment on their line.
-MEASURED = re.compile(r"(?<![\w.])\d[\d,]*(\.\d+)?\s?(ms|us|µs|TFLOPS|GB/s|TB/s)\b")
+_UNITS = r"(ms|us|µs|TFLOPS|GB/s|TB/s)"
+MEASURED = re.compile(r"(?<![\w.])\d[\d,]*(\.\d+)?\s?" + _UNITS + r"\b")
 _FENCE = re.compile(r"^\s*```.*?^\s*```", re.S | re.M)
 _CODE_SPAN = re.compile(r"`[^`\n]*`")
 
@@ -271,7 +272,7 @@ def _cells(line: str) -> list[str] | None:
     return [c.strip() for c in line.strip().strip("|").split("|")] if line.lstrip().startswith("|") else None
 
 
-_TIMED_HEADER = re.compile(r"\b(ms|us|µs|TFLOPS|GB/s|TB/s)\b")
+_TIMED_HEADER = re.compile(r"\b" + _UNITS + r"\b")
 
 
 # ------------------------------------------------------------------------------------- the pages
@@ -294,10 +295,11 @@ class Difference:
         return where + " differs:\n" + "\n".join(list(diff)[:20])
 
 
-def page_paths() -> list[Path]:
-    paths = [ROOT / "README.md"]
-    paths += sorted(p for p in (ROOT / "docs").rglob("*.md"))
-    return paths
+def page_paths(only: Iterable[Path] = ()) -> list[Path]:
+    """README.md and every page under docs/, or those of them that ``only`` names."""
+    chosen = {p.resolve() for p in only}
+    paths = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    return [p for p in paths if not chosen or p in chosen]
 
 
 def render_page(text: str, names: dict[str, Any], console: Callable[[str], str] | None) -> tuple[str, list[tuple[int, str, str, str]]]:
@@ -336,8 +338,7 @@ def render_page(text: str, names: dict[str, Any], console: Callable[[str], str] 
 def render_all(sources: Sources, console: bool, write: bool, only: Iterable[Path] = ()) -> list[Difference]:
     """Render (and with ``write`` rewrite) every page, or the pages ``only`` names; the differences."""
     names = sources.namespace()
-    chosen = {p.resolve() for p in only}
-    pages = {p: p.read_text() for p in page_paths() if not chosen or p in chosen}
+    pages = {p: p.read_text() for p in page_paths(only)}
     outputs: dict[str, str] = {}
     if console:
         wanted = sorted({m["args"] for t in pages.values() for m in CONSOLE.finditer(t)})
@@ -364,8 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     differences = render_all(Sources(), console=not args.no_console, write=args.write, only=args.pages)
     for d in differences:
         print(("rewrote " if args.write else "") + str(d))
-    chosen = {p.resolve() for p in args.pages}
-    typed = [(p, n, f) for p in page_paths() if not chosen or p in chosen for n, f in typed_figures(p.read_text())]
+    typed = [(p, n, f) for p in page_paths(args.pages) for n, f in typed_figures(p.read_text())]
     for page, number, figure in typed:
         print(f"{page.relative_to(ROOT)}:{number}: {figure!r} is typed, not rendered from a result")
     if differences and not args.write:
