@@ -11,25 +11,29 @@ start=$SECONDS
 cuda=$(python3 -c "import torch; print(int(torch.cuda.is_available()))")
 notebooks=(python3 -m pytest -q --nbval-lax --nbval-current-env -p no:cacheprovider notebooks)
 
-python3 -m pytest -q tests  # the CPU tier
 if [ "$cuda" = 1 ]; then
-  # The walkthroughs' GPU sections at small sizes (the committed outputs are full runs:
-  # scripts/execute_notebooks.py), one notebook per worker where pytest-xdist is installed, running
-  # beside the GPU tier (both only check; neither times anything).
+  # Three jobs side by side, each writing its own log: the CPU tier (it hides CUDA itself), the
+  # walkthroughs' GPU sections at small sizes (the committed outputs are full runs:
+  # scripts/execute_notebooks.py; one notebook per worker where pytest-xdist is installed), and the
+  # GPU tier in front. None of them times anything, so sharing the machine changes no result.
   python3 -c "import xdist" 2>/dev/null && notebooks+=(-n 4 --dist loadfile)
-  notebook_log="$(mktemp)"
+  cpu_log="$(mktemp)"; notebook_log="$(mktemp)"
+  python3 -m pytest -q --durations=8 tests > "$cpu_log" 2>&1 &
+  cpu_job=$!
   DSACP_NOTEBOOK_SMOKE=1 "${notebooks[@]}" > "$notebook_log" 2>&1 &
   notebook_job=$!
-  gpu_status=0
+  gpu_status=0; cpu_status=0; notebook_status=0
   python3 -m pytest -q --gpu tests || gpu_status=$?  # the GPU tier
-  notebook_status=0
+  wait "$cpu_job" || cpu_status=$?
   wait "$notebook_job" || notebook_status=$?
+  echo "CPU tier:"; tail -n 25 "$cpu_log"
   echo "notebooks on the GPU:"; tail -n 15 "$notebook_log"
-  if [ "$gpu_status" != 0 ] || [ "$notebook_status" != 0 ]; then
-    echo "GPU tier exit $gpu_status, notebooks exit $notebook_status" >&2; exit 1
+  if [ "$gpu_status" != 0 ] || [ "$cpu_status" != 0 ] || [ "$notebook_status" != 0 ]; then
+    echo "GPU tier exit $gpu_status, CPU tier exit $cpu_status, notebooks exit $notebook_status" >&2; exit 1
   fi
   notebooks_on="the GPU"
 else
+  python3 -m pytest -q tests  # the CPU tier
   TRITON_INTERPRET=1 "${notebooks[@]}"  # notebooks on CPU: Triton kernels under the interpreter
   notebooks_on="the CPU"
 fi

@@ -79,6 +79,35 @@ def test_sparse_mla_matches_reference(
     assert torch.isneginf(lse[2]).all() and (out[2] == 0).all()
 
 
+def test_interpreter_repair_runs_a_runtime_bounded_range_on_older_triton(mla: object, monkeypatch) -> None:
+    """Triton < 3.7's interpreter reads a scalar's ``__index__`` as ``int()`` of a one-element array,
+    which NumPy 2 refuses, so the kernel's ``tl.range(0, topk, ...)`` fails (as on the H200 image's
+    triton 3.6); :func:`interpreter_compat.apply` repairs it."""
+    from triton.runtime import interpreter
+    from triton.runtime.errors import InterpreterError
+
+    from reference_impl.kernels import interpreter_compat
+
+    current = interpreter._patch_lang_tensor
+    unpatched = getattr(current, "__wrapped__", current)
+
+    def triton_3_6_patch(tensor, scope) -> None:  # what triton 3.6 installs
+        unpatched(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data))
+
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", triton_3_6_patch)
+    gen = torch.Generator().manual_seed(2)
+    q, kv, indices = _attention_case(gen, n_tokens=4, n_heads=2, d_qk=32, n_kv=40, topk=20, dtype=torch.float32)
+    call = lambda: mla.sparse_mla_attention_triton(q, kv, indices, 32**-0.5, 16, block_k=16)  # type: ignore[attr-defined]  # noqa: E731
+    with pytest.raises(InterpreterError, match="0-dimensional"):
+        call()
+    assert interpreter_compat.apply()
+    assert not interpreter_compat.apply()  # once is enough
+    out, _ = call()
+    ref_out, _ = ref.sparse_mla_attention(q, kv, indices, 32**-0.5, 16)
+    assert _rel_err(out, ref_out) < 1e-5
+
+
 @pytest.mark.parametrize("defer_pv", [True, False])
 def test_sparse_mla_lazy_rescale_small_and_large_max_growth(mla: object, defer_pv: bool) -> None:
     """Scores that grow a little from tile to tile (the stale max is kept: no rescale) and then by

@@ -42,7 +42,6 @@ path on other GPUs and the one the CPU suite checks.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
@@ -52,6 +51,7 @@ from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
+from reference_impl.kernels.interpreter_compat import interpreting
 from reference_impl.kernels.sparse_mla_triton import check_attention_shapes, unit_stride_inputs
 
 LOG2E = math.log2(math.e)
@@ -282,7 +282,7 @@ def unsupported_reason(
 
 
 def _reason_for(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> str | None:
-    if os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on"):
+    if interpreting():
         return "does not run under TRITON_INTERPRET=1 (Gluon has no interpreter)"
     capability = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else None
     return unsupported_reason(q.device.type, capability, q.dtype, kv.dtype, q.shape[-1], d_v)

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from reference_impl.kernels import interpreter_compat  # noqa: F401  (repairs triton < 3.7's interpreter)
+
 
 def pow2_at_least_16(n: int) -> int:
     """The smallest power of two >= ``max(n, 16)`` (Triton block sizes; 16 is the smallest ``tl.dot`` dim)."""
