@@ -8,6 +8,7 @@ before the first collective while rank 0 waits in it.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import sys
@@ -49,6 +50,7 @@ def hang_before_the_gather_on_rank1(group: CPGroup, payload: Any) -> None:
 
 
 def main(argv: list[str]) -> int:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test that waits in vain asks where it is stuck
     if argv[0] == "torchrun-hang":
         from reference_impl.launch import launch
 

@@ -59,12 +59,24 @@ def _start_driver(start_method: str, piddir: Path) -> tuple[subprocess.Popen, li
     return proc, [int(p.read_text()) for p in sorted(piddir.glob("rank*"))]
 
 
+def _exit_code(proc: subprocess.Popen, seconds: float = 60) -> int:
+    """The driver's exit code; if it does not exit in time, fail with its threads' stacks (a loaded
+    machine is slow, a deadlock never ends: the stacks say which)."""
+    try:
+        return proc.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(2)
+        proc.kill()
+        pytest.fail(f"the driver did not exit within {seconds} s; its stacks:\n{proc.communicate()[1][-6000:]}")
+
+
 @pytest.mark.parametrize("start_method", ["fork", "spawn", "forkserver"])
 def test_sigterm_to_the_parent_stops_every_rank_and_leaves_nothing(tmp_path: Path, start_method: str) -> None:
     before = _leftovers()
     proc, pids = _start_driver(start_method, tmp_path)
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=20) == 128 + signal.SIGTERM
+    assert _exit_code(proc) == 128 + signal.SIGTERM
     assert _wait_gone(pids, 5) == []
     time.sleep(0.5)
     assert _leftovers() - before == set()
@@ -74,7 +86,7 @@ def test_sigint_to_the_parent_stops_every_rank(tmp_path: Path) -> None:
     before = _leftovers()
     proc, pids = _start_driver("fork", tmp_path)
     proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=20) == 128 + signal.SIGINT
+    assert _exit_code(proc) == 128 + signal.SIGINT
     assert _wait_gone(pids, 5) == []
     time.sleep(0.5)
     assert _leftovers() - before == set()
