@@ -2,7 +2,8 @@
 # Every test: the CPU tier (pytest: unit, multi-process, Triton under the interpreter, CUDA hidden),
 # the walkthrough notebooks under nbval, and the strict docs build. On a machine with a CUDA device,
 # also the GPU tier (pytest --gpu: compiled kernels, DeepSeek-V3.2 dims), and the notebooks run on
-# the GPU instead of the CPU, beside the GPU tier.
+# the GPU instead of the CPU, beside the GPU tier. DSACP_TEST_LOG_DIR (default: a temp folder) keeps
+# the logs of the jobs that run beside the GPU tier and of the docs build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -17,7 +18,8 @@ if [ "$cuda" = 1 ]; then
   # scripts/execute_notebooks.py; one notebook per worker where pytest-xdist is installed), and the
   # GPU tier in front. None of them times anything, so sharing the machine changes no result.
   python3 -c "import xdist" 2>/dev/null && notebooks+=(-n 4 --dist loadfile)
-  cpu_log="$(mktemp)"; notebook_log="$(mktemp)"
+  logs="${DSACP_TEST_LOG_DIR:-$(mktemp -d)}"; mkdir -p "$logs"  # where the side jobs write as they go
+  cpu_log="$logs/cpu-tier.log"; notebook_log="$logs/notebooks.log"
   python3 -m pytest -q --durations=8 tests > "$cpu_log" 2>&1 &
   cpu_job=$!
   DSACP_NOTEBOOK_SMOKE=1 "${notebooks[@]}" > "$notebook_log" 2>&1 &
@@ -39,7 +41,7 @@ else
 fi
 # --strict aborts on most warnings but not on unresolved cross-references (mkdocs-autorefs), so
 # any WARNING line fails the build here too.
-docs_log="$(mktemp)"
+docs_log="${DSACP_TEST_LOG_DIR:-$(mktemp -d)}/mkdocs.log"
 NO_MKDOCS_2_WARNING=1 python3 -m mkdocs build --strict -d "$(mktemp -d)/site" > "$docs_log" 2>&1 || { cat "$docs_log"; exit 1; }
 if grep "WARNING" "$docs_log"; then echo "mkdocs printed warnings: fix them" >&2; exit 1; fi
 echo "all tests passed in $((SECONDS - start)) s (GPU tier: $([ "$cuda" = 1 ] && echo ran || echo 'skipped, no CUDA device'); notebooks on $notebooks_on)"
