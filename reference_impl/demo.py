@@ -156,6 +156,7 @@ def plot_demo(result: dict[str, Any], path: Path) -> Path:
     time.plot(levels, [row[time_key] for row in result["levels"]], "o-")
     time.set_xlabel("phase level")
     time.set_ylabel("ms per layer")
+    time.set_ylim(bottom=0)  # level-to-level differences at their true scale
     time.set_title("warm, rank 0 of C=8, modeled 450 GB/s wire" if gpu else "CPU, cold: not a GPU figure")
     fig.suptitle(f"{result['device']}: what each phase level buys", fontsize=10)
     fig.tight_layout()

@@ -3,6 +3,7 @@
     python3 scripts/results_tables.py compute docs/results/compute_bench.json
     python3 scripts/results_tables.py kernels docs/results/kernels_bench.json
     python3 scripts/results_tables.py layer docs/results/layer_bench.json
+    python3 scripts/results_tables.py demo docs/results/demo_h200.json
 """
 
 from __future__ import annotations
@@ -156,6 +157,31 @@ def layer(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def demo(doc: dict) -> str:
+    """The main job's result (``python -m reference_impl demo``) on a CUDA machine."""
+    check, per_rank, versions = doc["check"], doc["per_rank"], doc["versions"]
+    wl, pf = per_rank["workload"], per_rank["prefetch"]
+    lines = [
+        f"Device: {doc['device']}, torch {versions['torch']}, triton {versions['triton']}. Command: `{doc['command']}`.",
+        f"Oracle check: {check['how']}, {check['preset']}, {check['n_layers']} layers, {check['compute_dtype']}, "
+        f"requests (prefix, new) {', '.join(f'({p:,}, {e:,})' for p, e in check['requests'])}. "
+        f"Per rank: {per_rank['how']}; {wl['prefix']:,} cached + {wl['extend']:,} new tokens; {per_rank['timing']}.",
+        "",
+        "| level | oracle | store path | KV at rest MiB | measured peak MiB | materialized MiB | layer ms (warm) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in doc["levels"]:
+        lines.append(
+            f"| {row['level']} | {'match' if row['matches_oracle'] else 'DIFFERS'} | {row['per_rank_store_path']} | "
+            f"{row['kv_at_rest_bytes'] / 2**20:,.1f} | {_mib(row['measured_peak_bytes'])} | "
+            f"{row['materialized_bytes'] / 2**20:,.1f} | {row['layer_ms']:.2f} |"
+        )
+    lines += ["", f"Phase 8: history payload {pf['payload_ms']:.2f} ms per layer; the main stream stalls "
+              f"{pf['exposed_wait_ms_median'] * 1e3:.0f} us at the wait (median), "
+              f"{pf['hidden_fraction_direct']:.0%} of the payload hidden."]
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     kind, path = sys.argv[1], sys.argv[2]
-    print({"compute": compute, "kernels": kernels, "layer": layer}[kind](json.load(open(path))))
+    print({"compute": compute, "kernels": kernels, "layer": layer, "demo": demo}[kind](json.load(open(path))))
