@@ -342,7 +342,8 @@ def render_all(sources: Sources, console: bool, write: bool, only: Iterable[Path
     outputs: dict[str, str] = {}
     if console:
         wanted = sorted({m["args"] for t in pages.values() for m in CONSOLE.finditer(t)})
-        with ThreadPoolExecutor(max_workers=2) as pool:
+        # Each example is its own process (ranks included): as many at once as the machine has cores for.
+        with ThreadPoolExecutor(max_workers=max(2, min(8, (os.cpu_count() or 2) // 2))) as pool:
             outputs = dict(zip(wanted, pool.map(run_console, wanted)))
     differences = []
     for path, text in pages.items():
