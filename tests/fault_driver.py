@@ -51,6 +51,9 @@ def hang_before_the_gather_on_rank1(group: CPGroup, payload: Any) -> None:
 
 def main(argv: list[str]) -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test that waits in vain asks where it is stuck
+    # A shell starts background jobs with SIGINT ignored, and children inherit that (scripts/test.sh
+    # runs the CPU tier in the background on a CUDA machine): the SIGINT test sends it on purpose.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if argv[0] == "torchrun-hang":
         from reference_impl.launch import launch
 

@@ -49,8 +49,14 @@ def _wait_gone(pids: list[int], seconds: float) -> list[int]:
     return [p for p in pids if _alive(p)]
 
 
-def _start_driver(start_method: str, piddir: Path) -> tuple[subprocess.Popen, list[int]]:
-    proc = subprocess.Popen([sys.executable, str(DRIVER), start_method, str(piddir)], stderr=subprocess.PIPE, text=True)
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _start_driver(start_method: str, piddir: Path, as_background_job: bool = False) -> tuple[subprocess.Popen, list[int]]:
+    """Start the fault driver; ``as_background_job``: with SIGINT ignored, as a shell starts ``cmd &``."""
+    proc = subprocess.Popen([sys.executable, str(DRIVER), start_method, str(piddir)], stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_ignore_sigint if as_background_job else None)
     deadline = time.monotonic() + 60
     while len(list(piddir.glob("rank*"))) < 4:
         assert time.monotonic() < deadline and proc.poll() is None, "the ranks did not start"
@@ -82,9 +88,10 @@ def test_sigterm_to_the_parent_stops_every_rank_and_leaves_nothing(tmp_path: Pat
     assert _leftovers() - before == set()
 
 
-def test_sigint_to_the_parent_stops_every_rank(tmp_path: Path) -> None:
+@pytest.mark.parametrize("as_background_job", [False, True])
+def test_sigint_to_the_parent_stops_every_rank(tmp_path: Path, as_background_job: bool) -> None:
     before = _leftovers()
-    proc, pids = _start_driver("fork", tmp_path)
+    proc, pids = _start_driver("fork", tmp_path, as_background_job)
     proc.send_signal(signal.SIGINT)
     assert _exit_code(proc) == 128 + signal.SIGINT
     assert _wait_gone(pids, 5) == []
