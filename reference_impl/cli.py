@@ -94,6 +94,8 @@ _RUN_KNOBS: dict[str, tuple[Callable[[str], Any], str]] = {
     "phases": (str, "a cumulative level 0..8 (e.g. 1) or an explicit list (e.g. 1,2)"),
     "split_mode": (str, "in-seq | round-robin"),
     "page_size": (_int_arg(1), "tokens per KV page (a power of two, 4..4096)"),
+    "kv_interleave": (_int_arg(1), "KV sharded at rest: consecutive tokens per rank (a power of two dividing the page "
+                      "size; default: the page size in-seq, 1 round-robin)"),
     "n_layers": (_int_arg(1), "layers (default: the preset's)"),
     "chunk_size": (_int_arg(1), "chunked prefill: extend tokens per request per chunk"),
     "seed": (_int_arg(0), "weights and inputs"),

@@ -22,6 +22,7 @@ from reference_impl.presets import PRESETS, ModelConfig, get_preset
 __all__ = [
     "PRESETS", "ConfigError", "KVDtype", "ModelConfig", "PhaseSet", "Request", "RunConfig", "SplitMode",
     "available_levels", "env_flag", "env_value", "get_preset", "knob_names", "parse_int_list", "parse_requests",
+    "validate_interleave",
     "validate_page_size",
 ]
 
@@ -44,6 +45,13 @@ def validate_page_size(page_size: int) -> None:
         )
     if page_size > MAX_PAGE_SIZE:
         raise ConfigError(f"page_size={page_size} exceeds {MAX_PAGE_SIZE} tokens")
+
+
+def validate_interleave(interleave: int, page_size: int) -> None:
+    """Raise :class:`ConfigError` unless ``interleave`` (tokens per ownership run of a sharded KV
+    cache) is a power of two that divides ``page_size``."""
+    if interleave < 1 or interleave & (interleave - 1) or page_size % interleave:
+        raise ConfigError(f"kv_interleave={interleave} must be a power of two that divides the page size {page_size}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -134,6 +142,9 @@ class RunConfig:
     split_mode: SplitMode = "in-seq"
     phases: PhaseSet = field(default_factory=PhaseSet)
     page_size: int = 64
+    # KV sharded at rest (phase 2): consecutive slots per ownership run (token t of a request on
+    # rank (t // I) % C). None: the page size with the in-seq split, 1 with round-robin.
+    kv_interleave: int | None = None
     n_layers: int | None = None  # None: the preset's layer count
     chunk_size: int | None = None  # chunked prefill: extend tokens per request per chunk (None: one chunk)
     seed: int = 0
@@ -161,10 +172,14 @@ class RunConfig:
             raise ConfigError("a batch needs at least one request")
         if self.split_mode == "round-robin" and self.phases.page_aligned:
             raise ConfigError("round-robin split cannot run phase 4 (page-aligned split): it is an in-seq split; use --split-mode in-seq")
-        if self.split_mode == "round-robin" and self.phases.shared_kv:
+        if self.kv_interleave is not None:
+            if not self.phases.sharded_kv:
+                raise ConfigError("kv_interleave shapes KV sharded at rest: it needs phase 2 (e.g. --phases 2)")
+            validate_interleave(self.kv_interleave, self.page_size)
+        if self.phases.compute_owner and self.interleave != self.page_size:
             raise ConfigError(
-                f"round-robin split cannot run shared-KV phases {sorted(self.phases.shared_kv)}: its materialization and "
-                "PD-transfer contracts are not wired; use --split-mode in-seq"
+                f"phase 5 (compute-owner layout) allocates whole pages in compute-rank lanes: it needs kv_interleave "
+                f"equal to the page size {self.page_size}, got {self.interleave}"
             )
         if self.compute_dtype not in ("auto", "fp32", "bf16"):
             raise ConfigError(f"compute_dtype={self.compute_dtype!r}: use 'auto', 'fp32' or 'bf16'")
@@ -201,9 +216,17 @@ class RunConfig:
             0 < self.timeout_s < float("inf")
         ):
             raise ConfigError(f"timeout_s={self.timeout_s!r}: need a positive, finite number of seconds")
-        for name in ("n_layers", "chunk_size"):
+        for name in ("n_layers", "chunk_size", "kv_interleave"):
             if getattr(self, name) is not None:
                 _check_type(name, getattr(self, name), int)
+
+    @property
+    def interleave(self) -> int:
+        """Tokens per ownership run of the sharded KV: ``kv_interleave``, else the page size (in-seq)
+        or 1 (round-robin: every rank stores the tokens it computes)."""
+        if self.kv_interleave is not None:
+            return self.kv_interleave
+        return 1 if self.split_mode == "round-robin" else self.page_size
 
     @property
     def model(self) -> ModelConfig:

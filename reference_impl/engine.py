@@ -36,6 +36,7 @@ from reference_impl.cp.kv_replicated import ReplicatedKV
 from reference_impl.cp.kv_sharded import ShardedKV
 from reference_impl.cp.kv_store import KVStore
 from reference_impl.cp.narrow_output import collect_narrow
+from reference_impl.cp.ownership import Ownership
 from reference_impl.cp.prefetch import MlaPrefetcher
 from reference_impl.cp.rerange import gather_current
 from reference_impl.cp.split import SplitMetadata, build_split
@@ -89,12 +90,15 @@ class RankResult:
 
 
 def make_kv_store(run: RunConfig, batch: BatchLocs, layout: KVLayout, group: CPGroup) -> KVStore:
-    """The KV store the phase set asks for: a replica per rank (baseline) or sharded (phases 2, 3, 5)."""
+    """The KV store the phase set asks for: a replica per rank (baseline) or sharded at the run's
+    interleave (phases 2, 3, 5)."""
     if run.phases.sharded_kv:
+        # Round-robin computes token t on rank t % C: at interleave 1 that is its owner, with no lanes.
+        direct = run.phases.compute_owner or run.split_mode == "round-robin"
         return ShardedKV(
             batch, layout, run.model.n_layers, group, group.debug,
-            reuse_current=run.phases.current_reuse, direct_write=run.phases.compute_owner,
-            fused=run.phases.fused_kernels,
+            reuse_current=run.phases.current_reuse, direct_write=direct, fused=run.phases.fused_kernels,
+            ownership=Ownership(run.cp_size, run.interleave, run.page_size),
         )
     return ReplicatedKV(batch, layout, run.model.n_layers, group.device, group.debug, fused=run.phases.fused_kernels)
 

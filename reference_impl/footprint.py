@@ -17,7 +17,7 @@ import os
 import torch
 
 from reference_impl.config import ConfigError, RunConfig
-from reference_impl.cp.ownership import owned_page_count
+from reference_impl.cp.ownership import Ownership
 from reference_impl.kvcache.layout import KVLayout
 
 GIB = 1 << 30
@@ -47,7 +47,8 @@ def lower_bound_bytes(run: RunConfig, device_type: str) -> int:
     per_process = _param_count(run) * dtype_bytes + tokens * cfg.dim * dtype_bytes
     ranks = run.cp_size if device_type == "cpu" else max(1, run.cp_size // max(1, torch.cuda.device_count()))
     if run.phases.sharded_kv:
-        pools = sum(owned_page_count(pages, rank, run.cp_size) for rank in range(ranks)) * page_bytes
+        ownership = Ownership(run.cp_size, run.interleave, run.page_size)
+        pools = sum(ownership.pages_held(pages, rank) for rank in range(ranks)) * page_bytes
     else:
         pools = ranks * pages * page_bytes
     oracle = (per_process + pages * page_bytes) if run.check else 0

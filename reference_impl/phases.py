@@ -145,12 +145,6 @@ class PhaseSet:
         """Phase 8: one-layer-ahead prefetch of the history MLA KV."""
         return Phase.PREFETCH in self.enabled
 
-    @property
-    def shared_kv(self) -> frozenset[int]:
-        """The enabled phases that build on KV sharded at rest (what the round-robin split cannot run yet)."""
-        return self.enabled & {Phase.SHARDED_KV, Phase.CURRENT_REUSE, Phase.COMPUTE_OWNER, Phase.SORT_FREE_REMAP,
-                               Phase.PREFETCH}
-
     def __str__(self) -> str:
         return ",".join(str(p) for p in sorted(self.enabled)) or "0"
 

@@ -83,6 +83,7 @@ def build_report(
             "kv_dtype": run.kv_dtype,
             "split_mode": run.split_mode,
             "page_size": run.page_size,
+            "kv_interleave": run.interleave if run.phases.sharded_kv else None,
             "n_layers": run.model.n_layers,
             "compute_dtype": str(compute_dtype(run, device)).removeprefix("torch."),
             "seed": run.seed,

@@ -36,7 +36,13 @@ def test_run_json_report_fields(capsys) -> None:
 BAD_INPUT = [
     # impossible runs
     (["run", "--cp-size", "8", "--requests", "5"], {}, "larger than the tokens allow"),
-    (["run", "--split-mode", "round-robin", "--phases", "2"], {}, "round-robin split cannot run shared-KV"),
+    (["run", "--split-mode", "round-robin", "--phases", "4"], {}, "round-robin split cannot run phase 4"),
+    (["run", "--kv-interleave", "8"], {}, "kv_interleave shapes KV sharded at rest: it needs phase 2"),
+    (["run", "--phases", "2", "--kv-interleave", "3"], {}, "kv_interleave=3 must be a power of two"),
+    (["run", "--phases", "2", "--page-size", "16", "--kv-interleave", "32"], {}, "divides the page size 16"),
+    (["run", "--phases", "5", "--kv-interleave", "1"], {}, "phase 5 (compute-owner layout) allocates whole pages"),
+    (["run", "--split-mode", "round-robin", "--cp-size", "4", "--requests", "0+1,0+2", "--phases", "2"], {},
+     "leave rank(s) [2, 3] without a token"),
     (["run", "--preset", "nope"], {}, "unknown preset 'nope'"),
     (["run", "--phases", "9"], {}, "out of range"),
     (["run", "--phases", "+5"], {}, "needs phase(s) [2, 4]"),

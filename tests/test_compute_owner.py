@@ -11,6 +11,7 @@ from conftest import tiny
 from reference_impl.config import ConfigError, PhaseSet, Request
 from reference_impl.cp.batch import BatchLocs
 from reference_impl.cp.compute_owner import direct_write_ok
+from reference_impl.cp.ownership import Ownership
 from reference_impl.cp.split import build_split
 from reference_impl.kvcache.allocator import PageAllocator
 
@@ -39,7 +40,8 @@ def test_short_request_is_not_page_aligned_so_no_direct_write(report_of) -> None
 def test_current_pages_get_their_compute_rank_as_owner(reqs, cp_size) -> None:
     meta = build_split("in-seq", cp_size, [e for _, e in reqs], [p for p, _ in reqs], 8, page_aligned=True)
     batch = BatchLocs.build(meta, compute_owner=True)
-    assert meta.page_aligned and direct_write_ok(meta, batch.extend_locs)  # page-multiple prefixes: always
+    by_page = Ownership(meta.cp_size, meta.page_size, meta.page_size)
+    assert meta.page_aligned and direct_write_ok(meta, batch.extend_locs, by_page)  # page-multiple prefixes: always
     for rank, tokens in enumerate(meta.rank_tokens):
         pages = batch.extend_locs[list(tokens)] // 8
         assert bool((pages % cp_size == rank).all())

@@ -108,25 +108,37 @@ def test_phase3_fallback_path_matches_oracle(forked_ranks) -> None:
     assert rep["per_rank"][0]["materialized_bytes"] == run.model.n_layers * pages * 16 * (260 + 132)
 
 
-def test_round_robin_refuses_shared_kv() -> None:
-    with pytest.raises(ConfigError, match="round-robin split cannot run shared-KV"):
-        RunConfig(split_mode="round-robin", phases=PhaseSet.level(2))
+def test_round_robin_refuses_the_in_seq_phases() -> None:
+    with pytest.raises(ConfigError, match="round-robin split cannot run phase 4"):
+        RunConfig(split_mode="round-robin", phases=PhaseSet.level(5))
 
 
 @given(st.lists(st.tuples(st.integers(0, 40), st.integers(4, 60)), min_size=1, max_size=4), st.integers(1, 4))
 def test_page_gather_covers_each_needed_page_once(reqs: list, cp_size: int) -> None:
+    from reference_impl.cp.ownership import Ownership
     from reference_impl.cp.page_gather import PageGather
 
     meta = build_split("in-seq", cp_size, [e for _, e in reqs], [p for p, _ in reqs], page_size=8)
     batch = BatchLocs.build(meta)
     rows = torch.arange(batch.view_len)
-    plans = [PageGather.build(batch, rows, r, cp_size) for r in range(cp_size)]
-    pages = plans[0].pages
-    assert sorted(pages.tolist()) == list(range(batch.n_pages))
-    assert sum(plans[0].counts) == batch.n_pages
-    for r, mp in enumerate(plans):
-        assert mp.send_physical.numel() == mp.counts[r]
-        assert torch.equal(mp.pages, pages)  # identical on every rank
+    for interleave in (8, 2, 1):
+        ownership = Ownership(cp_size, interleave, 8)
+        plans = [PageGather.build(batch, rows, r, ownership) for r in range(cp_size)]
+        keys = plans[0].pages
+        assert torch.equal(keys, torch.unique(keys))  # each (owner, physical page) once, rank-major
+        # Every view row comes from the gathered page of its owner that holds it.
+        owner, physical = ownership.owner(batch.view_locs), ownership.physical(batch.view_locs)
+        for r, plan in enumerate(plans):
+            assert plan.send_physical.numel() == plan.counts[r]
+            assert torch.equal(plan.pages, keys) and plan.counts == plans[0].counts  # identical on every rank
+        sent = torch.cat([p.send_physical for p in plans])
+        assert sum(plans[0].counts) == sent.numel() == keys.numel()
+        assert torch.equal(plans[0].row_source % 8, physical % 8)
+        assert torch.equal(sent[plans[0].row_source // 8], physical // 8)
+        rank_of_row = torch.repeat_interleave(torch.arange(cp_size), torch.tensor(plans[0].counts))[plans[0].row_source // 8]
+        assert torch.equal(rank_of_row, owner)
+        if interleave == 8:  # the page interleave: one gathered page per logical page
+            assert keys.numel() == batch.n_pages
 
 
 @pytest.mark.parametrize("level", [2, 3])

@@ -67,14 +67,17 @@ def test_padded_rerange_when_a_later_rank_is_longest() -> None:
 
 
 def test_round_robin_by_hand() -> None:
+    # The token at absolute position t goes to rank t % C: request 0 (prefix 5) holds positions
+    # 5, 6, 7 (ranks 1, 0, 1); request 1 holds positions 0..3 (ranks 0, 1, 0, 1).
     meta = build_split("round-robin", 2, [3, 4], [5, 0], page_size=2)
     assert meta.block_sizes == ()
-    assert meta.rank_tokens == ((0, 2, 4, 6), (1, 3, 5))
-    assert meta.local_positions(0) == (5, 7, 1, 3)
+    assert meta.rank_tokens == ((1, 3, 5), (0, 2, 4, 6))
+    assert meta.local_positions(0) == (6, 0, 2)
     assert meta.segments[1] == (
-        Segment(0, "rr", 0, 1, 6, 7),
-        Segment(1, "rr", 1, 1, 0, 1),
-        Segment(1, "rr", 2, 1, 2, 3),
+        Segment(0, "rr", 0, 1, 5, 6),
+        Segment(0, "rr", 1, 1, 7, 8),
+        Segment(1, "rr", 2, 1, 1, 2),
+        Segment(1, "rr", 3, 1, 3, 4),
     )
     # One rank: each request is a single run.
     solo = build_split("round-robin", 1, [3, 4], [5, 0])
@@ -122,12 +125,10 @@ def brute_force(mode: str, cp: int, extends: list[int], prefixes: list[int]) -> 
                 if mode == "in-seq":
                     rank, half = (b, 0) if b < cp else (2 * cp - 1 - b, 1)
                     owner_key.append((rank, (half, i, j)))
-                else:
-                    owner_key.append((-1, ()))
+                else:  # round-robin: by absolute position, in batch order
+                    owner_key.append(((p + j) % cp, (g,)))
                 positions.append(p + j)
                 g += 1
-    if mode == "round-robin":
-        owner_key = [(t % cp, (t,)) for t in range(g)]
     ranks: list[list[int]] = [[] for _ in range(cp)]
     for t in sorted(range(g), key=lambda t: owner_key[t][1]):
         ranks[owner_key[t][0]].append(t)
@@ -140,8 +141,7 @@ def batches(draw: st.DrawFn) -> tuple[str, int, list[int], list[int], int]:
     n = draw(st.integers(1, 4))
     extends = draw(st.lists(st.integers(1, 90), min_size=n, max_size=n))
     prefixes = draw(st.lists(st.integers(0, 150), min_size=n, max_size=n))
-    limit = max(extends) if mode == "in-seq" else sum(extends)
-    cp = draw(st.integers(1, min(8, limit)))
+    cp = draw(st.integers(1, min(8, max(extends))))  # the longest request covers every rank (both modes)
     page = draw(st.sampled_from([1, 2, 16, 64]))
     return mode, cp, extends, prefixes, page
 
@@ -166,7 +166,7 @@ def test_split_matches_brute_force(batch: tuple[str, int, list[int], list[int], 
     assert [padded[i] for i in meta.padded_rerange_index] == list(range(total))
     assert list(meta.token_position) == positions
     if mode == "round-robin":
-        assert all(t % cp == r for r, toks in enumerate(meta.rank_tokens) for t in toks)
+        assert all(positions[t] % cp == r for r, toks in enumerate(meta.rank_tokens) for t in toks)
 
     for r, segs in enumerate(meta.segments):
         toks = meta.rank_tokens[r]
@@ -236,7 +236,11 @@ def test_single_request_matches_sglang_block_rerange(cp: int, length: int, data:
         ),
         (
             lambda: build_split("round-robin", 4, [1, 2]),
-            "round-robin split needs at least 4 extend tokens in the batch (batch has 3)",
+            "leave rank(s) [2, 3] without a token",
+        ),
+        (  # four tokens, but positions 0, 4, 8, 12: all on rank 0
+            lambda: build_split("round-robin", 4, [1, 1, 1, 1], [0, 4, 8, 12]),
+            "leave rank(s) [1, 2, 3] without a token",
         ),
         (lambda: build_split("in-seq", 2, [8]).local_tokens(2), "rank=2 is out of range"),
         (lambda: split_from_blocks(2, [8], [0], [(4, 4, 0)]), "block sizes [4, 4, 0]"),

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from reference_impl.cp.ownership import page_owner
+from reference_impl.cp.ownership import Ownership
 from reference_impl.cp.split import SplitMetadata
 
 
@@ -47,9 +47,13 @@ def new_page_lanes(meta: SplitMetadata, request: int, cached_tokens: int) -> lis
     return [lanes[k] for k in range(first_new, last)]
 
 
-def direct_write_ok(meta: SplitMetadata, extend_locs: torch.Tensor) -> bool:
-    """Batch-level: page-aligned split and every rank owns the page of every token it computes."""
-    if not meta.page_aligned:
+def direct_write_ok(meta: SplitMetadata, extend_locs: torch.Tensor, ownership: Ownership) -> bool:
+    """Batch-level: every rank owns every token it computes (one host read per batch).
+
+    In-seq, only a page-aligned split can pass (phase 5's lanes); round-robin passes whenever the
+    interleave follows positions (interleave 1 with ``C`` dividing the page size).
+    """
+    if meta.mode == "in-seq" and not meta.page_aligned:
         return False
-    owner = page_owner(extend_locs.cpu() // meta.page_size, meta.cp_size)
+    owner = ownership.owner(extend_locs.cpu())
     return all(bool((owner[list(tokens)] == rank).all()) for rank, tokens in enumerate(meta.rank_tokens))

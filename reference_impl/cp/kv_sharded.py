@@ -1,16 +1,16 @@
 """Phase 2 storage: KV sharded at rest (each rank stores only the pages it owns).
 
-Logical locs stay what the allocator handed out; physical storage is per rank: logical page ``p``
-lives on rank ``p % C`` at compact physical page ``p // C`` (:mod:`reference_impl.cp.ownership`).
+Logical locs stay what the allocator handed out; physical storage is per rank, by the run's
+:class:`~reference_impl.cp.ownership.Ownership`: with the page interleave (in-seq) logical page
+``p`` lives on rank ``p % C`` at compact physical page ``p // C``; with interleave 1 (round-robin)
+slot ``l`` lives on rank ``l % C``, so every rank stores exactly the tokens it computes.
 
 * **store**: after all-gather #1 every rank holds the whole current chunk, quantizes the tokens
-  whose pages it owns, and writes them at their physical locs;
+  it owns, and writes them at their physical locs; or (phase 5 in-seq, round-robin at interleave
+  1) each rank writes the rows it computed, directly;
 * **full view**: rebuilt per layer by :mod:`reference_impl.cp.page_gather` (all pages), or, with
   phase 3 (:mod:`reference_impl.cp.current_reuse`), current rows from the gathered chunk and only
   the history pages materialized.
-
-Startup checks refuse what the layout cannot serve: a round-robin split (its materialization and
-PD-transfer contracts are not wired).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from reference_impl.cp.compute_owner import direct_write_ok
 from reference_impl.cp.current_reuse import BatchKind, classify_batch, fill_current, history_rows
 from reference_impl.cp.fused_ops import fused_store, materialize_mla_rows, materialize_rows
 from reference_impl.cp.kv_store import FullView, StoredRows
-from reference_impl.cp.ownership import owned_page_count, page_owner, physical_locs
+from reference_impl.cp.ownership import Ownership
 from reference_impl.cp.page_gather import PageGather, gather_page_part, gather_pages, unpack_index_rows
 from reference_impl.cp.split_index import local_index_tensor
 from reference_impl.kvcache.layout import KVLayout
@@ -32,7 +32,7 @@ from reference_impl.kvcache.pool import PagedKVPool, check_in_range
 
 
 class ShardedKV:
-    """Each rank stores the MLA latent and indexer K pages it owns (``page % C == rank``)."""
+    """Each rank stores the MLA latent and indexer K of the tokens it owns (``ownership.owner(loc) == rank``)."""
 
     name = "sharded"
     sharded = True
@@ -47,15 +47,17 @@ class ShardedKV:
         reuse_current: bool,
         direct_write: bool = False,
         fused: bool = False,
+        ownership: Ownership | None = None,
     ) -> None:
-        if batch.meta.mode != "in-seq":
-            raise ConfigError(f"sharded KV needs the in-seq split, got {batch.meta.mode!r}")
+        self.ownership = ownership or Ownership(group.size, batch.page_size, batch.page_size)
+        if (self.ownership.cp_size, self.ownership.page_size) != (group.size, batch.page_size):
+            raise ConfigError(f"{self.ownership} does not describe {group.size} ranks with pages of {batch.page_size}")
         self.layout, self.group = layout, group
         self.batch = batch
         self.reuse_current, self.allow_direct_write = reuse_current, direct_write
         self.fused, self.debug = fused, debug  # phase 7: fused store / materialize kernels
         self.pool = PagedKVPool(
-            n_layers, owned_page_count(batch.n_pages, group.rank, group.size), batch.page_size, layout, group.device, debug
+            n_layers, self.ownership.pages_held(batch.n_pages, group.rank), batch.page_size, layout, group.device, debug
         )
         self.materialized_bytes = 0
         self.transient_bytes = 0
@@ -69,17 +71,18 @@ class ShardedKV:
         if batch.n_pages != self.batch.n_pages:
             raise ConfigError(f"chunk batch spans {batch.n_pages} pages, the pool was built for {self.batch.n_pages}")
         self.batch = batch
-        cp, rank, page_size = self.group.size, self.group.rank, batch.page_size
+        rank, ownership = self.group.rank, self.ownership
 
         # Store path: which current tokens (sequence order) this rank owns, and where they go.
-        own = page_owner(batch.extend_locs // page_size, cp) == rank
+        own = ownership.owner(batch.extend_locs) == rank
         self._store_rows = own.nonzero().flatten()
-        self._store_locs = physical_locs(batch.extend_locs[own], page_size, cp)
-        # Phase 5: the rank owns every token it computed, so it writes its local rows directly.
-        self.direct_write = self.allow_direct_write and direct_write_ok(batch.meta, batch.extend_locs)
+        self._store_locs = ownership.physical(batch.extend_locs[own])
+        # The rank owns every token it computed (phase 5, or round-robin at interleave 1), so it
+        # writes its local rows directly.
+        self.direct_write = self.allow_direct_write and direct_write_ok(batch.meta, batch.extend_locs, ownership)
         if self.direct_write:
             local = local_index_tensor(batch.meta, rank, batch.extend_locs.device)
-            self._local_locs = physical_locs(batch.extend_locs.index_select(0, local), page_size, cp)
+            self._local_locs = ownership.physical(batch.extend_locs.index_select(0, local))
 
         # Full-view path, decided once per batch (identical on every rank).
         self.batch_kind: BatchKind = classify_batch(batch, batch.meta.total_tokens) if self.reuse_current else "fallback"
@@ -88,18 +91,18 @@ class ShardedKV:
             if self.batch_kind != "fallback"
             else torch.arange(batch.view_len, device=batch.view_locs.device)
         )
-        self._gather = PageGather.build(batch, storage_rows, rank, cp) if storage_rows.numel() else None
+        self._gather = PageGather.build(batch, storage_rows, rank, ownership) if storage_rows.numel() else None
         # Range-checked once per batch (a host read), so the layer loop's fused ops read nothing.
         check_in_range("store locs", self._store_locs, self.pool.n_slots)
         if self.direct_write:
             check_in_range("direct-write locs", self._local_locs, self.pool.n_slots)
         if self._gather is not None:
             check_in_range("view rows", self._gather.view_rows, batch.view_len)
-            check_in_range("gathered token rows", self._gather.row_source, self._gather.n_pages * page_size)
+            check_in_range("gathered token rows", self._gather.row_source, self._gather.n_pages * batch.page_size)
 
     @property
     def store_path(self) -> str:
-        """``"direct"`` when this batch's rank writes its own rows (phase 5), else ``"gathered"``."""
+        """``"direct"`` when this batch's rank writes its own rows, else ``"gathered"``."""
         return "direct" if self.direct_write else "gathered"
 
     @property
@@ -111,13 +114,13 @@ class ShardedKV:
         return self.pool.index_bytes_total
 
     def _owned(self, locs: torch.Tensor) -> torch.Tensor:
-        return page_owner(locs // self.batch.page_size, self.group.size) == self.group.rank
+        return self.ownership.owner(locs) == self.group.rank
 
     def write_prefix(self, layer: int, request: int, rows: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor) -> None:
         """Install the owned part of a request's already-cached prefix."""
         locs = self.batch.prefix_locs(request)
         own = self._owned(locs)
-        phys = physical_locs(locs[own], self.batch.page_size, self.group.size)
+        phys = self.ownership.physical(locs[own])
         self.pool.write_mla(layer, phys, rows[own])
         self.pool.write_index(layer, phys, k_fp8[own], k_scale[own])
 
@@ -210,9 +213,17 @@ class ShardedKV:
         return FullView(kv, index_fp8, index_scale)
 
     def owned_pages(self) -> torch.Tensor:
-        """Logical pages of this batch stored on this rank, ascending (their physical page is ``p // C``)."""
+        """Logical pages of this batch stored on this rank, ascending (their physical page is ``p // C``).
+
+        Whole pages exist only under the page interleave; a finer one spreads every page over the ranks.
+        """
+        if not self.ownership.by_page:
+            raise ConfigError(
+                f"kv_interleave={self.ownership.interleave} spreads every page over the ranks: no rank owns whole "
+                "pages (send the shards as they are: reference_impl.pd.dcp)"
+            )
         pages = torch.arange(self.batch.n_pages, device=self.batch.view_locs.device)
-        return pages[page_owner(pages, self.group.size) == self.group.rank]
+        return pages[self.ownership.owner(pages * self.batch.page_size) == self.group.rank]
 
     def stored_rows(self, layer: int, request_locs: list[torch.Tensor] | None = None) -> StoredRows:
         """Per request (``request_locs``, default this batch's), the tokens this rank holds:
@@ -220,7 +231,7 @@ class ShardedKV:
         out = {}
         for req, locs in enumerate(request_locs if request_locs is not None else self.batch.request_locs):
             own = self._owned(locs)
-            phys = physical_locs(locs[own], self.batch.page_size, self.group.size)
+            phys = self.ownership.physical(locs[own])
             k_fp8, k_scale = self.pool.read_index(layer, phys)
             positions = own.nonzero().flatten()
             out[req] = (positions, self.pool.read_mla(layer, phys), k_fp8.view(torch.uint8), k_scale)

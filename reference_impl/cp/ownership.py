@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from reference_impl.errors import ConfigError
+from reference_impl.config import validate_interleave
 
 
 @dataclass(frozen=True)
@@ -37,9 +37,7 @@ class Ownership:
     page_size: int
 
     def __post_init__(self) -> None:
-        i, p = self.interleave, self.page_size
-        if i < 1 or i & (i - 1) or p % i:
-            raise ConfigError(f"kv interleave {i} must be a power of two that divides the page size {p}")
+        validate_interleave(self.interleave, self.page_size)
 
     @property
     def by_page(self) -> bool:

@@ -2,9 +2,12 @@
 
 The attention and top-k code keep their dense contract (a ``[S, 576]`` KV view and ``[S, 128]``
 index K in sequence order). With KV sharded at rest no rank holds all pages, so per layer every
-rank contributes the pages it owns among those the view needs, one padded all-gather moves them
-(MLA page bytes and index page bytes side by side in one row per page), and every rank unpacks
-the rows of the view from the gathered pages.
+rank contributes the **physical** pages of its pool that hold tokens the view needs, one padded
+all-gather moves them (MLA page bytes and index page bytes side by side in one row per page), and
+every rank unpacks the rows of the view from the gathered pages. With the page interleave a
+physical page is one logical page; with a finer interleave (:mod:`reference_impl.cp.ownership`)
+it packs the rank's runs of several logical pages, and the gather moves whole physical pages all
+the same (the pool's page layout, index scales included, stays the unit).
 
 The batch (which pages, who sends what, where each view row comes from) depends only on the batch
 batch and ``C``, so it is built once per forward, is identical on every rank, and is reused by
@@ -19,7 +22,7 @@ import torch
 
 from reference_impl.cp.batch import BatchLocs
 from reference_impl.cp.comm import CPGroup
-from reference_impl.cp.ownership import page_owner, physical_page
+from reference_impl.cp.ownership import Ownership
 from reference_impl.kvcache.layout import KVLayout
 from reference_impl.kvcache.pool import PagedKVPool
 
@@ -28,7 +31,7 @@ from reference_impl.kvcache.pool import PagedKVPool
 class PageGather:
     """Which pages one rank sends and how the gathered pages map onto full-view rows."""
 
-    pages: torch.Tensor  # [n_need] logical pages the view needs, rank-major order (the gather's order)
+    pages: torch.Tensor  # [n_need] (owner rank, physical page) keys the view needs, rank-major (the gather's order)
     counts: tuple[int, ...]  # pages each rank sends
     send_physical: torch.Tensor  # [counts[rank]] this rank's physical pages to send
     view_rows: torch.Tensor  # [R] full-view rows filled from storage
@@ -39,21 +42,20 @@ class PageGather:
         return int(self.pages.shape[0])
 
     @classmethod
-    def build(cls, batch: BatchLocs, view_rows: torch.Tensor, rank: int, cp_size: int) -> "PageGather":
-        """Plan the gather of the pages holding ``view_rows`` (full-view rows) of ``batch``."""
-        page_size = batch.page_size
+    def build(cls, batch: BatchLocs, view_rows: torch.Tensor, rank: int, ownership: Ownership) -> "PageGather":
+        """Plan the gather of the physical pages holding ``view_rows`` (full-view rows) of ``batch``."""
+        page_size, cp_size = batch.page_size, ownership.cp_size
         locs = batch.view_locs.index_select(0, view_rows)
-        needed = torch.unique(locs // page_size)  # sorted logical pages
-        owner = page_owner(needed, cp_size)
-        per_rank = [needed[owner == r] for r in range(cp_size)]  # ascending within each rank
-        pages = torch.cat(per_rank)  # rank-major: the all-gather's order
-        counts = tuple(int(p.shape[0]) for p in per_rank)
-        mine = per_rank[rank]
-        # Where each page sits in the gathered buffer, then each row's token row in it.
-        position = torch.empty(int(needed.max()) + 1 if needed.numel() else 0, dtype=torch.long, device=locs.device)
-        position[pages] = torch.arange(pages.shape[0], device=locs.device)
-        row_source = position[locs // page_size] * page_size + locs % page_size
-        return cls(pages, counts, physical_page(mine, cp_size), view_rows, row_source)
+        owner, physical = ownership.owner(locs), ownership.physical(locs)
+        # One key per (owner rank, physical page); sorted keys are rank-major, pages ascending within
+        # a rank: the all-gather's order.
+        span = int(physical.max()) // page_size + 1 if locs.numel() else 1
+        key = owner * span + physical // page_size
+        needed, position = torch.unique(key, return_inverse=True)  # sorted
+        counts = tuple(int(c) for c in torch.bincount(needed // span, minlength=cp_size))
+        mine = needed[needed // span == rank] % span
+        row_source = position * page_size + physical % page_size
+        return cls(needed, counts, mine, view_rows, row_source)
 
 
 def gather_pages(

@@ -7,8 +7,12 @@ Two split modes (BRIEF section 3), both reproducing SGLang's published semantics
   ``r`` computes block ``r`` ("prev") and block ``2C-1-r`` ("next"), which balances causal work.
   A rank's local order is all its prev blocks (request 0, 1, ...) then all its next blocks.
   Example: ``L=19, C=4`` gives blocks ``[3,3,3,2,2,2,2,2]`` and rank 0 owns tokens ``[0,1,2,17,18]``.
-* ``round-robin``: over the flattened batch, token ``t`` goes to rank ``t % C``; local order is
-  increasing ``t``.
+* ``round-robin``: the token at absolute position ``t`` of each request (prefix included) goes to
+  rank ``t % C``; local order is the batch's token order. For one request whose prefix is a
+  multiple of ``C`` this is SGLang's round-robin over the flattened batch; unlike that, a token's
+  rank never depends on the other requests of its batch or on how a request is chunked, so with KV
+  sharded at interleave 1 (:mod:`reference_impl.cp.ownership`) every rank owns exactly the tokens
+  it computes, chunk after chunk.
 
 Index spaces used throughout:
 
@@ -124,7 +128,11 @@ def split_from_blocks(
 def _round_robin(cp_size: int, extend_lens: Sequence[int], prefix_lens: Sequence[int], page_size: int) -> SplitMetadata:
     token_request = [i for i, n in enumerate(extend_lens) for _ in range(n)]
     offsets = tuple(itertools.accumulate(extend_lens, initial=0))
-    rank_tokens = tuple(tuple(range(rank, offsets[-1], cp_size)) for rank in range(cp_size))
+    per_rank: list[list[int]] = [[] for _ in range(cp_size)]
+    for i, (prefix, extend) in enumerate(zip(prefix_lens, extend_lens)):
+        for j in range(extend):
+            per_rank[(prefix + j) % cp_size].append(offsets[i] + j)
+    rank_tokens = tuple(tuple(tokens) for tokens in per_rank)
     rank_segments: list[tuple[Segment, ...]] = []
     for tokens in rank_tokens:
         segments: list[Segment] = []
@@ -172,12 +180,15 @@ def build_split(
     if mode == "round-robin":
         if page_aligned:
             raise ConfigError("a page-aligned split is an in-seq split: use mode 'in-seq'")
-        if sum(extend_lens) < cp_size:
+        meta = _round_robin(cp_size, extend_lens, prefix_lens, page_size)
+        idle = [r for r, tokens in enumerate(meta.rank_tokens) if not tokens]
+        if idle:
             raise ConfigError(
-                f"cp_size={cp_size} is larger than the tokens allow: round-robin split needs at least "
-                f"{cp_size} extend tokens in the batch (batch has {sum(extend_lens)})"
+                f"cp_size={cp_size} is larger than the tokens allow: round-robin puts position t on rank t % {cp_size}, "
+                f"and this batch's extend positions leave rank(s) {idle} without a token (a request of at least "
+                f"{cp_size} new tokens covers every rank)"
             )
-        return _round_robin(cp_size, extend_lens, prefix_lens, page_size)
+        return meta
     longest = max(extend_lens)
     if longest < cp_size:
         raise ConfigError(
