@@ -101,6 +101,11 @@ def run_prefill_and_decode(run: RunConfig, timeout_s: float = 300) -> PDResult:
     """
     if not run.phases.sharded_kv:
         raise ConfigError(f"PD transfer of owned pages needs phase 2 (KV sharded at rest); phases are {run.phases}")
+    if run.interleave != run.page_size:
+        raise ConfigError(
+            f"this transfer moves whole owned pages, and kv_interleave={run.interleave} spreads every page over the "
+            "ranks: send the token shards to a DCP decode instead (reference_impl.pd.dcp.transfer_to_dcp)"
+        )
     if run.device == "cuda":
         raise ConfigError("the PD transfer transport runs on CPU (gloo point-to-point); use device='cpu'")
     run = run.replace(device="cpu")

@@ -1,0 +1,163 @@
+"""Prefill -> a decode-context-parallel (DCP) decode: token shards, sent per request.
+
+A DCP decode of size ``C_d`` with interleave ``I_d`` (vLLM's ``--cp-kv-cache-interleave-size``)
+keeps token ``t`` of every request on decode rank ``(t // I_d) % C_d``, packed in position order:
+local row ``(t // (I_d * C_d)) * I_d + t % I_d`` of that request. Each decode rank allocates the
+pages for its share itself (its own :class:`~reference_impl.kvcache.allocator.PageAllocator`, ids
+unrelated to the prefill's) and maps each request's local rows onto them.
+
+Each prefill rank sends, per layer and request, the rows it stores (positions, MLA bytes, index
+bytes, scale, from :meth:`~reference_impl.cp.kv_sharded.ShardedKV.stored_rows`), each to the decode
+rank that keeps it: bytes sent equal the request's bytes at rest, no hole and no page padding.
+
+* **Matching layouts** (prefill sharded at interleave ``I`` following positions, decode of the
+  same ``C`` and ``I``; round-robin at interleave 1 is the case): prefill rank ``r`` holds exactly
+  decode rank ``r``'s share, in its local order, so every row goes to the same-numbered rank at the
+  next local row: no re-layout (:attr:`DcpTransferStats.relaid_rows` is 0).
+* **Otherwise** (in-seq's page interleave, another ``C_d`` or ``I_d``): rows are routed by position
+  to the decode rank that keeps them and land at their local row there: a re-layout, counted.
+
+The transport here is in-process (the shards are objects of one process, as in
+:func:`reference_impl.pd.transfer.transfer_in_process`); what crosses is a list of row blocks per
+(prefill rank, decode rank), the unit a point-to-point or RDMA backend would send.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from reference_impl.config import ConfigError
+from reference_impl.cp.kv_store import StoredRows
+from reference_impl.kvcache.allocator import PageAllocator, RequestPageTable
+from reference_impl.kvcache.layout import KVLayout
+from reference_impl.kvcache.pool import PagedKVPool
+
+from .transfer import RequestRows
+
+
+@dataclass(frozen=True)
+class DcpLayout:
+    """Where a DCP decode keeps token ``t`` of a request: rank ``(t // I) % C``, local row ``(t // (I C)) I + t % I``."""
+
+    cp_size: int
+    interleave: int
+
+    def __post_init__(self) -> None:
+        if self.cp_size < 1 or self.interleave < 1:
+            raise ConfigError(f"a DCP decode needs cp_size >= 1 and interleave >= 1, got {self.cp_size}, {self.interleave}")
+
+    def rank_of(self, positions: torch.Tensor) -> torch.Tensor:
+        return (positions // self.interleave) % self.cp_size
+
+    def local_row(self, positions: torch.Tensor) -> torch.Tensor:
+        i = self.interleave
+        return (positions // (i * self.cp_size)) * i + positions % i
+
+    def share(self, n_tokens: int, rank: int) -> int:
+        """How many of a request's ``n_tokens`` positions decode rank ``rank`` keeps."""
+        return int((self.rank_of(torch.arange(n_tokens)) == rank).sum())
+
+
+class DcpDecodeShard:
+    """One decode rank's KV: its own pool and allocator, one page table entry per request."""
+
+    def __init__(
+        self, rank: int, layout: DcpLayout, kv_layout: KVLayout, n_layers: int, n_pages: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.rank, self.layout, self.kv_layout = rank, layout, kv_layout
+        self.pool = PagedKVPool(n_layers, n_pages, kv_layout.page_size, kv_layout, device, debug=True)
+        self.table = RequestPageTable(PageAllocator(n_pages, kv_layout.page_size))
+        self.requests: list[int] = []
+        self._written = torch.zeros(n_layers, n_pages * kv_layout.page_size, dtype=torch.int32)
+
+    def admit(self, request: int, n_tokens: int) -> None:
+        """Allocate this rank's pages for its share of a request of ``n_tokens`` tokens."""
+        self.table.extend(request, self.layout.share(n_tokens, self.rank))
+        self.requests.append(request)
+
+    def write(self, layer: int, request: int, local_rows: torch.Tensor, rows: StoredRowsBlock) -> None:
+        """Install ``rows`` at the request's ``local_rows`` (positions in this rank's share)."""
+        locs = self.table.locs(request).index_select(0, local_rows)
+        if bool((self._written[layer, locs] > 0).any()):
+            raise ConfigError(f"decode rank {self.rank} layer {layer} request {request}: a row arrived twice")
+        self._written[layer, locs] += 1
+        self.pool.write_mla(layer, locs, rows.mla)
+        self.pool.write_index(layer, locs, rows.index.view(torch.float8_e4m3fn), rows.scale)
+
+    def rows(self, layer: int, request: int) -> RequestRows:
+        """The request's rows on this rank, in local order: ``(mla uint8, index fp8 bytes uint8, scale f32)``."""
+        locs = self.table.locs(request)
+        k_fp8, k_scale = self.pool.read_index(layer, locs)
+        return self.pool.read_mla(layer, locs), k_fp8.view(torch.uint8), k_scale
+
+    def check_complete(self, n_layers: int) -> None:
+        """Raise :class:`ConfigError` unless every row of every admitted request arrived exactly once."""
+        for request in self.requests:
+            locs = self.table.locs(request)
+            counts = self._written[:n_layers, locs]
+            if bool((counts != 1).any()):
+                layer, row = (counts != 1).nonzero()[0].tolist()
+                raise ConfigError(f"decode rank {self.rank} request {request}: layer {layer} local row {row} is missing")
+
+
+@dataclass(frozen=True)
+class StoredRowsBlock:
+    """Rows of one request on the wire: MLA bytes ``uint8 [n, B]``, index bytes ``uint8 [n, D]``, scale ``f32 [n]``."""
+
+    mla: torch.Tensor
+    index: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.mla, self.index, self.scale))
+
+
+@dataclass
+class DcpTransferStats:
+    """What one prefill rank sent."""
+
+    rank: int
+    bytes_sent: int = 0
+    rows_sent: int = 0
+    relaid_rows: int = 0  # rows that went to another decode rank, or not to the next local row of the same-numbered one
+    to_ranks: set[int] = field(default_factory=set)
+
+
+def transfer_to_dcp(
+    stored: Sequence[Sequence[StoredRows]],
+    request_lens: Sequence[int],
+    decode: DcpLayout,
+    kv_layout: KVLayout,
+    pages_per_rank: int,
+    device: torch.device | str = "cpu",
+) -> tuple[list[DcpDecodeShard], list[DcpTransferStats]]:
+    """Move every prefill rank's stored rows (``stored[rank][layer]``, as ``stored_rows`` returns them)
+    into a fresh DCP decode of ``decode.cp_size`` ranks; returns the shards and per prefill rank what it sent."""
+    n_layers = len(stored[0]) if stored else 0
+    shards = [DcpDecodeShard(d, decode, kv_layout, n_layers, pages_per_rank, device) for d in range(decode.cp_size)]
+    for shard in shards:
+        for request, n_tokens in enumerate(request_lens):
+            shard.admit(request, n_tokens)
+    stats = [DcpTransferStats(rank) for rank in range(len(stored))]
+    for rank, per_layer in enumerate(stored):
+        for layer, per_request in enumerate(per_layer):
+            for request, (positions, mla, index, scale) in per_request.items():
+                positions = positions.cpu()
+                target, local = decode.rank_of(positions), decode.local_row(positions)
+                for d in torch.unique(target).tolist():
+                    pick = (target == d).nonzero().flatten()
+                    block = StoredRowsBlock(mla.index_select(0, pick), index.index_select(0, pick), scale.index_select(0, pick))
+                    shards[d].write(layer, request, local.index_select(0, pick), block)
+                    stats[rank].bytes_sent += block.nbytes
+                    stats[rank].rows_sent += int(pick.numel())
+                    stats[rank].to_ranks.add(d)
+                in_place = (target == rank) & (local == torch.arange(positions.numel()))
+                stats[rank].relaid_rows += int((~in_place).sum())
+    for shard in shards:
+        shard.check_complete(n_layers)
+    return shards, stats
