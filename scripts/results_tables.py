@@ -125,7 +125,8 @@ def layer(doc: dict) -> str:
     for w in doc["workloads"]:
         wl = w["workload"]
         planner = "planner" in w["levels"][0]
-        lines += ["", f"**{wl['name']}**: one request, {wl['prefix']:,} cached + {wl['extend']:,} new tokens.", ""]
+        split = f", {w['split_mode']} split" if "split_mode" in w else ""
+        lines += ["", f"**{wl['name']}**{split}: one request, {wl['prefix']:,} cached + {wl['extend']:,} new tokens.", ""]
         head = "| level | layer ms | store path | KV at rest MiB | transient MiB | measured peak MiB | gathered MiB | materialized MiB |"
         rule = "| --- | --- | --- | --- | --- | --- | --- | --- |"
         if planner:

@@ -80,6 +80,24 @@ def test_layer_bench_level_repeats_pool_every_runs_layers(tmp_path) -> None:
         assert point["layer_ms_median"] == statistics.median(point["layer_ms"])
 
 
+def test_layer_bench_compares_the_split_modes_in_one_run(tmp_path) -> None:
+    """``--split-modes in-seq,round-robin``: each workload once per mode; round-robin's levels drop
+    phases 4 and 5, keep the KV sharded at rest and write directly."""
+    import json
+
+    from reference_impl.bench.layer import main
+
+    out = tmp_path / "layer.json"
+    main(["--out", str(out), "--device", "cpu", "--preset", "tiny", "--cp-size", "4", "--levels", "0,7,8",
+          "--workloads", "prefix:64+128", "--layers", "2", "--prefetch-repeats", "1", "--split-modes", "in-seq,round-robin"])
+    in_seq, round_robin = json.loads(out.read_text())["workloads"]
+    assert (in_seq["split_mode"], round_robin["split_mode"]) == ("in-seq", "round-robin")
+    rr8 = round_robin["levels"][2]
+    assert rr8["phases"] == "1,2,3,6,7,8" and rr8["store_path"] == "direct"
+    assert rr8["kv_bytes"] <= in_seq["levels"][2]["kv_bytes"] < in_seq["levels"][0]["kv_bytes"]
+    assert "prefetch" in round_robin and round_robin["prefetch"]["payload_ms"] > 0
+
+
 @pytest.mark.parametrize("flag", ["--prefetch-repeats", "--level-repeats", "--layers"])
 def test_layer_bench_refuses_zero_repeats_by_name(tmp_path, capsys, flag: str) -> None:
     from reference_impl.bench.layer import main

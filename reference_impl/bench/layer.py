@@ -4,6 +4,7 @@ Usage::
 
     python -m reference_impl.bench.layer --out FILE.json [--cp-size 8] [--rank 0] [--levels 0-8]
         [--workloads current-only:0+131072,prefix-heavy:65536+8192] [--layers 4] [--wire-gbps 450]
+        [--split-modes in-seq,round-robin]
     python -m reference_impl.bench.layer --out dry.json --device cpu --preset tiny   # CPU dry run
     python -m reference_impl.bench.layer --replan docs/results/layer_bench.json     # re-check the planner
 
@@ -168,10 +169,17 @@ def replan(doc: dict[str, Any]) -> dict[str, Any]:
     return doc
 
 
+def phases_at(level: int, split_mode: str) -> PhaseSet:
+    """Level ``level``'s phases for ``split_mode``: round-robin drops the in-seq phases 4 and 5
+    (its interleave-1 shards already give every rank the tokens it computes)."""
+    phases = PhaseSet.level(level)
+    return PhaseSet(phases.enabled - {4, 5}) if split_mode == "round-robin" else phases
+
+
 def measure(
     preset: str, workload: Workload, levels: list[int], cp_size: int, rank: int, n_layers: int,
     device: str, wire_gbps: float | None, prefetch_repeats: int = 6, level_repeats: int = 1,
-    on_level: Callable[[int], None] | None = None,
+    on_level: Callable[[int], None] | None = None, split_mode: str = "in-seq",
 ) -> dict[str, Any]:
     """Every level of one workload on one rank -> JSON-ready dict.
 
@@ -183,17 +191,18 @@ def measure(
     dev = torch.device(device)
     group_of = lambda: LoopbackGroup(rank, cp_size, dev, wire_gbps)  # noqa: E731 (fresh stats per run)
     base = RunConfig(preset=preset, n_layers=n_layers, cp_size=cp_size, requests=(Request(workload.prefix, workload.extend),),
-                     check=False, device=dev.type)
-    _run(base.replace(phases=PhaseSet.level(max(levels))), group_of())  # warm-up: compiles the kernels
+                     check=False, device=dev.type, split_mode=split_mode)
+    _run(base.replace(phases=phases_at(max(levels), split_mode)), group_of())  # warm-up: compiles the kernels
     points = []
     for level in levels:
-        run = base.replace(phases=PhaseSet.level(level))
+        run = base.replace(phases=phases_at(level, split_mode))
         result = _run(run, group_of(), keep_store=level == 8)
         stats, layer_ms = result.stats, list(result.timings["layer_ms"])
         for _ in range(level_repeats - 1):
             layer_ms += _run(run, group_of(), empty_cache=False).timings["layer_ms"]
         point: dict[str, Any] = {
             "level": level,
+            "phases": str(run.phases),
             "layer_ms_median": statistics.median(layer_ms),
             "layer_ms": layer_ms,
             "tail_ms": result.timings["tail_ms"],
@@ -202,7 +211,7 @@ def measure(
             **{k: stats[k] for k in ("transient_peak_bytes", "gather_bytes", "materialized_bytes", "collectives")},
             "measured_peak_bytes": stats.get("measured_peak_bytes"),
         }
-        if workload.prefix == 0:
+        if workload.prefix == 0 and split_mode == "in-seq":  # the planner models the in-seq split
             _planner_fields(point, run, rank, wire_gbps)
         if level == 8 and isinstance(result.store, ShardedKV):
             point["prefetch_payload_ms"] = payload_ms(result.store, n_layers, dev)
@@ -210,7 +219,7 @@ def measure(
         del result
         if on_level is not None:
             on_level(level)
-    out: dict[str, Any] = {"workload": workload.__dict__, "levels": points}
+    out: dict[str, Any] = {"workload": workload.__dict__, "split_mode": split_mode, "levels": points}
     by_level = {p["level"]: p for p in points}
     payload = by_level.get(8, {}).get("prefetch_payload_ms")
     if workload.prefix and payload and 7 in by_level:
@@ -222,7 +231,7 @@ def measure(
             for level in (7, 8):
                 # The caching allocator keeps its blocks between these runs: a fresh cache makes
                 # the first layers of every run pay for cudaMalloc, noise larger than the payload.
-                timings = _run(base.replace(phases=PhaseSet.level(level)), group_of(), empty_cache=False).timings
+                timings = _run(base.replace(phases=phases_at(level, split_mode)), group_of(), empty_cache=False).timings
                 layers[level] += timings["layer_ms"][1:]
                 stalls += timings["prefetch_wait_ms"][1:]  # layer 0's prefetch has nothing to hide behind
                 run_ms[level] = statistics.median(timings["layer_ms"][1:] or timings["layer_ms"])
@@ -258,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefetch-repeats", type=int, default=6, help="extra alternating level 7 / 8 runs")
     parser.add_argument("--level-repeats", type=int, default=1, help="runs per level (median over all their layers)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--split-modes", default="in-seq",
+                        help="comma-separated: in-seq, round-robin (round-robin levels drop phases 4 and 5)")
     args = parser.parse_args(argv)
     if args.replan:
         out = Path(args.out or args.replan)
@@ -272,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{flag} must be at least 1, got {value}")
     workloads = [Workload.parse(w) for w in args.workloads.split(",")]
     levels = parse_levels(args.levels)
+    split_modes = [m.strip() for m in args.split_modes.split(",")]
+    if not split_modes or any(m not in ("in-seq", "round-robin") for m in split_modes):
+        parser.error(f"--split-modes {args.split_modes!r}: use in-seq, round-robin or both")
     results: list[dict[str, Any]] = []
     doc = {
         "device": torch.cuda.get_device_name(0) if args.device == "cuda" else platform.processor() or "cpu",
@@ -289,10 +303,11 @@ def main(argv: list[str] | None = None) -> int:
         "workloads": results,
     }
     for w in workloads:  # the file is rewritten after each workload: a run cut short keeps what finished
-        print(f"{w.name} {w.prefix}+{w.extend}: levels {levels}", file=sys.stderr, flush=True)
-        results.append(measure(args.preset, w, levels, args.cp_size, args.rank, args.layers, args.device, args.wire_gbps,
-                               args.prefetch_repeats, args.level_repeats))
-        Path(args.out).write_text(json.dumps(doc, indent=1))
+        for mode in split_modes:
+            print(f"{w.name} {w.prefix}+{w.extend} {mode}: levels {levels}", file=sys.stderr, flush=True)
+            results.append(measure(args.preset, w, levels, args.cp_size, args.rank, args.layers, args.device,
+                                   args.wire_gbps, args.prefetch_repeats, args.level_repeats, split_mode=mode))
+            Path(args.out).write_text(json.dumps(doc, indent=1))
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 
