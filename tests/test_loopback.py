@@ -96,6 +96,8 @@ def test_layer_bench_compares_the_split_modes_in_one_run(tmp_path) -> None:
     assert rr8["phases"] == "1,2,3,6,7,8" and rr8["store_path"] == "direct"
     assert rr8["kv_bytes"] <= in_seq["levels"][2]["kv_bytes"] < in_seq["levels"][0]["kv_bytes"]
     assert "prefetch" in round_robin and round_robin["prefetch"]["payload_ms"] > 0
+    # The one-page history: one page in-seq; at interleave 1 each rank's quarter of it, a page each.
+    assert round_robin["levels"][1]["materialized_bytes"] == 4 * in_seq["levels"][1]["materialized_bytes"] > 0
 
 
 @pytest.mark.parametrize("flag", ["--prefetch-repeats", "--level-repeats", "--layers"])
