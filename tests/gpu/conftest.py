@@ -31,6 +31,12 @@ def engine_configs() -> dict[str, RunConfig]:
         configs[f"chunked-level{k}"] = V32.replace(phases=PhaseSet.level(k), chunk_size=1024)
     for k in (6, 7, 8):
         configs[f"debug-level{k}"] = V32.replace(phases=PhaseSet.level(k), debug=True)
+    # Round-robin with KV sharded at interleave 1 (docs/round-robin-shared-kv.md): its level 8
+    # drops the in-seq phases 4 and 5; one chunked.
+    round_robin8 = V32.replace(split_mode="round-robin", phases=PhaseSet.parse("+1,2,3,6,7,8"))
+    configs["round-robin-level3"] = round_robin8.replace(phases=PhaseSet.level(3))
+    configs["round-robin-level8"] = round_robin8
+    configs["chunked-round-robin-level8"] = round_robin8.replace(chunk_size=1024)
     return configs
 
 

@@ -34,6 +34,8 @@ def test_the_phases_change_what_they_claim(engine_reports: dict[str, dict]) -> N
     assert engine_reports["current-only-level8"]["per_rank"][0]["materialized_bytes"] == 0
     assert engine_reports["current-only-level5"]["store_path"] == "direct"
     assert engine_reports["level5"]["store_path"] == "gathered"  # a prefix ends mid-page: the phase-2 path
+    for name in ("round-robin-level3", "round-robin-level8", "chunked-round-robin-level8"):
+        assert engine_reports[name]["store_path"] == "direct", name  # interleave 1: every rank owns what it computes
 
 
 @pytest.mark.parametrize("level", [0, 6, 7, 8])
