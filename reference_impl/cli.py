@@ -1,4 +1,4 @@
-"""Command line: ``python -m reference_impl {run,demo,split,plan} ...``.
+"""Command line: ``python -m reference_impl {run,pd,demo,split,plan} ...``.
 
 Every run flag is a :class:`~reference_impl.config.RunConfig` field: ``--cp-size`` is the field
 ``cp_size`` and the environment variable ``DSACP_CP_SIZE`` (an environment variable sets the
@@ -166,6 +166,17 @@ def _cmd_run(args: argparse.Namespace) -> int:
 # ---- demo --------------------------------------------------------------------------------------
 
 
+def _cmd_pd(args: argparse.Namespace) -> int:
+    from reference_impl.prefill_decode import format_pd, pd_report, run_prefill_and_decode
+
+    run = _run_config(args, phases="2")
+    args.debug = run.debug
+    result = run_prefill_and_decode(run, timeout_s=run.timeout_s, transfer=args.transfer)
+    doc = pd_report(run, result)
+    print(json.dumps(doc, indent=2) if args.json else format_pd(doc))
+    return EXIT_DISAGREES if doc["decode_matches_oracle"] is False else EXIT_OK
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from reference_impl.demo import format_demo, run_demo
 
@@ -269,6 +280,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_run_flags(sub.add_parser("run", help="one CP prefill, compared with the oracle"))
+    pd = sub.add_parser("pd", help="prefill on C ranks, transfer the KV to a decode process (CPU, gloo)")
+    _add_run_flags(pd)
+    pd.add_argument("--transfer", default="rows", choices=["rows", "pages"],
+                    help="rows: the decode allocates its own pages (default); pages: it mirrors the prefill's page ids")
     demo = sub.add_parser("demo", help="the main job: every phase level, what each buys (memory, time), one folder")
     demo.add_argument("--device", default=None, help="auto | cpu | cuda (env DSACP_DEVICE)")
     demo.add_argument("--out", default=None, help="results folder (default results/demo-<device>-<time>)")
@@ -295,7 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError(f"{args.command}: unrecognized arguments: {' '.join(unknown)}{hint}")
         logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                             format="%(levelname)s %(name)s: %(message)s")
-        command = {"run": _cmd_run, "demo": _cmd_demo, "split": _cmd_split, "plan": _cmd_plan}[args.command]
+        command = {"run": _cmd_run, "pd": _cmd_pd, "demo": _cmd_demo, "split": _cmd_split, "plan": _cmd_plan}[args.command]
         return command(args)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -1,15 +1,25 @@
 """Prefill on a CP group, then hand the KV cache to a decode process: the PD driver.
 
 ``C + 1`` processes over gloo: ranks ``0 .. C-1`` prefill as one CP group (a subgroup) with KV
-sharded at rest (phase 2), each sends its owned pages (:mod:`reference_impl.pd`), and rank ``C``
-rebuilds the full layout. With ``run.check`` the decode cache is compared with the single-device
-oracle byte for byte.
+sharded at rest (phase 2), and rank ``C`` decodes. Two transfers:
+
+* ``transfer="rows"`` (the default, serving-shaped): each prefill rank sends, per layer and
+  request, the rows it stores with their request positions (:mod:`reference_impl.pd.transport`);
+  the decode allocates its own pages per request from its own allocator
+  (:class:`~reference_impl.pd.dcp.DcpDecodeShard`, one rank) and never sees a prefill page id.
+  Bytes sent equal the rows each rank holds at rest: no empty slot of a partial page travels.
+* ``transfer="pages"``: each prefill rank sends its owned pages with their logical ids
+  (:mod:`reference_impl.pd.manifest`), and the decode mirrors the prefill's page-id space by
+  replaying its allocator (page interleave only).
+
+With ``run.check`` the decode cache is compared with the single-device oracle byte for byte.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,22 +30,39 @@ from reference_impl.engine import RankResult, build_metadata, replay_page_table,
 from reference_impl.kvcache.layout import KVLayout
 from reference_impl.launch import launch, rank_cpu_threads
 from reference_impl.model.oracle import OracleResult, run_oracle
+from reference_impl.cp.kv_sharded import ShardedKV
+from reference_impl.pd.dcp import DcpDecodeShard, DcpLayout
 from reference_impl.pd.manifest import TransferManifest, build_manifest
 from reference_impl.pd.transfer import DecodeCache, RequestRows, receive_pages, send_owned_pages
+from reference_impl.pd.transport import RowBlock, TorchDistributedTransport
 from reference_impl.workload import build_inputs, build_model
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class RankTransfer:
+    """What one prefill rank sent (``transfer="rows"``)."""
+
+    rank: int
+    bytes_sent: int  # cache bytes of the row blocks (MLA, index, scale), every layer
+    bytes_at_rest: int  # the same layout's bytes of the tokens this rank stores, counted from its ownership
+    rows_sent: int
+    blocks_sent: int  # one per (layer, request), empty ones included
+
+
 @dataclass
 class PDResult:
-    """A prefill + decode run: the prefill ranks' manifests and results, the decode cache's rows."""
+    """A prefill + decode run: the prefill ranks' results, what they sent, the decode cache's rows."""
 
-    manifests: tuple[TransferManifest, ...]  # per prefill rank
+    manifests: tuple[TransferManifest, ...]  # per prefill rank (``transfer="pages"``; empty for rows)
     prefill: tuple[RankResult, ...]  # per prefill rank (``store`` dropped)
-    rows: list[dict[int, RequestRows]]  # [layer][request] the decode pool's rows at the request's locs
-    bytes_received: int  # page payload bytes the decode rank received
+    rows: list[dict[int, RequestRows]]  # [layer][request] the decode pool's rows, in position order
+    bytes_received: int  # payload bytes the decode rank received
     problems: list[str]  # differences from the oracle's cache (empty: byte for byte equal; unchecked: empty)
+    transfer: str = "pages"
+    sent: tuple[RankTransfer, ...] = ()  # per prefill rank (``transfer="rows"``)
+    decode_pages: tuple[tuple[int, ...], ...] = ()  # per request: the decode's own page ids (``transfer="rows"``)
 
     @property
     def matches_oracle(self) -> bool:
@@ -50,10 +77,47 @@ class _RoleResult:
     prefill: RankResult | None = None
     rows: list[dict[int, RequestRows]] = field(default_factory=list)
     bytes_received: int = 0
+    sent: RankTransfer | None = None
+    decode_pages: tuple[tuple[int, ...], ...] = ()
 
 
-def _pd_rank(world: CPGroup, run: RunConfig) -> _RoleResult:
+def _send_rows(run: RunConfig, store: ShardedKV, rank: int, decode_rank: int) -> RankTransfer:
+    """Send every (layer, request) row block this prefill rank stores to ``decode_rank``."""
+    transport = TorchDistributedTransport("cpu")
+    table = replay_page_table(run)  # this rank's own page table: its locs of every request
+    locs = [table.locs(req) for req in range(len(run.requests))]
+    layout = store.layout
+    row_bytes = layout.mla_bytes + layout.index_head_dim + 4
+    owned = sum(int((store.ownership.owner(request_locs) == rank).sum()) for request_locs in locs)
+    sent_bytes = rows = blocks = 0
+    for layer in range(run.model.n_layers):
+        for req, (positions, mla, index, scale) in store.stored_rows(layer, locs).items():
+            block = RowBlock(req, layer, positions, mla, index, scale)
+            transport.send(block, decode_rank)
+            sent_bytes, rows, blocks = sent_bytes + block.payload_bytes, rows + block.n_rows, blocks + 1
+    return RankTransfer(rank, sent_bytes, owned * row_bytes * run.model.n_layers, rows, blocks)
+
+
+def _receive_rows(run: RunConfig, device: torch.device) -> _RoleResult:
+    """The decode rank: its own pages per request, filled from every prefill rank's row blocks."""
+    transport = TorchDistributedTransport("cpu")
+    layout = KVLayout.from_config(run.model, run.kv_dtype, run.page_size)
+    n_layers, totals = run.model.n_layers, [r.total for r in run.requests]
+    shard = DcpDecodeShard(0, DcpLayout(1, 1), layout, n_layers, sum(-(-n // run.page_size) for n in totals), device)
+    for req, n_tokens in enumerate(totals):
+        shard.admit(req, n_tokens)
+    for src in range(run.cp_size):
+        for _ in range(n_layers * len(totals)):
+            shard.receive(transport.recv(src))
+    shard.check_complete(n_layers)
+    rows = [{req: shard.rows(layer, req) for req in range(len(totals))} for layer in range(n_layers)]
+    pages = tuple(tuple(shard.table.pages(req)) for req in range(len(totals)))
+    return _RoleResult([], rows=rows, bytes_received=shard.bytes_received, decode_pages=pages)
+
+
+def _pd_rank(world: CPGroup, job: tuple[RunConfig, str]) -> _RoleResult:
     """One process of the ``C + 1`` world: prefill (CP rank) when ``rank < C``, else decode."""
+    run, transfer = job
     cp_size = run.cp_size
     subgroup = dist.new_group(list(range(cp_size)))  # collective over the world: every rank calls it
     if world.rank < cp_size:
@@ -61,9 +125,14 @@ def _pd_rank(world: CPGroup, run: RunConfig) -> _RoleResult:
         result = run_rank(cp_group, run, keep_store=True)
         store, result.store = result.store, None  # the store stays in this process
         assert store is not None
+        if transfer == "rows":
+            assert isinstance(store, ShardedKV)
+            return _RoleResult([], prefill=result, sent=_send_rows(run, store, cp_group.rank, decode_rank=cp_size))
         manifest = build_manifest(store, cp_group.rank, cp_size)  # refuses anything but a sharded store
         send_owned_pages(manifest, store.pool, decode_rank=cp_size)
         return _RoleResult([manifest], prefill=result)
+    if transfer == "rows":
+        return _receive_rows(run, world.device)
     table = replay_page_table(run)  # the logical locs every prefill rank allocated
     request_locs = [table.locs(req, world.device) for req in range(len(run.requests))]
     layout = KVLayout.from_config(run.model, run.kv_dtype, run.page_size)
@@ -93,15 +162,19 @@ def oracle_mismatches(rows: list[dict[int, RequestRows]], oracle: OracleResult) 
     return problems
 
 
-def run_prefill_and_decode(run: RunConfig, timeout_s: float = 300) -> PDResult:
+def run_prefill_and_decode(run: RunConfig, timeout_s: float = 300, *, transfer: str = "pages") -> PDResult:
     """Prefill ``run`` on ``run.cp_size`` CP ranks (phase 2), transfer the KV to a decode process.
 
-    Launches ``C + 1`` CPU processes over gloo (see the module docstring). With ``run.check`` the
-    decode cache is compared with the single-device oracle byte for byte (``PDResult.problems``).
+    Launches ``C + 1`` CPU processes over gloo (see the module docstring); ``transfer`` is
+    ``"rows"`` (the decode allocates its own pages) or ``"pages"`` (it mirrors the prefill's page
+    ids). With ``run.check`` the decode cache is compared with the single-device oracle byte for
+    byte (``PDResult.problems``).
     """
+    if transfer not in ("rows", "pages"):
+        raise ConfigError(f"transfer={transfer!r}: use 'rows' or 'pages'")
     if not run.phases.sharded_kv:
         raise ConfigError(f"PD transfer of owned pages needs phase 2 (KV sharded at rest); phases are {run.phases}")
-    if run.interleave != run.page_size:
+    if transfer == "pages" and run.interleave != run.page_size:
         raise ConfigError(
             f"this transfer moves whole owned pages, and kv_interleave={run.interleave} spreads every page over the "
             "ranks: send the token shards to a DCP decode instead (reference_impl.pd.dcp.transfer_to_dcp)"
@@ -111,7 +184,7 @@ def run_prefill_and_decode(run: RunConfig, timeout_s: float = 300) -> PDResult:
     run = run.replace(device="cpu")
     build_metadata(run)  # validates the split in this process before any rank starts
     world = run.cp_size + 1
-    results = launch(_pd_rank, world, run, device="cpu", backend="gloo", timeout_s=timeout_s, debug=run.debug)
+    results = launch(_pd_rank, world, (run, transfer), device="cpu", backend="gloo", timeout_s=timeout_s, debug=run.debug)
     prefill, decode = results[: run.cp_size], results[run.cp_size]
     rows = decode.rows
     problems: list[str] = []
@@ -132,4 +205,54 @@ def run_prefill_and_decode(run: RunConfig, timeout_s: float = 300) -> PDResult:
     if manifests != tuple(decode.manifests):
         problems.append("the manifests the decode rank received differ from the ones the prefill ranks built")
     ranks = tuple(r.prefill for r in prefill if r.prefill is not None)
-    return PDResult(manifests, ranks, rows, decode.bytes_received, problems)
+    sent = tuple(r.sent for r in prefill if r.sent is not None)
+    return PDResult(manifests, ranks, rows, decode.bytes_received, problems, transfer, sent, decode.decode_pages)
+
+
+def pd_report(run: RunConfig, result: PDResult) -> dict[str, Any]:
+    """The ``pd`` command's JSON: the decode's verdict and what each prefill rank sent."""
+    if result.transfer == "rows":
+        ranks = [
+            {"rank": s.rank, "bytes_sent": s.bytes_sent, "bytes_at_rest": s.bytes_at_rest, "rows_sent": s.rows_sent}
+            for s in result.sent
+        ]
+    else:
+        ranks = [{"rank": m.rank, "bytes_sent": m.nbytes, "pages_sent": m.n_pages} for m in result.manifests]
+    prefill_pages = replay_page_table(run)
+    return {
+        "transfer": result.transfer,
+        "cp_size": run.cp_size, "split_mode": run.split_mode, "phases": str(run.phases), "preset": run.preset,
+        "requests": [[r.prefix, r.extend] for r in run.requests],
+        "decode_matches_oracle": result.matches_oracle if run.check else None,
+        "problems": result.problems,
+        "bytes_received": result.bytes_received,
+        "prefill_ranks": ranks,
+        "decode_pages": [list(p) for p in result.decode_pages],
+        "prefill_pages": [prefill_pages.pages(req) for req in range(len(run.requests))],
+    }
+
+
+def format_pd(doc: dict[str, Any]) -> str:
+    """The ``pd`` command's table."""
+    verdict = {True: "MATCHES the oracle byte for byte", False: "DIFFERS from the oracle", None: "not checked"}
+    how = ("rows: the decode allocates its own pages" if doc["transfer"] == "rows"
+           else "pages: the decode mirrors the prefill's page ids")
+    lines = [
+        f"PD | prefill on C={doc['cp_size']} ranks ({doc['split_mode']}, phases {doc['phases']}), decode on one process "
+        f"| {doc['preset']} | requests {doc['requests']} | transfer {how}",
+        f"  decode {verdict[doc['decode_matches_oracle']]}; received {doc['bytes_received']:,} B",
+    ]
+    unit = "rows_sent" if doc["transfer"] == "rows" else "pages_sent"
+    header = ["rank", "bytes sent"] + (["bytes at rest"] if doc["transfer"] == "rows" else []) + [unit.replace("_", " ")]
+    rows = [
+        [str(r["rank"]), f"{r['bytes_sent']:,}"] + ([f"{r['bytes_at_rest']:,}"] if doc["transfer"] == "rows" else [])
+        + [str(r[unit])]
+        for r in doc["prefill_ranks"]
+    ]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    lines.append("  " + "  ".join(h.rjust(w) for h, w in zip(header, widths)))
+    lines += ["  " + "  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    if doc["decode_pages"]:
+        lines.append(f"  decode page ids per request: {doc['decode_pages']} (prefill's: {doc['prefill_pages']})")
+    lines += [f"  ! {p}" for p in doc["problems"]]
+    return "\n".join(lines)

@@ -17,9 +17,11 @@ rank that keeps it: bytes sent equal the request's bytes at rest, no hole and no
 * **Otherwise** (in-seq's page interleave, another ``C_d`` or ``I_d``): rows are routed by position
   to the decode rank that keeps them and land at their local row there: a re-layout, counted.
 
-The transport here is in-process (the shards are objects of one process, as in
-:func:`reference_impl.pd.transfer.transfer_in_process`); what crosses is a list of row blocks per
-(prefill rank, decode rank), the unit a point-to-point or RDMA backend would send.
+:func:`transfer_to_dcp` moves the blocks in-process (the shards are objects of one process, as in
+:func:`reference_impl.pd.transfer.transfer_in_process`); each one is a
+:class:`~reference_impl.pd.transport.RowBlock`, what a :class:`~reference_impl.pd.transport.BlockTransport`
+sends between processes (:func:`reference_impl.prefill_decode.run_prefill_and_decode` with
+``transfer="rows"`` drives a one-rank decode that way).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from reference_impl.kvcache.layout import KVLayout
 from reference_impl.kvcache.pool import PagedKVPool
 
 from .transfer import RequestRows
+from .transport import RowBlock
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,7 @@ class DcpDecodeShard:
         self.pool = PagedKVPool(n_layers, n_pages, kv_layout.page_size, kv_layout, device, debug=True)
         self.table = RequestPageTable(PageAllocator(n_pages, kv_layout.page_size))
         self.requests: list[int] = []
+        self.bytes_received = 0
         self._written = torch.zeros(n_layers, n_pages * kv_layout.page_size, dtype=torch.int32)
 
     def admit(self, request: int, n_tokens: int) -> None:
@@ -79,14 +83,22 @@ class DcpDecodeShard:
         self.table.extend(request, self.layout.share(n_tokens, self.rank))
         self.requests.append(request)
 
-    def write(self, layer: int, request: int, local_rows: torch.Tensor, rows: StoredRowsBlock) -> None:
-        """Install ``rows`` at the request's ``local_rows`` (positions in this rank's share)."""
+    def receive(self, block: RowBlock) -> None:
+        """Install a row block at its positions' local rows (every position must be this rank's)."""
+        positions = block.positions.cpu()
+        if bool((self.layout.rank_of(positions) != self.rank).any()):
+            raise ConfigError(f"decode rank {self.rank} request {block.request}: a row block holds another rank's positions")
+        local_rows = self.layout.local_row(positions)
+        layer, request = block.layer, block.request
         locs = self.table.locs(request).index_select(0, local_rows)
         if bool((self._written[layer, locs] > 0).any()):
             raise ConfigError(f"decode rank {self.rank} layer {layer} request {request}: a row arrived twice")
         self._written[layer, locs] += 1
-        self.pool.write_mla(layer, locs, rows.mla)
-        self.pool.write_index(layer, locs, rows.index.view(torch.float8_e4m3fn), rows.scale)
+        device = self.pool.device
+        locs = locs.to(device)
+        self.pool.write_mla(layer, locs, block.mla.to(device))
+        self.pool.write_index(layer, locs, block.index.to(device).view(torch.float8_e4m3fn), block.scale.to(device))
+        self.bytes_received += block.payload_bytes
 
     def rows(self, layer: int, request: int) -> RequestRows:
         """The request's rows on this rank, in local order: ``(mla uint8, index fp8 bytes uint8, scale f32)``."""
@@ -102,19 +114,6 @@ class DcpDecodeShard:
             if bool((counts != 1).any()):
                 layer, row = (counts != 1).nonzero()[0].tolist()
                 raise ConfigError(f"decode rank {self.rank} request {request}: layer {layer} local row {row} is missing")
-
-
-@dataclass(frozen=True)
-class StoredRowsBlock:
-    """Rows of one request on the wire: MLA bytes ``uint8 [n, B]``, index bytes ``uint8 [n, D]``, scale ``f32 [n]``."""
-
-    mla: torch.Tensor
-    index: torch.Tensor
-    scale: torch.Tensor
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.mla, self.index, self.scale))
 
 
 @dataclass
@@ -151,9 +150,10 @@ def transfer_to_dcp(
                 target, local = decode.rank_of(positions), decode.local_row(positions)
                 for d in torch.unique(target).tolist():
                     pick = (target == d).nonzero().flatten()
-                    block = StoredRowsBlock(mla.index_select(0, pick), index.index_select(0, pick), scale.index_select(0, pick))
-                    shards[d].write(layer, request, local.index_select(0, pick), block)
-                    stats[rank].bytes_sent += block.nbytes
+                    block = RowBlock(request, layer, positions.index_select(0, pick), mla.index_select(0, pick),
+                                     index.index_select(0, pick), scale.index_select(0, pick))
+                    shards[d].receive(block)
+                    stats[rank].bytes_sent += block.payload_bytes
                     stats[rank].rows_sent += int(pick.numel())
                     stats[rank].to_ranks.add(d)
                 in_place = (target == rank) & (local == torch.arange(positions.numel()))
