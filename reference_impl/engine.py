@@ -25,7 +25,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -87,6 +87,20 @@ class RankResult:
     store: KVStore | None = None  # the rank's KV store, only with ``run_rank(..., keep_store=True)`` (PD transfer)
     host_sync_audit: str = ""  # how phase 6 counted the layer loop's host syncs ("" without phase 6)
     kernel_fallbacks: dict[str, str] = field(default_factory=dict)  # kernel -> first error, in this rank's process
+
+
+class LayerStoredHook(Protocol):
+    """Called by the layer loop when a layer's KV is in the store (the PD transfer streams from it).
+
+    ``begin_chunk`` runs before a chunk's layer loop (outside the phase-6 audit): ``finished``
+    maps each request whose last tokens this chunk computes to its logical locs, so plans are made
+    there. ``layer_stored(layer)`` runs inside the loop right after ``store_current``: from then
+    on the finished requests' rows of that layer are final.
+    """
+
+    def begin_chunk(self, store: KVStore, finished: dict[int, torch.Tensor]) -> None: ...
+
+    def layer_stored(self, layer: int) -> None: ...
 
 
 def make_kv_store(run: RunConfig, batch: BatchLocs, layout: KVLayout, group: CPGroup) -> KVStore:
@@ -204,11 +218,14 @@ def run_id_space(table: RequestPageTable, n_requests: int) -> int:
 
 
 @torch.no_grad()
-def run_rank(group: CPGroup, run: RunConfig, *, keep_store: bool = False) -> RankResult:
+def run_rank(
+    group: CPGroup, run: RunConfig, *, keep_store: bool = False, on_layer_stored: LayerStoredHook | None = None
+) -> RankResult:
     """Run the batch on this rank, chunk by chunk; see the module docstring for the per-layer steps.
 
     ``keep_store=True`` leaves the rank's KV store on ``result.store`` (device tensors, not for
     pickling), for what runs after the prefill in the same process: the PD transfer.
+    ``on_layer_stored`` hears of every layer stored (:class:`LayerStoredHook`: a layer-wise PD send).
     """
     device = group.device
     layout = KVLayout.from_config(run.model, run.kv_dtype, run.page_size)
@@ -233,7 +250,14 @@ def run_rank(group: CPGroup, run: RunConfig, *, keep_store: bool = False) -> Ran
             start = time.perf_counter()
         else:
             store.bind(batch)
-        _run_chunk(group, run, model, inputs, chunk, meta, batch, store, acc)
+        if on_layer_stored is not None:
+            finished = {
+                req: table.locs(req).to(device)
+                for i, req in enumerate(chunk.requests)
+                if chunk.prefix_lens[i] + chunk.extend_lens[i] == run.requests[req].total
+            }
+            on_layer_stored.begin_chunk(store, finished)
+        _run_chunk(group, run, model, inputs, chunk, meta, batch, store, acc, on_layer_stored)
     assert store is not None
     total_ms = (time.perf_counter() - start) * 1e3
     if group.debug:
@@ -315,6 +339,7 @@ def _run_chunk(
     batch: BatchLocs,
     store: KVStore,
     acc: _Accumulated,
+    on_layer_stored: LayerStoredHook | None = None,
 ) -> None:
     """One CP batch through every layer, then its tail collection; appends to ``acc``."""
     device = group.device
@@ -348,6 +373,8 @@ def _run_chunk(
             kv_seq = gather_current(group, index, proj.kv, "kv", fused, group.debug)  # [T, 576] sequence order
             index_k_seq = gather_current(group, index, proj.index_k, "index_k", fused, group.debug)  # [T, 128]
             store.store_current(layer, kv_seq, index_k_seq, proj.kv, proj.index_k)
+            if on_layer_stored is not None:
+                on_layer_stored.layer_stored(layer)
             if prefetch is not None:
                 view = store.full_view(layer, kv_seq, index_k_seq, prefetch.consume(layer))
             else:

@@ -3,11 +3,15 @@
 ``C + 1`` processes over gloo: ranks ``0 .. C-1`` prefill as one CP group (a subgroup) with KV
 sharded at rest (phase 2), and rank ``C`` decodes. Two transfers:
 
-* ``transfer="rows"`` (the default, serving-shaped): each prefill rank sends, per layer and
-  request, the rows it stores with their request positions (:mod:`reference_impl.pd.transport`);
-  the decode allocates its own pages per request from its own allocator
+* ``transfer="rows"`` (serving-shaped): each prefill rank sends, per layer and request, the rows
+  it stores with their request positions (:mod:`reference_impl.pd.transport`), **layer by layer**:
+  as soon as layer ``l`` is stored, a non-blocking send per finished request leaves while layer
+  ``l + 1`` computes (an engine :class:`~reference_impl.engine.LayerStoredHook`, planned before the
+  loop, so phase 6's audit still counts no host sync); after the prefill, one completion wait per
+  request. The decode allocates its own pages per request from its own allocator
   (:class:`~reference_impl.pd.dcp.DcpDecodeShard`, one rank) and never sees a prefill page id.
   Bytes sent equal the rows each rank holds at rest: no empty slot of a partial page travels.
+  The transport is gloo on CPU tensors (a CUDA run would stage through the host; not built).
 * ``transfer="pages"``: each prefill rank sends its owned pages with their logical ids
   (:mod:`reference_impl.pd.manifest`), and the decode mirrors the prefill's page-id space by
   replaying its allocator (page interleave only).
@@ -18,6 +22,7 @@ With ``run.check`` the decode cache is compared with the single-device oracle by
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +39,8 @@ from reference_impl.cp.kv_sharded import ShardedKV
 from reference_impl.pd.dcp import DcpDecodeShard, DcpLayout
 from reference_impl.pd.manifest import TransferManifest, build_manifest
 from reference_impl.pd.transfer import DecodeCache, RequestRows, receive_pages, send_owned_pages
-from reference_impl.pd.transport import RowBlock, TorchDistributedTransport
+from reference_impl.cp.kv_store import KVStore
+from reference_impl.pd.transport import Pending, RowBlock, TorchDistributedTransport, headers
 from reference_impl.workload import build_inputs, build_model
 
 logger = logging.getLogger(__name__)
@@ -49,6 +55,8 @@ class RankTransfer:
     bytes_at_rest: int  # the same layout's bytes of the tokens this rank stores, counted from its ownership
     rows_sent: int
     blocks_sent: int  # one per (layer, request), empty ones included
+    blocks_sent_in_layer_loop: int  # sent while later layers computed
+    wait_ms_after_prefill: tuple[float, ...]  # per request: its one completion wait, after the prefill
 
 
 @dataclass
@@ -81,21 +89,57 @@ class _RoleResult:
     decode_pages: tuple[tuple[int, ...], ...] = ()
 
 
-def _send_rows(run: RunConfig, store: ShardedKV, rank: int, decode_rank: int) -> RankTransfer:
-    """Send every (layer, request) row block this prefill rank stores to ``decode_rank``."""
-    transport = TorchDistributedTransport("cpu")
+class _LayerStreamer:
+    """A prefill rank's layer-wise send (an engine :class:`~reference_impl.engine.LayerStoredHook`):
+    as soon as layer ``l`` is stored, each finished request's rows of it leave (``isend``) while
+    layer ``l + 1`` computes; the plans (positions, physical locs) are made before the loop."""
+
+    def __init__(self, transport: TorchDistributedTransport, decode_rank: int) -> None:
+        self.transport, self.decode_rank = transport, decode_rank
+        self.store: ShardedKV | None = None
+        self.plans: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # positions, physical, headers
+        self.pending: dict[int, list[Pending]] = {}
+        self.bytes_sent = self.rows_sent = self.blocks_sent = 0
+
+    def begin_chunk(self, store: KVStore, finished: dict[int, torch.Tensor]) -> None:
+        if not isinstance(store, ShardedKV):
+            raise ConfigError("a layer-wise PD send needs KV sharded at rest (phase 2)")
+        self.store = store
+        layout, n_layers = store.layout, store.pool.n_layers
+        self.plans = {}
+        for req, locs in finished.items():
+            positions, physical = store.owned_rows(locs)
+            self.plans[req] = (positions, physical, headers(
+                req, n_layers, positions.numel(), layout.mla_bytes, layout.index_head_dim, self.transport.device))
+
+    def layer_stored(self, layer: int) -> None:
+        assert self.store is not None
+        pool = self.store.pool
+        for req, (positions, physical, header) in self.plans.items():
+            k_fp8, k_scale = pool.read_index(layer, physical)
+            block = RowBlock(req, layer, positions, pool.read_mla(layer, physical), k_fp8.view(torch.uint8), k_scale)
+            self.pending.setdefault(req, []).append(self.transport.isend(block, self.decode_rank, header[layer]))
+            self.bytes_sent += block.payload_bytes
+            self.rows_sent += block.n_rows
+            self.blocks_sent += 1
+
+    def wait_all(self) -> list[float]:
+        """One completion wait per request (request order); the milliseconds each wait took."""
+        waits = []
+        for req in sorted(self.pending):
+            start = time.perf_counter()
+            for sends in self.pending[req]:
+                sends.wait()
+            waits.append((time.perf_counter() - start) * 1e3)
+        return waits
+
+
+def _bytes_at_rest(run: RunConfig, store: ShardedKV, rank: int) -> int:
+    """Cache bytes (every layer) of the tokens ``rank`` stores, counted from its ownership."""
     table = replay_page_table(run)  # this rank's own page table: its locs of every request
-    locs = [table.locs(req) for req in range(len(run.requests))]
+    owned = sum(int((store.ownership.owner(table.locs(req)) == rank).sum()) for req in range(len(run.requests)))
     layout = store.layout
-    row_bytes = layout.mla_bytes + layout.index_head_dim + 4
-    owned = sum(int((store.ownership.owner(request_locs) == rank).sum()) for request_locs in locs)
-    sent_bytes = rows = blocks = 0
-    for layer in range(run.model.n_layers):
-        for req, (positions, mla, index, scale) in store.stored_rows(layer, locs).items():
-            block = RowBlock(req, layer, positions, mla, index, scale)
-            transport.send(block, decode_rank)
-            sent_bytes, rows, blocks = sent_bytes + block.payload_bytes, rows + block.n_rows, blocks + 1
-    return RankTransfer(rank, sent_bytes, owned * row_bytes * run.model.n_layers, rows, blocks)
+    return owned * (layout.mla_bytes + layout.index_head_dim + 4) * run.model.n_layers
 
 
 def _receive_rows(run: RunConfig, device: torch.device) -> _RoleResult:
@@ -122,12 +166,18 @@ def _pd_rank(world: CPGroup, job: tuple[RunConfig, str]) -> _RoleResult:
     subgroup = dist.new_group(list(range(cp_size)))  # collective over the world: every rank calls it
     if world.rank < cp_size:
         cp_group = CPGroup(process_group=subgroup, device=world.device, debug=world.debug)
+        if transfer == "rows":
+            streamer = _LayerStreamer(TorchDistributedTransport("cpu"), decode_rank=cp_size)
+            result = run_rank(cp_group, run, keep_store=True, on_layer_stored=streamer)
+            waits = streamer.wait_all()
+            store, result.store = result.store, None
+            assert isinstance(store, ShardedKV)
+            sent = RankTransfer(cp_group.rank, streamer.bytes_sent, _bytes_at_rest(run, store, cp_group.rank),
+                                streamer.rows_sent, streamer.blocks_sent, streamer.blocks_sent, tuple(waits))
+            return _RoleResult([], prefill=result, sent=sent)
         result = run_rank(cp_group, run, keep_store=True)
         store, result.store = result.store, None  # the store stays in this process
         assert store is not None
-        if transfer == "rows":
-            assert isinstance(store, ShardedKV)
-            return _RoleResult([], prefill=result, sent=_send_rows(run, store, cp_group.rank, decode_rank=cp_size))
         manifest = build_manifest(store, cp_group.rank, cp_size)  # refuses anything but a sharded store
         send_owned_pages(manifest, store.pool, decode_rank=cp_size)
         return _RoleResult([manifest], prefill=result)
@@ -213,7 +263,9 @@ def pd_report(run: RunConfig, result: PDResult) -> dict[str, Any]:
     """The ``pd`` command's JSON: the decode's verdict and what each prefill rank sent."""
     if result.transfer == "rows":
         ranks = [
-            {"rank": s.rank, "bytes_sent": s.bytes_sent, "bytes_at_rest": s.bytes_at_rest, "rows_sent": s.rows_sent}
+            {"rank": s.rank, "bytes_sent": s.bytes_sent, "bytes_at_rest": s.bytes_at_rest, "rows_sent": s.rows_sent,
+             "blocks_sent": s.blocks_sent, "blocks_sent_in_layer_loop": s.blocks_sent_in_layer_loop,
+             "wait_ms_after_prefill": list(s.wait_ms_after_prefill)}
             for s in result.sent
         ]
     else:
@@ -243,10 +295,12 @@ def format_pd(doc: dict[str, Any]) -> str:
         f"  decode {verdict[doc['decode_matches_oracle']]}; received {doc['bytes_received']:,} B",
     ]
     unit = "rows_sent" if doc["transfer"] == "rows" else "pages_sent"
-    header = ["rank", "bytes sent"] + (["bytes at rest"] if doc["transfer"] == "rows" else []) + [unit.replace("_", " ")]
+    streamed = doc["transfer"] == "rows"
+    header = ["rank", "bytes sent"] + (["bytes at rest"] if streamed else []) + [unit.replace("_", " ")] + (
+        ["blocks sent in the layer loop"] if streamed else [])
     rows = [
-        [str(r["rank"]), f"{r['bytes_sent']:,}"] + ([f"{r['bytes_at_rest']:,}"] if doc["transfer"] == "rows" else [])
-        + [str(r[unit])]
+        [str(r["rank"]), f"{r['bytes_sent']:,}"] + ([f"{r['bytes_at_rest']:,}"] if streamed else []) + [str(r[unit])]
+        + ([f"{r['blocks_sent_in_layer_loop']} of {r['blocks_sent']}"] if streamed else [])
         for r in doc["prefill_ranks"]
     ]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]

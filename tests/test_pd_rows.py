@@ -87,3 +87,40 @@ def test_the_pd_command(capsys) -> None:
     assert all(r["bytes_sent"] == r["bytes_at_rest"] for r in doc["prefill_ranks"])
     assert main(["pd", "--split-mode", "round-robin", "--transfer", "pages", "--page-size", "16"]) == 2
     assert "whole owned pages" in capsys.readouterr().err
+
+
+def test_the_send_streams_from_inside_the_layer_loop_without_host_syncs() -> None:
+    """Debug mode and phase 6: a host sync in the layer loop would raise; the streamed blocks
+    leave from inside the loop (one per layer and finished request) and the decode still matches."""
+    run = pd_run(phases=PhaseSet.level(8), debug=True, chunk_size=30)
+    result = run_prefill_and_decode(run, transfer="rows")
+    assert result.matches_oracle, result.problems
+    assert all(p.stats["host_syncs_in_layer_loop"] == 0 for p in result.prefill)
+    assert all(s.blocks_sent_in_layer_loop == s.blocks_sent == run.model.n_layers * len(MIXED) for s in result.sent)
+    assert all(len(s.wait_ms_after_prefill) == len(MIXED) for s in result.sent)  # one wait per request
+
+
+def test_the_engine_hook_hears_each_layer_of_each_chunk_and_the_finished_requests() -> None:
+    from reference_impl.cp.comm import CPGroup
+    from reference_impl.engine import run_rank
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.calls: list[tuple] = []
+
+        def begin_chunk(self, store, finished) -> None:  # noqa: ANN001
+            self.calls.append(("chunk", tuple(sorted(finished)), {r: int(l.numel()) for r, l in finished.items()}))
+
+        def layer_stored(self, layer: int) -> None:
+            self.calls.append(("layer", layer))
+
+    run = pd_run(cp_size=1, chunk_size=30, phases=PhaseSet.level(2))  # extends 70, 45, 9: chunks of 30
+    recorder = Recorder()
+    run_rank(CPGroup.single("cpu"), run, on_layer_stored=recorder)
+    layers = [("layer", layer) for layer in range(run.model.n_layers)]
+    # Chunk 1 finishes request 2 (9 tokens); chunk 2 request 1 (45); chunk 3 request 0 (70).
+    assert recorder.calls == [
+        ("chunk", (2,), {2: 14}), *layers,
+        ("chunk", (1,), {1: 45}), *layers,
+        ("chunk", (0,), {0: 107}), *layers,
+    ]

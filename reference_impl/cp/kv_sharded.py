@@ -225,14 +225,18 @@ class ShardedKV:
         pages = torch.arange(self.batch.n_pages, device=self.batch.view_locs.device)
         return pages[self.ownership.owner(pages * self.batch.page_size) == self.group.rank]
 
+    def owned_rows(self, locs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Of a request's logical ``locs`` (position order): the positions this rank stores and
+        their physical locs (one host read: plan it outside the layer loop)."""
+        own = self._owned(locs)
+        return own.nonzero().flatten(), self.ownership.physical(locs[own])
+
     def stored_rows(self, layer: int, request_locs: list[torch.Tensor] | None = None) -> StoredRows:
         """Per request (``request_locs``, default this batch's), the tokens this rank holds:
         ``(positions, mla rows, index bytes, index scale)``."""
         out = {}
         for req, locs in enumerate(request_locs if request_locs is not None else self.batch.request_locs):
-            own = self._owned(locs)
-            phys = self.ownership.physical(locs[own])
+            positions, phys = self.owned_rows(locs)
             k_fp8, k_scale = self.pool.read_index(layer, phys)
-            positions = own.nonzero().flatten()
             out[req] = (positions, self.pool.read_mla(layer, phys), k_fp8.view(torch.uint8), k_scale)
         return out

@@ -55,12 +55,27 @@ class RowBlock:
         return sum(t.numel() * t.element_size() for t in (self.mla, self.index, self.scale))
 
 
+class Pending(Protocol):
+    """A send in flight: ``wait()`` returns once the block has left (and may be reused)."""
+
+    def wait(self) -> None: ...
+
+
 class BlockTransport(Protocol):
-    """Moves row blocks between ranks; ``send`` returns once the block may be reused."""
+    """Moves row blocks between ranks: ``send`` blocks, ``isend`` returns at once (layer-wise streaming)."""
 
     def send(self, block: RowBlock, dst: int) -> None: ...
 
+    def isend(self, block: RowBlock, dst: int, header: torch.Tensor | None = None) -> Pending: ...
+
     def recv(self, src: int) -> RowBlock: ...
+
+
+def headers(request: int, n_layers: int, n_rows: int, mla_width: int, index_width: int,
+            device: torch.device | str = "cpu") -> torch.Tensor:
+    """The headers of a request's blocks for layers ``0 .. n_layers-1``: ``int64 [n_layers, 6]``."""
+    return torch.tensor([[request, layer, n_rows, mla_width, index_width, 0] for layer in range(n_layers)],
+                        dtype=torch.long, device=device)
 
 
 class TorchDistributedTransport:
@@ -73,15 +88,22 @@ class TorchDistributedTransport:
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
 
+    def _wire(self, block: RowBlock, header: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Header then the four tensors; ``header`` prebuilt (:func:`headers`) keeps a layer loop free
+        of host-built tensors."""
+        if header is None:
+            header = headers(block.request, block.layer + 1, block.n_rows, block.mla.shape[1], block.index.shape[1],
+                             self.device)[block.layer]
+        parts = (block.positions, block.mla, block.index, block.scale) if block.n_rows else ()
+        return [header, *(t.to(self.device).contiguous() for t in parts)]
+
     def send(self, block: RowBlock, dst: int) -> None:
-        header = torch.tensor(
-            [block.request, block.layer, block.n_rows, block.mla.shape[1], block.index.shape[1], 0],
-            dtype=torch.long, device=self.device,
-        )
-        dist.send(header, dst)
-        if block.n_rows:
-            for tensor in (block.positions, block.mla, block.index, block.scale):
-                dist.send(tensor.to(self.device).contiguous(), dst)
+        for tensor in self._wire(block):
+            dist.send(tensor, dst)
+
+    def isend(self, block: RowBlock, dst: int, header: torch.Tensor | None = None) -> Pending:
+        tensors = self._wire(block, header)
+        return _Sends([dist.isend(tensor, dst) for tensor in tensors], tensors)
 
     def recv(self, src: int) -> RowBlock:
         header = torch.empty(HEADER, dtype=torch.long, device=self.device)
@@ -97,3 +119,15 @@ class TorchDistributedTransport:
             for tensor in parts:
                 dist.recv(tensor, src)
         return RowBlock(request, layer, *parts)
+
+
+class _Sends:
+    """The point-to-point sends of one block; holds the tensors until they have left."""
+
+    def __init__(self, works: list, tensors: list[torch.Tensor]) -> None:
+        self.works, self.tensors = works, tensors
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        self.tensors = []
