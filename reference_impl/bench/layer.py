@@ -125,15 +125,17 @@ def planner_point(run: RunConfig, rank: int, level: int, wire_gbps: float | None
     if wire_gbps is not None:
         rates = rates.override({"interconnect_gbps": wire_gbps}, "bench --wire-gbps")
     context = run.requests[0].total
-    terms = layer_terms(get_preset(run.preset), rates, run.cp_size, context, level, rank, run.kv_dtype, run.page_size)
+    terms = layer_terms(get_preset(run.preset), rates, run.cp_size, context, level, rank, run.kv_dtype, run.page_size,
+                        run.split_mode)
     if wire_gbps is None:  # no modeled wire: the loopback copy is all that runs
         terms = {**terms, "allgather1": 0.0, "materialize_comm": 0.0}
-    t_local = local_queries(context, run.cp_size, run.page_size, level, rank)
-    transient = transient_bytes(cfg, context, level, run.kv_dtype, run.page_size)
+    t_local = local_queries(context, run.cp_size, run.page_size, level, rank, run.split_mode)
+    interleave = run.interleave if level >= 2 else None
+    transient = transient_bytes(cfg, context, level, run.kv_dtype, run.page_size, cp_size=run.cp_size, interleave=interleave)
     return {
         "layer_ms": sum(terms.values()),
         "terms_ms": terms,
-        "kv_bytes": kv_bytes_per_rank(cfg, context, run.cp_size, level >= 2, run.kv_dtype, run.page_size, rank),
+        "kv_bytes": kv_bytes_per_rank(cfg, context, run.cp_size, level >= 2, run.kv_dtype, run.page_size, rank, interleave),
         "transient_bytes": transient,
         "peak_bytes": transient + activation_bytes(cfg, t_local, context),
     }
@@ -160,9 +162,11 @@ def replan(doc: dict[str, Any]) -> dict[str, Any]:
         wl = w["workload"]
         if wl["prefix"]:
             continue  # the planner's scenario is current-only
+        mode = w.get("split_mode", "in-seq")
         for point in w["levels"]:
             run = RunConfig(preset=doc["preset"], n_layers=doc["n_layers"], cp_size=doc["cp_size"], check=False,
-                            device="cpu", requests=(Request(0, wl["extend"]),), phases=PhaseSet.level(point["level"]))
+                            device="cpu", requests=(Request(0, wl["extend"]),), phases=phases_at(point["level"], mode),
+                            split_mode=mode)
             _planner_fields(point, run, doc["rank"], doc["wire_gbps"])
     doc["planner_replanned"] = "planner fields recomputed by `python -m reference_impl.bench.layer --replan` " \
         "with the planner and rates of the working tree; measurements unchanged"
@@ -211,7 +215,7 @@ def measure(
             **{k: stats[k] for k in ("transient_peak_bytes", "gather_bytes", "materialized_bytes", "collectives")},
             "measured_peak_bytes": stats.get("measured_peak_bytes"),
         }
-        if workload.prefix == 0 and split_mode == "in-seq":  # the planner models the in-seq split
+        if workload.prefix == 0:  # the planner's scenario: one request, no prefix
             _planner_fields(point, run, rank, wire_gbps)
         if level == 8 and isinstance(result.store, ShardedKV):
             point["prefetch_payload_ms"] = payload_ms(result.store, n_layers, dev)

@@ -8,7 +8,7 @@ these sizes (tested).
 from __future__ import annotations
 
 from reference_impl.config import KVDtype
-from reference_impl.cp.ownership import owned_page_count
+from reference_impl.cp.ownership import Ownership, owned_page_count
 from reference_impl.kvcache.layout import KVLayout
 from reference_impl.presets import ModelConfig
 
@@ -20,14 +20,17 @@ def page_bytes(cfg: ModelConfig, kv_dtype: KVDtype, page_size: int = 64) -> int:
 
 
 def kv_bytes_per_rank(
-    cfg: ModelConfig, tokens: int, cp_size: int, sharded: bool, kv_dtype: KVDtype = "fp8", page_size: int = 64, rank: int = 0
+    cfg: ModelConfig, tokens: int, cp_size: int, sharded: bool, kv_dtype: KVDtype = "fp8", page_size: int = 64, rank: int = 0,
+    interleave: int | None = None,
 ) -> int:
     """KV + index bytes at rest on ``rank`` for one request of ``tokens`` tokens, all layers.
 
-    Replicated (phase 0/1): every page on every rank. Sharded (phase 2+): ``ceil((pages - rank) / C)``.
+    Replicated (phase 0/1): every page on every rank. Sharded (phase 2+): the pages ``rank`` holds
+    at ``interleave`` (default the page size: ``ceil((pages - rank) / C)``).
     """
     pages = -(-tokens // page_size)
-    held = owned_page_count(pages, rank, cp_size) if sharded else pages
+    ownership = Ownership(cp_size, interleave or page_size, page_size)
+    held = ownership.pages_held(pages, rank) if sharded else pages
     return cfg.n_layers * held * page_bytes(cfg, kv_dtype, page_size)
 
 

@@ -13,7 +13,7 @@ import functools
 
 from reference_impl.config import KVDtype
 from reference_impl.cp.capacity import page_bytes
-from reference_impl.cp.ownership import owned_page_count
+from reference_impl.cp.ownership import Ownership, owned_page_count
 from reference_impl.cp.page_aligned import page_aligned_block_sizes
 from reference_impl.cp.split import in_seq_block_sizes
 from reference_impl.kvcache.layout import KVLayout
@@ -48,10 +48,25 @@ def rank_ranges(blocks: tuple[int, ...], rank: int) -> tuple[tuple[int, int], tu
     return (starts[rank], starts[rank] + blocks[rank]), (starts[other], starts[other] + blocks[other])
 
 
-def local_queries(context: int, cp_size: int, page_size: int, level: int, rank: int) -> int:
-    """Tokens ``rank`` computes at phase ``level``: its two zigzag blocks (page-aligned from level 4)."""
+def local_queries(context: int, cp_size: int, page_size: int, level: int, rank: int, split_mode: str = "in-seq") -> int:
+    """Tokens ``rank`` computes at phase ``level``: its two zigzag blocks (page-aligned from level
+    4), or round-robin's positions ``rank (mod C)``."""
+    if split_mode == "round-robin":
+        return round_robin_queries(context, cp_size, rank)
     blocks = zigzag_blocks(context, cp_size, page_size, page_aligned=level >= 4)
     return sum(b - a for a, b in rank_ranges(blocks, rank))
+
+
+def round_robin_queries(context: int, cp_size: int, rank: int) -> int:
+    """Positions ``rank, rank + C, ...`` below ``context``: what round-robin gives ``rank``."""
+    return max(0, -(-(context - rank) // cp_size))
+
+
+def round_robin_visible_keys(context: int, cp_size: int, rank: int) -> int:
+    """Causal keys seen by round-robin's queries on ``rank``: ``sum(t + 1)`` over ``t = rank + i C``,
+    ``n (rank + 1) + C n (n - 1) / 2`` for its ``n`` queries."""
+    n = round_robin_queries(context, cp_size, rank)
+    return n * (rank + 1) + cp_size * n * (n - 1) // 2
 
 
 def visible_keys(ranges: tuple[tuple[int, int], ...]) -> int:
@@ -164,25 +179,34 @@ def view_bytes(cfg: ModelConfig, layout: KVLayout, rows: int) -> int:
     return rows * (layout.mla_bytes + layout.index_bytes + cfg.kv_width * 2 + layout.index_bytes)
 
 
-def materialize_comm_bytes(context: int, cp_size: int, page_size: int, one_page_bytes: int) -> int:
+def materialize_comm_bytes(
+    context: int, cp_size: int, page_size: int, one_page_bytes: int, interleave: int | None = None
+) -> int:
     """Bytes one rank receives in phase 2's materialize all-gather of every page:
-    ``(C - 1) x ceil(pages / C) x page_bytes`` (slots padded to the largest owner)."""
+    ``(C - 1) x ceil(pages / C) x page_bytes`` (slots padded to the largest owner; at another
+    ``interleave``, the physical pages rank 0 holds)."""
     pages = -(-context // page_size)
-    return (cp_size - 1) * owned_page_count(pages, 0, cp_size) * one_page_bytes
+    held = Ownership(cp_size, interleave or page_size, page_size).pages_held(pages, 0)
+    return (cp_size - 1) * held * one_page_bytes
 
 
 def transient_bytes(
-    cfg: ModelConfig, context: int, level: int, kv_dtype: KVDtype = "fp8", page_size: int = 64, act_bytes: int = ACT_BYTES
+    cfg: ModelConfig, context: int, level: int, kv_dtype: KVDtype = "fp8", page_size: int = 64, act_bytes: int = ACT_BYTES,
+    cp_size: int = 1, interleave: int | None = None,
 ) -> int:
     """Transient bytes of one layer, as the engine's ``transient_peak_bytes`` counts them.
 
     ``T x (576 + 128) x act_bytes`` (gathered chunk) + ``S x (576 x 2 + 132)`` (bf16 full view and
     FP8 index) + at level 2 ``pages x page_bytes`` (every page gathered; none from level 3 when the
-    batch is current-only).
+    batch is current-only; at a finer ``interleave``, every rank's physical pages: up to one more
+    per rank).
     """
     gathered = context * (cfg.kv_width + cfg.index_head_dim) * act_bytes
     view = context * (cfg.kv_width * 2 + cfg.index_head_dim + 4)
-    pages = -(-context // page_size) * page_bytes(cfg, kv_dtype, page_size) if level == 2 else 0
+    n_pages = -(-context // page_size)
+    if interleave not in (None, page_size):
+        n_pages = sum(Ownership(cp_size, interleave, page_size).pages_held(n_pages, r) for r in range(cp_size))
+    pages = n_pages * page_bytes(cfg, kv_dtype, page_size) if level == 2 else 0
     return gathered + view + pages
 
 
@@ -214,18 +238,31 @@ def activation_bytes(cfg: ModelConfig, t_local: int, context: int, act_bytes: in
 
 def layer_terms(
     cfg: ModelConfig, rates: PlannerRates, cp_size: int, context: int, level: int, rank: int,
-    kv_dtype: KVDtype = "fp8", page_size: int = 64,
+    kv_dtype: KVDtype = "fp8", page_size: int = 64, split_mode: str = "in-seq",
 ) -> dict[str, float]:
-    """Milliseconds of each part of one layer on ``rank`` at phase ``level`` (see the module docstring)."""
+    """Milliseconds of each part of one layer on ``rank`` at phase ``level`` (see the module docstring).
+
+    ``split_mode="round-robin"``: rank ``r`` computes positions ``t = r (mod C)`` and, with the KV
+    sharded at interleave 1 (level >= 2), writes them directly; its level ``k`` runs phases
+    ``1..k`` without 4 and 5.
+    """
     layout = KVLayout.from_config(cfg, kv_dtype, page_size)
-    blocks = zigzag_blocks(context, cp_size, page_size, page_aligned=level >= 4)
-    ranges = rank_ranges(blocks, rank)
-    t_local = sum(b - a for a, b in ranges)
-    t_pad = max(blocks[r] + blocks[len(blocks) - 1 - r] for r in range(cp_size))
+    round_robin = split_mode == "round-robin"
+    if round_robin:
+        t_local = round_robin_queries(context, cp_size, rank)
+        t_pad = round_robin_queries(context, cp_size, 0)
+        n_visible = round_robin_visible_keys(context, cp_size, rank)
+    else:
+        blocks = zigzag_blocks(context, cp_size, page_size, page_aligned=level >= 4)
+        ranges = rank_ranges(blocks, rank)
+        t_local = sum(b - a for a, b in ranges)
+        t_pad = max(blocks[r] + blocks[len(blocks) - 1 - r] for r in range(cp_size))
+        n_visible = visible_keys(ranges)
     fused, sharded = level >= 7, level >= 2
+    direct = sharded and (round_robin or level >= 5)
     terms = {
         "projections": ms_for_flops(projection_flops(cfg, t_local), rates.matmul_tflops),
-        "indexer_logits": ms_for_flops(indexer_flops(cfg, visible_keys(ranges)), rates.indexer_logits_tflops),
+        "indexer_logits": ms_for_flops(indexer_flops(cfg, n_visible), rates.indexer_logits_tflops),
         "indexer_topk": topk_ms(rates, t_local, context),
         "attention": ms_for_flops(attention_flops(cfg, t_local, context), rates.attention_tflops),
         # Norms, RoPE, casts, quantization, copies of the rank's tokens (planner.elementwise).
@@ -237,10 +274,11 @@ def layer_terms(
         index_b, rates.gbps("rerange_index", fused)
     )
     # Rows this rank writes: the whole chunk (replica), its owned pages' tokens picked from the
-    # gathered chunk (levels 2-4), or the rows it computed, written directly (level >= 5).
-    rows = context if not sharded else owned_tokens(context, rank, cp_size, page_size) if level < 5 else t_local
+    # gathered chunk (in-seq levels 2-4), or the rows it computed, written directly (in-seq level
+    # >= 5, round-robin level >= 2).
+    rows = context if not sharded else t_local if direct else owned_tokens(context, rank, cp_size, page_size)
     mla_b, index_b = store_bytes(cfg, layout, rows)
-    terms["select"] = ms_for_bytes(rows * gather_row_bytes(cfg) * 2, rates.copy_gbps) if 2 <= level < 5 else 0.0
+    terms["select"] = ms_for_bytes(rows * gather_row_bytes(cfg) * 2, rates.copy_gbps) if sharded and not direct else 0.0
     terms["store"] = ms_for_bytes(mla_b, rates.gbps(f"store_mla_{kv_dtype}", fused)) + ms_for_bytes(
         index_b, rates.gbps("store_index", fused)
     )
@@ -252,7 +290,7 @@ def layer_terms(
     else:
         terms["remap"] = rates.remap_page_inverse_ms * remap_scale / cfg.n_layers
     one_page = page_bytes(cfg, kv_dtype, page_size)
-    comm = materialize_comm_bytes(context, cp_size, page_size, one_page) if level == 2 else 0
+    comm = materialize_comm_bytes(context, cp_size, page_size, one_page, 1 if round_robin else None) if level == 2 else 0
     terms["materialize_comm"] = ms_for_bytes(comm, rates.interconnect_gbps)
     # The view's S rows come from the local replica (levels 0-1), gathered pages (level 2) or the
     # gathered chunk (level >= 3, fill_current): all on the torch path. The fused materialize
@@ -262,12 +300,13 @@ def layer_terms(
 
 
 def slowest_rank(
-    cfg: ModelConfig, rates: PlannerRates, cp_size: int, context: int, level: int, kv_dtype: KVDtype = "fp8", page_size: int = 64
+    cfg: ModelConfig, rates: PlannerRates, cp_size: int, context: int, level: int, kv_dtype: KVDtype = "fp8", page_size: int = 64,
+    split_mode: str = "in-seq",
 ) -> tuple[int, dict[str, float]]:
     """The rank with the longest layer and its terms (ties: the lowest rank)."""
     best: tuple[int, dict[str, float]] | None = None
     for rank in range(cp_size):
-        terms = layer_terms(cfg, rates, cp_size, context, level, rank, kv_dtype, page_size)
+        terms = layer_terms(cfg, rates, cp_size, context, level, rank, kv_dtype, page_size, split_mode)
         if best is None or sum(terms.values()) > sum(best[1].values()) + 1e-12:
             best = (rank, terms)
     assert best is not None
