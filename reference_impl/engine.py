@@ -89,6 +89,9 @@ class RankResult:
     kernel_fallbacks: dict[str, str] = field(default_factory=dict)  # kernel -> first error, in this rank's process
 
 
+LAYER_LOOP_RANGE = "dsacp.layer_loop"  # a profiler range around each chunk's layer loop (scripts/profile_layer.py)
+
+
 class LayerStoredHook(Protocol):
     """Called by the layer loop when a layer's KV is in the store (the PD transfer streams from it).
 
@@ -362,7 +365,7 @@ def _run_chunk(
         else contextlib.nullcontext()
     )
     prefetch = MlaPrefetcher(store, len(model.layers)) if run.phases.prefetch else None
-    with audit:
+    with audit, torch.profiler.record_function(LAYER_LOOP_RANGE):
         clock.mark()
         if prefetch is not None:
             prefetch.launch(0)

@@ -1,26 +1,56 @@
-"""Where one rank's layer time goes: torch.profiler over the loopback harness of bench/layer.py.
+"""Where one rank's layer time goes: torch.profiler over the loopback harness of bench/layer.py,
+counting only what runs inside the layer loop.
 
     PYTHONPATH=. python3 scripts/profile_layer.py --level 7 --prefix 0 --extend 131072 [--cp-size 8] [--rows 30]
+    PYTHONPATH=. python3 scripts/profile_layer.py --device cpu --preset tiny --extend 256 --cp-size 4   # CPU dry run
 
-Prints the device-time table of the profiled run (the second of two identical runs; the first
-compiles the kernels), top ``--rows`` ops by total CUDA time, and the sum per layer.
+The profiled run is the second of two identical runs (the first compiles the kernels). The engine
+marks each chunk's layer loop with a profiler range (``engine.LAYER_LOOP_RANGE``); weight init,
+input building, the prefix install and the tail fall outside it and are left out. On CUDA: every
+kernel launched by an op that starts inside a loop range, by kernel name, its device time
+(``device_ms``, the key ``planner/elementwise.py`` reads); on a CPU: each op's self CPU time
+(``cpu_ms``), so a nested op is counted once. Prints the top ``--rows``, their sum per layer next to
+the engine's per-layer times, and with ``--json`` writes every one.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 from torch.profiler import ProfilerActivity, profile
 
 from reference_impl.config import PhaseSet, Request, RunConfig
 from reference_impl.cp.loopback import LoopbackGroup
-from reference_impl.engine import run_rank
+from reference_impl.engine import LAYER_LOOP_RANGE, run_rank
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def loop_ops(events: Any, device: str) -> tuple[dict[str, float], dict[str, int], float]:
+    """``(ms per name, calls per name, loop ranges' wall ms)`` of what runs inside the layer-loop
+    ranges: kernels by name with their device time (CUDA), or ops by name with their self CPU time."""
+    ranges = [(e.time_range.start, e.time_range.end) for e in events if e.name == LAYER_LOOP_RANGE]
+    ms: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
+    for e in events:
+        if e.name == LAYER_LOOP_RANGE or not any(a <= e.time_range.start < b for a, b in ranges):
+            continue
+        if device == "cuda":
+            for kernel in e.kernels:  # attached to the op that launched them: each kernel once
+                ms[kernel.name] += kernel.duration / 1e3
+                calls[kernel.name] += 1
+        elif e.self_cpu_time_total > 0:
+            ms[e.name] += e.self_cpu_time_total / 1e3
+            calls[e.name] += 1
+    return dict(ms), dict(calls), sum(b - a for a, b in ranges) / 1e3
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="deepseek-v3.2")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--level", type=int, default=7)
     parser.add_argument("--prefix", type=int, default=0)
     parser.add_argument("--extend", type=int, default=131072)
@@ -29,25 +59,34 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--rows", type=int, default=30)
     parser.add_argument("--wire-gbps", type=float, default=None)
-    parser.add_argument("--json", default=None, help="also write every op's device time and count here")
-    args = parser.parse_args()
-    run = RunConfig(preset="deepseek-v3.2", n_layers=args.layers, cp_size=args.cp_size, check=False, device="cuda",
+    parser.add_argument("--json", default=None, help="also write every op's time and count here")
+    args = parser.parse_args(argv)
+    run = RunConfig(preset=args.preset, n_layers=args.layers, cp_size=args.cp_size, check=False, device=args.device,
                     requests=(Request(args.prefix, args.extend),), phases=PhaseSet.level(args.level))
-    run_rank(LoopbackGroup(args.rank, args.cp_size, "cuda", args.wire_gbps), run)  # warm-up
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        result = run_rank(LoopbackGroup(args.rank, args.cp_size, "cuda", args.wire_gbps), run)
-    print(f"level {args.level}, {args.prefix}+{args.extend} tokens, rank {args.rank} of C={args.cp_size}: "
-          f"layer ms {[round(t, 2) for t in result.timings['layer_ms']]} (includes prefix install outside the layers)")
-    averages = prof.key_averages()
-    print(averages.table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=90))
+    group = lambda: LoopbackGroup(args.rank, args.cp_size, args.device, args.wire_gbps)  # noqa: E731
+    run_rank(group(), run)  # warm-up: compiles the kernels
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if args.device == "cuda" else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:  # CPU ops too: their time ranges place the kernels
+        result = run_rank(group(), run)
+    ms, calls, loop_wall_ms = loop_ops(prof.events(), args.device)
+    total = sum(ms.values())
+    layer_ms = result.timings["layer_ms"]
+    print(f"level {args.level}, {args.prefix}+{args.extend} tokens, rank {args.rank} of C={args.cp_size} on {args.device}: "
+          f"engine layer ms {[round(t, 2) for t in layer_ms]}; inside the layer loop the ops sum to "
+          f"{total / args.layers:.2f} ms per layer ({'device' if args.device == 'cuda' else 'CPU'} self time)")
+    print(f"{'op':<70} {'calls':>7} {'ms':>9} {'share':>6}")
+    for name, value in sorted(ms.items(), key=lambda kv: -kv[1])[: args.rows]:
+        print(f"{name[:70]:<70} {calls[name]:>7} {value:>9.3f} {value / total:>6.1%}")
+    key = "device_ms" if args.device == "cuda" else "cpu_ms"
+    doc = {
+        "args": vars(args), "layer_ms": layer_ms, "loop_wall_ms": loop_wall_ms, "loop_ops_ms_total": total,
+        "ops": sorted(({"name": n, "count": calls[n], key: v} for n, v in ms.items()), key=lambda o: -o[key]),
+        "what": "what runs inside the engine's layer-loop ranges (weight init, inputs, prefix install and tail "
+                "excluded): kernels' device time on CUDA, ops' self CPU time on a CPU; the second of two identical runs",
+    }
     if args.json:
-        ops = [
-            {"name": e.key, "count": e.count, "device_ms": e.device_time_total / 1e3}
-            for e in averages if e.device_time_total > 0
-        ]
-        doc = {"args": vars(args), "layer_ms": result.timings["layer_ms"],
-               "ops": sorted(ops, key=lambda o: -o["device_ms"])}
         Path(args.json).write_text(json.dumps(doc, indent=1))
+    return doc
 
 
 if __name__ == "__main__":

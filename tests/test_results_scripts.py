@@ -22,3 +22,24 @@ def test_results_plots_render_from_the_committed_json_and_repeat_byte_for_byte(t
         outputs.append({name: (out / name).read_bytes() for name in ("layer_bench.svg", "prefetch.svg")})
     assert outputs[0] == outputs[1]
     assert all(svg.startswith(b"<?xml") and b"<svg" in svg for svg in outputs[0].values())
+
+
+def test_the_layer_profile_counts_only_the_layer_loop(tmp_path: Path) -> None:
+    """``scripts/profile_layer.py`` on CPU (tiny preset): ops that start inside the engine's
+    layer-loop ranges, self times; the weight init (random-number ops) and the prefix install fall
+    outside, and the ops' sum stays within the loops' wall time."""
+    import importlib.util
+    import json
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "profile_layer.py"
+    spec = importlib.util.spec_from_file_location("profile_layer", script)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    out = tmp_path / "profile.json"
+    doc = module.main(["--device", "cpu", "--preset", "tiny", "--prefix", "64", "--extend", "128", "--cp-size", "4",
+                       "--level", "8", "--json", str(out)])
+    names = {op["name"] for op in doc["ops"]}
+    assert json.loads(out.read_text())["ops"] == doc["ops"]
+    assert "aten::mm" in names or "aten::addmm" in names  # the projections run inside the loop
+    assert not names & {"aten::normal_", "aten::randn", "aten::uniform_"}  # weight init is outside
+    assert 0 < doc["loop_ops_ms_total"] <= doc["loop_wall_ms"] * 1.05
