@@ -27,6 +27,7 @@ from reference_impl.config import (
     env_flag,
     env_value,
     knob_names,
+    parse_batches,
     parse_int_list,
     parse_requests,
     validate_page_size,
@@ -118,6 +119,10 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     for field, help_text in _RUN_SWITCHES.items():
         p.add_argument(_flag(field), action=argparse.BooleanOptionalAction, default=None,
                        help=f"{help_text} (env {knob_names(field)[2]})")
+    p.add_argument("--batches", default=None, metavar="B1;B2;...",
+                   help="several batches in sequence on one pool per rank, each a requests spec; requests are numbered "
+                        "across the run (r0, r1, ...) and rN:P+E starts with the first P tokens of request N "
+                        "(env DSACP_BATCHES)")
     p.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
 
 
@@ -145,7 +150,14 @@ def _run_config(args: argparse.Namespace, **defaults: Any) -> RunConfig:
         value = _knob(args, field, getattr(base, field) if field not in ("requests", "phases") else None)
         if value is not None:
             fields[field] = value
-    fields["requests"] = tuple(parse_requests(fields.get("requests", defaults.get("requests", "0+96,40+70"))))
+    batches = args.batches if getattr(args, "batches", None) is not None else env_value("batches")
+    if batches is not None:
+        if "requests" in fields:
+            raise ConfigError("--batches lists every batch's requests: give it or --requests, not both")
+        requests, sizes = parse_batches(batches)
+        fields["requests"], fields["batch_sizes"] = tuple(requests), sizes
+    else:
+        fields["requests"] = tuple(parse_requests(fields.get("requests", defaults.get("requests", "0+96,40+70"))))
     fields["phases"] = PhaseSet.parse(str(fields.get("phases", defaults.get("phases", "0"))))
     return base.replace(**fields)
 

@@ -20,7 +20,7 @@ from reference_impl.phases import PhaseSet, available_levels
 from reference_impl.presets import PRESETS, ModelConfig, get_preset
 
 __all__ = [
-    "PRESETS", "ConfigError", "KVDtype", "ModelConfig", "PhaseSet", "Request", "RunConfig", "SplitMode",
+    "PRESETS", "ConfigError", "KVDtype", "ModelConfig", "PhaseSet", "Request", "RunConfig", "SplitMode", "parse_batches",
     "available_levels", "env_flag", "env_value", "get_preset", "knob_names", "parse_int_list", "parse_requests",
     "validate_interleave",
     "validate_page_size",
@@ -67,16 +67,25 @@ def _check_type(name: str, value: object, kind: type) -> None:
 
 @dataclass(frozen=True)
 class Request:
-    """One request of a prefill batch: ``prefix`` tokens already cached, ``extend`` tokens to compute."""
+    """One request of a prefill batch: ``prefix`` tokens already cached, ``extend`` tokens to compute.
+
+    ``shares``: the run-global index of an earlier batch's request whose first ``prefix`` tokens
+    this one starts with (spec ``rN:P+E``); its whole pages are reused by reference.
+    """
 
     prefix: int
     extend: int
+    shares: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("prefix", "extend"):
             _check_type(f"Request.{name}", getattr(self, name), int)
         if self.prefix < 0 or self.extend <= 0:
             raise ConfigError(f"request prefix={self.prefix} extend={self.extend}: need prefix >= 0 and extend >= 1")
+        if self.shares is not None:
+            _check_type("Request.shares", self.shares, int)
+            if self.shares < 0 or self.prefix < 1:
+                raise ConfigError(f"request r{self.shares}:{self.prefix}+{self.extend}: need N >= 0 and a prefix of at least 1")
 
     @property
     def total(self) -> int:
@@ -109,26 +118,46 @@ def parse_int_list(spec: str, what: str, minimum: int = 0) -> list[int]:
 
 
 def parse_requests(spec: str) -> list[Request]:
-    """Parse ``"0+128,64+200"`` (prefix+extend pairs) or ``"128,200"`` (extend only)."""
+    """Parse ``"0+128,64+200"`` (prefix+extend pairs), ``"128,200"`` (extend only), or ``"r0:64+50"``
+    (the first 64 tokens of request 0 of an earlier batch, then 50 new ones)."""
     requests: list[Request] = []
     for item in _list_items(spec, "request spec"):
-        parts = item.split("+")
+        shares = None
+        body = item
+        if item.startswith("r"):
+            head, _, body = item[1:].partition(":")
+            try:
+                shares = int(head)
+            except ValueError:
+                raise ConfigError(f"malformed request {item!r}: use rN:PREFIX+EXTEND (N an earlier request)") from None
+            if "+" not in body:
+                raise ConfigError(f"malformed request {item!r}: use rN:PREFIX+EXTEND (N an earlier request)")
+        parts = body.split("+")
         try:
             if len(parts) == 1:
                 requests.append(Request(0, int(parts[0])))
             elif len(parts) == 2:
-                requests.append(Request(int(parts[0]), int(parts[1])))
+                requests.append(Request(int(parts[0]), int(parts[1]), shares))
             else:
                 raise ValueError
         except ValueError as exc:
             if isinstance(exc, ConfigError):
                 raise
             raise ConfigError(
-                f"malformed request {item!r}: use PREFIX+EXTEND (e.g. 64+128) or EXTEND, comma separated"
+                f"malformed request {item!r}: use PREFIX+EXTEND, EXTEND or rN:PREFIX+EXTEND with integers"
             ) from None
     if not requests:
         raise ConfigError(f"malformed request spec {spec!r}: no requests")
     return requests
+
+
+def parse_batches(spec: str) -> tuple[list[Request], tuple[int, ...]]:
+    """``"0+96,40+70;r0:64+50,13+37"`` -> (every request in run order, requests per batch)."""
+    batches = [part.strip() for part in spec.split(";")]
+    if any(not part for part in batches):
+        raise ConfigError(f"batches {spec!r}: a batch is empty (doubled or trailing ';'?)")
+    parsed = [parse_requests(part) for part in batches]
+    return [r for batch in parsed for r in batch], tuple(len(batch) for batch in parsed)
 
 
 @dataclass(frozen=True)
@@ -147,6 +176,9 @@ class RunConfig:
     kv_interleave: int | None = None
     n_layers: int | None = None  # None: the preset's layer count
     chunk_size: int | None = None  # chunked prefill: extend tokens per request per chunk (None: one chunk)
+    # Several batches in sequence on one pool per rank: requests per batch, in order (None: one
+    # batch). A request that shares an earlier batch's prefix (Request.shares) reuses its pages.
+    batch_sizes: tuple[int, ...] | None = None
     seed: int = 0
     debug: bool = False
     device: str = "auto"  # "auto" | "cpu" | "cuda"
@@ -191,6 +223,7 @@ class RunConfig:
             raise ConfigError(f"n_layers={self.n_layers}: need at least one layer")
         if self.chunk_size is not None and self.chunk_size < 1:
             raise ConfigError(f"chunk_size={self.chunk_size}: need at least one token per chunk")
+        self._check_batches()
         self.phases.check_implemented()
 
     def _check_types(self) -> None:
@@ -219,6 +252,40 @@ class RunConfig:
         for name in ("n_layers", "chunk_size", "kv_interleave"):
             if getattr(self, name) is not None:
                 _check_type(name, getattr(self, name), int)
+
+    def _check_batches(self) -> None:
+        """Batch sizes that tile the requests; each shared prefix from an earlier batch, no longer than its source."""
+        sizes = self.batch_sizes
+        if sizes is not None:
+            if isinstance(sizes, list):
+                object.__setattr__(self, "batch_sizes", sizes := tuple(sizes))
+            if not isinstance(sizes, tuple) or not sizes or any(not isinstance(n, int) or n < 1 for n in sizes):
+                raise ConfigError(f"batch_sizes={sizes!r}: need a tuple of positive request counts")
+            if sum(sizes) != len(self.requests):
+                raise ConfigError(f"batch_sizes={sizes} cover {sum(sizes)} requests, the run has {len(self.requests)}")
+        for index, request in enumerate(self.requests):
+            if request.shares is None:
+                continue
+            batch = self.batch_of(index)
+            if request.shares >= len(self.requests) or self.batch_of(request.shares) >= batch:
+                raise ConfigError(
+                    f"request r{index} = r{request.shares}:{request.prefix}+{request.extend}: r{request.shares} must be a "
+                    "request of an earlier batch (batches are separated by ';')"
+                )
+            source = self.requests[request.shares]
+            if request.prefix > source.total:
+                raise ConfigError(
+                    f"request r{index} starts with {request.prefix} tokens of r{request.shares}, which has {source.total}"
+                )
+
+    def batch_of(self, request: int) -> int:
+        """The batch (0-based) that computes request ``request`` (run order)."""
+        bound = 0
+        for batch, size in enumerate(self.batch_sizes or (len(self.requests),)):
+            bound += size
+            if request < bound:
+                return batch
+        raise ConfigError(f"request {request} is beyond the run's {len(self.requests)} requests")
 
     @property
     def interleave(self) -> int:

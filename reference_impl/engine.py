@@ -47,7 +47,7 @@ from reference_impl.kvcache.allocator import RequestPageTable
 from reference_impl.kvcache.layout import KVLayout
 from reference_impl.model.oracle import run_oracle
 from reference_impl.model.sparse_attention import HostKeyBounds
-from reference_impl.schedule import Chunk, chunk_schedule
+from reference_impl.schedule import Chunk, chunk_schedule, frees_after_batch
 from reference_impl.sync_audit import HostSyncAudit
 from reference_impl.workload import build_inputs, build_model
 
@@ -87,6 +87,7 @@ class RankResult:
     store: KVStore | None = None  # the rank's KV store, only with ``run_rank(..., keep_store=True)`` (PD transfer)
     host_sync_audit: str = ""  # how phase 6 counted the layer loop's host syncs ("" without phase 6)
     kernel_fallbacks: dict[str, str] = field(default_factory=dict)  # kernel -> first error, in this rank's process
+    pool_occupancy: list[dict[str, int]] = field(default_factory=list)  # per batch: pages in use, requests freed
 
 
 LAYER_LOOP_RANGE = "dsacp.layer_loop"  # a profiler range around each chunk's layer loop (scripts/profile_layer.py)
@@ -121,22 +122,31 @@ def make_kv_store(run: RunConfig, batch: BatchLocs, layout: KVLayout, group: CPG
 
 
 @torch.no_grad()
-def install_prefixes(run: RunConfig, model: Any, inputs: list[torch.Tensor], store: KVStore) -> None:
-    """Fill the pools with every request's prefix, computed the way an earlier prefill would have.
+def install_prefixes(
+    run: RunConfig, model: Any, inputs: list[torch.Tensor], store: KVStore, chunk: Chunk | None = None,
+    shared_tokens: dict[int, int] | None = None,
+) -> None:
+    """Fill the pools with the prefixes of ``chunk``'s requests (default: the run's first chunk),
+    computed the way an earlier prefill would have.
 
     Each rank runs the single-device oracle over the prefix tokens (deterministic, so every rank
-    gets identical bytes) and hands the store what it must keep.
+    gets identical bytes) and hands the store what it must keep. ``shared_tokens[req]``: leading
+    tokens already in the pool by reference (a shared prefix's whole pages); only the rest is written.
     """
-    with_prefix = [i for i, r in enumerate(run.requests) if r.prefix > 0]
-    if not with_prefix:
+    chunk = chunk if chunk is not None else chunk_schedule(run)[0]
+    shared_tokens = shared_tokens or {}
+    todo = [(i, req) for i, req in enumerate(chunk.requests)
+            if run.requests[req].prefix > shared_tokens.get(req, 0)]
+    if not todo:
         return
     result = run_oracle(
-        model, [0] * len(with_prefix), [inputs[i][: run.requests[i].prefix] for i in with_prefix],
+        model, [0] * len(todo), [inputs[req][: run.requests[req].prefix] for _, req in todo],
         run.kv_dtype, run.page_size,
     )
     for layer, caches in enumerate(result.caches):
-        for req, cache in zip(with_prefix, caches):
-            store.write_prefix(layer, req, cache.mla_rows, cache.index_fp8, cache.index_scale)
+        for (i, req), cache in zip(todo, caches):
+            start = shared_tokens.get(req, 0)
+            store.write_prefix(layer, i, cache.mla_rows[start:], cache.index_fp8[start:], cache.index_scale[start:], start)
 
 
 class _LayerClock:
@@ -180,6 +190,7 @@ class _Accumulated:
     host_syncs: int = 0
     transport_syncs: int = 0
     sync_audit: str = ""
+    pool_occupancy: list[dict[str, int]] = field(default_factory=list)  # per batch
 
 
 class HostSyncError(AssertionError):
@@ -202,22 +213,41 @@ def chunk_metadata(run: RunConfig, chunk: Chunk) -> SplitMetadata:
     )
 
 
+def shares_of(run: RunConfig) -> dict[int, int]:
+    """Request -> the earlier request whose prefix it starts with (``rN:P+E``)."""
+    return {i: r.shares for i, r in enumerate(run.requests) if r.shares is not None}
+
+
+def requests_to_free(run: RunConfig, chunk: Chunk) -> list[int]:
+    """After a batch's last chunk (all but the run's last batch, whose requests stay for the report
+    and the PD transfer): the requests nothing later uses
+    (:func:`~reference_impl.schedule.frees_after_batch`)."""
+    if not chunk.last_of_batch or chunk.batch == len(run.batch_sizes or (0,)) - 1:
+        return []
+    return frees_after_batch(run).get(chunk.batch, [])
+
+
 def replay_page_table(run: RunConfig) -> RequestPageTable:
-    """The logical page table a run ends with, rebuilt without running it (pure metadata).
+    """The logical page table a run ends with, rebuilt without running it (pure metadata): every
+    allocation, share and free between batches, in order.
 
     Every rank allocates identically, so a process outside the CP group (the decode side of a PD
     transfer) derives the same logical locs from the config alone.
     """
     table = new_page_table([r.total for r in run.requests], run.page_size, run.cp_size, run.phases.compute_owner)
+    shares = shares_of(run)
     for chunk in chunk_schedule(run):
         BatchLocs.build(chunk_metadata(run, chunk), "cpu", run.phases.compute_owner, table=table, request_ids=chunk.requests,
-                        id_space=table.allocator.n_pages)
+                        id_space=table.allocator.n_pages, shares=shares)
+        for req in requests_to_free(run, chunk):
+            table.free(req)
     return table
 
 
-def run_id_space(table: RequestPageTable, n_requests: int) -> int:
-    """Logical page ids a run's pools must cover: its highest page id + 1 (lane holes below it remain)."""
-    return max(max(table.pages(req)) for req in range(n_requests)) + 1
+def run_id_space(table: RequestPageTable) -> int:
+    """Logical page ids a run's pools must cover: the highest page id it ever used + 1 (lane holes
+    below it remain; ids freed between batches are reused)."""
+    return table.allocator.high_water
 
 
 @torch.no_grad()
@@ -235,17 +265,25 @@ def run_rank(
     model = build_model(run, device)
     inputs = build_inputs(run, device)
     chunks = chunk_schedule(run)
-    id_space = run_id_space(replay_page_table(run), len(run.requests))  # pure metadata: same on every rank
+    id_space = run_id_space(replay_page_table(run))  # pure metadata: same on every rank
     table = new_page_table([r.total for r in run.requests], run.page_size, run.cp_size, run.phases.compute_owner)
+    shares = shares_of(run)
     store: KVStore | None = None
     acc = _Accumulated()
+    stored: dict[int, list[tuple[torch.Tensor, ...]]] = {}  # request -> per layer, its rows (check runs)
     start = time.perf_counter()
-    for chunk in chunks:
+    for index, chunk in enumerate(chunks):
         meta = chunk_metadata(run, chunk)
-        batch = BatchLocs.build(meta, device, run.phases.compute_owner, table=table, request_ids=chunk.requests, id_space=id_space)
+        first_of_batch = index == 0 or chunks[index - 1].batch != chunk.batch
+        # Tokens a new request finds in the pool by reference (the whole pages of a shared prefix).
+        shared_tokens = {
+            req: (run.requests[req].prefix // run.page_size) * run.page_size for req in chunk.requests if req in shares
+        } if first_of_batch else {}
+        batch = BatchLocs.build(meta, device, run.phases.compute_owner, table=table, request_ids=chunk.requests,
+                                id_space=id_space, shares=shares)
         if store is None:
             store = make_kv_store(run, batch, layout, group)
-            install_prefixes(run, model, inputs, store)
+            install_prefixes(run, model, inputs, store, chunk, shared_tokens)
             if device.type == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats(device)
@@ -253,6 +291,8 @@ def run_rank(
             start = time.perf_counter()
         else:
             store.bind(batch)
+            if first_of_batch:  # a later batch of a long-lived pool: its requests' prefixes
+                install_prefixes(run, model, inputs, store, chunk, shared_tokens)
         if on_layer_stored is not None:
             finished = {
                 req: table.locs(req).to(device)
@@ -261,6 +301,17 @@ def run_rank(
             }
             on_layer_stored.begin_chunk(store, finished)
         _run_chunk(group, run, model, inputs, chunk, meta, batch, store, acc, on_layer_stored)
+        if chunk.last_of_batch:
+            in_use = table.allocator.n_used
+            freed = requests_to_free(run, chunk)
+            for req in freed:
+                if run.check:  # its rows, before another request reuses its pages
+                    stored[req] = _stored_rows(store, table.locs(req).to(device), run.model.n_layers)
+                table.free(req)
+            acc.pool_occupancy.append(
+                {"batch": chunk.batch, "pages_in_use": in_use, "requests_freed": len(freed),
+                 "pages_in_use_after_frees": table.allocator.n_used, "pool_pages": id_space}
+            )
     assert store is not None
     total_ms = (time.perf_counter() - start) * 1e3
     if group.debug:
@@ -280,8 +331,10 @@ def run_rank(
         stats["transport_syncs_in_layer_loop"] = acc.transport_syncs
     if device.type == "cuda":
         stats["measured_peak_bytes"] = torch.cuda.max_memory_allocated(device) - base_allocated
-    all_locs = [table.locs(req).to(device) for req in range(len(run.requests))]
     n_layers = run.model.n_layers
+    if run.check:
+        for req in table.requests:
+            stored[req] = _stored_rows(store, table.locs(req).to(device), n_layers)
     return RankResult(
         rank=group.rank,
         stats=stats,
@@ -298,16 +351,17 @@ def run_rank(
         token_ids=tuple(acc.token_ids),
         local_hidden=torch.cat(acc.hidden) if run.check else None,
         local_topk=[torch.cat([c[layer] for c in acc.topk]) for layer in range(n_layers)] if run.check else [],
-        stored=[
-            {req: tuple(t.cpu() for t in rows) for req, rows in store.stored_rows(layer, all_locs).items()}
-            for layer in range(n_layers)
-        ]
-        if run.check
-        else [],
+        stored=[{req: stored[req][layer] for req in sorted(stored)} for layer in range(n_layers)] if run.check else [],
+        pool_occupancy=acc.pool_occupancy,
         store=store if keep_store else None,
         host_sync_audit=acc.sync_audit,
         kernel_fallbacks=fallback.fallbacks_taken(),
     )
+
+
+def _stored_rows(store: KVStore, locs: torch.Tensor, n_layers: int) -> list[tuple[torch.Tensor, ...]]:
+    """Per layer: what this rank stores of the request at ``locs`` (CPU tensors)."""
+    return [tuple(t.cpu() for t in store.stored_rows(layer, [locs])[0]) for layer in range(n_layers)]
 
 
 def local_inputs(

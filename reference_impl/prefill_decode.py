@@ -186,7 +186,7 @@ def _pd_rank(world: CPGroup, job: tuple[RunConfig, str]) -> _RoleResult:
     table = replay_page_table(run)  # the logical locs every prefill rank allocated
     request_locs = [table.locs(req, world.device) for req in range(len(run.requests))]
     layout = KVLayout.from_config(run.model, run.kv_dtype, run.page_size)
-    id_space = run_id_space(table, len(run.requests))
+    id_space = run_id_space(table)
     cache = DecodeCache(id_space, layout, run.model.n_layers, world.device, world.debug)
     manifests = receive_pages(cache, list(range(cp_size)))
     rows = [
@@ -222,6 +222,8 @@ def run_prefill_and_decode(run: RunConfig, timeout_s: float = 300, *, transfer: 
     """
     if transfer not in ("rows", "pages"):
         raise ConfigError(f"transfer={transfer!r}: use 'rows' or 'pages'")
+    if run.batch_sizes is not None and len(run.batch_sizes) > 1:
+        raise ConfigError("the PD driver transfers one batch; a run of several batches (--batches) is not wired to it")
     if not run.phases.sharded_kv:
         raise ConfigError(f"PD transfer of owned pages needs phase 2 (KV sharded at rest); phases are {run.phases}")
     if transfer == "pages" and run.interleave != run.page_size:

@@ -83,6 +83,7 @@ def build_report(
             "kv_dtype": run.kv_dtype,
             "split_mode": run.split_mode,
             "page_size": run.page_size,
+            "batch_sizes": list(run.batch_sizes) if run.batch_sizes else None,
             "kv_interleave": run.interleave if run.phases.sharded_kv else None,
             "n_layers": run.model.n_layers,
             "compute_dtype": str(compute_dtype(run, device)).removeprefix("torch."),
@@ -114,6 +115,7 @@ def build_report(
         "problems": agreement.problems if agreement else [],
         "collectives_identical": len({tuple(r.collectives) for r in results}) == 1,
         "store_path_identical": len({r.store_path for r in results}) == 1,
+        "pool_occupancy": results[0].pool_occupancy,
         "per_rank": per_rank,
         "timings": {
             "layer_ms_median": max(p["layer_ms_median"] for p in per_rank),

@@ -9,6 +9,7 @@ the concatenation of all requests' whole extends, the numbering the oracle and t
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from reference_impl.config import RunConfig
@@ -22,25 +23,48 @@ class Chunk:
     prefix_lens: tuple[int, ...]  # tokens each already has in the cache
     extend_lens: tuple[int, ...]  # tokens this chunk computes for each
     token_ids: tuple[int, ...]  # run-global id of each chunk token, chunk sequence order
+    batch: int = 0  # the batch of ``run.batch_sizes`` it belongs to
+    last_of_batch: bool = True  # the batch's last chunk: its finished requests may be freed after it
 
 
 def chunk_schedule(run: RunConfig) -> list[Chunk]:
-    """The run's chunks in execution order (one chunk when ``run.chunk_size`` is None)."""
+    """The run's chunks in execution order: each batch of ``run.batch_sizes`` in turn (one batch by
+    default), cut into chunks of at most ``run.chunk_size`` tokens per request (one chunk when None)."""
     extends = [r.extend for r in run.requests]
     offsets = [sum(extends[:i]) for i in range(len(extends))]
-    size = run.chunk_size or max(extends)
-    done = [0] * len(extends)
-    chunks = []
-    while any(d < e for d, e in zip(done, extends)):
-        ids, prefixes, lens, tokens = [], [], [], []
-        for i, req in enumerate(run.requests):
-            n = min(size, req.extend - done[i])
-            if n <= 0:
-                continue
-            ids.append(i)
-            prefixes.append(req.prefix + done[i])
-            lens.append(n)
-            tokens.extend(range(offsets[i] + done[i], offsets[i] + done[i] + n))
-            done[i] += n
-        chunks.append(Chunk(tuple(ids), tuple(prefixes), tuple(lens), tuple(tokens)))
+    chunks: list[Chunk] = []
+    first = 0
+    for batch, size in enumerate(run.batch_sizes or (len(run.requests),)):
+        members = range(first, first + size)
+        first += size
+        step = run.chunk_size or max(extends[i] for i in members)
+        done = {i: 0 for i in members}
+        batch_chunks = []
+        while any(done[i] < extends[i] for i in members):
+            ids, prefixes, lens, tokens = [], [], [], []
+            for i in members:
+                n = min(step, extends[i] - done[i])
+                if n <= 0:
+                    continue
+                ids.append(i)
+                prefixes.append(run.requests[i].prefix + done[i])
+                lens.append(n)
+                tokens.extend(range(offsets[i] + done[i], offsets[i] + done[i] + n))
+                done[i] += n
+            batch_chunks.append(Chunk(tuple(ids), tuple(prefixes), tuple(lens), tuple(tokens), batch, False))
+        batch_chunks[-1] = dataclasses.replace(batch_chunks[-1], last_of_batch=True)
+        chunks += batch_chunks
     return chunks
+
+
+def frees_after_batch(run: RunConfig) -> dict[int, list[int]]:
+    """Batch -> the requests whose pages may go once it ends: computed by then, and not shared by a
+    request of a later batch (a shared prefix keeps its source's pages until its own batch ends)."""
+    last_use = {i: run.batch_of(i) for i in range(len(run.requests))}
+    for i, request in enumerate(run.requests):
+        if request.shares is not None:
+            last_use[request.shares] = max(last_use[request.shares], run.batch_of(i))
+    out: dict[int, list[int]] = {}
+    for i, batch in last_use.items():
+        out.setdefault(batch, []).append(i)
+    return out

@@ -46,6 +46,13 @@ def format_table(reports: list[dict[str, Any]]) -> str:
         widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
         lines.append("  " + "  ".join(h.rjust(w) for h, w in zip(header, widths)))
         lines.extend("  " + "  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)
+        occupancy = rep.get("pool_occupancy") or []
+        if len(occupancy) > 1:  # several batches on one pool
+            lines.append("  pool pages in use per batch (of " + str(occupancy[0]["pool_pages"]) + "): " + "; ".join(
+                f"batch {o['batch']}: {o['pages_in_use']}"
+                + (f", {o['pages_in_use_after_frees']} after freeing {o['requests_freed']} request(s)" if o["requests_freed"] else "")
+                for o in occupancy
+            ))
         for problem in rep["problems"]:
             lines.append(f"  ! {problem}")
         for kernel, error in rep.get("kernel_fallbacks", {}).items():

@@ -37,9 +37,12 @@ def build_model(run: RunConfig, device: torch.device) -> DSAModel:
 
 
 def build_inputs(run: RunConfig, device: torch.device) -> list[torch.Tensor]:
-    """Layer-0 hidden states per request, ``[prefix + extend, dim]``, ~N(0, 1), from ``run.seed + 1``."""
+    """Layer-0 hidden states per request, ``[prefix + extend, dim]``, ~N(0, 1), from ``run.seed + 1``;
+    a request that shares an earlier one's prefix starts with that request's rows."""
     gen = torch.Generator(device=device).manual_seed(run.seed + 1)
     dtype = compute_dtype(run, device)
-    return [
-        torch.randn(r.total, run.model.dim, generator=gen, device=device).to(dtype) for r in run.requests
-    ]
+    inputs = [torch.randn(r.total, run.model.dim, generator=gen, device=device).to(dtype) for r in run.requests]
+    for r, x in zip(run.requests, inputs):
+        if r.shares is not None:  # ``rN:P+E``: the same first P tokens as request N
+            x[: r.prefix] = inputs[r.shares][: r.prefix]
+    return inputs

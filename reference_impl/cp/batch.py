@@ -8,6 +8,7 @@ concatenates the requests' whole sequences (prefix + extend) in request order.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +55,7 @@ class BatchLocs:
         table: RequestPageTable | None = None,
         request_ids: tuple[int, ...] | None = None,
         id_space: int | None = None,
+        shares: Mapping[int, int] | None = None,
     ) -> "BatchLocs":
         """Allocate this batch's logical locs and derive the full-view coordinates.
 
@@ -63,6 +65,8 @@ class BatchLocs:
         ``id_space`` fixes ``n_pages`` (the logical page-id space the pools are built for) across
         the chunks of a run; by default it is this batch's highest page id + 1.
         New pages come from the lowest free ids, or (phase 5) from each page's compute-owner lane.
+        ``shares`` maps a new request to the earlier one whose prefix it starts with: it takes that
+        request's whole prefix pages by reference (:meth:`RequestPageTable.share`).
         """
         page_size = meta.page_size
         totals = [p + e for p, e in zip(meta.prefix_lens, meta.extend_lens)]
@@ -71,7 +75,10 @@ class BatchLocs:
         ids = request_ids if request_ids is not None else tuple(range(len(totals)))
         for i, (req, prefix, extend) in enumerate(zip(ids, meta.prefix_lens, meta.extend_lens)):
             if req not in table:
-                table.extend(req, prefix)
+                if shares and req in shares:
+                    table.share(req, shares[req], prefix)
+                else:
+                    table.extend(req, prefix)
             elif table.n_tokens(req) != prefix:
                 raise ConfigError(f"request {req}: the page table holds {table.n_tokens(req)} tokens, the batch says {prefix}")
             if compute_owner:

@@ -53,9 +53,11 @@ class ReplicatedKV:
     def index_bytes(self) -> int:
         return self.pool.index_bytes_total
 
-    def write_prefix(self, layer: int, request: int, rows: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor) -> None:
-        """Install a request's already-cached prefix (packed rows and quantized index K)."""
-        locs = self.batch.prefix_locs(request)
+    def write_prefix(
+        self, layer: int, request: int, rows: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor, start: int = 0
+    ) -> None:
+        """Install a request's already-cached prefix from position ``start`` on (packed rows and quantized index K)."""
+        locs = self.batch.prefix_locs(request)[start:]
         self.pool.write_mla(layer, locs, rows)
         self.pool.write_index(layer, locs, k_fp8, k_scale)
 

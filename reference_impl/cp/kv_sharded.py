@@ -116,9 +116,11 @@ class ShardedKV:
     def _owned(self, locs: torch.Tensor) -> torch.Tensor:
         return self.ownership.owner(locs) == self.group.rank
 
-    def write_prefix(self, layer: int, request: int, rows: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor) -> None:
-        """Install the owned part of a request's already-cached prefix."""
-        locs = self.batch.prefix_locs(request)
+    def write_prefix(
+        self, layer: int, request: int, rows: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor, start: int = 0
+    ) -> None:
+        """Install the owned part of a request's already-cached prefix, positions ``start`` on."""
+        locs = self.batch.prefix_locs(request)[start:]
         own = self._owned(locs)
         phys = self.ownership.physical(locs[own])
         self.pool.write_mla(layer, phys, rows[own])

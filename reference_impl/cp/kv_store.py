@@ -60,8 +60,10 @@ class KVStore(Protocol):
     def bind(self, batch: BatchLocs) -> None:
         """Serve the next batch (chunk) of the run: same page-id space, same pool."""
 
-    def write_prefix(self, layer: int, request: int, rows: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor) -> None:
-        """Install the part of a request's already-cached prefix this rank keeps."""
+    def write_prefix(
+        self, layer: int, request: int, rows: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor, start: int = 0
+    ) -> None:
+        """Install the part of a request's already-cached prefix (positions ``start`` on) this rank keeps."""
 
     def store_current(
         self, layer: int, kv_seq: torch.Tensor, index_k_seq: torch.Tensor,

@@ -27,6 +27,7 @@ class PageAllocator:
         self.page_size = page_size
         self._free_heap: list[int] = list(range(n_pages))  # sorted, hence already a heap
         self._free_set: set[int] = set(self._free_heap)
+        self.high_water = 0  # highest page id ever handed out + 1 (what a pool must cover)
 
     @property
     def n_free(self) -> int:
@@ -47,6 +48,7 @@ class PageAllocator:
             )
         pages = [heapq.heappop(self._free_heap) for _ in range(n)]
         self._free_set.difference_update(pages)
+        self.high_water = max([self.high_water, *(p + 1 for p in pages)])
         return pages
 
     def alloc_in_lane(self, n: int, lane: int, n_lanes: int) -> list[int]:
@@ -64,6 +66,7 @@ class PageAllocator:
         pages = lane_free[:n]
         self._free_set.difference_update(pages)
         self._free_heap = sorted(self._free_set)
+        self.high_water = max([self.high_water, *(p + 1 for p in pages)])
         return pages
 
     def lane_free_counts(self, n_lanes: int) -> list[int]:
@@ -89,13 +92,18 @@ class PageAllocator:
 
 
 class RequestPageTable:
-    """Per request: its logical pages in token order and its token count."""
+    """Per request: its logical pages in token order and its token count.
+
+    A page can belong to several requests (:meth:`share`, a radix-style prefix reuse): it goes back
+    to the allocator when the last request holding it is freed.
+    """
 
     def __init__(self, allocator: PageAllocator) -> None:
         self.allocator = allocator
         self.page_size = allocator.page_size
         self._pages: dict[Hashable, list[int]] = {}
         self._n_tokens: dict[Hashable, int] = {}
+        self._holders: dict[int, int] = {}  # page -> requests holding it
 
     def __contains__(self, req_id: object) -> bool:
         return req_id in self._pages
@@ -128,7 +136,29 @@ class RequestPageTable:
             new_pages = self.allocator.alloc(needed) if needed > 0 else []
         self._pages[req_id] = pages + new_pages
         self._n_tokens[req_id] = old + n_tokens
+        for page in new_pages:
+            self._holders[page] = 1
         return self.locs(req_id)[old:]
+
+    def share(self, req_id: Hashable, source: Hashable, n_tokens: int) -> int:
+        """Start new request ``req_id`` with the first ``n_tokens`` tokens of ``source``: its whole
+        pages by reference (no copy), then fresh pages for the rest -> the tokens shared by reference.
+
+        The caller writes the tokens past the shared pages (a partial page is never shared: the
+        source may still append to it).
+        """
+        if req_id in self._pages:
+            raise ConfigError(f"request {req_id!r} already exists: it cannot start by sharing {source!r}")
+        if n_tokens > self.n_tokens(source):
+            raise ConfigError(f"request {req_id!r}: {source!r} has {self.n_tokens(source)} tokens, {n_tokens} asked")
+        whole = n_tokens // self.page_size
+        shared = self._lookup(source)[:whole]
+        for page in shared:
+            self._holders[page] += 1
+        self._pages[req_id] = list(shared)
+        self._n_tokens[req_id] = whole * self.page_size
+        self.extend(req_id, n_tokens - whole * self.page_size)
+        return whole * self.page_size
 
     def locs(self, req_id: Hashable, device: torch.device | str | None = None) -> torch.Tensor:
         """Logical locs ``page * page_size + slot`` of all tokens of ``req_id`` -> ``[n_tokens] int64``."""
@@ -146,10 +176,21 @@ class RequestPageTable:
         return self._n_tokens[req_id]
 
     def free(self, req_id: Hashable) -> None:
-        """Drop ``req_id`` and return its pages to the allocator."""
+        """Drop ``req_id``; its pages no other request holds go back to the allocator."""
         pages = self._lookup(req_id)
-        self.allocator.free(pages)
+        released = []
+        for page in pages:
+            self._holders[page] -= 1
+            if not self._holders[page]:
+                del self._holders[page]
+                released.append(page)
+        self.allocator.free(released)
         del self._pages[req_id], self._n_tokens[req_id]
+
+    @property
+    def requests(self) -> list[Hashable]:
+        """The requests the table holds, in the order they arrived."""
+        return list(self._pages)
 
     def _lookup(self, req_id: Hashable) -> list[int]:
         try:
