@@ -135,3 +135,14 @@ def test_a_single_batch_run_is_unchanged() -> None:
     table = replay_page_table(run)
     assert table.requests == [0, 1] and run.batch_of(1) == 0
     assert torch.equal(table.locs(0), torch.arange(96))
+
+
+def test_a_chain_of_shared_prefixes(report_of) -> None:
+    """r1 shares r0's prefix, r2 shares r1's (which includes r0's pages), r3 shares r0 again two
+    batches later: the page references keep every shared page until its last holder is freed."""
+    requests, sizes = parse_batches("0+96;r0:64+50;r1:100+10,r0:20+5")
+    rep = report_of(tiny(requests=tuple(requests), batch_sizes=sizes, page_size=PAGE, phases=PhaseSet.level(5)))
+    assert rep["matches_oracle"] is True and rep["cache_equal"] is True
+    table = replay_page_table(tiny(requests=tuple(requests), batch_sizes=sizes, page_size=PAGE, phases=PhaseSet.level(5)))
+    assert table.pages(2)[:4] == table.pages(1)[:4] == table.pages(0)[:4]  # r0's pages, through r1
+    assert table.pages(3)[:1] == table.pages(0)[:1]
