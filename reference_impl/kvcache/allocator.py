@@ -44,7 +44,7 @@ class PageAllocator:
         if n > self.n_free:
             raise ConfigError(
                 f"out of KV pages: asked for {n} pages of {self.page_size} tokens, {self.n_free} of "
-                f"{self.n_pages} are free"
+                f"{self.n_pages} are free; free finished requests or give the pool more pages"
             )
         pages = [heapq.heappop(self._free_heap) for _ in range(n)]
         self._free_set.difference_update(pages)
@@ -61,7 +61,9 @@ class PageAllocator:
         if n > len(lane_free):
             raise ConfigError(
                 f"out of KV pages in lane {lane} of {n_lanes}: asked for {n}, {len(lane_free)} free in the lane "
-                f"({self.n_free} free overall)"
+                f"({self.n_free} free overall, fragmented across lanes); free requests whose pages sit in lane "
+                f"{lane}, give the pool more pages, or run the batch without phase 5 (lowest-free ids, the "
+                "phase-2 store path)"
             )
         pages = lane_free[:n]
         self._free_set.difference_update(pages)
