@@ -54,7 +54,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from reference_impl.config import ConfigError
+from reference_impl.config import ConfigError, env_value, knob_names
 from reference_impl.cp.comm import CPGroup, report_progress_to
 from reference_impl.errors import RankFailedError, RankTimeoutError, RunStopped
 from reference_impl.rank_processes import (
@@ -153,7 +153,18 @@ def choose_backend(
 
 
 def rank_cpu_threads(world: int) -> int:
-    """Intra-op threads each of ``world`` CPU ranks uses (the oracle uses the same, for bitwise-equal math)."""
+    """Intra-op threads each of ``world`` CPU ranks uses (the oracle uses the same, for bitwise-equal
+    math): ``DSACP_RANK_THREADS`` when set (the CPU test tier pins 1, as on a 2-core CI machine),
+    else the machine's cores shared among the ranks."""
+    value = env_value("rank_threads")
+    if value is not None:
+        try:
+            threads = int(value)
+        except ValueError:
+            threads = 0
+        if threads < 1:
+            raise ConfigError(f"{knob_names('rank_threads')[2]}={value!r}: need a positive number of threads")
+        return threads
     return max(1, (os.cpu_count() or 1) // world)
 
 

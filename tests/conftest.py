@@ -3,6 +3,7 @@
 * **CPU tier** (``pytest tests``, the default; CI): every test not marked ``gpu``. Triton kernels run
   under the interpreter (``TRITON_INTERPRET=1``) and CUDA is hidden (``CUDA_VISIBLE_DEVICES=``), so
   a test cannot pick a GPU by accident: what a CPU test checks runs on CPU tensors on any machine.
+  CPU ranks run one thread each (``DSACP_RANK_THREADS=1``, unless set), as on CI.
 * **GPU tier** (``pytest --gpu tests``): only the tests marked ``gpu`` (``tests/gpu/``), with the
   compiled kernels on a CUDA device; skipped where no CUDA device is visible.
 
@@ -34,6 +35,9 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     os.environ["TRITON_INTERPRET"] = "1"  # Triton kernels run under the interpreter on CPU
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the CPU tier never touches a GPU, even on a GPU machine
+    # One thread per CPU rank on any machine, as on the 2-core CI machine: ranks fork (fast) and
+    # tiny runs pay no thread-pool overhead. The several-thread path has its own tests.
+    os.environ.setdefault("DSACP_RANK_THREADS", "1")
     import torch
 
     if torch.cuda.is_initialized():
@@ -76,10 +80,7 @@ def forked_ranks(monkeypatch):
     """CPU ranks (and the oracle) compute on one thread each, so the launcher forks them and they
     inherit this test's monkeypatches; with several threads per rank (a many-core machine) it
     would start them from a fork server, where no patch reaches."""
-    from reference_impl import launch, runner
-
-    monkeypatch.setattr(launch, "rank_cpu_threads", lambda world: 1)
-    monkeypatch.setattr(runner, "rank_cpu_threads", lambda world: 1)
+    monkeypatch.setenv("DSACP_RANK_THREADS", "1")
     return monkeypatch
 
 

@@ -164,12 +164,32 @@ def threaded_matmul(group: CPGroup, payload: Any) -> tuple[int, float]:
     return torch.get_num_threads(), float((a @ a).sum() + torch.softmax(a, -1).sum())
 
 
+def test_rank_threads_knob() -> None:
+    import os
+
+    from reference_impl.config import ConfigError
+    from reference_impl.launch import rank_cpu_threads
+
+    saved = os.environ.get("DSACP_RANK_THREADS")
+    try:
+        os.environ["DSACP_RANK_THREADS"] = "3"
+        assert rank_cpu_threads(4) == 3
+        del os.environ["DSACP_RANK_THREADS"]
+        assert rank_cpu_threads(1) == (os.cpu_count() or 1)
+        for bad in ("0", "many"):
+            os.environ["DSACP_RANK_THREADS"] = bad
+            with pytest.raises(ConfigError, match="DSACP_RANK_THREADS"):
+                rank_cpu_threads(2)
+    finally:
+        os.environ.pop("DSACP_RANK_THREADS", None)
+        if saved is not None:
+            os.environ["DSACP_RANK_THREADS"] = saved
+
+
 def test_ranks_of_several_threads_run_after_the_parent_used_its_thread_pool(monkeypatch) -> None:
     """The hang the H200 box showed: ranks forked after the parent ran an OpenMP parallel region
     deadlock in their first parallel region. The launcher must start them another way."""
-    import reference_impl.launch as launch_module
-
-    monkeypatch.setattr(launch_module, "rank_cpu_threads", lambda world: 2)
+    monkeypatch.setenv("DSACP_RANK_THREADS", "2")
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
