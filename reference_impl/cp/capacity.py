@@ -8,7 +8,7 @@ these sizes (tested).
 from __future__ import annotations
 
 from reference_impl.config import KVDtype
-from reference_impl.cp.ownership import Ownership, owned_page_count
+from reference_impl.cp.ownership import Ownership
 from reference_impl.kvcache.layout import KVLayout
 from reference_impl.presets import ModelConfig
 
