@@ -255,6 +255,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         contexts=parse_contexts(knob("contexts", str, "8192,131072,1048576")),
         kv_dtype=knob("kv_dtype", str, "fp8"),
         page_size=knob("page_size", _int_arg(1), 64),
+        split_mode=knob("split_mode", str, "in-seq"),
     )
     env_rates = env_value("rates")
     rates = load_rates(args.rates if args.rates else [env_rates] if env_rates else None)
@@ -280,6 +281,8 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(_flag("contexts"), default=None, help="request lengths, comma separated (K = 1024, M = 1024^2)")
     p.add_argument(_flag("kv_dtype"), default=None, help="fp8 | bf16")
     p.add_argument(_flag("page_size"), type=_int_arg(1), default=None)
+    p.add_argument(_flag("split_mode"), default=None,
+                   help="in-seq | round-robin (KV sharded at interleave 1; its levels skip 4 and 5)")
     p.add_argument(_flag("rates"), action="append", default=None, metavar="FILE.json",
                    help="override rates: a compute_bench.json, a kernels_bench.json or {field: value}; repeatable")
     p.add_argument(_flag("interconnect_gbps"), type=_float_arg(), default=None,

@@ -314,3 +314,15 @@ def test_the_layer_bench_plans_round_robin_too(tmp_path) -> None:
     for point in workload["levels"]:
         assert abs(point["planner_error"]["kv_bytes"]) < 1e-9, point["level"]  # interleave 1: exact pages held
         assert point["planner"]["terms_ms"]["select"] == 0.0  # round-robin never selects from the gathered chunk
+
+
+def test_the_plan_for_round_robin(capsys) -> None:
+    from reference_impl.cli import main
+    from reference_impl.planner import PlannerConfig, load_rates, plan_capacity
+
+    plan = plan_capacity(PlannerConfig(split_mode="round-robin", contexts=(131072,)), load_rates())
+    assert [lv["level"] for lv in plan["levels"]] == [0, 1, 2, 3, 6, 7, 8]
+    level2 = next(lv for lv in plan["levels"] if lv["level"] == 2)["contexts"][0]
+    assert level2["terms_ms"]["select"] == 0.0 and "round-robin" in plan["scenario"]
+    assert main(["plan", "--split-mode", "zigzag"]) == 2
+    assert "split_mode='zigzag'" in capsys.readouterr().err

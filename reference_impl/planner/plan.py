@@ -76,9 +76,12 @@ class PlannerConfig:
     contexts: tuple[int, ...] = DEFAULT_CONTEXTS
     kv_dtype: KVDtype = "fp8"
     page_size: int = 64
+    split_mode: str = "in-seq"  # round-robin: KV sharded at interleave 1, no phases 4 and 5
 
     def __post_init__(self) -> None:
         get_preset(self.preset)
+        if self.split_mode not in ("in-seq", "round-robin"):
+            raise ConfigError(f"split_mode={self.split_mode!r}: use 'in-seq' or 'round-robin'")
         if self.cp_size < 1:
             raise ConfigError(f"cp_size={self.cp_size}: need at least one rank")
         if not self.hbm_gib > 0:
@@ -128,16 +131,20 @@ def plan_capacity(config: PlannerConfig, rates: PlannerRates) -> dict[str, Any]:
     ``tail_ms_per_forward``.
     """
     cfg, c, dt, ps = get_preset(config.preset), config.cp_size, config.kv_dtype, config.page_size
+    mode = config.split_mode
+    interleave = 1 if mode == "round-robin" else None  # round-robin shards at interleave 1
     budget = config.kv_budget_bytes
     levels = []
     for level in LEVELS:
+        if mode == "round-robin" and level in (4, 5):
+            continue  # in-seq phases: round-robin's levels are 0-3 and 6-8 (without 4 and 5)
         sharded = level >= 2
         points = []
         for ctx in config.contexts:
-            rank, terms = slowest_rank(cfg, rates, c, ctx, level, dt, ps)
-            kv = kv_bytes_per_rank(cfg, ctx, c, sharded, dt, ps)
-            transient = transient_bytes(cfg, ctx, level, dt, ps)
-            t_local = local_queries(ctx, c, ps, level, rank)
+            rank, terms = slowest_rank(cfg, rates, c, ctx, level, dt, ps, mode)
+            kv = kv_bytes_per_rank(cfg, ctx, c, sharded, dt, ps, interleave=interleave)
+            transient = transient_bytes(cfg, ctx, level, dt, ps, cp_size=c, interleave=interleave if sharded else None)
+            t_local = local_queries(ctx, c, ps, level, rank, mode)
             points.append({
                 "context": ctx, "kv_bytes_per_rank": kv, "transient_bytes_per_layer": transient,
                 "activation_bytes_per_layer": activation_bytes(cfg, t_local, ctx),
@@ -154,7 +161,7 @@ def plan_capacity(config: PlannerConfig, rates: PlannerRates) -> dict[str, Any]:
                    "kv_budget_bytes": budget, "budget_rule": config.budget_rule, "n_layers": cfg.n_layers,
                    "page_bytes": page_bytes(cfg, dt, ps), "max_seq_len": cfg.max_seq_len},
         "rates": {k: {"value": v, "source": rates.sources[k]} for k, v in rates.values().items()},
-        "scenario": "one request of S tokens prefilled in one chunk (no prefix), in-seq split; slowest rank",
+        "scenario": f"one request of S tokens prefilled in one chunk (no prefix), {mode} split; slowest rank",
         "assumptions": _assumptions(config, cfg),
         "levels": levels,
     }
