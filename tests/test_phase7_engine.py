@@ -60,3 +60,15 @@ def test_phase8_prefetch_through_the_mla_kernel_matches_oracle(monkeypatch) -> N
     rep = run_prefill(tiny(cp_size=1, requests=MIXED, page_size=8, n_layers=3, phases=PhaseSet.level(8)))
     assert rep["matches_oracle"] is True and rep["cache_equal"] is True
     assert "materialize_mla_rows" in calls and "materialize_rows" not in calls
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8", "bf16"])
+def test_the_triton_kernels_on_round_robin_shards(forked_ranks, kv_dtype: str) -> None:
+    """Round-robin at interleave 1 with the kernels forced (interpreter): the fused store writes each
+    rank's own rows at scattered physical locs, the materialize and the prefetch read physical pages
+    that pack several logical pages."""
+    _force_kernels_and_spy(forked_ranks)
+    run = tiny(cp_size=2, split_mode="round-robin", requests=(Request(13, 40), Request(5, 21)), page_size=8,
+               kv_dtype=kv_dtype, phases=PhaseSet.parse("+1,2,3,6,7,8"), n_layers=2)
+    rep = run_prefill(run)
+    assert rep["matches_oracle"] is True and rep["cache_equal"] is True and rep["store_path"] == "direct"
