@@ -49,6 +49,10 @@ PHASE_REQUIRES: dict[int, frozenset[int]] = {
     8: frozenset({2, 3}),
 }
 
+# The in-seq split's own phases: round-robin refuses them (its interleave-1 shards already give
+# every rank the tokens it computes).
+IN_SEQ_ONLY: frozenset[int] = frozenset({Phase.PAGE_ALIGNED, Phase.COMPUTE_OWNER})
+
 # Phases whose code exists in this version of the package; asking for another is refused.
 IMPLEMENTED_PHASES: frozenset[int] = frozenset({1, 2, 3, 4, 5, 6, 7, 8})
 
@@ -101,6 +105,10 @@ class PhaseSet:
             if isinstance(exc, ConfigError):
                 raise
             raise ConfigError(f"malformed phase spec {spec!r}: use a level 0..8 or a list like '1,2'") from None
+
+    def for_split(self, split_mode: str) -> "PhaseSet":
+        """These phases as ``split_mode`` runs them: round-robin drops :data:`IN_SEQ_ONLY`."""
+        return PhaseSet(self.enabled - IN_SEQ_ONLY) if split_mode == "round-robin" else self
 
     def __contains__(self, phase: object) -> bool:
         return phase in self.enabled

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from reference_impl.bench.timing import cpu_median_ms
 from reference_impl.kernels.fused_configs import LaunchConfig
 
 COPY_BYTES_GPU = 1 << 30
@@ -31,13 +30,7 @@ def make_timer(
             import triton.testing
 
             return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
-        fn()
-        times = []
-        for _ in range(cpu_repeats):
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e3)
-        return statistics.median(times)
+        return cpu_median_ms(fn, cpu_repeats)
 
     return time_ms
 

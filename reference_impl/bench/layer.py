@@ -174,10 +174,8 @@ def replan(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 def phases_at(level: int, split_mode: str) -> PhaseSet:
-    """Level ``level``'s phases for ``split_mode``: round-robin drops the in-seq phases 4 and 5
-    (its interleave-1 shards already give every rank the tokens it computes)."""
-    phases = PhaseSet.level(level)
-    return PhaseSet(phases.enabled - {4, 5}) if split_mode == "round-robin" else phases
+    """Level ``level``'s phases for ``split_mode`` (round-robin drops the in-seq phases 4 and 5)."""
+    return PhaseSet.level(level).for_split(split_mode)
 
 
 def measure(

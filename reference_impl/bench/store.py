@@ -10,13 +10,12 @@ graph of one store (``triton.testing.do_bench`` median: device time, not launch 
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from reference_impl.bench.timing import cpu_median_ms
 from reference_impl.config import KVDtype, get_preset
 from reference_impl.cp.batch import BatchLocs
 from reference_impl.cp.kv_sharded import ShardedKV
@@ -50,13 +49,7 @@ def _median_ms(fn: Callable[[], None], device: torch.device, repeats: int) -> fl
         with torch.cuda.graph(graph):
             fn()
         return float(triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median"))
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    return cpu_median_ms(fn, repeats)
 
 
 @torch.no_grad()

@@ -13,7 +13,7 @@ from typing import Any
 
 from reference_impl.config import ConfigError, KVDtype, validate_page_size
 from reference_impl.cp.capacity import kv_bytes_per_rank, max_context_per_rank, page_bytes
-from reference_impl.phases import IMPLEMENTED_PHASES, PHASE_NAMES
+from reference_impl.phases import IMPLEMENTED_PHASES, IN_SEQ_ONLY, PHASE_NAMES
 from reference_impl.planner.model import (
     activation_bytes,
     local_queries,
@@ -136,8 +136,8 @@ def plan_capacity(config: PlannerConfig, rates: PlannerRates) -> dict[str, Any]:
     budget = config.kv_budget_bytes
     levels = []
     for level in LEVELS:
-        if mode == "round-robin" and level in (4, 5):
-            continue  # in-seq phases: round-robin's levels are 0-3 and 6-8 (without 4 and 5)
+        if mode == "round-robin" and level in IN_SEQ_ONLY:
+            continue  # the in-seq split's phases: round-robin's levels are 0-3 and 6-8
         sharded = level >= 2
         points = []
         for ctx in config.contexts:
