@@ -278,10 +278,15 @@ class RunConfig:
                     f"request r{index} starts with {request.prefix} tokens of r{request.shares}, which has {source.total}"
                 )
 
+    @property
+    def batches(self) -> tuple[int, ...]:
+        """Requests per batch, in order: ``batch_sizes``, or one batch of every request."""
+        return self.batch_sizes or (len(self.requests),)
+
     def batch_of(self, request: int) -> int:
         """The batch (0-based) that computes request ``request`` (run order)."""
         bound = 0
-        for batch, size in enumerate(self.batch_sizes or (len(self.requests),)):
+        for batch, size in enumerate(self.batches):
             bound += size
             if request < bound:
                 return batch

@@ -222,7 +222,7 @@ def requests_to_free(run: RunConfig, chunk: Chunk) -> list[int]:
     """After a batch's last chunk (all but the run's last batch, whose requests stay for the report
     and the PD transfer): the requests nothing later uses
     (:func:`~reference_impl.schedule.frees_after_batch`)."""
-    if not chunk.last_of_batch or chunk.batch == len(run.batch_sizes or (0,)) - 1:
+    if not chunk.last_of_batch or chunk.batch == len(run.batches) - 1:
         return []
     return frees_after_batch(run).get(chunk.batch, [])
 
@@ -275,12 +275,10 @@ def run_rank(
     for index, chunk in enumerate(chunks):
         meta = chunk_metadata(run, chunk)
         first_of_batch = index == 0 or chunks[index - 1].batch != chunk.batch
-        # Tokens a new request finds in the pool by reference (the whole pages of a shared prefix).
-        shared_tokens = {
-            req: (run.requests[req].prefix // run.page_size) * run.page_size for req in chunk.requests if req in shares
-        } if first_of_batch else {}
         batch = BatchLocs.build(meta, device, run.phases.compute_owner, table=table, request_ids=chunk.requests,
                                 id_space=id_space, shares=shares)
+        # Tokens a new request found in the pool by reference (the whole pages of a shared prefix).
+        shared_tokens = {req: table.shared_tokens(req) for req in chunk.requests} if first_of_batch else {}
         if store is None:
             store = make_kv_store(run, batch, layout, group)
             install_prefixes(run, model, inputs, store, chunk, shared_tokens)

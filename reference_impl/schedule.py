@@ -34,7 +34,7 @@ def chunk_schedule(run: RunConfig) -> list[Chunk]:
     offsets = [sum(extends[:i]) for i in range(len(extends))]
     chunks: list[Chunk] = []
     first = 0
-    for batch, size in enumerate(run.batch_sizes or (len(run.requests),)):
+    for batch, size in enumerate(run.batches):
         members = range(first, first + size)
         first += size
         step = run.chunk_size or max(extends[i] for i in members)

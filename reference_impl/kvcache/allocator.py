@@ -106,6 +106,7 @@ class RequestPageTable:
         self._pages: dict[Hashable, list[int]] = {}
         self._n_tokens: dict[Hashable, int] = {}
         self._holders: dict[int, int] = {}  # page -> requests holding it
+        self._shared: dict[Hashable, int] = {}  # request -> leading tokens it took by reference
 
     def __contains__(self, req_id: object) -> bool:
         return req_id in self._pages
@@ -158,9 +159,13 @@ class RequestPageTable:
         for page in shared:
             self._holders[page] += 1
         self._pages[req_id] = list(shared)
-        self._n_tokens[req_id] = whole * self.page_size
+        self._n_tokens[req_id] = self._shared[req_id] = whole * self.page_size
         self.extend(req_id, n_tokens - whole * self.page_size)
         return whole * self.page_size
+
+    def shared_tokens(self, req_id: Hashable) -> int:
+        """Leading tokens of ``req_id`` that sit in pages it took by reference (:meth:`share`); 0 if none."""
+        return self._shared.get(req_id, 0)
 
     def locs(self, req_id: Hashable, device: torch.device | str | None = None) -> torch.Tensor:
         """Logical locs ``page * page_size + slot`` of all tokens of ``req_id`` -> ``[n_tokens] int64``."""
@@ -188,6 +193,7 @@ class RequestPageTable:
                 released.append(page)
         self.allocator.free(released)
         del self._pages[req_id], self._n_tokens[req_id]
+        self._shared.pop(req_id, None)
 
     @property
     def requests(self) -> list[Hashable]:
