@@ -3,7 +3,7 @@
 # the walkthrough notebooks under nbval, and the strict docs build. On a machine with a CUDA device,
 # also the GPU tier (pytest --gpu: compiled kernels, DeepSeek-V3.2 dims), and the notebooks run on
 # the GPU instead of the CPU, beside the GPU tier. DSACP_TEST_LOG_DIR (default: a temp folder) keeps
-# the logs of the jobs that run beside the GPU tier and of the docs build.
+# every job's log and the docs build's, and on a CUDA machine summary.json (scripts/summarize_test_run.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -25,7 +25,7 @@ if [ "$cuda" = 1 ]; then
   DSACP_NOTEBOOK_SMOKE=1 "${notebooks[@]}" > "$notebook_log" 2>&1 &
   notebook_job=$!
   gpu_status=0; cpu_status=0; notebook_status=0
-  python3 -m pytest -q --gpu tests || gpu_status=$?  # the GPU tier
+  python3 -m pytest -q --gpu tests 2>&1 | tee "$logs/gpu-tier.log" || gpu_status=$?  # the GPU tier
   wait "$cpu_job" || cpu_status=$?
   wait "$notebook_job" || notebook_status=$?
   echo "CPU tier:"; tail -n 25 "$cpu_log"
@@ -44,4 +44,7 @@ fi
 docs_log="${DSACP_TEST_LOG_DIR:-$(mktemp -d)}/mkdocs.log"
 NO_MKDOCS_2_WARNING=1 python3 -m mkdocs build --strict -d "$(mktemp -d)/site" > "$docs_log" 2>&1 || { cat "$docs_log"; exit 1; }
 if grep "WARNING" "$docs_log"; then echo "mkdocs printed warnings: fix them" >&2; exit 1; fi
+if [ "$cuda" = 1 ]; then  # what each job reported, as JSON (the README's GPU-tier row cites one such run)
+  python3 scripts/summarize_test_run.py "$logs" --seconds $((SECONDS - start)) --out "$logs/summary.json"
+fi
 echo "all tests passed in $((SECONDS - start)) s (GPU tier: $([ "$cuda" = 1 ] && echo ran || echo 'skipped, no CUDA device'); notebooks on $notebooks_on)"

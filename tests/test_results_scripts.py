@@ -43,3 +43,24 @@ def test_the_layer_profile_counts_only_the_layer_loop(tmp_path: Path) -> None:
     assert "aten::mm" in names or "aten::addmm" in names  # the projections run inside the loop
     assert not names & {"aten::normal_", "aten::randn", "aten::uniform_"}  # weight init is outside
     assert 0 < doc["loop_ops_ms_total"] <= doc["loop_wall_ms"] * 1.05
+
+
+def test_the_test_run_summary_reads_each_jobs_pytest_line(tmp_path: Path) -> None:
+    """``scripts/summarize_test_run.py`` (what ``test.sh`` writes as summary.json on a GPU box) takes each
+    job's counts and seconds from pytest's final line, keeps failures, and refuses a log that never
+    reached one (a job cut short must not read as a pass)."""
+    import sys
+
+    import pytest
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    import summarize_test_run
+
+    (tmp_path / "gpu-tier.log").write_text("....F.\n1 failed, 69 passed, 614 deselected in 293.17s (0:04:53)\n")
+    (tmp_path / "cpu-tier.log").write_text("42.45s call tests/x.py::t\n614 passed, 69 skipped, 440 warnings in 385.57s\n")
+    summary = summarize_test_run.summarize(tmp_path, 416.0, {"device": "test"})
+    assert summary["gpu_tier"] == {"failed": 1, "passed": 69, "deselected": 614, "seconds": 293.17}
+    assert summary["cpu_tier"] == {"passed": 614, "skipped": 69, "failed": 0, "seconds": 385.57}
+    assert "notebooks" not in summary and summary["seconds"] == 416.0
+    with pytest.raises(LookupError, match="did not finish"):
+        summarize_test_run.pytest_outcome("......\nTimeout\n")
