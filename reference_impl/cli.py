@@ -186,7 +186,7 @@ def _cmd_pd(args: argparse.Namespace) -> int:
     result = run_prefill_and_decode(run, timeout_s=run.timeout_s, transfer=args.transfer)
     doc = pd_report(run, result)
     print(json.dumps(doc, indent=2) if args.json else format_pd(doc))
-    return EXIT_DISAGREES if doc["decode_matches_oracle"] is False else EXIT_OK
+    return EXIT_DISAGREES if False in (doc["decode_matches_oracle"], doc["decode_matches_prefill"]) else EXIT_OK
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

@@ -99,12 +99,15 @@ class LayerStoredHook(Protocol):
     ``begin_chunk`` runs before a chunk's layer loop (outside the phase-6 audit): ``finished``
     maps each request whose last tokens this chunk computes to its logical locs, so plans are made
     there. ``layer_stored(layer)`` runs inside the loop right after ``store_current``: from then
-    on the finished requests' rows of that layer are final.
+    on the finished requests' rows of that layer are final. ``loop_done()`` runs right after the
+    loop, before anything waits for the device (a CUDA event recorded there marks the loop's end).
     """
 
     def begin_chunk(self, store: KVStore, finished: dict[int, torch.Tensor]) -> None: ...
 
     def layer_stored(self, layer: int) -> None: ...
+
+    def loop_done(self) -> None: ...
 
 
 def make_kv_store(run: RunConfig, batch: BatchLocs, layout: KVLayout, group: CPGroup) -> KVStore:
@@ -451,6 +454,8 @@ def _run_chunk(
         acc.sync_audit = audit.method
         if audit.count and group.debug:
             raise HostSyncError(f"{audit.count} host sync(s) in the phase-6 layer loop: {'; '.join(audit.sites)}")
+    if on_layer_stored is not None:
+        on_layer_stored.loop_done()
     acc.layer_ms.extend(clock.intervals_ms())
     if prefetch is not None:
         acc.prefetch_wait_ms.extend(prefetch.exposed_wait_ms())

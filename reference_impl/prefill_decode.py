@@ -7,22 +7,25 @@ sharded at rest (phase 2), and rank ``C`` decodes. Two transfers:
   it stores with their request positions (:mod:`reference_impl.pd.transport`), **layer by layer**:
   as soon as layer ``l`` is stored, a non-blocking send per finished request leaves while layer
   ``l + 1`` computes (an engine :class:`~reference_impl.engine.LayerStoredHook`, planned before the
-  loop, so phase 6's audit still counts no host sync); after the prefill, one completion wait per
-  request. The decode allocates its own pages per request from its own allocator
+  loop, so phase 6's audit still counts no host sync; :mod:`reference_impl.pd.stream`); after the
+  prefill, one completion wait per request. The decode allocates its own pages per request from its own allocator
   (:class:`~reference_impl.pd.dcp.DcpDecodeShard`, one rank) and never sees a prefill page id.
   Bytes sent equal the rows each rank holds at rest: no empty slot of a partial page travels.
-  The transport is gloo on CPU tensors (a CUDA run would stage through the host; not built).
+  The transport is gloo: on CUDA (``run.device == "cuda"``, processes sharing the GPUs) the rows
+  are read and copied to pinned host memory on a side stream (:mod:`reference_impl.pd.staging`)
+  and a sender thread puts them on the wire when they are there.
 * ``transfer="pages"``: each prefill rank sends its owned pages with their logical ids
   (:mod:`reference_impl.pd.manifest`), and the decode mirrors the prefill's page-id space by
   replaying its allocator (page interleave only).
 
-With ``run.check`` the decode cache is compared with the single-device oracle byte for byte.
+With ``run.check`` the decode cache is compared byte for byte with the rows the prefill ranks hold
+at rest and, on CPU, with the single-device oracle (a GPU's GEMMs do not reproduce the CPU's bits;
+the GPU tier checks the prefill itself against the oracle).
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +43,8 @@ from reference_impl.model.oracle import OracleResult, run_oracle
 from reference_impl.pd.dcp import DcpDecodeShard, DcpLayout
 from reference_impl.pd.manifest import TransferManifest, build_manifest
 from reference_impl.pd.transfer import DecodeCache, RequestRows, receive_pages, send_owned_pages
-from reference_impl.pd.transport import Pending, RowBlock, TorchDistributedTransport, headers
+from reference_impl.pd.stream import LayerStreamer
+from reference_impl.pd.transport import TorchDistributedTransport
 from reference_impl.workload import build_inputs, build_model
 
 logger = logging.getLogger(__name__)
@@ -57,6 +61,9 @@ class RankTransfer:
     blocks_sent: int  # one per (layer, request), empty ones included
     blocks_sent_in_layer_loop: int  # sent while later layers computed
     wait_ms_after_prefill: tuple[float, ...]  # per request: its one completion wait, after the prefill
+    staging_ms: float | None = None  # CUDA: side-stream time of every block (pool read + copy to pinned host)
+    staging_hidden_fraction: float | None = None  # CUDA: the part of it before the layer loop's end
+    staging_exposed_ms: float | None = None  # CUDA: how long the last block landed after the loop's end
 
 
 @dataclass
@@ -67,13 +74,15 @@ class PDResult:
     prefill: tuple[RankResult, ...]  # per prefill rank (``store`` dropped)
     rows: list[dict[int, RequestRows]]  # [layer][request] the decode pool's rows, in position order
     bytes_received: int  # payload bytes the decode rank received
-    problems: list[str]  # differences from the oracle's cache (empty: byte for byte equal; unchecked: empty)
+    problems: list[str]  # differences from the prefill's rows at rest or the oracle's cache (unchecked: empty)
     transfer: str = "pages"
     sent: tuple[RankTransfer, ...] = ()  # per prefill rank (``transfer="rows"``)
     decode_pages: tuple[tuple[int, ...], ...] = ()  # per request: the decode's own page ids (``transfer="rows"``)
+    oracle_checked: bool = True  # False on CUDA: the rows at rest are the reference there
 
     @property
     def matches_oracle(self) -> bool:
+        """No difference found (from the oracle on CPU; on CUDA from the prefill's rows at rest)."""
         return not self.problems
 
 
@@ -87,51 +96,6 @@ class _RoleResult:
     bytes_received: int = 0
     sent: RankTransfer | None = None
     decode_pages: tuple[tuple[int, ...], ...] = ()
-
-
-class _LayerStreamer:
-    """A prefill rank's layer-wise send (an engine :class:`~reference_impl.engine.LayerStoredHook`):
-    as soon as layer ``l`` is stored, each finished request's rows of it leave (``isend``) while
-    layer ``l + 1`` computes; the plans (positions, physical locs) are made before the loop."""
-
-    def __init__(self, transport: TorchDistributedTransport, decode_rank: int) -> None:
-        self.transport, self.decode_rank = transport, decode_rank
-        self.store: ShardedKV | None = None
-        self.plans: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # positions, physical, headers
-        self.pending: dict[int, list[Pending]] = {}
-        self.bytes_sent = self.rows_sent = self.blocks_sent = 0
-
-    def begin_chunk(self, store: KVStore, finished: dict[int, torch.Tensor]) -> None:
-        if not isinstance(store, ShardedKV):
-            raise ConfigError("a layer-wise PD send needs KV sharded at rest (phase 2)")
-        self.store = store
-        layout, n_layers = store.layout, store.pool.n_layers
-        self.plans = {}
-        for req, locs in finished.items():
-            positions, physical = store.owned_rows(locs)
-            self.plans[req] = (positions, physical, headers(
-                req, n_layers, positions.numel(), layout.mla_bytes, layout.index_head_dim, self.transport.device))
-
-    def layer_stored(self, layer: int) -> None:
-        assert self.store is not None
-        pool = self.store.pool
-        for req, (positions, physical, header) in self.plans.items():
-            k_fp8, k_scale = pool.read_index(layer, physical)
-            block = RowBlock(req, layer, positions, pool.read_mla(layer, physical), k_fp8.view(torch.uint8), k_scale)
-            self.pending.setdefault(req, []).append(self.transport.isend(block, self.decode_rank, header[layer]))
-            self.bytes_sent += block.payload_bytes
-            self.rows_sent += block.n_rows
-            self.blocks_sent += 1
-
-    def wait_all(self) -> list[float]:
-        """One completion wait per request (request order); the milliseconds each wait took."""
-        waits = []
-        for req in sorted(self.pending):
-            start = time.perf_counter()
-            for sends in self.pending[req]:
-                sends.wait()
-            waits.append((time.perf_counter() - start) * 1e3)
-        return waits
 
 
 def _bytes_at_rest(run: RunConfig, store: ShardedKV, rank: int) -> int:
@@ -154,7 +118,7 @@ def _receive_rows(run: RunConfig, device: torch.device) -> _RoleResult:
         for _ in range(n_layers * len(totals)):
             shard.receive(transport.recv(src))
     shard.check_complete(n_layers)
-    rows = [{req: shard.rows(layer, req) for req in range(len(totals))} for layer in range(n_layers)]
+    rows = [{req: tuple(t.cpu() for t in shard.rows(layer, req)) for req in range(len(totals))} for layer in range(n_layers)]
     pages = tuple(tuple(shard.table.pages(req)) for req in range(len(totals)))
     return _RoleResult([], rows=rows, bytes_received=shard.bytes_received, decode_pages=pages)
 
@@ -167,13 +131,17 @@ def _pd_rank(world: CPGroup, job: tuple[RunConfig, str]) -> _RoleResult:
     if world.rank < cp_size:
         cp_group = CPGroup(process_group=subgroup, device=world.device, debug=world.debug)
         if transfer == "rows":
-            streamer = _LayerStreamer(TorchDistributedTransport("cpu"), decode_rank=cp_size)
+            transport = TorchDistributedTransport("cpu")  # gloo: a CUDA rank's blocks are staged to pinned host
+            streamer = LayerStreamer(transport, decode_rank=cp_size)
             result = run_rank(cp_group, run, keep_store=True, on_layer_stored=streamer)
             waits = streamer.wait_all()
+            transport.close()
             store, result.store = result.store, None
             assert isinstance(store, ShardedKV)
+            o = streamer.overlap
             sent = RankTransfer(cp_group.rank, streamer.bytes_sent, _bytes_at_rest(run, store, cp_group.rank),
-                                streamer.rows_sent, streamer.blocks_sent, streamer.blocks_sent, tuple(waits))
+                                streamer.rows_sent, streamer.blocks_sent, streamer.blocks_sent, tuple(waits),
+                                *((o.staging_ms, o.hidden_fraction, o.exposed_after_prefill_ms) if o else ()))
             return _RoleResult([], prefill=result, sent=sent)
         result = run_rank(cp_group, run, keep_store=True)
         store, result.store = result.store, None  # the store stays in this process
@@ -212,13 +180,34 @@ def oracle_mismatches(rows: list[dict[int, RequestRows]], oracle: OracleResult) 
     return problems
 
 
+def store_mismatches(rows: list[dict[int, RequestRows]], ranks_stored: list[list[dict[int, tuple]]]) -> list[str]:
+    """Where the decode's rows differ from what the prefill ranks held at rest (``RankResult.stored``:
+    per rank, per layer, request -> positions and rows): the transfer's own exactness."""
+    problems = []
+    for layer, decoded in enumerate(rows):
+        for req, got in decoded.items():
+            expect = [torch.zeros_like(part) for part in got]
+            covered = torch.zeros(got[0].shape[0], dtype=torch.long)
+            for stored in ranks_stored:
+                positions, *parts = stored[layer][req]
+                covered[positions] += 1
+                for dst, src in zip(expect, parts):
+                    dst[positions] = src.view(dst.dtype)
+            if not bool((covered == 1).all()):
+                problems.append(f"layer {layer} request {req}: the prefill ranks do not hold every position exactly once")
+            elif not all(torch.equal(a.cpu(), b) for a, b in zip(got, expect)):
+                problems.append(f"layer {layer} request {req}: decode rows differ from the prefill ranks' rows at rest")
+    return problems
+
+
 def run_prefill_and_decode(run: RunConfig, timeout_s: float = 300, *, transfer: str = "pages") -> PDResult:
     """Prefill ``run`` on ``run.cp_size`` CP ranks (phase 2), transfer the KV to a decode process.
 
-    Launches ``C + 1`` CPU processes over gloo (see the module docstring); ``transfer`` is
-    ``"rows"`` (the decode allocates its own pages) or ``"pages"`` (it mirrors the prefill's page
-    ids). With ``run.check`` the decode cache is compared with the single-device oracle byte for
-    byte (``PDResult.problems``).
+    Launches ``C + 1`` processes over gloo (see the module docstring), on the GPUs when
+    ``run.device == "cuda"`` (``transfer="rows"`` only); ``transfer`` is ``"rows"`` (the decode
+    allocates its own pages) or ``"pages"`` (it mirrors the prefill's page ids). With ``run.check``
+    the decode cache is compared byte for byte with the rows the prefill ranks held at rest and, on
+    CPU, with the single-device oracle (``PDResult.problems``).
     """
     if transfer not in ("rows", "pages"):
         raise ConfigError(f"transfer={transfer!r}: use 'rows' or 'pages'")
@@ -231,16 +220,23 @@ def run_prefill_and_decode(run: RunConfig, timeout_s: float = 300, *, transfer: 
             f"this transfer moves whole owned pages, and kv_interleave={run.interleave} spreads every page over the "
             "ranks: send the token shards to a DCP decode instead (reference_impl.pd.dcp.transfer_to_dcp)"
         )
-    if run.device == "cuda":
-        raise ConfigError("the PD transfer transport runs on CPU (gloo point-to-point); use device='cpu'")
-    run = run.replace(device="cpu")
+    on_cuda = run.device == "cuda"
+    if on_cuda and transfer != "rows":
+        raise ConfigError("the page transfer runs on CPU (gloo point-to-point): use device='cpu', or transfer='rows'")
+    run = run.replace(device="cuda" if on_cuda else "cpu")
     build_metadata(run)  # validates the split in this process before any rank starts
     world = run.cp_size + 1
-    results = launch(_pd_rank, world, (run, transfer), device="cpu", backend="gloo", timeout_s=timeout_s, debug=run.debug)
+    # On CUDA every process shares the GPUs over gloo (NCCL refuses two ranks on one device); the
+    # row blocks travel from pinned host memory (pd/staging.py).
+    results = launch(_pd_rank, world, (run, transfer), device=run.device, backend="gloo", timeout_s=timeout_s,
+                     debug=run.debug)
     prefill, decode = results[: run.cp_size], results[run.cp_size]
     rows = decode.rows
     problems: list[str] = []
     if run.check:
+        ranks_stored = [r.prefill.stored for r in prefill if r.prefill is not None]
+        problems += store_mismatches(rows, ranks_stored)  # the transfer itself: byte for byte, any device
+    if run.check and not on_cuda:  # a GPU's GEMMs are not bit-reproducible on the CPU oracle
         threads = torch.get_num_threads()
         torch.set_num_threads(rank_cpu_threads(world))  # the ranks' reduction splits: byte-exact math
         try:
@@ -250,15 +246,16 @@ def run_prefill_and_decode(run: RunConfig, timeout_s: float = 300, *, transfer: 
             oracle = run_oracle(model, prefixes, inputs, run.kv_dtype, run.page_size, chunk_size=run.chunk_size)
         finally:
             torch.set_num_threads(threads)
-        problems = oracle_mismatches(rows, oracle)
-        if problems:
-            logger.error("decode cache disagrees with the oracle: %s", "; ".join(problems[:5]))
+        problems += oracle_mismatches(rows, oracle)
+    if problems:
+        logger.error("decode cache disagrees: %s", "; ".join(problems[:5]))
     manifests = tuple(p for r in prefill for p in r.manifests)
     if manifests != tuple(decode.manifests):
         problems.append("the manifests the decode rank received differ from the ones the prefill ranks built")
     ranks = tuple(r.prefill for r in prefill if r.prefill is not None)
     sent = tuple(r.sent for r in prefill if r.sent is not None)
-    return PDResult(manifests, ranks, rows, decode.bytes_received, problems, transfer, sent, decode.decode_pages)
+    return PDResult(manifests, ranks, rows, decode.bytes_received, problems, transfer, sent, decode.decode_pages,
+                    oracle_checked=not on_cuda)
 
 
 def pd_report(run: RunConfig, result: PDResult) -> dict[str, Any]:
@@ -267,7 +264,8 @@ def pd_report(run: RunConfig, result: PDResult) -> dict[str, Any]:
         ranks = [
             {"rank": s.rank, "bytes_sent": s.bytes_sent, "bytes_at_rest": s.bytes_at_rest, "rows_sent": s.rows_sent,
              "blocks_sent": s.blocks_sent, "blocks_sent_in_layer_loop": s.blocks_sent_in_layer_loop,
-             "wait_ms_after_prefill": list(s.wait_ms_after_prefill)}
+             "wait_ms_after_prefill": list(s.wait_ms_after_prefill), "staging_ms": s.staging_ms,
+             "staging_hidden_fraction": s.staging_hidden_fraction, "staging_exposed_ms": s.staging_exposed_ms}
             for s in result.sent
         ]
     else:
@@ -277,7 +275,9 @@ def pd_report(run: RunConfig, result: PDResult) -> dict[str, Any]:
         "transfer": result.transfer,
         "cp_size": run.cp_size, "split_mode": run.split_mode, "phases": str(run.phases), "preset": run.preset,
         "requests": [[r.prefix, r.extend] for r in run.requests],
-        "decode_matches_oracle": result.matches_oracle if run.check else None,
+        "device": run.device,
+        "decode_matches_oracle": result.matches_oracle if run.check and result.oracle_checked else None,
+        "decode_matches_prefill": result.matches_oracle if run.check else None,
         "problems": result.problems,
         "bytes_received": result.bytes_received,
         "prefill_ranks": ranks,
@@ -296,6 +296,10 @@ def format_pd(doc: dict[str, Any]) -> str:
         f"| {doc['preset']} | requests {doc['requests']} | transfer {how}",
         f"  decode {verdict[doc['decode_matches_oracle']]}; received {doc['bytes_received']:,} B",
     ]
+    if doc["decode_matches_oracle"] is None and doc["decode_matches_prefill"] is not None:
+        lines[-1] = (f"  decode {'MATCHES' if doc['decode_matches_prefill'] else 'DIFFERS from'} the prefill ranks' rows at rest "
+                     f"byte for byte (on {doc['device']}: the GPU tier checks the prefill against the oracle); "
+                     f"received {doc['bytes_received']:,} B")
     unit = "rows_sent" if doc["transfer"] == "rows" else "pages_sent"
     streamed = doc["transfer"] == "rows"
     header = ["rank", "bytes sent"] + (["bytes at rest"] if streamed else []) + [unit.replace("_", " ")] + (
@@ -308,6 +312,11 @@ def format_pd(doc: dict[str, Any]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     lines.append("  " + "  ".join(h.rjust(w) for h, w in zip(header, widths)))
     lines += ["  " + "  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    for r in doc["prefill_ranks"]:
+        if r.get("staging_ms") is not None:
+            lines.append(f"  rank {r['rank']}: the send's device leg (pool read + copy to pinned host, side stream) took "
+                         f"{r['staging_ms']:.2f} ms, {r['staging_hidden_fraction']:.0%} of it before the layer loop ended; "
+                         f"the last block landed {r['staging_exposed_ms']:.2f} ms after")
     if doc["decode_pages"]:
         lines.append(f"  decode page ids per request: {doc['decode_pages']} (prefill's: {doc['prefill_pages']})")
     lines += [f"  ! {p}" for p in doc["problems"]]

@@ -186,3 +186,29 @@ def demo(doc: dict) -> str:
 if __name__ == "__main__":
     kind, path = sys.argv[1], sys.argv[2]
     print({"compute": compute, "kernels": kernels, "layer": layer, "demo": demo}[kind](json.load(open(path))))
+
+
+def pd_stream(doc: dict) -> str:
+    """``bench/pd_stream.py``: the layer-wise send against the prefill, per workload."""
+    lines = [
+        f"Device: {doc['device']}, torch {doc['torch']}; {doc['preset']}, {doc['n_layers']} layers; "
+        f"how CP runs: {doc['how_cp_runs']}; wire: {doc['wire']}; timer: {doc['timing']}.",
+        f"Command: `{doc['command']}`.",
+        "",
+        "| workload | layer ms, no send | layer ms, streamed | added per layer, paired ms | MiB sent per layer "
+        "| staging ms per layer (GB/s) | staged before the loop ended | last block after the loop, ms "
+        "| completion wait, ms | received = rows at rest |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for w in doc["workloads"]:
+        wl = w["workload"]
+        staging = ("-" if w["staging_ms_per_layer"] is None
+                   else f"{w['staging_ms_per_layer']:.3f} ({w['staging_gbps']:.1f})")
+        hidden = "-" if w["hidden_fraction"] is None else f"{w['hidden_fraction']:.0%}"
+        exposed = "-" if w["exposed_after_loop_ms"] is None else f"{w['exposed_after_loop_ms']:.3f}"
+        lines.append(
+            f"| {wl['name']} ({wl['prefix']:,} + {wl['extend']:,}) | {w['layer_ms_plain']:.2f} | {w['layer_ms_streamed']:.2f} "
+            f"| {w['layer_ms_added_paired']:+.3f} | {w['bytes_sent_per_layer'] / 2**20:.1f} | {staging} | {hidden} | {exposed} "
+            f"| {w['completion_wait_ms']:.3f} | {w['received_equal_rows_at_rest']} |"
+        )
+    return "\n".join(lines)

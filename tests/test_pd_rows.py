@@ -74,6 +74,8 @@ def test_refusals() -> None:
         run_prefill_and_decode(pd_run(phases=PhaseSet.level(1)), transfer="rows")
     with pytest.raises(ConfigError, match="whole owned pages"):
         run_prefill_and_decode(pd_run(split_mode="round-robin", phases=PhaseSet.level(2)), transfer="pages")
+    with pytest.raises(ConfigError, match="page transfer runs on CPU"):
+        run_prefill_and_decode(pd_run(device="cuda"), transfer="pages")
     with pytest.raises(ConfigError, match="disagree on the row count"):
         RowBlock(0, 0, torch.arange(3), torch.zeros(2, 8, dtype=torch.uint8), torch.zeros(3, 4, dtype=torch.uint8),
                  torch.zeros(3))
@@ -84,6 +86,8 @@ def test_the_pd_command(capsys) -> None:
     assert main(argv) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["decode_matches_oracle"] is True and doc["transfer"] == "rows" and doc["phases"] == "1,2"
+    assert doc["decode_matches_prefill"] is True  # and the rows at rest, byte for byte
+    assert all(r["staging_ms"] is None for r in doc["prefill_ranks"])  # CPU: no side stream
     assert all(r["bytes_sent"] == r["bytes_at_rest"] for r in doc["prefill_ranks"])
     assert main(["pd", "--split-mode", "round-robin", "--transfer", "pages", "--page-size", "16"]) == 2
     assert "whole owned pages" in capsys.readouterr().err
@@ -114,13 +118,16 @@ def test_the_engine_hook_hears_each_layer_of_each_chunk_and_the_finished_request
         def layer_stored(self, layer: int) -> None:
             self.calls.append(("layer", layer))
 
+        def loop_done(self) -> None:
+            self.calls.append(("done",))
+
     run = pd_run(cp_size=1, chunk_size=30, phases=PhaseSet.level(2))  # extends 70, 45, 9: chunks of 30
     recorder = Recorder()
     run_rank(CPGroup.single("cpu"), run, on_layer_stored=recorder)
     layers = [("layer", layer) for layer in range(run.model.n_layers)]
     # Chunk 1 finishes request 2 (9 tokens); chunk 2 request 1 (45); chunk 3 request 0 (70).
     assert recorder.calls == [
-        ("chunk", (2,), {2: 14}), *layers,
-        ("chunk", (1,), {1: 45}), *layers,
-        ("chunk", (0,), {0: 107}), *layers,
+        ("chunk", (2,), {2: 14}), *layers, ("done",),
+        ("chunk", (1,), {1: 45}), *layers, ("done",),
+        ("chunk", (0,), {0: 107}), *layers, ("done",),
     ]

@@ -102,7 +102,7 @@ class DcpDecodeShard:
 
     def rows(self, layer: int, request: int) -> RequestRows:
         """The request's rows on this rank, in local order: ``(mla uint8, index fp8 bytes uint8, scale f32)``."""
-        locs = self.table.locs(request)
+        locs = self.table.locs(request).to(self.pool.device)
         k_fp8, k_scale = self.pool.read_index(layer, locs)
         return self.pool.read_mla(layer, locs), k_fp8.view(torch.uint8), k_scale
 

@@ -7,9 +7,13 @@ pages it allocates itself.
 
 :class:`BlockTransport` is the whole interface a backend implements (``send`` / ``recv`` of one
 block between two ranks). :class:`TorchDistributedTransport` runs it on torch.distributed
-point-to-point: gloo for CPU tensors (and CUDA tensors staged through the host when processes share
-a GPU), NCCL for CUDA tensors when each process has its own GPU. A Mooncake or NIXL backend would
-implement the same two methods with its own registration and RDMA writes; nothing else changes.
+point-to-point: gloo for host tensors, NCCL for CUDA tensors when each process has its own GPU.
+A CUDA prefill rank on gloo hands over blocks already staged in pinned host memory
+(:mod:`reference_impl.pd.staging`) with the event that says when their bytes are there; the
+transport sends them from one ordered sender thread once that event completes, so the layer loop
+never waits. :class:`InProcessTransport` is the same interface inside one process (the benchmark's
+decode side, and tests). A Mooncake or NIXL backend would implement the same methods with its own
+registration and RDMA writes; nothing else changes.
 
 On torch.distributed a block travels as a header ``int64 [6]`` (request, layer, rows, MLA row
 bytes, index row bytes, 0) and then, if it has rows, four tensors: positions ``int64 [n]``, MLA
@@ -18,6 +22,8 @@ bytes, index row bytes, 0) and then, if it has rows, four tensors: positions ``i
 
 from __future__ import annotations
 
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -62,11 +68,16 @@ class Pending(Protocol):
 
 
 class BlockTransport(Protocol):
-    """Moves row blocks between ranks: ``send`` blocks, ``isend`` returns at once (layer-wise streaming)."""
+    """Moves row blocks between ranks: ``send`` blocks, ``isend`` returns at once (layer-wise streaming).
+
+    ``ready``: the block's tensors hold their bytes only once this CUDA event completes (they were
+    staged on a side stream); the transport must not read them before, and must not make the
+    caller wait for it."""
 
     def send(self, block: RowBlock, dst: int) -> None: ...
 
-    def isend(self, block: RowBlock, dst: int, header: torch.Tensor | None = None) -> Pending: ...
+    def isend(self, block: RowBlock, dst: int, header: torch.Tensor | None = None,
+              ready: torch.cuda.Event | None = None) -> Pending: ...
 
     def recv(self, src: int) -> RowBlock: ...
 
@@ -87,6 +98,7 @@ class TorchDistributedTransport:
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
+        self._sender: ThreadPoolExecutor | None = None  # one thread: the sends to a rank stay in order
 
     def _wire(self, block: RowBlock, header: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Header then the four tensors; ``header`` prebuilt (:func:`headers`) keeps a layer loop free
@@ -101,9 +113,26 @@ class TorchDistributedTransport:
         for tensor in self._wire(block):
             dist.send(tensor, dst)
 
-    def isend(self, block: RowBlock, dst: int, header: torch.Tensor | None = None) -> Pending:
+    def isend(self, block: RowBlock, dst: int, header: torch.Tensor | None = None,
+              ready: torch.cuda.Event | None = None) -> Pending:
         tensors = self._wire(block, header)
-        return _Sends([dist.isend(tensor, dst) for tensor in tensors], tensors)
+        if ready is None:
+            return _Sends([dist.isend(tensor, dst) for tensor in tensors], tensors)
+        if self._sender is None:
+            self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-send")
+
+        def send_when_staged() -> None:
+            ready.synchronize()  # the sender thread waits for the copy, never the layer loop
+            for tensor in tensors:
+                dist.send(tensor, dst)
+
+        return _Future(self._sender.submit(send_when_staged))
+
+    def close(self) -> None:
+        """Stop the sender thread (after every pending send was waited for)."""
+        if self._sender is not None:
+            self._sender.shutdown(wait=True)
+            self._sender = None
 
     def recv(self, src: int) -> RowBlock:
         header = torch.empty(HEADER, dtype=torch.long, device=self.device)
@@ -119,6 +148,53 @@ class TorchDistributedTransport:
             for tensor in parts:
                 dist.recv(tensor, src)
         return RowBlock(request, layer, *parts)
+
+
+class InProcessTransport:
+    """:class:`BlockTransport` inside one process: ``isend`` posts the block to ``dst``'s mailbox,
+    ``recv(src)`` takes the oldest block ``src`` posted (the benchmark's decode side; tests)."""
+
+    def __init__(self) -> None:
+        self._mail: dict[tuple[int, int], deque[tuple[RowBlock, torch.cuda.Event | None]]] = {}
+        self.rank = 0  # the sender's rank, set by whoever plays it
+
+    def send(self, block: RowBlock, dst: int) -> None:
+        self.isend(block, dst)
+
+    def isend(self, block: RowBlock, dst: int, header: torch.Tensor | None = None,
+              ready: torch.cuda.Event | None = None) -> Pending:
+        self._mail.setdefault((self.rank, dst), deque()).append((block, ready))
+        return _Event(ready)
+
+    def recv(self, src: int, dst: int = 0) -> RowBlock:
+        mailbox = self._mail.get((src, dst))
+        if not mailbox:
+            raise ConfigError(f"rank {dst} expects a row block from rank {src}, and none was sent")
+        block, ready = mailbox.popleft()
+        if ready is not None:
+            ready.synchronize()
+        return block
+
+
+class _Event:
+    """A send that is complete once its staging event is (in-process: nothing else to wait for)."""
+
+    def __init__(self, ready: torch.cuda.Event | None) -> None:
+        self.ready = ready
+
+    def wait(self) -> None:
+        if self.ready is not None:
+            self.ready.synchronize()
+
+
+class _Future:
+    """A send handed to the sender thread."""
+
+    def __init__(self, future: Future) -> None:
+        self.future = future
+
+    def wait(self) -> None:
+        self.future.result()  # re-raises what the sender thread hit
 
 
 class _Sends:

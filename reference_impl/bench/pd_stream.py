@@ -1,0 +1,158 @@
+"""The layer-wise PD send against the prefill it rides on: one rank of ``C``, with and without it.
+
+Usage::
+
+    python -m reference_impl.bench.pd_stream --out FILE.json [--cp-size 8] [--rank 0] [--level 8]
+        [--workloads 32k:0+32768,128k:0+131072,prefix-heavy:131072+2048] [--layers 4] [--repeats 3]
+        [--wire-gbps 450]
+    python -m reference_impl.bench.pd_stream --out dry.json --device cpu --preset tiny   # CPU dry run
+
+One process plays rank ``--rank`` of ``--cp-size`` (:class:`~reference_impl.cp.loopback.LoopbackGroup`,
+the CP all-gathers modeled at ``--wire-gbps``, as in :mod:`reference_impl.bench.layer`). Per
+workload (one request), runs alternate ``--repeats`` times between the plain prefill and the
+prefill with a :class:`~reference_impl.pd.stream.LayerStreamer` over an
+:class:`~reference_impl.pd.transport.InProcessTransport` (the decode side is this process).
+
+**The wire measured is the send's device leg**: the pool read and the copy into pinned host
+memory on a side stream, through the H200's real PCIe link, which is what a NIC reading host
+memory (or Mooncake / NIXL registering it) starts from. The network leg after it runs on the
+host and is not modeled. Reported per workload: the layer time without and with the send (median
+over the layers after the first of every run; ``paired``: the median over repeats of each pair's
+difference), the staging time per layer, how much of it ran before the layer loop ended (CUDA
+events on both streams), how long the last block landed after it, the completion wait, the bytes
+per layer, and whether every received block equals the rows the rank holds at rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shlex
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from reference_impl.bench.layer import Workload
+from reference_impl.config import PhaseSet, Request, RunConfig
+from reference_impl.cp.loopback import LoopbackGroup
+from reference_impl.engine import replay_page_table, run_rank
+from reference_impl.pd.stream import LayerStreamer
+from reference_impl.pd.transport import InProcessTransport
+
+DECODE_RANK = -1  # the in-process decode's mailbox key
+
+
+def _streamed(run: RunConfig, group: LoopbackGroup) -> tuple[Any, LayerStreamer, InProcessTransport, list[float]]:
+    transport = InProcessTransport()
+    transport.rank = group.rank
+    streamer = LayerStreamer(transport, DECODE_RANK)
+    result = run_rank(group, run, keep_store=True, on_layer_stored=streamer)
+    waits = streamer.wait_all()
+    return result, streamer, transport, waits
+
+
+def _received_equal_rows_at_rest(run: RunConfig, result: Any, transport: InProcessTransport, rank: int) -> bool:
+    table = replay_page_table(run)
+    for layer in range(run.model.n_layers):
+        for req in range(len(run.requests)):
+            got = transport.recv(rank, DECODE_RANK)
+            expect = result.store.stored_rows(layer, [table.locs(req, result.store.pool.device)])[0]
+            parts = (got.positions, got.mla, got.index, got.scale)
+            if (got.layer, got.request) != (layer, req) or not all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(parts, expect)):
+                return False
+    return True
+
+
+def measure(preset: str, workload: Workload, cp_size: int, rank: int, level: int, n_layers: int, device: str,
+            wire_gbps: float | None, repeats: int) -> dict[str, Any]:
+    """Alternate plain and streamed prefills of one workload on one rank -> JSON-ready dict."""
+    run = RunConfig(preset=preset, n_layers=n_layers, cp_size=cp_size, requests=(Request(workload.prefix, workload.extend),),
+                    check=False, device=device, phases=PhaseSet.level(level))
+    group_of = lambda: LoopbackGroup(rank, cp_size, device, wire_gbps)  # noqa: E731 (fresh stats per run)
+    _streamed(run, group_of())  # warm-up: kernels compiled, pinned host blocks cached
+    plain: list[float] = []
+    streamed: list[float] = []
+    paired: list[float] = []
+    staging, hidden, exposed, waits = [], [], [], []
+    rows_equal = True
+    bytes_per_layer = 0
+    for repeat in range(repeats):
+        base = run_rank(group_of(), run).timings["layer_ms"][1:]
+        result, streamer, transport, wait = _streamed(run, group_of())
+        with_send = result.timings["layer_ms"][1:]
+        plain += base
+        streamed += with_send
+        paired.append(statistics.median(with_send) - statistics.median(base))
+        waits.append(sum(wait))
+        bytes_per_layer = streamer.bytes_sent // n_layers
+        if streamer.overlap is not None:
+            staging.append(streamer.overlap.staging_ms / n_layers)
+            hidden.append(streamer.overlap.hidden_fraction)
+            exposed.append(streamer.overlap.exposed_after_prefill_ms)
+        if repeat == 0:
+            rows_equal = _received_equal_rows_at_rest(run, result, transport, rank)
+        del result
+    med = statistics.median
+    return {
+        "workload": workload.__dict__, "level": level,
+        "layer_ms_plain": med(plain), "layer_ms_streamed": med(streamed), "layer_ms_added_paired": med(paired),
+        "paired_added_ms": paired, "bytes_sent_per_layer": bytes_per_layer,
+        "staging_ms_per_layer": med(staging) if staging else None,
+        "staging_gbps": bytes_per_layer / med(staging) / 1e6 if staging else None,
+        "hidden_fraction": med(hidden) if hidden else None, "hidden_fractions": hidden,
+        "exposed_after_loop_ms": med(exposed) if exposed else None,
+        "completion_wait_ms": med(waits), "received_equal_rows_at_rest": rows_equal,
+        "samples_per_variant": len(plain),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--preset", default="deepseek-v3.2")
+    parser.add_argument("--cp-size", type=int, default=8)
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--level", type=int, default=8, help="a phase level with KV sharded at rest (2-8)")
+    parser.add_argument("--workloads", default="32k:0+32768,128k:0+131072,prefix-heavy:131072+2048")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--wire-gbps", type=float, default=None, help="model the CP all-gathers' interconnect (CUDA only)")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    args = parser.parse_args(argv)
+    if args.level < 2 or args.level > 8:
+        parser.error(f"--level {args.level}: the layer-wise send needs KV sharded at rest, levels 2-8")
+    if args.layers < 2:
+        parser.error(f"--layers {args.layers}: at least 2 (each run's first layer is left out of the medians)")
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: at least 1")
+    results: list[dict[str, Any]] = []
+    on_cuda = args.device == "cuda"
+    doc = {
+        "device": torch.cuda.get_device_name(0) if on_cuda else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "command": "python -m reference_impl.bench.pd_stream " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        "how_cp_runs": f"rank {args.rank} of C={args.cp_size} alone in one process (LoopbackGroup): all-gathers are "
+        + (f"local copies plus a modeled wire of {args.wire_gbps:g} GB/s" if args.wire_gbps else "local copies (no wire time)"),
+        "wire": ("the send's device leg, measured: pool read + copy to pinned host memory on a side stream over the "
+                 "GPU's PCIe link; the network leg after it is not modeled") if on_cuda else "none (CPU dry run)",
+        "timing": (f"CUDA events per layer; median over the layers after the first of {args.repeats} runs per variant, "
+                   "plain and streamed runs alternating") if on_cuda else "perf_counter (CPU dry run: the numbers mean nothing)",
+        "preset": args.preset, "cp_size": args.cp_size, "rank": args.rank, "n_layers": args.layers,
+        "wire_gbps": args.wire_gbps, "repeats": args.repeats,
+        "workloads": results,
+    }
+    for w in (Workload.parse(spec) for spec in args.workloads.split(",")):
+        print(f"{w.name} {w.prefix}+{w.extend}", file=sys.stderr, flush=True)
+        results.append(measure(args.preset, w, args.cp_size, args.rank, args.level, args.layers, args.device,
+                               args.wire_gbps, args.repeats))
+        Path(args.out).write_text(json.dumps(doc, indent=1))
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
