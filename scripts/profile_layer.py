@@ -7,9 +7,12 @@ counting only what runs inside the layer loop.
 The profiled run is the second of two identical runs (the first compiles the kernels). The engine
 marks each chunk's layer loop with a profiler range (``engine.LAYER_LOOP_RANGE``); weight init,
 input building, the prefix install and the tail fall outside it and are left out. On CUDA: every
-kernel launched by an op that starts inside a loop range, by kernel name, its device time
-(``device_ms``, the key ``planner/elementwise.py`` reads); on a CPU: each op's self CPU time
-(``cpu_ms``), so a nested op is counted once. Prints the top ``--rows``, their sum per layer next to
+kernel that runs on the device while the loop's work does, by kernel name, its device time
+(``device_ms``, the key ``planner/elementwise.py`` reads): the device window runs from the first
+to the last kernel launched from inside a loop range (launches matched by CUPTI correlation id),
+and every kernel that starts inside it counts, so kernels launched through the driver (Triton,
+Gluon), which no ATen op owns, count too. On a CPU: each op's self CPU time (``cpu_ms``), so a
+nested op is counted once. Prints the top ``--rows``, their sum per layer next to
 the engine's per-layer times, and with ``--json`` writes every one.
 """
 
@@ -18,6 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +35,8 @@ from reference_impl.engine import LAYER_LOOP_RANGE, run_rank
 
 def loop_ops(events: Any, device: str) -> tuple[dict[str, float], dict[str, int], float]:
     """``(ms per name, calls per name, loop ranges' wall ms)`` of what runs inside the layer-loop
-    ranges: kernels by name with their device time (CUDA), or ops by name with their self CPU time."""
+    ranges: ops by name with their self CPU time (on CUDA, the kernels ops launched; the CUDA path
+    uses :func:`loop_kernels`, which also sees the driver's launches)."""
     ranges = [(e.time_range.start, e.time_range.end) for e in events if e.name == LAYER_LOOP_RANGE]
     ms: dict[str, float] = defaultdict(float)
     calls: dict[str, int] = defaultdict(int)
@@ -45,6 +51,48 @@ def loop_ops(events: Any, device: str) -> tuple[dict[str, float], dict[str, int]
             ms[e.name] += e.self_cpu_time_total / 1e3
             calls[e.name] += 1
     return dict(ms), dict(calls), sum(b - a for a, b in ranges) / 1e3
+
+
+@dataclass(frozen=True)
+class TraceEvent:
+    """One event of the raw trace: a host op or API call (``on_device=False``) or a device kernel."""
+
+    name: str
+    on_device: bool
+    start_ns: int
+    end_ns: int
+    correlation: int  # CUPTI's link from a launch call to its kernel (0: none)
+
+
+def trace_events(prof: Any) -> list[TraceEvent]:
+    """The profiler's raw (Kineto) events: every launch call and every kernel, driver launches included."""
+    from torch.autograd import DeviceType
+
+    return [
+        TraceEvent(e.name(), e.device_type() == DeviceType.CUDA, e.start_ns(), e.start_ns() + e.duration_ns(),
+                   e.correlation_id())
+        for e in prof.profiler.kineto_results.events()
+    ]
+
+
+def loop_kernels(events: Iterable[TraceEvent]) -> tuple[dict[str, float], dict[str, int], float]:
+    """``(device ms per kernel name, calls per name, loop ranges' wall ms)``: the kernels that start
+    inside the device window of the layer loops (first to last kernel launched from a loop range)."""
+    events = list(events)
+    ranges = [(e.start_ns, e.end_ns) for e in events if e.name == LAYER_LOOP_RANGE and not e.on_device]
+    launched = {e.correlation for e in events
+                if not e.on_device and e.correlation and any(a <= e.start_ns < b for a, b in ranges)}
+    kernels = [e for e in events if e.on_device]
+    from_loop = [k for k in kernels if k.correlation in launched]
+    ms: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
+    if from_loop:
+        start, end = min(k.start_ns for k in from_loop), max(k.end_ns for k in from_loop)
+        for k in kernels:
+            if start <= k.start_ns < end:
+                ms[k.name] += (k.end_ns - k.start_ns) / 1e6
+                calls[k.name] += 1
+    return dict(ms), dict(calls), sum(b - a for a, b in ranges) / 1e6
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -68,7 +116,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if args.device == "cuda" else [ProfilerActivity.CPU]
     with profile(activities=activities) as prof:  # CPU ops too: their time ranges place the kernels
         result = run_rank(group(), run)
-    ms, calls, loop_wall_ms = loop_ops(prof.events(), args.device)
+    if args.device == "cuda":
+        ms, calls, loop_wall_ms = loop_kernels(trace_events(prof))
+    else:
+        ms, calls, loop_wall_ms = loop_ops(prof.events(), args.device)
     total = sum(ms.values())
     layer_ms = result.timings["layer_ms"]
     print(f"level {args.level}, {args.prefix}+{args.extend} tokens, rank {args.rank} of C={args.cp_size} on {args.device}: "

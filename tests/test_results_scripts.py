@@ -28,13 +28,9 @@ def test_the_layer_profile_counts_only_the_layer_loop(tmp_path: Path) -> None:
     """``scripts/profile_layer.py`` on CPU (tiny preset): ops that start inside the engine's
     layer-loop ranges, self times; the weight init (random-number ops) and the prefix install fall
     outside, and the ops' sum stays within the loops' wall time."""
-    import importlib.util
     import json
 
-    script = Path(__file__).resolve().parent.parent / "scripts" / "profile_layer.py"
-    spec = importlib.util.spec_from_file_location("profile_layer", script)
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    module = _profile_layer_module()
     out = tmp_path / "profile.json"
     doc = module.main(["--device", "cpu", "--preset", "tiny", "--prefix", "64", "--extend", "128", "--cp-size", "4",
                        "--level", "8", "--json", str(out)])
@@ -43,6 +39,46 @@ def test_the_layer_profile_counts_only_the_layer_loop(tmp_path: Path) -> None:
     assert "aten::mm" in names or "aten::addmm" in names  # the projections run inside the loop
     assert not names & {"aten::normal_", "aten::randn", "aten::uniform_"}  # weight init is outside
     assert 0 < doc["loop_ops_ms_total"] <= doc["loop_wall_ms"] * 1.05
+
+
+def _profile_layer_module():  # noqa: ANN202
+    import importlib.util
+    import sys
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "profile_layer.py"
+    spec = importlib.util.spec_from_file_location("profile_layer", script)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+def test_the_cuda_profile_counts_kernels_no_aten_op_launched() -> None:
+    """On CUDA the layer profile takes the device window of the kernels launched from inside the
+    loop range and counts every kernel that starts in it: a Triton kernel launched through the
+    driver (no correlated launch in the range) counts; the prefix install's and the tail's do not."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    module = _profile_layer_module()
+    E = module.TraceEvent
+    loop = module.LAYER_LOOP_RANGE
+    events = [
+        E("install kernel", True, 50, 90, 1), E("cudaLaunchKernel", False, 40, 45, 1),  # before the loop
+        E(loop, False, 100, 200, 0),
+        E("cudaLaunchKernel", False, 110, 112, 2), E("gemm", True, 150, 170, 2),
+        E("cuLaunchKernelEx", False, 120, 121, 9), E("_sparse_mla_fwd", True, 170, 230, 0),  # driver launch
+        E("cudaLaunchKernel", False, 190, 192, 3), E("norm", True, 230, 240, 3),
+        E("cudaLaunchKernel", False, 300, 302, 4), E("tail gather", True, 300, 310, 4),  # after the loop
+    ]
+    ms, calls, wall = module.loop_kernels(events)
+    assert ms == {"gemm": 20 / 1e6, "_sparse_mla_fwd": 60 / 1e6, "norm": 10 / 1e6}
+    assert calls == {"gemm": 1, "_sparse_mla_fwd": 1, "norm": 1} and wall == 100 / 1e6
+    with profile(activities=[ProfilerActivity.CPU]) as prof:  # the raw events read on any machine
+        with torch.profiler.record_function(loop):
+            torch.ones(8) @ torch.ones(8)
+    raw = module.trace_events(prof)
+    assert any(e.name == loop and not e.on_device and e.end_ns > e.start_ns for e in raw)
 
 
 def test_the_test_run_summary_reads_each_jobs_pytest_line(tmp_path: Path) -> None:
