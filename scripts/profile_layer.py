@@ -8,10 +8,10 @@ The profiled run is the second of two identical runs (the first compiles the ker
 marks each chunk's layer loop with a profiler range (``engine.LAYER_LOOP_RANGE``); weight init,
 input building, the prefix install and the tail fall outside it and are left out. On CUDA: every
 kernel that runs on the device while the loop's work does, by kernel name, its device time
-(``device_ms``, the key ``planner/elementwise.py`` reads): the device window runs from the first
-to the last kernel launched from inside a loop range (launches matched by CUPTI correlation id),
-and every kernel that starts inside it counts, so kernels launched through the driver (Triton,
-Gluon), which no ATen op owns, count too. On a CPU: each op's self CPU time (``cpu_ms``), so a
+(``device_ms``, the key ``planner/elementwise.py`` reads): every kernel a runtime or driver launch
+inside a loop range made (matched by CUPTI correlation id), and every kernel no recorded launch
+made that starts inside the device window of those (so Triton and Gluon kernels count whichever
+way the trace records their launch); a kernel launched outside the ranges never counts. On a CPU: each op's self CPU time (``cpu_ms``), so a
 nested op is counted once. Prints the top ``--rows``, their sum per layer next to
 the engine's per-layer times, and with ``--json`` writes every one.
 """
@@ -75,21 +75,34 @@ def trace_events(prof: Any) -> list[TraceEvent]:
     ]
 
 
+def _is_launch(event: TraceEvent) -> bool:
+    """A CUDA runtime or driver API call (``cudaLaunchKernel``, ``cuLaunchKernelEx``, ``cudaMemcpyAsync``...):
+    the host events whose correlation ids are CUPTI's (an ATen op's id is another number space)."""
+    return not event.on_device and event.correlation != 0 and event.name.startswith(("cuda", "cu"))
+
+
 def loop_kernels(events: Iterable[TraceEvent]) -> tuple[dict[str, float], dict[str, int], float]:
-    """``(device ms per kernel name, calls per name, loop ranges' wall ms)``: the kernels that start
-    inside the device window of the layer loops (first to last kernel launched from a loop range)."""
+    """``(device ms per kernel name, calls per name, loop ranges' wall ms)`` of the layer loops.
+
+    A kernel counts when a launch inside a loop range made it, or when no recorded launch made it
+    (launched through a path the trace does not record) and it starts inside the device window of
+    the loop's kernels. Kernels launched outside the ranges never count, nor does the device-side
+    copy of the range itself (a profiler annotation, not a kernel)."""
     events = list(events)
     ranges = [(e.start_ns, e.end_ns) for e in events if e.name == LAYER_LOOP_RANGE and not e.on_device]
-    launched = {e.correlation for e in events
-                if not e.on_device and e.correlation and any(a <= e.start_ns < b for a, b in ranges)}
-    kernels = [e for e in events if e.on_device]
-    from_loop = [k for k in kernels if k.correlation in launched]
+    inside = lambda e: any(a <= e.start_ns < b for a, b in ranges)  # noqa: E731
+    launches = [e for e in events if _is_launch(e)]
+    launched_in_loop = {e.correlation for e in launches if inside(e)}
+    launched_elsewhere = {e.correlation for e in launches if not inside(e)}
+    kernels = [e for e in events if e.on_device and e.name != LAYER_LOOP_RANGE]
+    from_loop = [k for k in kernels if k.correlation in launched_in_loop]
     ms: dict[str, float] = defaultdict(float)
     calls: dict[str, int] = defaultdict(int)
     if from_loop:
         start, end = min(k.start_ns for k in from_loop), max(k.end_ns for k in from_loop)
         for k in kernels:
-            if start <= k.start_ns < end:
+            unlaunched = k.correlation not in launched_in_loop and k.correlation not in launched_elsewhere
+            if k.correlation in launched_in_loop or (unlaunched and start <= k.start_ns < end):
                 ms[k.name] += (k.end_ns - k.start_ns) / 1e6
                 calls[k.name] += 1
     return dict(ms), dict(calls), sum(b - a for a, b in ranges) / 1e6
