@@ -230,12 +230,14 @@ def requests_to_free(run: RunConfig, chunk: Chunk) -> list[int]:
     return frees_after_batch(run).get(chunk.batch, [])
 
 
-def replay_page_table(run: RunConfig) -> RequestPageTable:
+def replay_page_table(run: RunConfig, last_pages: dict[int, list[int]] | None = None) -> RequestPageTable:
     """The logical page table a run ends with, rebuilt without running it (pure metadata): every
     allocation, share and free between batches, in order.
 
     Every rank allocates identically, so a process outside the CP group (the decode side of a PD
-    transfer) derives the same logical locs from the config alone.
+    transfer) derives the same logical locs from the config alone. ``last_pages``, when given, is
+    filled with every request's pages as they were when it finished: before its free, for a request
+    an earlier batch let go (:func:`request_locs`).
     """
     table = new_page_table([r.total for r in run.requests], run.page_size, run.cp_size, run.phases.compute_owner)
     shares = shares_of(run)
@@ -243,8 +245,22 @@ def replay_page_table(run: RunConfig) -> RequestPageTable:
         BatchLocs.build(chunk_metadata(run, chunk), "cpu", run.phases.compute_owner, table=table, request_ids=chunk.requests,
                         id_space=table.allocator.n_pages, shares=shares)
         for req in requests_to_free(run, chunk):
+            if last_pages is not None:
+                last_pages[req] = table.pages(req)
             table.free(req)
+    if last_pages is not None:
+        last_pages.update({req: table.pages(req) for req in table.requests})
     return table
+
+
+def request_locs(run: RunConfig) -> dict[int, torch.Tensor]:
+    """Every request's logical locs as they were when it finished (freed requests included), from
+    the config alone: what a PD transfer of a run of several batches sent for it."""
+    pages: dict[int, list[int]] = {}
+    replay_page_table(run, pages)
+    slots = torch.arange(run.page_size, dtype=torch.long)
+    return {req: (torch.tensor(p, dtype=torch.long)[:, None] * run.page_size + slots).reshape(-1)[: run.requests[req].total]
+            for req, p in sorted(pages.items())}
 
 
 def run_id_space(table: RequestPageTable) -> int:

@@ -36,7 +36,7 @@ from reference_impl.config import ConfigError, RunConfig
 from reference_impl.cp.comm import CPGroup
 from reference_impl.cp.kv_sharded import ShardedKV
 from reference_impl.cp.kv_store import KVStore
-from reference_impl.engine import RankResult, build_metadata, replay_page_table, run_id_space, run_rank
+from reference_impl.engine import RankResult, build_metadata, replay_page_table, request_locs, run_id_space, run_rank
 from reference_impl.kvcache.layout import KVLayout
 from reference_impl.launch import launch, rank_cpu_threads
 from reference_impl.model.oracle import OracleResult, run_oracle
@@ -100,8 +100,8 @@ class _RoleResult:
 
 def _bytes_at_rest(run: RunConfig, store: ShardedKV, rank: int) -> int:
     """Cache bytes (every layer) of the tokens ``rank`` stores, counted from its ownership."""
-    table = replay_page_table(run)  # this rank's own page table: its locs of every request
-    owned = sum(int((store.ownership.owner(table.locs(req)) == rank).sum()) for req in range(len(run.requests)))
+    locs = request_locs(run)  # this rank's own page table: its locs of every request, freed ones too
+    owned = sum(int((store.ownership.owner(request) == rank).sum()) for request in locs.values())
     layout = store.layout
     return owned * (layout.mla_bytes + layout.index_head_dim + 4) * run.model.n_layers
 
@@ -211,8 +211,9 @@ def run_prefill_and_decode(run: RunConfig, timeout_s: float = 300, *, transfer: 
     """
     if transfer not in ("rows", "pages"):
         raise ConfigError(f"transfer={transfer!r}: use 'rows' or 'pages'")
-    if run.batch_sizes is not None and len(run.batch_sizes) > 1:
-        raise ConfigError("the PD driver transfers one batch; a run of several batches (--batches) is not wired to it")
+    if transfer == "pages" and run.batch_sizes is not None and len(run.batch_sizes) > 1:
+        raise ConfigError("the page transfer mirrors one batch's page ids; a run of several batches (--batches) sends "
+                          "rows: use transfer='rows'")
     if not run.phases.sharded_kv:
         raise ConfigError(f"PD transfer of owned pages needs phase 2 (KV sharded at rest); phases are {run.phases}")
     if transfer == "pages" and run.interleave != run.page_size:
@@ -270,7 +271,8 @@ def pd_report(run: RunConfig, result: PDResult) -> dict[str, Any]:
         ]
     else:
         ranks = [{"rank": m.rank, "bytes_sent": m.nbytes, "pages_sent": m.n_pages} for m in result.manifests]
-    prefill_pages = replay_page_table(run)
+    prefill_pages: dict[int, list[int]] = {}
+    replay_page_table(run, prefill_pages)
     return {
         "transfer": result.transfer,
         "cp_size": run.cp_size, "split_mode": run.split_mode, "phases": str(run.phases), "preset": run.preset,
@@ -282,7 +284,7 @@ def pd_report(run: RunConfig, result: PDResult) -> dict[str, Any]:
         "bytes_received": result.bytes_received,
         "prefill_ranks": ranks,
         "decode_pages": [list(p) for p in result.decode_pages],
-        "prefill_pages": [prefill_pages.pages(req) for req in range(len(run.requests))],
+        "prefill_pages": [prefill_pages[req] for req in range(len(run.requests))],
     }
 
 

@@ -122,11 +122,13 @@ def test_a_page_goes_back_when_its_last_holder_is_freed() -> None:
         table.share("c", "a", 4)
 
 
-def test_the_pd_driver_refuses_several_batches() -> None:
+def test_the_page_transfer_refuses_several_batches() -> None:
+    """The page transfer mirrors one batch's page ids; the row transfer streams several
+    (``tests/test_pd_rows.py::test_a_run_of_several_batches_streams_every_request_freed_ones_included``)."""
     from reference_impl.prefill_decode import run_prefill_and_decode
 
     with pytest.raises(ConfigError, match="several batches"):
-        run_prefill_and_decode(pool_run(phases=PhaseSet.level(2)), transfer="rows")
+        run_prefill_and_decode(pool_run(phases=PhaseSet.level(2)), transfer="pages")
 
 
 def test_a_single_batch_run_is_unchanged() -> None:

@@ -131,3 +131,21 @@ def test_the_engine_hook_hears_each_layer_of_each_chunk_and_the_finished_request
         ("chunk", (1,), {1: 45}), *layers, ("done",),
         ("chunk", (0,), {0: 107}), *layers, ("done",),
     ]
+
+
+@pytest.mark.parametrize("level", [2, 5, 8])
+def test_a_run_of_several_batches_streams_every_request_freed_ones_included(level: int) -> None:
+    """``--batches`` with PD: requests of earlier batches (their pages freed, or shared by
+    reference with a later request) are sent as they finish; the decode gets every request's rows,
+    shared prefixes copied into its own pages, byte-equal to the oracle, bytes sent = at rest."""
+    from reference_impl.config import parse_batches
+
+    requests, sizes = parse_batches("0+40,21+30;r0:32+20,5+9;r2:16+8")
+    run = pd_run(requests=tuple(requests), batch_sizes=sizes, phases=PhaseSet.level(level), cp_size=3)
+    result = run_prefill_and_decode(run, transfer="rows")
+    assert result.matches_oracle, result.problems
+    assert all(s.bytes_sent == s.bytes_at_rest > 0 for s in result.sent)
+    assert all(s.blocks_sent == run.model.n_layers * len(requests) for s in result.sent)
+    assert [len(p) for p in result.decode_pages] == [-(-r.total // 16) for r in requests]
+    with pytest.raises(ConfigError, match="use transfer='rows'"):
+        run_prefill_and_decode(run, transfer="pages")
