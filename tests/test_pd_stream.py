@@ -28,8 +28,7 @@ def test_the_streamer_delivers_every_row_a_rank_holds_once_per_layer(level: int)
     mailbox, in layer order, holding exactly the rows this rank stores at rest."""
     run = RunConfig(preset="tiny", cp_size=4, requests=REQUESTS, page_size=16, phases=PhaseSet.level(level),
                     device="cpu", check=False)
-    transport = InProcessTransport()
-    transport.rank = 1
+    transport = InProcessTransport(sender_rank=1)
     streamer = LayerStreamer(transport, decode_rank=4)
     result = run_rank(LoopbackGroup(1, 4, "cpu"), run, keep_store=True, on_layer_stored=streamer)
     table = replay_page_table(run)

@@ -47,8 +47,7 @@ DECODE_RANK = -1  # the in-process decode's mailbox key
 
 
 def _streamed(run: RunConfig, group: LoopbackGroup) -> tuple[Any, LayerStreamer, InProcessTransport, list[float]]:
-    transport = InProcessTransport()
-    transport.rank = group.rank
+    transport = InProcessTransport(sender_rank=group.rank)
     streamer = LayerStreamer(transport, DECODE_RANK)
     result = run_rank(group, run, keep_store=True, on_layer_stored=streamer)
     waits = streamer.wait_all()

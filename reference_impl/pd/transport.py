@@ -151,12 +151,13 @@ class TorchDistributedTransport:
 
 
 class InProcessTransport:
-    """:class:`BlockTransport` inside one process: ``isend`` posts the block to ``dst``'s mailbox,
-    ``recv(src)`` takes the oldest block ``src`` posted (the benchmark's decode side; tests)."""
+    """:class:`BlockTransport` inside one process, which plays both ends: ``isend`` posts the block
+    from ``sender_rank`` to ``dst``'s mailbox, ``recv(src, dst)`` takes the oldest block ``src``
+    posted to ``dst`` (the benchmark's decode side; tests)."""
 
-    def __init__(self) -> None:
+    def __init__(self, sender_rank: int = 0) -> None:
         self._mail: dict[tuple[int, int], deque[tuple[RowBlock, torch.cuda.Event | None]]] = {}
-        self.rank = 0  # the sender's rank, set by whoever plays it
+        self.rank = sender_rank
 
     def send(self, block: RowBlock, dst: int) -> None:
         self.isend(block, dst)
