@@ -295,7 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_run_flags(sub.add_parser("run", help="one CP prefill, compared with the oracle"))
-    pd = sub.add_parser("pd", help="prefill on C ranks, transfer the KV to a decode process (CPU, gloo)")
+    pd = sub.add_parser("pd", help="prefill on C ranks, transfer the KV to a decode process (gloo; --device cuda: rows "
+                        "staged on a side stream)")
     _add_run_flags(pd)
     pd.add_argument("--transfer", default="rows", choices=["rows", "pages"],
                     help="rows: the decode allocates its own pages (default); pages: it mirrors the prefill's page ids")
