@@ -35,15 +35,14 @@ import torch.distributed as dist
 from reference_impl.config import ConfigError, RunConfig
 from reference_impl.cp.comm import CPGroup
 from reference_impl.cp.kv_sharded import ShardedKV
-from reference_impl.cp.kv_store import KVStore
 from reference_impl.engine import RankResult, build_metadata, replay_page_table, request_locs, run_id_space, run_rank
 from reference_impl.kvcache.layout import KVLayout
 from reference_impl.launch import launch, rank_cpu_threads
 from reference_impl.model.oracle import OracleResult, run_oracle
 from reference_impl.pd.dcp import DcpDecodeShard, DcpLayout
 from reference_impl.pd.manifest import TransferManifest, build_manifest
-from reference_impl.pd.transfer import DecodeCache, RequestRows, receive_pages, send_owned_pages
 from reference_impl.pd.stream import LayerStreamer
+from reference_impl.pd.transfer import DecodeCache, RequestRows, receive_pages, send_owned_pages
 from reference_impl.pd.transport import TorchDistributedTransport
 from reference_impl.workload import build_inputs, build_model
 

@@ -16,7 +16,8 @@ import re
 from pathlib import Path
 
 _OUTCOMES = ("passed", "failed", "skipped", "deselected", "error", "errors", "xfailed", "xpassed")
-_FINAL_LINE = re.compile(r"^=*\s*(\d+ (?:%s).*) in ([\d.]+)s" % "|".join(_OUTCOMES), re.M)
+_OUTCOME = "|".join(_OUTCOMES)
+_FINAL_LINE = re.compile(rf"^=*\s*(\d+ (?:{_OUTCOME}).*) in ([\d.]+)s", re.MULTILINE)
 
 
 def pytest_outcome(log: str) -> dict[str, float]:
@@ -26,7 +27,7 @@ def pytest_outcome(log: str) -> dict[str, float]:
     m = _FINAL_LINE.search(log)
     if m is None:
         raise LookupError("no pytest summary line in the log: the job did not finish")
-    counts: dict[str, float] = {k: int(n) for n, k in re.findall(r"(\d+) (%s)\b" % "|".join(_OUTCOMES), m.group(1))}
+    counts: dict[str, float] = {k: int(n) for n, k in re.findall(rf"(\d+) ({_OUTCOME})\b", m.group(1))}
     counts.setdefault("failed", 0)
     counts["seconds"] = float(m.group(2))
     return counts
