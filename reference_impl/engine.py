@@ -43,7 +43,7 @@ from reference_impl.cp.split import SplitMetadata, build_split
 from reference_impl.cp.split_index import SplitIndex
 from reference_impl.cp.tail import OutputSpec, collect_full
 from reference_impl.kernels import fallback
-from reference_impl.kvcache.allocator import RequestPageTable
+from reference_impl.kvcache.allocator import RequestPageTable, page_locs
 from reference_impl.kvcache.layout import KVLayout
 from reference_impl.model.oracle import run_oracle
 from reference_impl.model.sparse_attention import HostKeyBounds
@@ -258,9 +258,7 @@ def request_locs(run: RunConfig) -> dict[int, torch.Tensor]:
     the config alone: what a PD transfer of a run of several batches sent for it."""
     pages: dict[int, list[int]] = {}
     replay_page_table(run, pages)
-    slots = torch.arange(run.page_size, dtype=torch.long)
-    return {req: (torch.tensor(p, dtype=torch.long)[:, None] * run.page_size + slots).reshape(-1)[: run.requests[req].total]
-            for req, p in sorted(pages.items())}
+    return {req: page_locs(p, run.requests[req].total, run.page_size) for req, p in sorted(pages.items())}
 
 
 def run_id_space(table: RequestPageTable) -> int:

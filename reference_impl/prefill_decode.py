@@ -8,8 +8,8 @@ sharded at rest (phase 2), and rank ``C`` decodes. Two transfers:
   as soon as layer ``l`` is stored, a non-blocking send per finished request leaves while layer
   ``l + 1`` computes (an engine :class:`~reference_impl.engine.LayerStoredHook`, planned before the
   loop, so phase 6's audit still counts no host sync; :mod:`reference_impl.pd.stream`); after the
-  prefill, one completion wait per request. The decode allocates its own pages per request from its own allocator
-  (:class:`~reference_impl.pd.dcp.DcpDecodeShard`, one rank) and never sees a prefill page id.
+  prefill, one completion wait per request. The decode allocates its own pages per request from
+  its own allocator (:class:`~reference_impl.pd.dcp.DcpDecodeShard`, one rank) and never sees a prefill page id.
   Bytes sent equal the rows each rank holds at rest: no empty slot of a partial page travels.
   The transport is gloo: on CUDA (``run.device == "cuda"``, processes sharing the GPUs) the rows
   are read and copied to pinned host memory on a side stream (:mod:`reference_impl.pd.staging`)
@@ -140,7 +140,9 @@ def _pd_rank(world: CPGroup, job: tuple[RunConfig, str]) -> _RoleResult:
             o = streamer.overlap
             sent = RankTransfer(cp_group.rank, streamer.bytes_sent, _bytes_at_rest(run, store, cp_group.rank),
                                 streamer.rows_sent, streamer.blocks_sent, streamer.blocks_sent, tuple(waits),
-                                *((o.staging_ms, o.hidden_fraction, o.exposed_after_prefill_ms) if o else ()))
+                                staging_ms=o.staging_ms if o else None,
+                                staging_hidden_fraction=o.hidden_fraction if o else None,
+                                staging_exposed_ms=o.exposed_after_loop_ms if o else None)
             return _RoleResult([], prefill=result, sent=sent)
         result = run_rank(cp_group, run, keep_store=True)
         store, result.store = result.store, None  # the store stays in this process

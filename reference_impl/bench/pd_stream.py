@@ -39,7 +39,7 @@ import torch
 from reference_impl.bench.layer import Workload
 from reference_impl.config import PhaseSet, Request, RunConfig
 from reference_impl.cp.loopback import LoopbackGroup
-from reference_impl.engine import replay_page_table, run_rank
+from reference_impl.engine import request_locs, run_rank
 from reference_impl.pd.stream import LayerStreamer
 from reference_impl.pd.transport import InProcessTransport
 
@@ -55,11 +55,11 @@ def _streamed(run: RunConfig, group: LoopbackGroup) -> tuple[Any, LayerStreamer,
 
 
 def _received_equal_rows_at_rest(run: RunConfig, result: Any, transport: InProcessTransport, rank: int) -> bool:
-    table = replay_page_table(run)
+    locs = request_locs(run)
     for layer in range(run.model.n_layers):
         for req in range(len(run.requests)):
             got = transport.recv(rank, DECODE_RANK)
-            expect = result.store.stored_rows(layer, [table.locs(req, result.store.pool.device)])[0]
+            expect = result.store.stored_rows(layer, [locs[req].to(result.store.pool.device)])[0]
             parts = (got.positions, got.mla, got.index, got.scale)
             if (got.layer, got.request) != (layer, req) or not all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(parts, expect)):
                 return False
@@ -91,7 +91,7 @@ def measure(preset: str, workload: Workload, cp_size: int, rank: int, level: int
         if streamer.overlap is not None:
             staging.append(streamer.overlap.staging_ms / n_layers)
             hidden.append(streamer.overlap.hidden_fraction)
-            exposed.append(streamer.overlap.exposed_after_prefill_ms)
+            exposed.append(streamer.overlap.exposed_after_loop_ms)
         if repeat == 0:
             rows_equal = _received_equal_rows_at_rest(run, result, transport, rank)
         del result

@@ -17,6 +17,13 @@ import torch
 from reference_impl.config import ConfigError
 
 
+def page_locs(pages: Sequence[int], n_tokens: int, page_size: int) -> torch.Tensor:
+    """Logical locs ``page * page_size + slot`` of the first ``n_tokens`` tokens held in ``pages`` (in
+    token order) -> ``[n_tokens] int64``."""
+    slots = torch.arange(page_size, dtype=torch.int64)
+    return (torch.tensor(pages, dtype=torch.int64)[:, None] * page_size + slots[None, :]).reshape(-1)[:n_tokens]
+
+
 class PageAllocator:
     """A free list of logical page ids ``0 .. n_pages - 1`` of ``page_size`` tokens each."""
 
@@ -169,9 +176,7 @@ class RequestPageTable:
 
     def locs(self, req_id: Hashable, device: torch.device | str | None = None) -> torch.Tensor:
         """Logical locs ``page * page_size + slot`` of all tokens of ``req_id`` -> ``[n_tokens] int64``."""
-        pages = torch.tensor(self._lookup(req_id), dtype=torch.int64)
-        slots = torch.arange(self.page_size, dtype=torch.int64)
-        locs = (pages[:, None] * self.page_size + slots[None, :]).reshape(-1)[: self._n_tokens[req_id]]
+        locs = page_locs(self._lookup(req_id), self._n_tokens[req_id], self.page_size)
         return locs if device is None else locs.to(device)
 
     def pages(self, req_id: Hashable) -> list[int]:

@@ -10,7 +10,7 @@ work started and when its bytes were in host memory. What the network leg then d
 :mod:`reference_impl.pd.transport`, an RDMA write in Mooncake or NIXL) starts from those bytes.
 
 :func:`overlap` turns the events into the figure the PD report gives: how much of the staging
-time ran before the prefill's last kernel finished (hidden behind it), and how long the last
+time ran before the layer loop's last kernel finished (hidden behind it), and how long the last
 block landed after it (exposed).
 
 No host sync in the layer loop: the side stream waits on the main one by an event, the pinned
@@ -43,8 +43,8 @@ class SideStreamStaging:
         self.device = device
         self.stream = torch.cuda.Stream(device)
         self.staged: list[StagedBlock] = []
-        self.prefill_start = torch.cuda.Event(enable_timing=True)
-        self.prefill_start.record()  # on the main stream: the origin of every interval below
+        self.origin = torch.cuda.Event(enable_timing=True)
+        self.origin.record()  # on the main stream, before the first loop: the origin of every interval
 
     def stage(self, read_block: Callable[[], RowBlock]) -> StagedBlock:
         """Run ``read_block`` (the pool reads) on the side stream after the main stream's work so far,
@@ -67,24 +67,24 @@ class SideStreamStaging:
 
 @dataclass(frozen=True)
 class Overlap:
-    """How the staged sends of one prefill rank sat against its prefill (milliseconds)."""
+    """How the staged sends of one prefill rank sat against its layer loop (milliseconds)."""
 
     staging_ms: float  # the sum of every block's interval, start to done
-    hidden_ms: float  # the part of it before the prefill's last kernel finished
-    exposed_after_prefill_ms: float  # the last block landed this long after the prefill ended (0 if before)
-    prefill_ms: float  # first event to the prefill's end, on the main stream
+    hidden_ms: float  # the part of it before the layer loop's last kernel finished
+    exposed_after_loop_ms: float  # the last block landed this long after the loop ended (0 if before)
+    loop_end_ms: float  # from the staging's origin (before the first loop) to the last loop's end
 
     @property
     def hidden_fraction(self) -> float:
         return self.hidden_ms / self.staging_ms if self.staging_ms else 1.0
 
 
-def overlap(staging: SideStreamStaging, prefill_end: torch.cuda.Event) -> Overlap:
-    """Intervals of every staged block against ``prefill_end`` (recorded on the main stream after
-    the prefill's work); synchronizes the device (after the prefill, outside the layer loop)."""
+def overlap(staging: SideStreamStaging, loop_end: torch.cuda.Event) -> Overlap:
+    """Intervals of every staged block against ``loop_end`` (recorded on the main stream right after
+    the layer loop); synchronizes the device (after the prefill, outside the layer loop)."""
     torch.cuda.synchronize(staging.device)
-    origin = staging.prefill_start
-    end = origin.elapsed_time(prefill_end)
+    origin = staging.origin
+    end = origin.elapsed_time(loop_end)
     total = hidden = last = 0.0
     for s in staging.staged:
         a, b = origin.elapsed_time(s.started), origin.elapsed_time(s.done)
@@ -92,4 +92,3 @@ def overlap(staging: SideStreamStaging, prefill_end: torch.cuda.Event) -> Overla
         hidden += max(0.0, min(b, end) - a)
         last = max(last, b)
     return Overlap(total, hidden, max(0.0, last - end), end)
-

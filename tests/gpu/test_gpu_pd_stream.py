@@ -35,7 +35,7 @@ def test_one_rank_of_eight_streams_from_a_side_stream_without_a_host_sync() -> N
             expect = result.store.stored_rows(layer, [table.locs(req, "cuda")])[0]
             assert all(torch.equal(a, b.cpu()) for a, b in zip((got.positions, got.mla, got.index, got.scale), expect))
     o = streamer.overlap
-    assert o is not None and o.staging_ms > 0 and 0 <= o.hidden_fraction <= 1 and o.exposed_after_prefill_ms >= 0
+    assert o is not None and o.staging_ms > 0 and 0 <= o.hidden_fraction <= 1 and o.exposed_after_loop_ms >= 0
 
 
 def test_the_pd_driver_on_the_gpu_delivers_the_rows_at_rest_byte_for_byte() -> None:
