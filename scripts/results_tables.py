@@ -14,6 +14,17 @@ import sys
 from reference_impl.bench.compute_sweep import ATTENTION_KEYS, GLUON_KEYS
 
 
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _torch_topk_ms(row: dict) -> float | None:
+    """torch.topk's time of an indexer row; runs from before the selection kernel had only that one."""
+    if "torch_topk_ms" in row:
+        return row["torch_topk_ms"]
+    return row["topk_ms"] if row.get("topk_selector", "torch") == "torch" else None
+
+
 def _ok(check: dict | None) -> str:
     return "-" if check is None else "ok" if check["ok"] else "FAIL"
 
@@ -41,14 +52,16 @@ def compute(doc: dict) -> str:
             f"{a.get('engine_kernel', 'triton')} | {torch_ms} | {speed} |"
         )
     rows = [("indexer top-k", i) for i in doc["indexer"]] + [("indexer top-k, rank 0 of C=8", doc["per_rank"]["indexer"])]
-    lines += ["", "| kernel | T queries | S keys | Triton ms (logits + top-k) | logits TFLOPS | torch ms | speed-up | check |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += ["", "| kernel | T queries | S keys | Triton ms (logits + top-k) | logits TFLOPS | top-k: `torch.topk` ms "
+              "| top-k: selection kernel ms | torch ms | speed-up | check |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, i in rows:
         torch_ms = f"{i['torch_ms']:.1f}" if i.get("torch_ms") else "-"
         speed = f"{i['speedup']:.1f}x" if i.get("speedup") else "-"
         lines.append(
             f"| {name} | {i['T']} | {i['S']} | {i['triton_ms']:.2f} ({i['triton_logits_ms']:.2f} + {i['topk_ms']:.2f}) | "
-            f"{i['logits_tflops']:.0f} | {torch_ms} | {speed} | {'ok' if i['check']['ok'] else 'FAIL'} |"
+            f"{i['logits_tflops']:.0f} | {_ms(_torch_topk_ms(i))} | {_ms(i.get('select_kernel_topk_ms'))} | "
+            f"{torch_ms} | {speed} | {'ok' if i['check']['ok'] else 'FAIL'} |"
         )
     sweep = doc.get("sweep")
     if sweep:

@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     on_gpu = args.device == "cuda"
     result: dict[str, Any] = {
         "command": "python -m reference_impl.bench.compute " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
+        "env": {name: value for name, value in sorted(os.environ.items()) if name.startswith("DSACP_")},
         "device": torch.cuda.get_device_name(0) if on_gpu else "cpu (interpreter dry run)",
         "sm_count": torch.cuda.get_device_properties(0).multi_processor_count if on_gpu else None,
         "torch": torch.__version__,
@@ -218,7 +219,7 @@ def format_table(result: dict[str, Any]) -> str:
             + _status(r)
         )
     lines.append(
-        f"{idx_title:<44}triton ms  logits ms  TFLOPS  topk ms   torch ms  speedup  check"
+        f"{idx_title:<44}triton ms  logits ms  TFLOPS  topk ms  kernel topk   torch ms  speedup  check"
     )
     rows = [(f"T=S={r['T']}", r) for r in result["indexer"]]
     rows.append((f"rank0 C={rank['cp_size']} T={rank['indexer']['T']} S={rank['indexer']['S']}", rank["indexer"]))
@@ -228,7 +229,7 @@ def format_table(result: dict[str, Any]) -> str:
             continue
         lines.append(
             f"  {name:<42}{r['triton_ms']:>9.2f}{r['triton_logits_ms']:>11.2f}{r['logits_tflops']:>8.0f}"
-            f"{r['topk_ms']:>9.2f}" + _status(r)
+            f"{r['topk_ms']:>9.2f}{_fmt(r.get('select_kernel_topk_ms'), '>13.2f')}" + _status(r)
         )
     return "\n".join(lines)
 

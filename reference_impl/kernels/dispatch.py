@@ -16,6 +16,10 @@ Sparse MLA attention has a third, preferred path on Hopper: the Gluon kernel
 :func:`~reference_impl.kernels.sparse_mla_gluon.gluon_supported` holds (sm_90, bf16 / fp16, the
 DeepSeek widths) unless ``DSACP_NO_GLUON=1``; elsewhere, or after a Gluon failure, the Triton
 kernel runs. Order: Gluon -> Triton -> torch.
+
+Indexer top-k is the Triton logits kernel, then ``torch.topk``, or the Triton selection kernel
+(:mod:`reference_impl.kernels.topk_select`) where ``DSACP_TRITON_TOPK=1`` (``torch.topk`` again
+after a selection failure, one warning); the torch reference where the kernels do not run.
 """
 
 from __future__ import annotations
@@ -73,7 +77,18 @@ def _triton_indexer_topk(
 ) -> torch.Tensor:
     from reference_impl.kernels.indexer_triton import indexer_topk_triton
 
-    return indexer_topk_triton(q_fp8, weights, k_fp8, k_scale, key_start, key_end, topk, rows_per_chunk, host_bounds)
+    return indexer_topk_triton(
+        q_fp8, weights, k_fp8, k_scale, key_start, key_end, topk, rows_per_chunk, host_bounds,
+        selector=topk_selector(),
+    )
+
+
+def topk_selector() -> str:
+    """What picks the indexer's top-k after the Triton logits: ``"torch"`` (``torch.topk``) unless
+    ``DSACP_TRITON_TOPK=1`` asks for ``"triton"`` (the selection kernel,
+    :mod:`reference_impl.kernels.topk_select`: exact, but on the H200 about 20% slower than
+    ``torch.topk`` so far, hence opt-in)."""
+    return "triton" if env_flag("triton_topk") else "torch"
 
 
 def sparse_mla_kernel(q: torch.Tensor, kv: torch.Tensor, d_v: int, *, force_torch: bool = False) -> str:

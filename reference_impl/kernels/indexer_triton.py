@@ -1,9 +1,11 @@
-"""Lightning-indexer top-k on GPU: a Triton logits kernel, then ``torch.topk``.
+"""Lightning-indexer top-k on GPU: a Triton logits kernel, then ``torch.topk`` (or a Triton selection).
 
 Contract: the same as :func:`reference_impl.model.sparse_attention.indexer_topk`: for query row
 ``t`` and the full-view keys ``[key_start[t], key_end[t])``,
 ``I[t, s] = k_scale[s] * sum_h weights[t, h] * ReLU(q_fp8[t, h] . k_fp8[s])`` and the result is the
-top-``min(topk, visible)`` rows by ``I`` in descending order, ``[T, topk]`` int32, ``-1`` padded.
+top-``min(topk, visible)`` rows by ``I``, ``[T, topk]`` int32, ``-1`` padded. ``torch.topk`` lists
+a row's rows by descending ``I``, as the reference; the selection kernel in ascending order; the
+set is the same, up to which of several rows tied at the k-th score is kept.
 
 Where Triton is used and where it is not:
 
@@ -14,9 +16,13 @@ Where Triton is used and where it is not:
   product (fp8 x fp8 -> fp32 on GPU by default, or bf16 products of the exactly upcast fp8 values;
   fp32 under the CPU interpreter), then ReLU and the per-row head weight. Key tiles that no row of
   the block can see are not computed, only filled with ``-inf``; visible-range masking is exact.
-* **Top-k: torch.** ``torch.topk`` over the masked ``[rows, keys]`` logits of a chunk of rows, as the
-  reference does. The rows are processed in chunks so the fp32 logits buffer stays under
-  ``max_chunk_bytes`` (1 GiB by default).
+* **Top-k: torch, or Triton.** ``torch.topk`` over the masked ``[rows, keys]`` logits of a chunk
+  of rows, as the reference does (``selector="torch"``, the default); or ``selector="triton"``:
+  the exact selection kernel of :mod:`reference_impl.kernels.topk_select` over each row's visible
+  columns (ties at the boundary go to the lower key; a kernel that raises falls back to
+  ``torch.topk``, :func:`~reference_impl.kernels.fallback.run_with_fallback`). On the H200 the
+  kernel is about 20% slower than ``torch.topk`` so far, hence not the default. The rows are
+  processed in chunks so the fp32 logits buffer stays under ``max_chunk_bytes`` (1 GiB by default).
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from reference_impl.kernels import fallback
+from reference_impl.kernels.topk_select import topk_select_triton
 from reference_impl.kernels.triton_helpers import pow2_at_least_16
 from reference_impl.model.sparse_attention import HostKeyBounds, chunk_key_range
 
@@ -193,13 +201,18 @@ def indexer_topk_triton(
     host_bounds: HostKeyBounds | None = None,
     *,
     max_chunk_bytes: int = 1 << 30,
+    selector: str = "torch",
     **launch: object,
 ) -> torch.Tensor:
-    """Top-``min(topk, visible)`` full-view rows per query -> [T, topk] int32, -1 padded, descending score.
+    """Top-``min(topk, visible)`` full-view rows per query -> [T, topk] int32, -1 padded.
 
+    Within a row: descending score with ``selector="torch"``, ascending rows with ``"triton"``.
     ``rows_per_chunk <= 0`` sizes the chunks so each chunk's ``[rows, keys]`` fp32 logits stay
-    under ``max_chunk_bytes``. ``launch`` is passed to :func:`indexer_logits_triton`.
+    under ``max_chunk_bytes``. ``selector``: ``"triton"`` (the selection kernel, falling back to
+    ``torch.topk`` if it raises) or ``"torch"``. ``launch`` is passed to :func:`indexer_logits_triton`.
     """
+    if selector not in ("triton", "torch"):
+        raise ValueError(f"selector={selector!r}: use 'triton' or 'torch'")
     n_rows = q_fp8.shape[0]
     out = torch.full((n_rows, topk), -1, dtype=torch.int32, device=q_fp8.device)
     if n_rows == 0 or topk <= 0:
@@ -216,8 +229,30 @@ def indexer_topk_triton(
         rows = slice(r0, r1)
         chunk = (q_fp8[rows], weights[rows], k_fp8, k_scale, key_start[rows], key_end[rows])
         logits = indexer_logits_triton(*chunk, lo, hi, **launch)  # type: ignore[arg-type]
-        k = min(topk, hi - lo)
-        vals, idx = logits.topk(k, dim=-1)
-        idx = torch.where(torch.isinf(vals), torch.full_like(idx, -1 - lo), idx) + lo
-        out[r0:r1, :k] = idx.to(torch.int32)
+        if selector == "triton":
+            _select_into(out[rows], logits, key_start[rows] - lo, key_end[rows] - lo, lo, topk)
+        else:
+            _torch_topk_into(out[rows], logits, lo, topk)
+    return out
+
+
+def _select_into(
+    out: torch.Tensor, logits: torch.Tensor, col_start: torch.Tensor, col_end: torch.Tensor, lo: int, topk: int
+) -> None:
+    """The selection kernel into ``out`` (keys ``lo + column``), or ``torch.topk`` if it raises."""
+    fallback.run_with_fallback(
+        "Triton top-k selection",
+        lambda: topk_select_triton(logits, col_start, col_end, topk, col_offset=lo, out=out),
+        lambda: _torch_topk_into(out, logits, lo, topk),
+        to="torch.topk",
+    )
+
+
+def _torch_topk_into(out: torch.Tensor, logits: torch.Tensor, lo: int, topk: int) -> torch.Tensor:
+    """``torch.topk`` of masked ``logits [R, N]`` -> ``out [R, topk]`` (columns + ``lo``, ``-1`` for ``-inf``)."""
+    k = min(topk, logits.shape[1])
+    vals, idx = logits.topk(k, dim=-1)
+    idx = torch.where(torch.isinf(vals), torch.full_like(idx, -1 - lo), idx) + lo
+    out[:, :k] = idx.to(torch.int32)
+    out[:, k:] = -1
     return out

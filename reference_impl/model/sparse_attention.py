@@ -136,7 +136,9 @@ class ComputeOps:
     """The two compute cores a DSA layer calls, with the contracts of this module's references:
 
     * ``indexer_topk(q_fp8, weights, k_fp8, k_scale, key_start, key_end, topk, *, host_bounds=None)``
-      -> ``[T, topk]`` int32 full-view rows (:func:`indexer_topk`);
+      -> ``[T, topk]`` int32 full-view rows (:func:`indexer_topk`); the order within a row is the
+      implementation's (the reference sorts by score, the GPU selection kernel by row): sparse
+      attention reads the row as a set;
     * ``sparse_mla_attention(q, kv, indices, softmax_scale, d_v, *, out_dtype=float32)``
       -> ``(out [T, H, d_v] out_dtype, lse [T, H] f32)`` (:func:`sparse_mla_attention`).
     """

@@ -1,0 +1,175 @@
+"""The Triton top-k selection kernel under the CPU interpreter, against an exact reference.
+
+The reference: the first ``min(k, visible)`` columns of a stable descending sort of the row's
+visible columns (so ties at the k-th value go to the lower column), in ascending column order, as
+the kernel's contract states. Against ``torch.topk`` the kernel must select the same values.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("triton")
+
+from reference_impl.kernels import (
+    fallback,
+    indexer_triton,
+)
+from reference_impl.kernels.topk_select import candidate_slots, topk_select_triton
+
+
+def _stable_reference(logits: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, k: int, offset: int) -> torch.Tensor:
+    out = torch.full((logits.shape[0], k), -1, dtype=torch.int32)
+    for row in range(logits.shape[0]):
+        lo, hi = max(int(starts[row]), 0), min(int(ends[row]), logits.shape[1])
+        if hi <= lo:
+            continue
+        chosen = torch.sort(logits[row, lo:hi], descending=True, stable=True).indices[:k].sort().values
+        out[row, : chosen.numel()] = (chosen + lo + offset).to(torch.int32)
+    return out
+
+
+def _selected_values(logits: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
+    """Each row's selected scores, sorted descending (``-inf`` for ``-1`` slots): order-free comparison."""
+    values = logits.gather(1, selected.clamp(min=0).long()).masked_fill(selected < 0, float("-inf"))
+    return values.sort(dim=1, descending=True).values
+
+
+def test_random_rows_ranges_and_offset_match_the_stable_sort() -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(7, 900, generator=gen)
+    starts = torch.tensor([0, 0, 10, 300, 0, 850, -5])
+    ends = torch.tensor([900, 50, 600, 364, 1, 840, 2000])  # row 5 sees nothing; row 6 is clipped
+    paths = torch.full((7,), -1, dtype=torch.int8)
+    got = topk_select_triton(logits, starts, ends, 64, col_offset=1000, paths=paths)
+    assert torch.equal(got, _stable_reference(logits, starts, ends, 64, 1000))
+    assert (got[5] == -1).all() and (got[4, 1:] == -1).all()
+    assert (paths == 0).all()  # scores without ties: every row's candidates fit
+    # The values torch.topk selects, where a row sees at least k keys.
+    assert torch.equal(_selected_values(logits[:1], got[:1] - 1000)[0], logits[0].topk(64).values)
+
+
+def test_negative_values_signed_zeros_and_neg_inf() -> None:
+    row = torch.tensor([-0.0, 0.0, -1.5, float("-inf"), 2.0, -3e-38, 3e-38, -0.0, 7.0, float("-inf")])
+    logits = row.repeat(2, 1)
+    starts, ends = torch.tensor([0, 0]), torch.tensor([10, 10])
+    got = topk_select_triton(logits, starts, ends, 5)
+    # 7.0, 2.0, 3e-38, then two of the three zeros: -0.0 and +0.0 tie (torch compares them equal),
+    # so the lowest columns (0 and 1) win over column 7.
+    assert got[0].tolist() == [0, 1, 4, 6, 8]
+    assert torch.equal(got, _stable_reference(logits, starts, ends, 5, 0))
+    assert topk_select_triton(logits, starts, ends, 9)[0].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8]  # -inf ranks too
+
+
+def _into_one_column(n: int, lo: int, g: int) -> torch.Tensor:
+    """Positions that pass 1 folds into column 0: block i (of G keys from ``lo``) is rotated by
+    ``i * 1031`` columns, so its key at offset ``i * 1031 mod G`` lands in column 0."""
+    positions = torch.tensor([lo + i * g + (i * 1031) % g for i in range((n - lo) // g)])
+    return positions[positions < n]
+
+
+@pytest.mark.parametrize(
+    ("pattern", "path"),
+    [("all_equal", 1), ("two_values", 1), ("zeros_below_the_kth", 1), ("period_of_g", 0), ("one_column", 2)],
+)
+def test_paths_for_candidates_that_overflow_the_buffer(pattern: str, path: int) -> None:
+    """Scores built so that more than G keys reach the column-maxima bound: ties at the bound take
+    path 1 (the bound is the k-th key); the largest keys all folded into one column take path 2
+    (radix select over the whole row). A period of G (the engine's synthetic scores repeat so)
+    stays on path 0: the rotation spreads the copies. Every path matches the reference exactly."""
+    k, n = 16, 700
+    g = candidate_slots(k)
+    cols = torch.arange(n)
+    starts, ends = torch.tensor([0, 3]), torch.tensor([n, n - 1])
+    gen = torch.Generator().manual_seed(1)
+    if pattern == "all_equal":
+        logits = torch.full((2, n), 0.25)
+    elif pattern == "two_values":
+        logits = torch.where(cols % 3 == 0, 1.0, 2.0).float().repeat(2, 1)
+    elif pattern == "zeros_below_the_kth":  # a few positive scores, then a sea of ReLU zeros
+        logits = torch.where(cols % 97 == 5, cols.float(), 0.0).repeat(2, 1)
+    elif pattern == "period_of_g":
+        logits = torch.rand(g, generator=gen).repeat(n // g + 1)[:n].repeat(2, 1)
+    else:
+        logits = torch.rand(2, n, generator=gen)
+        for row in range(2):
+            hot = _into_one_column(int(ends[row]), int(starts[row]), g)
+            logits[row, hot] = 100.0 + torch.arange(hot.numel()).float()
+    paths = torch.full((2,), -1, dtype=torch.int8)
+    got = topk_select_triton(logits, starts, ends, k, paths=paths)
+    assert torch.equal(got, _stable_reference(logits, starts, ends, k, 0))
+    assert paths.tolist() == [path, path]
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    n_rows=st.integers(1, 4),
+    n_cols=st.integers(1, 300),
+    k=st.sampled_from([1, 3, 16, 40]),
+    distinct=st.integers(1, 50),
+    seed=st.integers(0, 2**16),
+)
+def test_property_matches_the_stable_sort(n_rows: int, n_cols: int, k: int, distinct: int, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    # Few distinct values make ties; a random range per row covers empty, short and full rows.
+    logits = (torch.randint(0, distinct, (n_rows, n_cols), generator=gen).float() - distinct / 2) / 3
+    starts = torch.randint(0, n_cols + 1, (n_rows,), generator=gen)
+    ends = starts + torch.randint(0, n_cols + 1, (n_rows,), generator=gen)
+    got = topk_select_triton(logits, starts, ends, k, col_offset=5)
+    assert torch.equal(got, _stable_reference(logits, starts, ends, k, 5))
+
+
+def test_writes_into_a_slice_and_names_bad_input() -> None:
+    logits = torch.randn(4, 50)
+    out = torch.full((6, 8), -7, dtype=torch.int32)
+    topk_select_triton(logits, torch.zeros(4, dtype=torch.long), torch.full((4,), 50), 8, out=out[1:5])
+    assert (out[0] == -7).all() and (out[5] == -7).all()
+    assert torch.equal(out[1:5], _stable_reference(logits, torch.zeros(4), torch.full((4,), 50), 8, 0))
+    bounds = (torch.zeros(4, dtype=torch.long), torch.full((4,), 50))
+    with pytest.raises(ValueError, match="float32"):
+        topk_select_triton(logits.double(), *bounds, 8)
+    with pytest.raises(ValueError, match="k=0"):
+        topk_select_triton(logits, *bounds, 0)
+    with pytest.raises(ValueError, match="contiguous along the key"):
+        topk_select_triton(logits.t().contiguous().t(), *bounds, 8)
+    with pytest.raises(ValueError, match=r"\[4, 8\] int32"):
+        topk_select_triton(logits, *bounds, 8, out=torch.empty(4, 9, dtype=torch.int32))
+
+
+def test_indexer_selectors_agree_and_a_failing_selection_falls_back_to_torch_topk(monkeypatch, caplog) -> None:
+    """``selector="torch"`` is the torch.topk path: the same scores selected. A selection kernel that
+    raises falls back to it with one warning."""
+    gen = torch.Generator().manual_seed(2)
+    n, keys, heads, d = 20, 150, 2, 32
+    q = torch.randn(n, heads, d, generator=gen).to(torch.float8_e4m3fn)
+    w = torch.randn(n, heads, generator=gen)
+    k = torch.randn(keys, d, generator=gen).to(torch.float8_e4m3fn)
+    ks = torch.rand(keys, generator=gen) + 0.5
+    start = torch.zeros(n, dtype=torch.long)
+    end = torch.arange(n) * 7 + 10
+    args = (q, w, k, ks, start, end, 24)
+    logits = indexer_triton.indexer_logits_triton(q, w, k, ks, start, end, 0, keys)
+    via_kernel = indexer_triton.indexer_topk_triton(*args, rows_per_chunk=6, selector="triton")
+    via_torch = indexer_triton.indexer_topk_triton(*args, rows_per_chunk=6)  # the default
+    assert torch.equal(via_kernel, _stable_reference(logits, start, end, 24, 0))
+    assert torch.equal(_selected_values(logits, via_kernel), _selected_values(logits, via_torch))
+    assert torch.equal(via_kernel < 0, via_torch < 0)
+
+    def boom(*_a: object, **_k: object) -> torch.Tensor:
+        raise RuntimeError("selection kernel unavailable")
+
+    fallback.reset_fallbacks()
+    monkeypatch.setattr(indexer_triton, "topk_select_triton", boom)
+    with caplog.at_level(logging.WARNING, logger=fallback.__name__):
+        fell_back = indexer_triton.indexer_topk_triton(*args, rows_per_chunk=6, selector="triton")
+    assert torch.equal(fell_back, via_torch)
+    assert len(caplog.records) == 1 and "torch.topk" in caplog.records[0].getMessage()
+    assert "Triton top-k selection" in fallback.fallbacks_taken()
+    fallback.reset_fallbacks()
+    with pytest.raises(ValueError, match="selector"):
+        indexer_triton.indexer_topk_triton(*args, selector="heap")
