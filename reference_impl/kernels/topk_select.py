@@ -9,26 +9,30 @@ unspecified); the order differs: ``torch.topk`` sorts by value, which sparse att
 (the top-k feeds a softmax over a set) and which would cost a sort per row. NaN logits are not
 supported (the logits kernel never writes one).
 
-Why not ``torch.topk``: at one rank of C=8 at 128K (16K rows over up to 128K keys) it spends about
-13 ms per layer in radix digit counting, gathers and sorts over the whole ``[rows, keys]`` buffer,
-the invisible ``-inf`` columns included. One program per row here reads only the row's visible
-keys, twice:
+Why: at one rank of C=8 at 128K (16K rows over up to 128K keys) ``torch.topk`` spends about 13 ms
+per layer in radix digit counting, gathers and sorts over the whole ``[rows, keys]`` buffer, the
+invisible ``-inf`` columns included. One program per row here reads only the row's visible keys,
+twice. On the H200 it is exact but not faster yet (about 20% slower; the compute-kernels page says
+where its time goes), so the dispatch keeps ``torch.topk`` unless ``DSACP_TRITON_TOPK=1``.
 
 1. **A lower bound from column maxima** (read 4 B per key). The visible keys are folded into
-   ``G = 2 * next_pow2(k)`` columns (key ``j`` -> column ``j mod G``) by a running max. The k-th
-   largest of the ``G`` maxima is a value ``L`` with at least ``k`` keys ``>= L`` (those maxima), so
-   every top-k key is ``>= L``. On scores without structure about ``0.7 * G`` keys reach ``L``.
-2. **Candidates** (read 4 B per key, write 8 B per candidate): keys ``>= L`` are appended, as
-   ``(order key << 32) | column``, to the row's buffer of ``G`` slots.
+   ``G = 2 * next_pow2(k)`` columns by a running max, block ``i`` of ``G`` keys rotated by
+   ``i * 1031`` columns (so that scores repeating with a period of ``G`` do not pile their copies
+   into the same columns). The k-th largest of the ``G`` maxima is a value ``L`` with at least
+   ``k`` keys ``>= L`` (those maxima), so every top-k key is ``>= L``. On scores without
+   structure about ``0.7 * G`` keys reach ``L``.
+2. **Candidates** (read 4 B per key, write 8 B per candidate): keys ``>= L`` are appended, in
+   column order, as ``(order key << 32) | column``, to the row's buffer of ``G`` slots.
 3. **The k-th key and the result.** (a) When the candidates fit (the common case): the exact k-th
    key among them, in registers, then the keys above it and the lowest-column ties at it. (b) When
    ties at ``L`` overflow the buffer (e.g. many equal scores) and fewer than ``k`` keys lie above
    ``L``: ``L`` is the k-th key; one more read of the row selects. (c) Otherwise (adversarial
-   scores): the k-th key by 4-bit steps over the whole row (8 more reads), then that selection.
+   scores): radix select over the whole row (8 more reads), then that selection.
    Exact on every path; only the time differs. ``paths=`` records which one each row took.
 
-k-th largest by 4-bit steps: at each step the 16 counts of keys ``>= prefix | d << shift`` give the
-next digit (the largest ``d`` whose count is still ``>= k``): 8 steps for 32 bits, without a sort.
+The k-th largest key by radix select, 4 bits per step: one ``tl.histogram`` of the next digit
+among the keys that match the digits chosen so far picks the largest digit that still leaves at
+least ``k`` keys at or above it; 8 steps for 32 bits, without a sort.
 
 Order key: the fp32 bit pattern mapped so that unsigned order is float order (negative values have
 all bits flipped, non-negative ones the sign bit set); ``-0.0`` is first folded into ``+0.0`` as

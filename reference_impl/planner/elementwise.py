@@ -29,7 +29,7 @@ from reference_impl.planner.model import local_queries
 CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("attention", ("sparse_mla",)),
     ("indexer_logits", ("indexer_logits",)),
-    ("indexer_topk", ("mbtopk", "radixSort", "sort")),
+    ("indexer_topk", ("mbtopk", "radixSort", "sort", "topk_select")),
     ("projections", ("nvjet", "gemm", "xmma", "cutlass")),
     ("init", ("distribution_",)),  # random weights and inputs of the profiled run: not layer work
     ("data_movement", ("_rerange", "_store_", "_materialize", "Memcpy")),
