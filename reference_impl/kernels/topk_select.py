@@ -116,9 +116,7 @@ def _topk_select_kernel(
     stride_o,
     G: tl.constexpr,
     WRITE_PATH: tl.constexpr,
-    PASSES: tl.constexpr = 3,
 ):
-    # PASSES < 3 stops early (a benchmark of the passes alone; the result is not written).
     row = tl.program_id(0).to(tl.int64)
     lo = tl.maximum(tl.load(col_start_ptr + row), 0)
     hi = tl.minimum(tl.load(col_end_ptr + row), n_cols)
@@ -136,9 +134,6 @@ def _topk_select_kernel(
         key, in_row = _row_keys(row_logits, b + (offs + rotation) % G, hi)
         col_max = tl.maximum(col_max, tl.where(in_row, key, 0))
     bound, _ = _kth_largest_in_registers(col_max, col_max > 0, k)
-    if PASSES == 1:
-        tl.store(cand_ptr + row * G, bound.to(tl.uint64))
-        return
 
     # 2. Candidates (key >= bound) appended to the row's buffer as (key << 32 | column), in column
     #    order: read 4 B per key, write 8 B per candidate; and how many keys lie above the bound.
@@ -152,9 +147,6 @@ def _topk_select_kernel(
         tl.store(row_cand + slot, (key.to(tl.uint64) << 32) | cols.to(tl.uint64), mask=take & (slot < G))
         n_cand += tl.sum(take.to(tl.int32), axis=0)
         n_above_bound += tl.sum((in_row & (key > bound)).to(tl.int32), axis=0)
-    if PASSES == 2:
-        tl.store(cand_ptr + row * G, (n_cand + n_above_bound).to(tl.uint64))
-        return
 
     if n_cand <= G:
         # 3a. Every candidate fits in registers: the exact k-th key among them, then the keys above
@@ -220,7 +212,6 @@ def topk_select_triton(
     out: torch.Tensor | None = None,
     paths: torch.Tensor | None = None,
     num_warps: int | None = None,
-    passes: int = 3,
 ) -> torch.Tensor:
     """Top-``k`` columns of each row of ``logits [R, N]`` f32 within ``[col_start, col_end)`` -> ``[R, k]`` int32.
 
@@ -228,8 +219,7 @@ def topk_select_triton(
     relative to ``logits`` (clipped to ``[0, N)``); ``col_offset`` is added to every column written
     (e.g. the chunk's first key). ``out``: an ``[R, k]`` int32 view to write into (e.g. a slice of a
     larger result); a new tensor otherwise. ``paths``: an ``[R]`` int8 tensor that receives each
-    row's path (:data:`PATHS`), for tests and benchmarks. ``passes`` (benchmarks only): 1 or 2
-    stops after that pass, to time the passes alone; ``out`` is then not written.
+    row's path (:data:`PATHS`), for tests and benchmarks.
     """
     if logits.dim() != 2 or logits.dtype != torch.float32:
         raise ValueError(f"logits must be a 2-D float32 tensor, got {tuple(logits.shape)} {logits.dtype}")
@@ -265,7 +255,6 @@ def topk_select_triton(
         out.stride(0),
         G=slots,
         WRITE_PATH=paths is not None,
-        PASSES=passes,
         num_warps=num_warps or (GPU_NUM_WARPS if on_gpu else 4),
     )
     return out
