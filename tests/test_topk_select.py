@@ -20,24 +20,12 @@ from reference_impl.kernels import (
     fallback,
     indexer_triton,
 )
-from reference_impl.kernels.topk_select import candidate_slots, topk_select_triton
-
-
-def _stable_reference(logits: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, k: int, offset: int) -> torch.Tensor:
-    out = torch.full((logits.shape[0], k), -1, dtype=torch.int32)
-    for row in range(logits.shape[0]):
-        lo, hi = max(int(starts[row]), 0), min(int(ends[row]), logits.shape[1])
-        if hi <= lo:
-            continue
-        chosen = torch.sort(logits[row, lo:hi], descending=True, stable=True).indices[:k].sort().values
-        out[row, : chosen.numel()] = (chosen + lo + offset).to(torch.int32)
-    return out
-
-
-def _selected_values(logits: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
-    """Each row's selected scores, sorted descending (``-inf`` for ``-1`` slots): order-free comparison."""
-    values = logits.gather(1, selected.clamp(min=0).long()).masked_fill(selected < 0, float("-inf"))
-    return values.sort(dim=1, descending=True).values
+from reference_impl.kernels.topk_select import (
+    candidate_slots,
+    selected_scores,
+    topk_select_reference,
+    topk_select_triton,
+)
 
 
 def test_random_rows_ranges_and_offset_match_the_stable_sort() -> None:
@@ -47,11 +35,11 @@ def test_random_rows_ranges_and_offset_match_the_stable_sort() -> None:
     ends = torch.tensor([900, 50, 600, 364, 1, 840, 2000])  # row 5 sees nothing; row 6 is clipped
     paths = torch.full((7,), -1, dtype=torch.int8)
     got = topk_select_triton(logits, starts, ends, 64, col_offset=1000, paths=paths)
-    assert torch.equal(got, _stable_reference(logits, starts, ends, 64, 1000))
+    assert torch.equal(got, topk_select_reference(logits, starts, ends, 64, col_offset=1000))
     assert (got[5] == -1).all() and (got[4, 1:] == -1).all()
     assert (paths == 0).all()  # scores without ties: every row's candidates fit
     # The values torch.topk selects, where a row sees at least k keys.
-    assert torch.equal(_selected_values(logits[:1], got[:1] - 1000)[0], logits[0].topk(64).values)
+    assert torch.equal(selected_scores(logits[:1], got[:1] - 1000)[0], logits[0].topk(64).values)
 
 
 def test_negative_values_signed_zeros_and_neg_inf() -> None:
@@ -62,7 +50,7 @@ def test_negative_values_signed_zeros_and_neg_inf() -> None:
     # 7.0, 2.0, 3e-38, then two of the three zeros: -0.0 and +0.0 tie (torch compares them equal),
     # so the lowest columns (0 and 1) win over column 7.
     assert got[0].tolist() == [0, 1, 4, 6, 8]
-    assert torch.equal(got, _stable_reference(logits, starts, ends, 5, 0))
+    assert torch.equal(got, topk_select_reference(logits, starts, ends, 5))
     assert topk_select_triton(logits, starts, ends, 9)[0].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8]  # -inf ranks too
 
 
@@ -102,7 +90,7 @@ def test_paths_for_candidates_that_overflow_the_buffer(pattern: str, path: int) 
             logits[row, hot] = 100.0 + torch.arange(hot.numel()).float()
     paths = torch.full((2,), -1, dtype=torch.int8)
     got = topk_select_triton(logits, starts, ends, k, paths=paths)
-    assert torch.equal(got, _stable_reference(logits, starts, ends, k, 0))
+    assert torch.equal(got, topk_select_reference(logits, starts, ends, k))
     assert paths.tolist() == [path, path]
 
 
@@ -121,7 +109,7 @@ def test_property_matches_the_stable_sort(n_rows: int, n_cols: int, k: int, dist
     starts = torch.randint(0, n_cols + 1, (n_rows,), generator=gen)
     ends = starts + torch.randint(0, n_cols + 1, (n_rows,), generator=gen)
     got = topk_select_triton(logits, starts, ends, k, col_offset=5)
-    assert torch.equal(got, _stable_reference(logits, starts, ends, k, 5))
+    assert torch.equal(got, topk_select_reference(logits, starts, ends, k, col_offset=5))
 
 
 def test_writes_into_a_slice_and_names_bad_input() -> None:
@@ -129,7 +117,7 @@ def test_writes_into_a_slice_and_names_bad_input() -> None:
     out = torch.full((6, 8), -7, dtype=torch.int32)
     topk_select_triton(logits, torch.zeros(4, dtype=torch.long), torch.full((4,), 50), 8, out=out[1:5])
     assert (out[0] == -7).all() and (out[5] == -7).all()
-    assert torch.equal(out[1:5], _stable_reference(logits, torch.zeros(4), torch.full((4,), 50), 8, 0))
+    assert torch.equal(out[1:5], topk_select_reference(logits, torch.zeros(4), torch.full((4,), 50), 8))
     bounds = (torch.zeros(4, dtype=torch.long), torch.full((4,), 50))
     with pytest.raises(ValueError, match="float32"):
         topk_select_triton(logits.double(), *bounds, 8)
@@ -156,8 +144,8 @@ def test_indexer_selectors_agree_and_a_failing_selection_falls_back_to_torch_top
     logits = indexer_triton.indexer_logits_triton(q, w, k, ks, start, end, 0, keys)
     via_kernel = indexer_triton.indexer_topk_triton(*args, rows_per_chunk=6, selector="triton")
     via_torch = indexer_triton.indexer_topk_triton(*args, rows_per_chunk=6)  # the default
-    assert torch.equal(via_kernel, _stable_reference(logits, start, end, 24, 0))
-    assert torch.equal(_selected_values(logits, via_kernel), _selected_values(logits, via_torch))
+    assert torch.equal(via_kernel, topk_select_reference(logits, start, end, 24))
+    assert torch.equal(selected_scores(logits, via_kernel), selected_scores(logits, via_torch))
     assert torch.equal(via_kernel < 0, via_torch < 0)
 
     def boom(*_a: object, **_k: object) -> torch.Tensor:

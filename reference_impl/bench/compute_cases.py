@@ -182,20 +182,12 @@ def bench_attention(
     return row  # the inputs are freed with this frame; the caller empties the CUDA cache
 
 
-def _same_scores(logits: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Rows of ``a`` and ``b`` (columns of ``logits``, -1 unused) select the same multiset of scores."""
-    def scores(picked: torch.Tensor) -> torch.Tensor:
-        values = logits.gather(1, picked.clamp(min=0).long()).masked_fill(picked < 0, float("-inf"))
-        return values.sort(dim=1, descending=True).values
-
-    return bool(torch.equal(a < 0, b < 0) and torch.equal(scores(a), scores(b)))
-
-
 def bench_indexer(
     positions: torch.Tensor, n_kv: int, args: argparse.Namespace, config: dict[str, Any], gen: torch.Generator
 ) -> dict[str, Any]:
     from reference_impl.kernels.dispatch import topk_selector
     from reference_impl.kernels.indexer_triton import indexer_logits_triton, indexer_topk_triton
+    from reference_impl.kernels.topk_select import selected_scores
 
     device = torch.device(args.device)
     n_tokens = positions.numel()
@@ -209,9 +201,8 @@ def bench_indexer(
     ref_scores = ref.indexer_scores(q_fp8[rows], weights[rows], k_fp8[lo:hi], k_scale[lo:hi])
     cols = torch.arange(lo, hi, device=device)
     visible = (cols >= key_start[rows, None]) & (cols < key_end[rows, None])
-    got = indexer_topk_triton(*sub, args.topk, selector=topk_selector(), **config)
-    kernel_pick = indexer_topk_triton(*sub, args.topk, selector="triton", **config)
-    torch_pick = indexer_topk_triton(*sub, args.topk, selector="torch", **config)
+    picks = {selector: indexer_topk_triton(*sub, args.topk, selector=selector, **config) for selector in ("torch", "triton")}
+    got = picks[topk_selector()]
     want = ref.indexer_topk(*sub, args.topk)
     overlaps, worst_gap = [], 0.0
     masked = ref_scores.masked_fill(~visible, float("-inf"))
@@ -231,14 +222,17 @@ def bench_indexer(
         "topk_set_overlap_mean": sum(overlaps) / len(overlaps),
         "swapped_max_rel_score_gap_to_kth": worst_gap,
         # The selection kernel and torch.topk over the same logits: the same scores per row (ties aside).
-        "selectors_pick_equal_scores": _same_scores(logits, kernel_pick, torch_pick),  # lo = 0: keys = columns
+        "selectors_pick_equal_scores": bool(  # lo = 0: keys are columns of the logits
+            torch.equal(picks["torch"] < 0, picks["triton"] < 0)
+            and torch.equal(selected_scores(logits, picks["torch"]), selected_scores(logits, picks["triton"]))
+        ),
     }
     check["ok"] = (
         check["logits_rel_err"] < 1e-3 and check["masked_all_neg_inf"] and check["valid_counts_equal"]
         # Sets that differ only by exact ties at the k-th score agree (each selector breaks ties its own way).
         and (check["topk_set_overlap_min"] > 0.99 or worst_gap <= 1e-6) and check["selectors_pick_equal_scores"]
     )
-    del logits, ref_scores, got, want, masked, kernel_pick, torch_pick
+    del logits, ref_scores, got, want, masked, picks
 
     visible_keys = float((key_end - key_start).sum())
     flops = 2.0 * args.index_heads * args.index_dim * visible_keys

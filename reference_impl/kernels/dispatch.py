@@ -86,8 +86,8 @@ def _triton_indexer_topk(
 def topk_selector() -> str:
     """What picks the indexer's top-k after the Triton logits: ``"torch"`` (``torch.topk``) unless
     ``DSACP_TRITON_TOPK=1`` asks for ``"triton"`` (the selection kernel,
-    :mod:`reference_impl.kernels.topk_select`: exact, but on the H200 about 20% slower than
-    ``torch.topk`` so far, hence opt-in)."""
+    :mod:`reference_impl.kernels.topk_select`: exact, but slower than ``torch.topk`` on the H200
+    so far, hence opt-in)."""
     return "triton" if env_flag("triton_topk") else "torch"
 
 

@@ -21,7 +21,7 @@ Where Triton is used and where it is not:
   the exact selection kernel of :mod:`reference_impl.kernels.topk_select` over each row's visible
   columns (ties at the boundary go to the lower key; a kernel that raises falls back to
   ``torch.topk``, :func:`~reference_impl.kernels.fallback.run_with_fallback`). On the H200 the
-  kernel is about 20% slower than ``torch.topk`` so far, hence not the default. The rows are
+  kernel is slower than ``torch.topk`` so far, hence not the default. The rows are
   processed in chunks so the fp32 logits buffer stays under ``max_chunk_bytes`` (1 GiB by default).
 """
 

@@ -12,8 +12,8 @@ supported (the logits kernel never writes one).
 Why: at one rank of C=8 at 128K (16K rows over up to 128K keys) ``torch.topk`` spends about 13 ms
 per layer in radix digit counting, gathers and sorts over the whole ``[rows, keys]`` buffer, the
 invisible ``-inf`` columns included. One program per row here reads only the row's visible keys,
-twice. On the H200 it is exact but not faster yet (about 20% slower; the compute-kernels page says
-where its time goes), so the dispatch keeps ``torch.topk`` unless ``DSACP_TRITON_TOPK=1``.
+twice. On the H200 it is exact but not faster yet (13-29% slower across the benchmarked shapes;
+the compute-kernels page says where its time goes), so the dispatch keeps ``torch.topk`` unless ``DSACP_TRITON_TOPK=1``.
 
 1. **A lower bound from column maxima** (read 4 B per key). The visible keys are folded into
    ``G = 2 * next_pow2(k)`` columns by a running max, block ``i`` of ``G`` keys rotated by
@@ -258,3 +258,26 @@ def topk_select_triton(
         num_warps=num_warps or (GPU_NUM_WARPS if on_gpu else 4),
     )
     return out
+
+
+def topk_select_reference(
+    logits: torch.Tensor, col_start: torch.Tensor, col_end: torch.Tensor, k: int, *, col_offset: int = 0
+) -> torch.Tensor:
+    """The kernel's contract in torch (slow, for tests): per row, the first ``min(k, visible)`` columns
+    of a stable descending sort of the visible columns (ties to the lower column), in ascending
+    column order, ``+ col_offset``, ``-1`` padded -> ``[R, k]`` int32 on ``logits``' device."""
+    out = torch.full((logits.shape[0], k), -1, dtype=torch.int32, device=logits.device)
+    for row in range(logits.shape[0]):
+        lo, hi = max(int(col_start[row]), 0), min(int(col_end[row]), logits.shape[1])
+        if hi <= lo:
+            continue
+        chosen = torch.sort(logits[row, lo:hi], descending=True, stable=True).indices[:k].sort().values
+        out[row, : chosen.numel()] = (chosen + lo + col_offset).to(torch.int32)
+    return out
+
+
+def selected_scores(logits: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
+    """Each row's selected scores (``selected``: columns of ``logits``, ``-1`` unused, as ``-inf``),
+    sorted descending: two selections of the same keys up to ties and order compare equal."""
+    values = logits.gather(1, selected.clamp(min=0).long()).masked_fill(selected < 0, float("-inf"))
+    return values.sort(dim=1, descending=True).values

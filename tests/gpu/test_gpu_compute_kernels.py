@@ -81,29 +81,11 @@ def test_the_dispatch_takes_the_kernels_on_cuda() -> None:
     assert fallback.use_kernels(DEVICE) and fallback.fallbacks_taken() == {}
 
 
-def _exact_topk(logits: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, k: int) -> torch.Tensor:
-    """The selection's exact reference: the first k of a stable descending sort of each row's
-    visible columns (ties to the lower column), listed by ascending column, -1 padded."""
-    masked = logits.clone()
-    cols = torch.arange(logits.shape[1], device=logits.device)
-    masked[(cols < starts[:, None]) | (cols >= ends[:, None])] = float("-inf")
-    chosen = torch.sort(masked, dim=1, descending=True, stable=True).indices[:, :k]
-    n_out = (ends - starts).clamp(min=0, max=k)
-    unused = torch.arange(k, device=logits.device)[None] >= n_out[:, None]
-    chosen = chosen.masked_fill(unused, 1 << 40).sort(dim=1).values
-    return chosen.masked_fill(chosen == 1 << 40, -1).to(torch.int32)
-
-
-def _selected_values(logits: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
-    values = logits.gather(1, selected.clamp(min=0).long()).masked_fill(selected < 0, float("-inf"))
-    return values.sort(dim=1, descending=True).values
-
-
 def test_topk_selection_is_exact_at_the_per_rank_width() -> None:
     """The Triton selection against the exact reference (indices) and torch.topk (the selected
     values) over 128K-key rows with random ranges, plus rows of ties (path 1) and rows of
     increasing scores (the tightest bound)."""
-    from reference_impl.kernels.topk_select import topk_select_triton
+    from reference_impl.kernels.topk_select import selected_scores, topk_select_reference, topk_select_triton
 
     gen = torch.Generator(device=DEVICE).manual_seed(3)
     n_rows, n_keys, k = 96, 131072, 2048
@@ -117,19 +99,19 @@ def test_topk_selection_is_exact_at_the_per_rank_width() -> None:
     starts[40:48] = 1000  # rows whose range starts past column 0
     paths = torch.full((n_rows,), -1, dtype=torch.int8, device=DEVICE)
     got = topk_select_triton(logits, starts, ends, k, paths=paths)
-    assert torch.equal(got, _exact_topk(logits, starts, ends, k))
+    assert torch.equal(got, topk_select_reference(logits, starts, ends, k))
     assert (paths[:8] == 1).all() and (paths[8:] == 0).all(), paths.tolist()  # ties at the bound; candidates
     for row in range(16, n_rows, 11):
         lo, hi = int(starts[row]), int(ends[row])
         values = logits[row, lo:hi].topk(min(k, hi - lo)).values
-        assert torch.equal(_selected_values(logits[row : row + 1], got[row : row + 1])[0, : values.numel()], values)
+        assert torch.equal(selected_scores(logits[row : row + 1], got[row : row + 1])[0, : values.numel()], values)
 
 
 def test_topk_selection_whole_row_path() -> None:
     """The largest keys folded into a few columns of pass 1 (block i is rotated by i * 1031
     columns): the column maxima cannot separate them, so the rows take path 2 (radix select over
     the whole row), exact. Scores repeating with a period of G stay on path 0."""
-    from reference_impl.kernels.topk_select import candidate_slots, topk_select_triton
+    from reference_impl.kernels.topk_select import candidate_slots, topk_select_reference, topk_select_triton
 
     k, n, hot_columns = 2048, 131072, 128
     g = candidate_slots(k)
@@ -143,18 +125,19 @@ def test_topk_selection_whole_row_path() -> None:
     ends = torch.full((4,), n, device=DEVICE)
     paths = torch.full((4,), -1, dtype=torch.int8, device=DEVICE)
     got = topk_select_triton(logits, starts, ends, k, paths=paths)
-    assert torch.equal(got, _exact_topk(logits, starts, ends, k))
+    assert torch.equal(got, topk_select_reference(logits, starts, ends, k))
     assert paths.tolist() == [2, 2, 0, 0]
 
 
 def test_indexer_topk_selectors_pick_the_same_scores() -> None:
     """indexer_topk_triton with the selection kernel and with torch.topk: the same scores selected."""
     from reference_impl.kernels.indexer_triton import indexer_logits_triton, indexer_topk_triton
+    from reference_impl.kernels.topk_select import selected_scores, topk_select_reference
 
     q, w, k, ks, start, end = _indexer_case(256, 20000, 4)
     logits = indexer_logits_triton(q, w, k, ks, start, end, 0, 20000)
     kernel = indexer_topk_triton(q, w, k, ks, start, end, 2048, rows_per_chunk=100, selector="triton")
     torch_topk = indexer_topk_triton(q, w, k, ks, start, end, 2048, rows_per_chunk=100, selector="torch")
     assert torch.equal(kernel < 0, torch_topk < 0)
-    assert torch.equal(_selected_values(logits, kernel), _selected_values(logits, torch_topk))
-    assert torch.equal(kernel, _exact_topk(logits, start, end, 2048))
+    assert torch.equal(selected_scores(logits, kernel), selected_scores(logits, torch_topk))
+    assert torch.equal(kernel, topk_select_reference(logits, start, end, 2048))
