@@ -20,6 +20,12 @@ kernel runs. Order: Gluon -> Triton -> torch.
 Indexer top-k is the Triton logits kernel, then ``torch.topk``, or the Triton selection kernel
 (:mod:`reference_impl.kernels.topk_select`) where ``DSACP_TRITON_TOPK=1`` (``torch.topk`` again
 after a selection failure, one warning); the torch reference where the kernels do not run.
+
+The query preparation (:mod:`reference_impl.model.query_prep`: the indexer query's RoPE, Hadamard
+rotation and FP8 quantization, and the MLA query's RoPE) runs the one-pass Triton kernels of
+:mod:`reference_impl.kernels.query_prep_triton` where the kernels run, unless
+``DSACP_NO_FUSED_QUERY=1`` (the torch ops, for comparisons); inputs the kernels do not take go to
+the references, a kernel that raises falls back to them with one warning.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import torch
 
 from reference_impl.config import env_flag
 from reference_impl.kernels import fallback
+from reference_impl.model import query_prep
 from reference_impl.model import sparse_attention as torch_ref
 from reference_impl.model.sparse_attention import ComputeOps, HostKeyBounds
 
@@ -167,5 +174,62 @@ def indexer_topk(
     return fallback.run_with_fallback("Triton indexer_topk", lambda: _triton_indexer_topk(*args), torch_path)
 
 
-KERNEL_OPS = ComputeOps("kernels", indexer_topk, sparse_mla_attention)
+def _query_prep_kernels(device: torch.device, force_torch: bool) -> bool:
+    """Whether the query-preparation kernels run: the kernel rule, unless ``DSACP_NO_FUSED_QUERY=1``."""
+    return fallback.use_kernels(device, force_torch=force_torch) and not env_flag("no_fused_query")
+
+
+def indexer_query(
+    q: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    hadamard: torch.Tensor,
+    head_weights: torch.Tensor,
+    rope_dim: int,
+    interleaved: bool,
+    scale_fmt: str,
+    *,
+    force_torch: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The indexer query's RoPE, rotation, FP8 quantization and head weights -> ``(q_fp8, weights)``.
+
+    See :func:`reference_impl.model.query_prep.indexer_query` for the contract. The Triton kernel
+    (:func:`~reference_impl.kernels.query_prep_triton.indexer_query_triton`) runs where the kernels
+    run and it supports the inputs (bf16 / float32, ``D = 128``); the reference elsewhere.
+    """
+    args = (q, cos, sin, hadamard, head_weights, rope_dim, interleaved, scale_fmt)
+    if not _query_prep_kernels(q.device, force_torch):
+        return query_prep.indexer_query(*args)
+    from reference_impl.kernels import query_prep_triton
+
+    if query_prep_triton.indexer_query_unsupported(q, rope_dim, scale_fmt) is not None:
+        return query_prep.indexer_query(*args)
+    return fallback.run_with_fallback(
+        "Triton indexer_query", lambda: query_prep_triton.indexer_query_triton(*args),
+        lambda: query_prep.indexer_query(*args),
+    )
+
+
+def rope_into(
+    out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
+    *, force_torch: bool = False,
+) -> None:
+    """RoPE of ``x`` written into ``out``; see :func:`reference_impl.model.query_prep.rope_into`.
+
+    The Triton kernel (:func:`~reference_impl.kernels.query_prep_triton.rope_into_triton`) runs where
+    the kernels run and it supports the tensors (bf16 / float32); the reference elsewhere.
+    """
+    args = (out, x, cos, sin, interleaved)
+    if not _query_prep_kernels(x.device, force_torch):
+        return query_prep.rope_into(*args)
+    from reference_impl.kernels import query_prep_triton
+
+    if query_prep_triton.rope_into_unsupported(out, x) is not None:
+        return query_prep.rope_into(*args)
+    return fallback.run_with_fallback(
+        "Triton rope_into", lambda: query_prep_triton.rope_into_triton(*args), lambda: query_prep.rope_into(*args)
+    )
+
+
+KERNEL_OPS = ComputeOps("kernels", indexer_topk, sparse_mla_attention, indexer_query, rope_into)
 """The model's :class:`~reference_impl.model.sparse_attention.ComputeOps` through this dispatch."""

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from reference_impl.fp8 import act_quant, hadamard_matrix, hadamard_rotate
+from reference_impl.fp8 import hadamard_matrix, hadamard_rotate
 from reference_impl.model.rope import apply_rope, rope_cos_sin, rope_frequencies
 from reference_impl.model.sparse_attention import TORCH_OPS, ComputeOps, HostKeyBounds
 from reference_impl.presets import ModelConfig
@@ -169,31 +169,30 @@ class DSAAttention(nn.Module):
             torch.bmm(q_nope.transpose(0, 1), w_uk, out=latent_q)
         else:  # a few CPU rows: multiply padded ones (see MIN_CPU_GEMM_ROWS)
             latent_q.copy_(torch.bmm(padded.transpose(0, 1), w_uk)[:, :n_tok])
-        q_full[..., cfg.kv_lora_rank :] = apply_rope(q_pe, cos, sin, interleaved=True)
+        self.ops.rope_into(q_full[..., cfg.kv_lora_rank :], q_pe, cos, sin, True)
 
         latent, k_pe = self.wkv_a(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
         k_pe = apply_rope(k_pe, cos, sin, interleaved=True)
         kv = torch.cat([self.kv_norm(latent), k_pe], dim=-1)
 
         iq, ik, iw = self._index_qkw(x, qr, cos, sin)
-        return Projection(q_full, kv, iq[0], iw, ik)
+        return Projection(q_full, kv, iq, iw, ik)
 
     def _index_qkw(
         self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The indexer's ``(q_fp8 [T, Hi, D], rotated k [T, D], head weights [T, Hi] f32)``."""
         cfg, idx = self.cfg, self.indexer
-        n_tok, hi, d, r = x.shape[0], cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
+        n_tok, d, r = x.shape[0], cfg.index_head_dim, cfg.qk_rope_head_dim
         inter = cfg.index_rope_interleaved
-        q = idx.wq_b(qr).view(n_tok, hi, d)
-        q_pe, q_nope = q.split([r, d - r], dim=-1)  # indexer: [rope, nope], rope first
-        q = torch.cat([apply_rope(q_pe, cos, sin, inter), q_nope], dim=-1)
+        q = idx.wq_b(qr).view(n_tok, cfg.index_n_heads, d)  # per head [rope, nope], rope first
+        q_fp8, weights = self.ops.indexer_query(
+            q, cos, sin, idx.hadamard, idx.weights_proj(x.float()), r, inter, cfg.index_scale_fmt
+        )
         k = idx.k_norm(idx.wk(x))
         k_pe, k_nope = k.split([r, d - r], dim=-1)
         k = torch.cat([apply_rope(k_pe, cos, sin, inter), k_nope], dim=-1)
-        q_fp8, q_scale = act_quant(hadamard_rotate(q, idx.hadamard), 128, cfg.index_scale_fmt)  # scale [T, Hi, 1]
-        weights = idx.weights_proj(x.float()) * hi**-0.5
-        weights = weights * q_scale[..., 0] * d**-0.5
-        return (q_fp8, q_scale), hadamard_rotate(k, idx.hadamard), weights
+        return q_fp8, hadamard_rotate(k, idx.hadamard), weights
 
     # ---- full-view half -----------------------------------------------------------------------
 
@@ -220,5 +219,13 @@ class DSAAttention(nn.Module):
         o_latent, _ = self.ops.sparse_mla_attention(  # [T, H, c], stored in the weights' dtype (no fp32 buffer)
             proj.q.to(kv_view.dtype), kv_view, topk, cfg.softmax_scale, cfg.kv_lora_rank, out_dtype=w_uv.dtype
         )
-        o = torch.einsum("thc,hdc->thd", pad_rows(o_latent), w_uv)[: o_latent.shape[0]]
+        # o [T, H, v] is written in place by the per-head product (a strided batched GEMM output); an
+        # einsum returns it as an [H, T, v] product that flatten(1) copies once more (0.5 GB per layer at 16K tokens).
+        n_tok = o_latent.shape[0]
+        o = torch.empty(n_tok, cfg.n_heads, w_uv.shape[1], dtype=w_uv.dtype, device=o_latent.device)
+        padded = pad_rows(o_latent)
+        if padded is o_latent:
+            torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2), out=o.transpose(0, 1))
+        else:  # a few CPU rows: multiply padded ones (see MIN_CPU_GEMM_ROWS)
+            o.transpose(0, 1).copy_(torch.bmm(padded.transpose(0, 1), w_uv.transpose(1, 2))[:, :n_tok])
         return self.wo(o.flatten(1)), topk

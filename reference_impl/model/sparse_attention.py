@@ -8,8 +8,9 @@ are absolute rows of the full view; ``-1`` marks an unused top-k slot.
 These functions are the contract the Triton kernels in :mod:`reference_impl.kernels` must match.
 They are chunked over query rows so that memory stays bounded at real shapes.
 
-The model calls the two cores through a :class:`ComputeOps` object: :data:`TORCH_OPS` (these
-references, the default, so the model stays pure torch) or
+The model calls the two cores, and its query preparation (:mod:`reference_impl.model.query_prep`),
+through a :class:`ComputeOps` object: :data:`TORCH_OPS` (the references, the default, so the model
+stays pure torch) or
 :data:`reference_impl.kernels.dispatch.KERNEL_OPS` (the kernels, plugged in on top).
 """
 
@@ -19,6 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from reference_impl.model import query_prep
 
 
 def indexer_scores(
@@ -133,19 +136,26 @@ def _sparse_mla_out(
 
 @dataclass(frozen=True)
 class ComputeOps:
-    """The two compute cores a DSA layer calls, with the contracts of this module's references:
+    """What a DSA layer hands to kernels: its two compute cores, with the contracts of this module's
+    references, and its query preparation (:mod:`reference_impl.model.query_prep`'s references):
 
     * ``indexer_topk(q_fp8, weights, k_fp8, k_scale, key_start, key_end, topk, *, host_bounds=None)``
       -> ``[T, topk]`` int32 full-view rows (:func:`indexer_topk`); the order within a row is the
       implementation's (the reference sorts by score, the GPU selection kernel by row): sparse
       attention reads the row as a set;
     * ``sparse_mla_attention(q, kv, indices, softmax_scale, d_v, *, out_dtype=float32)``
-      -> ``(out [T, H, d_v] out_dtype, lse [T, H] f32)`` (:func:`sparse_mla_attention`).
+      -> ``(out [T, H, d_v] out_dtype, lse [T, H] f32)`` (:func:`sparse_mla_attention`);
+    * ``indexer_query(q, cos, sin, hadamard, head_weights, rope_dim, interleaved, scale_fmt)``
+      -> ``(q_fp8 [T, Hi, D], weights [T, Hi] f32)`` (:func:`~reference_impl.model.query_prep.indexer_query`);
+    * ``rope_into(out, x, cos, sin, interleaved)``: the rotated ``x`` written into ``out``
+      (:func:`~reference_impl.model.query_prep.rope_into`).
     """
 
     name: str
     indexer_topk: Callable[..., torch.Tensor]
     sparse_mla_attention: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    indexer_query: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    rope_into: Callable[..., None]
 
 
-TORCH_OPS = ComputeOps("torch", indexer_topk, _sparse_mla_out)
+TORCH_OPS = ComputeOps("torch", indexer_topk, _sparse_mla_out, query_prep.indexer_query, query_prep.rope_into)
