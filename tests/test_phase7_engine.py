@@ -45,7 +45,7 @@ def test_phase7_triton_kernels_match_oracle(forked_ranks, kv_dtype: str, cp_size
     rep = run_prefill(run)
     assert rep["matches_oracle"] is True and rep["cache_equal"] is True
     if cp_size == 1:  # the ranks' calls happen in this process only without forking
-        assert {"fused_store_index", "rerange_padded", "materialize_rows"} <= set(calls)
+        assert {"fused_store_index", "rerange_padded", "materialize_rows", "fill_current"} <= set(calls)
         assert "fused_store_mla" in calls
 
 
@@ -59,7 +59,7 @@ def test_phase8_prefetch_through_the_mla_kernel_matches_oracle(monkeypatch) -> N
     calls = _force_kernels_and_spy(monkeypatch)
     rep = run_prefill(tiny(cp_size=1, requests=MIXED, page_size=8, n_layers=3, phases=PhaseSet.level(8)))
     assert rep["matches_oracle"] is True and rep["cache_equal"] is True
-    assert "materialize_mla_rows" in calls and "materialize_rows" not in calls
+    assert "materialize_mla_rows" in calls and "materialize_rows" not in calls and "fill_current" in calls
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp8", "bf16"])

@@ -116,9 +116,9 @@ def test_level_effects_on_data_movement() -> None:
     assert by_level[2]["materialize_comm"] > 0 and all(t["materialize_comm"] == 0 for t in by_level[3:])
     assert by_level[5]["select"] == 0 < by_level[4]["select"]
     assert by_level[6]["remap"] < by_level[5]["remap"] / 10
-    for name in ("rerange", "store"):
+    for name in ("rerange", "store", "full_view"):  # full_view: the fused current-rows fill
         assert by_level[7][name] < by_level[6][name]
-    assert by_level[7]["full_view"] == by_level[6]["full_view"]  # current-only: the fill stays on torch
+    assert by_level[6]["full_view"] == by_level[3]["full_view"]  # current-only: the torch fill from level 3
     assert by_level[8] == by_level[7]  # no history in a current-only batch: nothing to prefetch
 
 

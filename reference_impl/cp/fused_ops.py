@@ -4,7 +4,8 @@
 * :func:`fused_store_index` — quantize + scatter indexer K into the index pages;
 * :func:`rerange_padded` — padded rank-major all-gather buffer -> sequence order;
 * :func:`materialize_rows` — gathered owned pages -> full-view rows;
-* :func:`materialize_mla_rows` — its MLA half alone (phase 8's prefetch).
+* :func:`materialize_mla_rows` — its MLA half alone (phase 8's prefetch);
+* :func:`fill_current_rows` — the gathered chunk -> its full-view rows, with the cache's rounding (phase 3's reuse).
 
 Each takes the same arguments whichever path runs and produces the same bytes (see the kernel
 modules in :mod:`reference_impl.kernels`). Which path runs, and what a failing kernel does, is the
@@ -25,6 +26,7 @@ import contextlib
 
 import torch
 
+from reference_impl.cp.current_reuse import fill_rows
 from reference_impl.cp.split_index import SplitIndex
 from reference_impl.kernels import fallback, fused_torch
 from reference_impl.kvcache.layout import KVLayout
@@ -68,6 +70,12 @@ def _triton_materialize_mla(*args: object) -> None:
     from reference_impl.kernels.fused_materialize import materialize_mla_rows_triton
 
     materialize_mla_rows_triton(*args)  # type: ignore[arg-type]
+
+
+def _triton_fill_current(*args: object) -> None:
+    from reference_impl.kernels.fused_current import fill_current_triton
+
+    fill_current_triton(*args)  # type: ignore[arg-type]
 
 
 def _use_kernels(device: torch.device, debug: bool, force_torch: bool) -> bool:
@@ -195,6 +203,30 @@ def materialize_mla_rows(
     _run(
         "Triton materialize_mla_rows", kv_view, debug, force_torch,
         lambda: _triton_materialize_mla(*args), lambda: fused_torch.materialize_mla_rows_torch(*args),
+    )
+
+
+def fill_current_rows(
+    kv_seq: torch.Tensor,
+    index_k_seq: torch.Tensor,
+    view_rows: torch.Tensor,
+    kv_view: torch.Tensor,
+    index_fp8: torch.Tensor,
+    index_scale: torch.Tensor,
+    layout: KVLayout,
+    *,
+    debug: bool = False,
+    force_torch: bool = False,
+    locs_checked: bool = False,
+) -> None:
+    """Phase 3's current rows of the full view, in one pass: ``kv_view[view_rows] =
+    bf16(dequantize(pack_mla(kv_seq)))`` and ``index_fp8 / index_scale[view_rows] =
+    quantize_index_k(index_k_seq)``, in place (:func:`reference_impl.cp.current_reuse.fill_rows`)."""
+    _check("view_rows", view_rows, kv_view.shape[0], debug, locs_checked)
+    args = (kv_seq, index_k_seq, view_rows, kv_view, index_fp8, index_scale, layout)
+    _run(
+        "Triton fill_current", kv_view, debug, force_torch,
+        lambda: _triton_fill_current(*args), lambda: fill_rows(*args),
     )
 
 

@@ -22,7 +22,7 @@ from reference_impl.cp.batch import BatchLocs
 from reference_impl.cp.comm import CPGroup
 from reference_impl.cp.compute_owner import direct_write_ok
 from reference_impl.cp.current_reuse import BatchKind, classify_batch, fill_current, history_rows
-from reference_impl.cp.fused_ops import fused_store, materialize_mla_rows, materialize_rows
+from reference_impl.cp.fused_ops import fill_current_rows, fused_store, materialize_mla_rows, materialize_rows
 from reference_impl.cp.kv_store import FullView, StoredRows
 from reference_impl.cp.ownership import Ownership
 from reference_impl.cp.page_gather import PageGather, gather_page_part, gather_pages, unpack_index_rows
@@ -210,7 +210,12 @@ class ShardedKV:
                 index_scale[rows] = k_scale
             self.transient_bytes = mla_rows.numel() + index_pages.numel()
             self.materialized_bytes += self.transient_bytes
-        if self.batch_kind != "fallback":
+        if self.batch_kind != "fallback" and self.fused:
+            fill_current_rows(
+                kv_seq, index_k_seq, self.batch.extend_view_rows, kv, index_fp8, index_scale, layout,
+                debug=self.debug, locs_checked=True,
+            )
+        elif self.batch_kind != "fallback":
             fill_current(self.batch, layout, kv_seq, index_k_seq, kv, index_fp8, index_scale)
         return FullView(kv, index_fp8, index_scale)
 

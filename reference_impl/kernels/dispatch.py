@@ -1,4 +1,4 @@
-"""One dispatch point for the two compute cores of a DSA layer: indexer top-k and sparse MLA attention.
+"""One dispatch point for what a DSA layer runs as kernels: indexer top-k, sparse MLA attention and the glue.
 
 :func:`indexer_topk` and :func:`sparse_mla_attention` take the arguments of the torch references in
 :mod:`reference_impl.model.sparse_attention` (plus a keyword-only ``force_torch``) and return the
@@ -21,11 +21,12 @@ Indexer top-k is the Triton logits kernel, then ``torch.topk``, or the Triton se
 (:mod:`reference_impl.kernels.topk_select`) where ``DSACP_TRITON_TOPK=1`` (``torch.topk`` again
 after a selection failure, one warning); the torch reference where the kernels do not run.
 
-The query preparation (:mod:`reference_impl.model.query_prep`: the indexer query's RoPE, Hadamard
-rotation and FP8 quantization, and the MLA query's RoPE) runs the one-pass Triton kernels of
-:mod:`reference_impl.kernels.query_prep_triton` where the kernels run, unless
-``DSACP_NO_FUSED_QUERY=1`` (the torch ops, for comparisons); inputs the kernels do not take go to
-the references, a kernel that raises falls back to them with one warning.
+The per-token glue runs one-pass Triton kernels where the kernels run: the query preparation
+(:mod:`reference_impl.model.query_prep`: the indexer query's RoPE, Hadamard rotation and FP8
+quantization, and the MLA query's RoPE; :mod:`reference_impl.kernels.query_prep_triton`) and
+RMSNorm (:mod:`reference_impl.kernels.rms_norm_triton`), unless ``DSACP_NO_FUSED_GLUE=1`` (the
+torch ops, for comparisons). Inputs the kernels do not take go to the references; a kernel that
+raises falls back to them with one warning.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import torch
 
 from reference_impl.config import env_flag
 from reference_impl.kernels import fallback
-from reference_impl.model import query_prep
+from reference_impl.model import norm, query_prep
 from reference_impl.model import sparse_attention as torch_ref
 from reference_impl.model.sparse_attention import ComputeOps, HostKeyBounds
 
@@ -174,9 +175,9 @@ def indexer_topk(
     return fallback.run_with_fallback("Triton indexer_topk", lambda: _triton_indexer_topk(*args), torch_path)
 
 
-def _query_prep_kernels(device: torch.device, force_torch: bool) -> bool:
-    """Whether the query-preparation kernels run: the kernel rule, unless ``DSACP_NO_FUSED_QUERY=1``."""
-    return fallback.use_kernels(device, force_torch=force_torch) and not env_flag("no_fused_query")
+def _glue_kernels(device: torch.device, force_torch: bool) -> bool:
+    """Whether the glue kernels (query preparation, RMSNorm) run: the kernel rule, unless ``DSACP_NO_FUSED_GLUE=1``."""
+    return fallback.use_kernels(device, force_torch=force_torch) and not env_flag("no_fused_glue")
 
 
 def indexer_query(
@@ -198,7 +199,7 @@ def indexer_query(
     run and it supports the inputs (bf16 / float32, ``D = 128``); the reference elsewhere.
     """
     args = (q, cos, sin, hadamard, head_weights, rope_dim, interleaved, scale_fmt)
-    if not _query_prep_kernels(q.device, force_torch):
+    if not _glue_kernels(q.device, force_torch):
         return query_prep.indexer_query(*args)
     from reference_impl.kernels import query_prep_triton
 
@@ -220,7 +221,7 @@ def rope_into(
     the kernels run and it supports the tensors (bf16 / float32); the reference elsewhere.
     """
     args = (out, x, cos, sin, interleaved)
-    if not _query_prep_kernels(x.device, force_torch):
+    if not _glue_kernels(x.device, force_torch):
         return query_prep.rope_into(*args)
     from reference_impl.kernels import query_prep_triton
 
@@ -231,5 +232,22 @@ def rope_into(
     )
 
 
-KERNEL_OPS = ComputeOps("kernels", indexer_topk, sparse_mla_attention, indexer_query, rope_into)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, force_torch: bool = False) -> torch.Tensor:
+    """RMSNorm of ``x`` -> ``x.dtype``; see :func:`reference_impl.model.norm.rms_norm` for the contract.
+
+    The Triton kernel (:func:`~reference_impl.kernels.rms_norm_triton.rms_norm_triton`) runs where
+    the kernels run and it supports the tensors (bf16 / float32 rows); the reference elsewhere.
+    """
+    if not _glue_kernels(x.device, force_torch):
+        return norm.rms_norm(x, weight, eps)
+    from reference_impl.kernels import rms_norm_triton
+
+    if rms_norm_triton.rms_norm_unsupported(x, weight) is not None:
+        return norm.rms_norm(x, weight, eps)
+    return fallback.run_with_fallback(
+        "Triton rms_norm", lambda: rms_norm_triton.rms_norm_triton(x, weight, eps), lambda: norm.rms_norm(x, weight, eps)
+    )
+
+
+KERNEL_OPS = ComputeOps("kernels", indexer_topk, sparse_mla_attention, indexer_query, rope_into, rms_norm)
 """The model's :class:`~reference_impl.model.sparse_attention.ComputeOps` through this dispatch."""

@@ -4,12 +4,13 @@ No autotuning at run time. A config is the keyword arguments that the kernel's p
 accepts, so a benchmark can pass any candidate unchanged
 (``store_mla_triton(..., **config)``):
 
-* the stores and the materialize: ``block_m`` (rows per program), ``num_warps`` and, for the FP8
+* the stores, the materialize and the current-rows fill: ``block_m`` (rows per program), ``num_warps`` and, for the FP8
   MLA store and the FP8 materialize, ``one_pass`` (``True``: every load of a program is issued
   before its first store, all ``L / 128`` quantization blocks of a row as one ``[BLOCK_M, L/128,
   128]`` tile and the row's scales as one vector; ``False``: one 128-value block at a time, load
   then store), and for the FP8 MLA store and the index store ``fast_div`` (the division by the
-  block scale as reciprocal + one FMA correction, same quotients, for bf16 input on the GPU only:
+  block scale as reciprocal + one FMA correction, same quotients, for bf16 input on the GPU only;
+  the current-rows fill too:
   :func:`reference_impl.kernels.fused_store._negated_quotient`);
 * the rerange: ``block_t`` (rows per program), ``block_c`` (32-bit words per column step, capped at
   the row's word count), ``num_warps`` and ``one_pass`` (``True``: the row as a power-of-two head
@@ -45,6 +46,7 @@ GPU_CONFIGS: dict[str, LaunchConfig] = {
     "rerange_index": {"block_t": 16, "block_c": 64, "num_warps": 2, "one_pass": False},
     "materialize_fp8": {"block_m": 8, "num_warps": 4, "one_pass": True},
     "materialize_bf16": {"block_m": 32, "num_warps": 4},
+    "fill_current": {"block_m": 8, "num_warps": 2, "fast_div": True},
 }
 _CPU_STORE: LaunchConfig = {"block_m": 16, "num_warps": 1}
 _CPU_RERANGE: LaunchConfig = {"block_t": 16, "block_c": 64, "num_warps": 1, "one_pass": False}
@@ -56,6 +58,7 @@ CPU_CONFIGS: dict[str, LaunchConfig] = {
     "rerange_index": dict(_CPU_RERANGE),
     "materialize_fp8": {**_CPU_STORE, "one_pass": False},
     "materialize_bf16": dict(_CPU_STORE),
+    "fill_current": {**_CPU_STORE, "fast_div": False},
 }
 KERNELS: tuple[str, ...] = tuple(GPU_CONFIGS)
 

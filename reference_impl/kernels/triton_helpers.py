@@ -6,6 +6,7 @@ Device functions (``@triton.jit``, called from the kernels):
 * :func:`bf16_bits`, :func:`e4m3_bits`: fp32 -> the bit pattern of bf16 / e4m3fn, round to nearest
   even. ``SOFT=True`` converts with integer arithmetic on the fp32 bit pattern (exact under the CPU
   interpreter, whose casts truncate); ``SOFT=False`` uses the hardware conversion.
+* :func:`e4m3_value`: e4m3fn bit patterns -> float32, with integer arithmetic.
 * :func:`negated_quotient`: ``-(x / scale)`` correctly rounded from one reciprocal per block.
 * :func:`quantize_block`: DeepSeek's ``act_quant`` on 128-value blocks (scale ``max(amax, 1e-4) / 448``,
   optionally rounded up to a power of two).
@@ -66,6 +67,22 @@ def e4m3_bits(y, SOFT: tl.constexpr):
     else:
         out = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     return out
+
+
+@triton.jit
+def e4m3_value(codes):
+    """e4m3fn bit patterns (uint8, finite) -> their float32 values, exactly, with integer operations only.
+
+    For a kernel that quantizes and dequantizes in registers (:mod:`.fused_current`), where the
+    hardware conversions gave wrong values on the H200 (triton 3.6).
+    """
+    bits = codes.to(tl.int32)
+    sign = (bits & 0x80) << 24
+    exponent = (bits >> 3) & 0xF
+    mantissa = bits & 0x7
+    normal = (((exponent + 120) << 23) | (mantissa << 20) | sign).to(tl.float32, bitcast=True)
+    subnormal = (mantissa.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True) | sign  # m * 2**-9
+    return tl.where(exponent == 0, subnormal.to(tl.float32, bitcast=True), normal)
 
 
 @triton.jit

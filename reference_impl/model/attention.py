@@ -33,17 +33,17 @@ if TYPE_CHECKING:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32 with a float32 weight (DeepSeek-V3.2's)."""
+    """RMSNorm computed in float32 with a float32 weight (DeepSeek-V3.2's), through ``ops.rms_norm``
+    (:func:`reference_impl.model.norm.rms_norm` unless kernels are plugged in)."""
 
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+    def __init__(self, dim: int, eps: float = 1e-6, ops: ComputeOps = TORCH_OPS) -> None:
         super().__init__()
         self.eps = eps
+        self.ops = ops
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * y).to(x.dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
 
 class LayerNorm(nn.Module):
@@ -121,10 +121,10 @@ class DSAAttention(nn.Module):
         self.ops = ops  # the indexer top-k and sparse attention: torch references unless kernels are plugged in
         h = cfg.n_heads
         self.wq_a = _linear(cfg.dim, cfg.q_lora_rank, dtype)
-        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps, ops)
         self.wq_b = _linear(cfg.q_lora_rank, h * cfg.qk_head_dim, dtype)
         self.wkv_a = _linear(cfg.dim, cfg.kv_width, dtype)
-        self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps)
+        self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps, ops)
         self.wkv_b = _linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), dtype)
         self.wo = _linear(h * cfg.v_head_dim, cfg.dim, dtype)
         self.indexer = Indexer(cfg, dtype)

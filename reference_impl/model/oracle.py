@@ -31,7 +31,7 @@ class DSABlock(nn.Module):
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, ops: ComputeOps = TORCH_OPS) -> None:
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, ops)
         self.attn = DSAAttention(cfg, dtype, ops)
 
 
@@ -47,7 +47,7 @@ class DSAModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.layers = nn.ModuleList(DSABlock(cfg, dtype, ops) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, ops)
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False, dtype=dtype)
 
     @torch.no_grad()

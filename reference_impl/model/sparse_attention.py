@@ -8,9 +8,9 @@ are absolute rows of the full view; ``-1`` marks an unused top-k slot.
 These functions are the contract the Triton kernels in :mod:`reference_impl.kernels` must match.
 They are chunked over query rows so that memory stays bounded at real shapes.
 
-The model calls the two cores, and its query preparation (:mod:`reference_impl.model.query_prep`),
-through a :class:`ComputeOps` object: :data:`TORCH_OPS` (the references, the default, so the model
-stays pure torch) or
+The model calls the two cores, its query preparation (:mod:`reference_impl.model.query_prep`) and
+its RMSNorm (:mod:`reference_impl.model.norm`) through a :class:`ComputeOps` object:
+:data:`TORCH_OPS` (the references, the default, so the model stays pure torch) or
 :data:`reference_impl.kernels.dispatch.KERNEL_OPS` (the kernels, plugged in on top).
 """
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from reference_impl.model import query_prep
+from reference_impl.model import norm, query_prep
 
 
 def indexer_scores(
@@ -137,7 +137,8 @@ def _sparse_mla_out(
 @dataclass(frozen=True)
 class ComputeOps:
     """What a DSA layer hands to kernels: its two compute cores, with the contracts of this module's
-    references, and its query preparation (:mod:`reference_impl.model.query_prep`'s references):
+    references, its query preparation and its RMSNorm (the references of
+    :mod:`reference_impl.model.query_prep` and :mod:`reference_impl.model.norm`):
 
     * ``indexer_topk(q_fp8, weights, k_fp8, k_scale, key_start, key_end, topk, *, host_bounds=None)``
       -> ``[T, topk]`` int32 full-view rows (:func:`indexer_topk`); the order within a row is the
@@ -148,7 +149,8 @@ class ComputeOps:
     * ``indexer_query(q, cos, sin, hadamard, head_weights, rope_dim, interleaved, scale_fmt)``
       -> ``(q_fp8 [T, Hi, D], weights [T, Hi] f32)`` (:func:`~reference_impl.model.query_prep.indexer_query`);
     * ``rope_into(out, x, cos, sin, interleaved)``: the rotated ``x`` written into ``out``
-      (:func:`~reference_impl.model.query_prep.rope_into`).
+      (:func:`~reference_impl.model.query_prep.rope_into`);
+    * ``rms_norm(x, weight, eps)`` -> ``x.dtype`` (:func:`~reference_impl.model.norm.rms_norm`).
     """
 
     name: str
@@ -156,6 +158,9 @@ class ComputeOps:
     sparse_mla_attention: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     indexer_query: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     rope_into: Callable[..., None]
+    rms_norm: Callable[..., torch.Tensor]
 
 
-TORCH_OPS = ComputeOps("torch", indexer_topk, _sparse_mla_out, query_prep.indexer_query, query_prep.rope_into)
+TORCH_OPS = ComputeOps(
+    "torch", indexer_topk, _sparse_mla_out, query_prep.indexer_query, query_prep.rope_into, norm.rms_norm
+)

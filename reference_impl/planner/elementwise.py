@@ -32,7 +32,7 @@ CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("indexer_topk", ("mbtopk", "radixSort", "sort", "topk_select")),
     ("projections", ("nvjet", "gemm", "xmma", "cutlass")),
     ("init", ("distribution_",)),  # random weights and inputs of the profiled run: not layer work
-    ("data_movement", ("_rerange", "_store_", "_materialize", "Memcpy")),
+    ("data_movement", ("_rerange", "_store_", "_materialize", "_fill_current", "Memcpy")),
 )
 
 

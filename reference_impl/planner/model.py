@@ -293,9 +293,10 @@ def layer_terms(
     comm = materialize_comm_bytes(context, cp_size, page_size, one_page, 1 if round_robin else None) if level == 2 else 0
     terms["materialize_comm"] = ms_for_bytes(comm, rates.interconnect_gbps)
     # The view's S rows come from the local replica (levels 0-1), gathered pages (level 2) or the
-    # gathered chunk (level >= 3, fill_current): all on the torch path. The fused materialize
-    # kernel serves gathered history pages only, and a current-only batch has none from level 3.
-    terms["full_view"] = ms_for_bytes(view_bytes(cfg, layout, context), rates.gbps("materialize", fused=False))
+    # gathered chunk (level >= 3, fill_current), on the torch path below level 7. From level 7 the
+    # fused current-rows fill writes them (a current-only batch has no history pages); it writes the
+    # bytes the fused materialize writes, whose measured rate stands in for it.
+    terms["full_view"] = ms_for_bytes(view_bytes(cfg, layout, context), rates.gbps("materialize", fused=fused))
     return terms
 
 

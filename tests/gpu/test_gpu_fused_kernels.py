@@ -114,6 +114,37 @@ def test_materialize_equals_torch(kv_dtype: str) -> None:
     assert torch.equal(as_bytes(mla_only), as_bytes(views[1][0]))
 
 
+def test_the_software_e4m3_decode_equals_torch_on_the_gpu() -> None:
+    from test_fused_current import _decode_kernel
+
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F] + [0, 1], dtype=torch.uint8, device=DEVICE)
+    out = torch.empty(256, device=DEVICE)
+    _decode_kernel[(1,)](codes, out, BLOCK=256)
+    assert torch.equal(out.view(torch.int32), codes.view(torch.float8_e4m3fn).float().view(torch.int32))
+
+
+@pytest.mark.parametrize(("kv_dtype", "scale_fmt"), [("fp8", "ue8m0"), ("fp8", "fp32"), ("bf16", "ue8m0")])
+def test_fill_current_equals_torch(kv_dtype: str, scale_fmt: str) -> None:
+    """Phase 3's current rows through the fused kernel: the torch path's bytes (the full 128K chunk of C = 8)."""
+    from reference_impl.cp.current_reuse import fill_rows
+    from reference_impl.kernels.fused_current import fill_current_triton
+
+    layout = KVLayout(512, 64, kv_dtype, PAGE, index_scale_fmt=scale_fmt)
+    n = CP * 16384
+    kv, k = _kv(n, 576, 7), _kv(n, 128, 8)
+    gen = torch.Generator(device=DEVICE).manual_seed(9)
+    view_rows = torch.randperm(n + 300, generator=gen, device=DEVICE)[:n]
+    views = []
+    for run in (fill_current_triton, fill_rows):
+        kv_view = torch.full((n + 300, 576), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+        i8 = torch.zeros(n + 300, 128, dtype=torch.uint8, device=DEVICE)
+        sc = torch.zeros(n + 300, device=DEVICE)
+        run(kv, k, view_rows, kv_view, i8.view(torch.float8_e4m3fn), sc, layout)
+        views.append((kv_view, i8, sc))
+    for got, want in zip(*views):
+        assert torch.equal(as_bytes(got), as_bytes(want))
+
+
 def test_the_dispatch_runs_the_kernels_and_refuses_bad_locs_like_torch() -> None:
     """Through ``cp.fused_ops``: the kernel path's bytes equal ``force_torch``'s, and an out-of-range
     loc raises the same error on both paths before anything is written."""

@@ -1,9 +1,10 @@
-"""The query-preparation kernels on the GPU at DeepSeek-V3.2 widths, against the torch references (GPU tier).
+"""The glue kernels (query preparation, RMSNorm) on the GPU at DeepSeek-V3.2 widths, against the torch references (GPU tier).
 
 RoPE into the absorbed query must equal the reference bit for bit (no FMA contraction). The
 indexer query's Hadamard sums run in another order than the reference's float32 GEMM, so a few
 rotated values round to the neighbouring bf16 and their FP8 codes move by one step; everything
-else (RoPE, scaling, weights) follows the reference's roundings.
+else (RoPE, scaling, weights) follows the reference's roundings. RMSNorm's sum and ``rsqrt`` are
+the kernel's own: bf16 results equal, or one bf16 step apart.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import torch
 from reference_impl.fp8 import hadamard_matrix
 from reference_impl.kernels import dispatch, fallback
 from reference_impl.kernels.query_prep_triton import indexer_query_triton, rope_into_triton
+from reference_impl.kernels.rms_norm_triton import rms_norm_triton
+from reference_impl.model import norm
 from reference_impl.model import query_prep as ref
 from reference_impl.model.rope import rope_cos_sin, rope_frequencies
 from reference_impl.presets import get_preset
@@ -75,4 +78,17 @@ def test_the_dispatch_runs_the_query_kernels_in_a_kernel_layer(monkeypatch: pyte
     dispatch.indexer_query(q, cos, sin, hadamard_matrix(128, DEVICE), torch.randn(64, 64, device=DEVICE), 64, False, "ue8m0")
     dispatch.rope_into(torch.empty(64, 64, 64, dtype=torch.bfloat16, device=DEVICE), q[..., 64:], cos, sin, True)
     assert calls == ["indexer_query_triton", "rope_into_triton"]
+    x = torch.randn(64, 7168, device=DEVICE).to(torch.bfloat16)
+    assert torch.equal(dispatch.rms_norm(x, torch.ones(7168, device=DEVICE), 1e-6), rms_norm_triton(x, torch.ones(7168, device=DEVICE), 1e-6))
     assert not fallback.fallbacks_taken()
+
+
+@pytest.mark.parametrize("width", [7168, 1536, 512])
+def test_rms_norm_matches_the_reference_to_one_bf16_step(width: int) -> None:
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    x = (torch.randn(16384, width, device=DEVICE, generator=gen) * 3).to(torch.bfloat16)
+    weight = 1.0 + 0.1 * torch.randn(width, device=DEVICE, generator=gen)
+    got, want = rms_norm_triton(x, weight, 1e-6), norm.rms_norm(x, weight, 1e-6)
+    assert ((got.float() - want.float()).abs() <= 2.0**-7 * want.float().abs()).all()
+    equal = (got == want).float().mean().item()
+    assert equal > 0.99, equal
