@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 from conftest import as_bytes
 
+from reference_impl.config import ConfigError
 from reference_impl.cp import fused_ops
 from reference_impl.cp.current_reuse import fill_rows
 from reference_impl.kernels import fallback
@@ -101,14 +102,26 @@ def test_the_software_e4m3_decode_is_exact_for_every_finite_code() -> None:
     assert torch.equal(out.view(torch.int32), codes.view(torch.float8_e4m3fn).float().view(torch.int32))  # -0.0 too
 
 
-def test_fill_current_names_bad_input() -> None:
+def test_fill_current_names_bad_input_on_both_paths_without_falling_back(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, fresh_warnings: None
+) -> None:
     layout = KVLayout(128, 64, "fp8", 16)
     kv, k, i8, sc = torch.zeros(4, 192), torch.zeros(4, 128), torch.zeros(8, 128).to(torch.float8_e4m3fn), torch.zeros(8)
-    rows = torch.arange(4)
-    with pytest.raises(ValueError, match="one row per view row"):
-        fill_current_triton(kv[:3], k, rows, torch.zeros(8, 192, dtype=torch.bfloat16), i8, sc, layout)
-    with pytest.raises(ValueError, match="bf16 kv"):
-        fill_current_triton(kv, k, rows, torch.zeros(8, 192), i8, sc, layout)
+    view, rows = torch.zeros(8, 192, dtype=torch.bfloat16), torch.arange(4)
+    bad = {
+        "one row per view row": (kv[:3], k, rows, view, i8, sc),
+        "bf16 kv": (kv, k, rows, torch.zeros(8, 192), i8, sc),
+        "int64": (kv, k, rows.int(), view, i8, sc),
+        "float32 scales": (kv, k, rows, view, i8, sc[:5]),
+    }
+    monkeypatch.setattr(fallback, "device_runs_kernels", lambda device: True)  # the dispatch would take the kernel
+    with caplog.at_level(logging.WARNING, logger=fallback.__name__):
+        for match, args in bad.items():
+            with pytest.raises(ConfigError, match=match):
+                fill_current_triton(*args, layout)
+            with pytest.raises(ConfigError, match=match):
+                fused_ops.fill_current_rows(*args, layout)
+    assert not caplog.records and not fallback.fallbacks_taken()
 
 
 # ---- dispatch ------------------------------------------------------------------------------------

@@ -222,8 +222,9 @@ def fill_current_rows(
     """Phase 3's current rows of the full view, in one pass: ``kv_view[view_rows] =
     bf16(dequantize(pack_mla(kv_seq)))`` and ``index_fp8 / index_scale[view_rows] =
     quantize_index_k(index_k_seq)``, in place (:func:`reference_impl.cp.current_reuse.fill_rows`)."""
-    _check("view_rows", view_rows, kv_view.shape[0], debug, locs_checked)
     args = (kv_seq, index_k_seq, view_rows, kv_view, index_fp8, index_scale, layout)
+    fused_torch.check_fill_current_args(*args)
+    _check("view_rows", view_rows, kv_view.shape[0], debug, locs_checked)
     _run(
         "Triton fill_current", kv_view, debug, force_torch,
         lambda: _triton_fill_current(*args), lambda: fill_rows(*args),

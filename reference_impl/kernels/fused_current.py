@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from reference_impl.kernels.fused_configs import launch_config
+from reference_impl.kernels.fused_torch import check_fill_current_args
 from reference_impl.kernels.triton_helpers import bf16_bits, check_aligned, e4m3_value, quantize_block
 from reference_impl.kvcache.layout import INDEX_HEAD_DIM, MLA_QUANT_BLOCK, KVLayout
 
@@ -123,24 +124,16 @@ def fill_current_triton(
 
     ``kv_seq [T, kv_width]`` and ``index_k_seq [T, 128]`` (bf16 or float32, sequence order),
     ``view_rows int64 [T]``; ``kv_view`` bf16 ``[S, kv_width]``, ``index_fp8`` float8_e4m3fn
-    ``[S, 128]``, ``index_scale`` float32 ``[S]``, all row-contiguous. ``block_m``, ``num_warps``
-    and ``fast_div`` override the launch config ``fill_current`` (``fast_div``: bf16 input on CUDA).
+    ``[S, 128]``, ``index_scale`` float32 ``[S]``, all row-contiguous (else a ``ConfigError`` names
+    the problem). ``block_m``, ``num_warps`` and ``fast_div`` override the launch config
+    ``fill_current`` (``fast_div``: bf16 input on CUDA).
     """
+    check_fill_current_args(kv_seq, index_k_seq, view_rows, kv_view, index_fp8, index_scale, layout)
     n = view_rows.shape[0]
-    if kv_seq.shape != (n, layout.kv_width) or index_k_seq.shape != (n, INDEX_HEAD_DIM):
-        raise ValueError(
-            f"fill_current: kv_seq {tuple(kv_seq.shape)} and index_k_seq {tuple(index_k_seq.shape)} must be "
-            f"[{n}, {layout.kv_width}] and [{n}, {INDEX_HEAD_DIM}] (one row per view row)"
-        )
-    if kv_view.dtype != torch.bfloat16 or index_fp8.dtype != torch.float8_e4m3fn or index_scale.dtype != torch.float32:
-        raise ValueError("fill_current: the full view is bf16 kv, float8_e4m3fn index K and float32 scales")
     if n == 0:
         return
     kv_seq = kv_seq if kv_seq.stride(1) == 1 else kv_seq.contiguous()
     index_k_seq = index_k_seq if index_k_seq.stride(1) == 1 else index_k_seq.contiguous()
-    for name, t in (("kv_view", kv_view), ("index_fp8", index_fp8), ("index_scale", index_scale)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"fill_current: {name} must be row-contiguous")
     check_aligned("fill_current kv_view", kv_view, (kv_view.stride(0) * 2,))
     soft = not kv_seq.is_cuda if soft is None else soft
     config = launch_config("fill_current", kv_seq.device, {"block_m": block_m, "num_warps": num_warps, "fast_div": fast_div})

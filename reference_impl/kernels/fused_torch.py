@@ -122,6 +122,38 @@ def check_materialize_args(
     return n_source
 
 
+def check_fill_current_args(
+    kv_seq: torch.Tensor,
+    index_k_seq: torch.Tensor,
+    view_rows: torch.Tensor,
+    kv_view: torch.Tensor,
+    index_fp8: torch.Tensor,
+    index_scale: torch.Tensor,
+    layout: KVLayout,
+) -> None:
+    """Metadata-only checks of the current-rows fill, shared by its torch path's caller and the kernel."""
+    n = view_rows.shape[0]
+    if view_rows.dtype != torch.int64 or view_rows.dim() != 1:
+        raise ConfigError(f"fill_current: view_rows must be int64 [T], got {view_rows.dtype} {tuple(view_rows.shape)}")
+    if kv_seq.shape != (n, layout.kv_width) or index_k_seq.shape != (n, INDEX_HEAD_DIM):
+        raise ConfigError(
+            f"fill_current: kv_seq {tuple(kv_seq.shape)} and index_k_seq {tuple(index_k_seq.shape)} must be "
+            f"[{n}, {layout.kv_width}] and [{n}, {INDEX_HEAD_DIM}] (one row per view row)"
+        )
+    n_view = kv_view.shape[0]
+    if (
+        kv_view.dtype != torch.bfloat16 or kv_view.shape != (n_view, layout.kv_width)
+        or index_fp8.dtype != FP8_DTYPE or index_fp8.shape != (n_view, INDEX_HEAD_DIM)
+        or index_scale.dtype != torch.float32 or index_scale.shape != (n_view,)
+        or any(t.stride(-1) != 1 for t in (kv_view, index_fp8, index_scale))
+    ):
+        raise ConfigError(
+            f"fill_current: the full view must be bf16 kv [S, {layout.kv_width}], float8_e4m3fn index K "
+            f"[S, {INDEX_HEAD_DIM}] and float32 scales [S], row-contiguous; got {kv_view.dtype} "
+            f"{tuple(kv_view.shape)}, {index_fp8.dtype} {tuple(index_fp8.shape)}, {index_scale.dtype} {tuple(index_scale.shape)}"
+        )
+
+
 def check_rerange_args(raw: torch.Tensor, lengths: tuple[int, ...]) -> None:
     """``raw`` must be the padded all-gather buffer of ranks sending ``lengths`` rows: ``[C, max(lengths), ...]``."""
     if raw.dim() < 2 or tuple(raw.shape[:2]) != (len(lengths), max(lengths)):
