@@ -145,6 +145,23 @@ def test_rates_files_override_with_sources(tmp_path: Path) -> None:
     rates = load_rates([str(bench)], results_dir=None)
     assert rates.attention_tflops == 321.0 and rates.matmul_tflops == 654.0
     assert rates.sources["attention_tflops"] == f"{bench}: per_rank.attention.engine_tflops"
+    glue = tmp_path / "glue.json"  # a bench.glue run: the fill rate of its largest token count
+    glue.write_text(json.dumps({"bench": {"rows": [
+        {"op": "fill_current", "tokens": 4096, "kernel_gbps": 100.0},
+        {"op": "fill_current", "tokens": 16384, "kernel_gbps": 200.0},
+        {"op": "rope_into", "tokens": 65536, "kernel_gbps": 300.0},
+    ]}}))
+    rates = load_rates([str(glue)], results_dir=None)
+    assert rates.fill_current_fused_gbps == 200.0
+    assert rates.sources["fill_current_fused_gbps"] == f"{glue}: bench.rows[op=fill_current,tokens=16384].kernel_gbps"
+
+
+def test_level_7_fills_the_current_rows_at_the_glue_benchs_rate() -> None:
+    rates = PlannerRates()
+    for level in (7, 8):
+        terms = layer_terms(V32, rates, 8, 65536, level, rank=0)
+        want = 65536 * (576 * 2 + 256 + 8 + 576 * 2 + 132) / (rates.fill_current_fused_gbps * 1e9) * 1e3
+        assert terms["full_view"] == pytest.approx(want, rel=1e-12)
 
 
 def test_parse_contexts() -> None:

@@ -3,7 +3,8 @@
 ``python -m reference_impl plan --preset deepseek-v3.2 --cp 8 --hbm-gib 141`` prints it. Nothing
 here is timed: memory is arithmetic on the real byte layouts (:mod:`reference_impl.cp.capacity`) and
 time is FLOPs or bytes divided by rates measured on an H200 (:class:`PlannerRates`, loaded from
-``docs/results/compute_bench.json``, ``kernels_bench.json`` and ``elementwise_rate.json``), plus
+``docs/results/compute_bench.json``, ``kernels_bench.json``, ``elementwise_rate.json`` and
+``glue_h200.json``), plus
 one assumed interconnect bandwidth. Every figure is a prediction, for levels that are built and for those that are not.
 
 **Scenario.** One request of ``S`` tokens prefilled in one chunk (no prefix, so ``T = S`` current
@@ -40,9 +41,10 @@ blocks from level 4. Times are those of the slowest rank.
 * all-gather #1: ``(C - 1) x T_pad x 1408`` B received, over the interconnect (assumed, 450 GB/s);
 * rerange and store: bytes as the kernel benchmark counts them (each byte read and written once)
   / GB/s of the torch path below level 7, of the fused kernels from level 7;
-* full-view build: ``S x (mla_bytes + 132 + 1152 + 132)`` B at the torch materialize GB/s at every
-  level: its rows come from the replica (0-1), gathered pages (2) or the gathered chunk (>= 3),
-  none through the fused materialize kernel, which serves history pages only;
+* full-view build: ``S x (mla_bytes + 132 + 1152 + 132)`` B at the torch materialize GB/s: its rows
+  come from the replica (0-1), gathered pages (2) or the gathered chunk (3-6, ``fill_current``);
+  from level 7 the fused current-rows fill, ``S x (1152 + 256 + 8 + 1152 + 132)`` B at its
+  measured GB/s (``glue_h200.json``);
 * level 2 only: the materialize all-gather, ``(C - 1) x max owned pages x page_bytes``, over the
   interconnect (from level 3 a current-only batch materializes nothing);
 * levels 2-4: selecting the owned rows from the gathered chunk, at device copy GB/s;
@@ -87,6 +89,7 @@ from .model import (
     tail_ms,
     topk_ms,
     transient_bytes,
+    fill_bytes,
     view_bytes,
     visible_keys,
     zigzag_blocks,
@@ -138,6 +141,7 @@ __all__ = [
     "tail_ms",
     "topk_ms",
     "transient_bytes",
+    "fill_bytes",
     "view_bytes",
     "visible_keys",
     "zigzag_blocks",

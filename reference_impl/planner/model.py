@@ -173,6 +173,12 @@ def store_bytes(cfg: ModelConfig, layout: KVLayout, rows: int) -> tuple[int, int
     return rows * (cfg.kv_width * ACT_BYTES + layout.mla_bytes), rows * (cfg.index_head_dim * ACT_BYTES + layout.index_bytes)
 
 
+def fill_bytes(cfg: ModelConfig, layout: KVLayout, rows: int) -> int:
+    """Bytes of phase 7's fused current-rows fill of ``rows`` view rows, as ``bench.glue`` counts them:
+    the gathered bf16 row and index K and the row id read, the bf16 view row, FP8 index K and scale written."""
+    return rows * (cfg.kv_width * 2 + 128 * 2 + 8 + cfg.kv_width * 2 + layout.index_bytes)
+
+
 def view_bytes(cfg: ModelConfig, layout: KVLayout, rows: int) -> int:
     """Bytes of building ``rows`` full-view rows from cache bytes: ``rows x (656 + 132 + 1152 + 132)`` in FP8
     (packed MLA and index read, bf16 view and index written), as ``materialize_fp8`` is benchmarked."""
@@ -293,10 +299,12 @@ def layer_terms(
     comm = materialize_comm_bytes(context, cp_size, page_size, one_page, 1 if round_robin else None) if level == 2 else 0
     terms["materialize_comm"] = ms_for_bytes(comm, rates.interconnect_gbps)
     # The view's S rows come from the local replica (levels 0-1), gathered pages (level 2) or the
-    # gathered chunk (level >= 3, fill_current), on the torch path below level 7. From level 7 the
-    # fused current-rows fill writes them (a current-only batch has no history pages); it writes the
-    # bytes the fused materialize writes, whose measured rate stands in for it.
-    terms["full_view"] = ms_for_bytes(view_bytes(cfg, layout, context), rates.gbps("materialize", fused=fused))
+    # gathered chunk (level >= 3, fill_current), on the torch path below level 7; from level 7 phase
+    # 7's fused current-rows fill writes them (a current-only batch has no history pages).
+    if fused and level >= 3:
+        terms["full_view"] = ms_for_bytes(fill_bytes(cfg, layout, context), rates.fill_current_fused_gbps)
+    else:
+        terms["full_view"] = ms_for_bytes(view_bytes(cfg, layout, context), rates.gbps("materialize", fused=False))
     return terms
 
 

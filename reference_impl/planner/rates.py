@@ -1,8 +1,8 @@
 """Planner inputs: the measured rates the time model divides by, and where each one comes from.
 
 :class:`PlannerRates` holds every rate with a built-in H200 default; :func:`load_rates` replaces the
-defaults with the values in ``docs/results/compute_bench.json``, ``kernels_bench.json`` and
-``elementwise_rate.json`` (where they exist), then with each ``--rates`` file in order. ``sources`` records each value's origin: a
+defaults with the values in ``docs/results/compute_bench.json``, ``kernels_bench.json``,
+``elementwise_rate.json`` and ``glue_h200.json`` (where they exist), then with each ``--rates`` file in order. ``sources`` records each value's origin: a
 JSON path, a built-in copy, a file given on the command line, or an assumption (the interconnect).
 """
 
@@ -18,9 +18,10 @@ from reference_impl.config import ConfigError
 
 RESULTS_DIR = Path(__file__).resolve().parent.parent.parent / "docs" / "results"
 
-_COMPUTE, _KERNELS, _ELEMENTWISE = "compute_bench.json", "kernels_bench.json", "elementwise_rate.json"
+_COMPUTE, _KERNELS, _ELEMENTWISE, _GLUE = "compute_bench.json", "kernels_bench.json", "elementwise_rate.json", "glue_h200.json"
 # Where each measured rate lives in the benchmark JSONs. "list[k=v,T=max]" picks, among the list's
-# entries with k == v, the one with the largest T (the longest measured sequence).
+# entries with k == v, the one with the largest T (the longest measured sequence); any key can be
+# the maximized one ("tokens=max").
 _RATE_PATHS: dict[str, tuple[str, str]] = {
     "attention_tflops": (_COMPUTE, "per_rank.attention.engine_tflops"),  # the kernel the engine runs
     "indexer_logits_tflops": (_COMPUTE, "per_rank.indexer.logits_tflops"),
@@ -41,6 +42,7 @@ _RATE_PATHS: dict[str, tuple[str, str]] = {
     "remap_page_inverse_ms": (_KERNELS, "remap[T=max].page_inverse_ms"),
     "remap_ref_tokens": (_KERNELS, "remap[T=max].T"),
     "elementwise_us_per_token": (_ELEMENTWISE, "elementwise_us_per_token"),
+    "fill_current_fused_gbps": (_GLUE, "bench.rows[op=fill_current,tokens=max].kernel_gbps"),
 }
 _ASSUMED = {
     "interconnect_gbps": "assumption: NVLink 4, 450 GB/s per direction per GPU (peak, not measured; "
@@ -75,6 +77,7 @@ class PlannerRates:
     rerange_index_fused_gbps: float = 1142.6
     materialize_torch_gbps: float = 158.6
     materialize_fused_gbps: float = 3626.9
+    fill_current_fused_gbps: float = 2887.9  # phase 7's current-rows fill (bench.glue), its bytes as fill_bytes counts them
     remap_sort_ms: float = 0.2188  # one sort + searchsorted call over remap_ref_tokens locs
     remap_page_inverse_ms: float = 0.04957
     remap_ref_tokens: float = 131072
@@ -127,8 +130,9 @@ def _lookup(doc: Any, path: str) -> tuple[Any, str]:
         if flt:
             conds = dict(c.split("=") for c in flt.rstrip("]").split(","))
             rows = [r for r in doc if all(str(r.get(k)) == v for k, v in conds.items() if v != "max")]
-            doc = max(rows, key=lambda r: r["T"])
-            part = part.replace("T=max", f"T={doc['T']}")
+            top = next(k for k, v in conds.items() if v == "max")
+            doc = max(rows, key=lambda r: r[top])
+            part = part.replace(f"{top}=max", f"{top}={doc[top]}")
         resolved.append(part)
     return doc, ".".join(resolved)
 
@@ -151,11 +155,11 @@ def load_rates(paths: list[str] | None = None, results_dir: Path | None = RESULT
     """Defaults from ``results_dir`` (where the files exist), then each of ``paths`` in order.
 
     A file in ``paths`` is a ``compute_bench.json`` (has ``per_rank``), a ``kernels_bench.json``
-    (has ``kernels``), or a flat ``{field: value}`` object of :class:`PlannerRates` fields.
+    (has ``kernels``), a ``glue_h200.json`` (has ``bench``, a ``bench.glue`` run), or a flat ``{field: value}`` object of :class:`PlannerRates` fields.
     """
     rates = PlannerRates()
     found: dict[str, tuple[float, str]] = {}
-    for name in (_COMPUTE, _KERNELS, _ELEMENTWISE) if results_dir is not None else ():
+    for name in (_COMPUTE, _KERNELS, _ELEMENTWISE, _GLUE) if results_dir is not None else ():
         path = results_dir / name
         if path.is_file():
             label = f"docs/results/{name}" if results_dir == RESULTS_DIR else str(path)
@@ -170,7 +174,7 @@ def load_rates(paths: list[str] | None = None, results_dir: Path | None = RESULT
             raise ConfigError(f"--rates {path_str}: not JSON ({exc.msg} at line {exc.lineno})") from None
         if not isinstance(doc, dict):
             raise ConfigError(f"--rates {path_str}: expected a JSON object")
-        kind = _COMPUTE if "per_rank" in doc else _KERNELS if "kernels" in doc else None
+        kind = _COMPUTE if "per_rank" in doc else _KERNELS if "kernels" in doc else _GLUE if "bench" in doc else None
         if kind is None:
             rates = rates.override(doc, path_str)
         else:
