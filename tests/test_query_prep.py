@@ -2,7 +2,7 @@
 
 Under the interpreter the kernels take their exact rounding paths, so they must equal the torch
 references of :mod:`reference_impl.model.query_prep` bit for bit; the GPU tier checks the hardware
-path (``tests/gpu/test_gpu_query_prep.py``).
+path (``tests/gpu/test_gpu_glue_kernels.py``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The RMSNorm kernel under the CPU interpreter, against the torch reference, and its dispatch.
 
 The kernel's sum runs in another order than torch's, so results agree to float32 rounding (and,
-in bf16, to one bf16 step); the GPU tier checks the hardware path (``tests/gpu/test_gpu_query_prep.py``).
+in bf16, to one bf16 step); the GPU tier checks the hardware path (``tests/gpu/test_gpu_glue_kernels.py``).
 """
 
 from __future__ import annotations

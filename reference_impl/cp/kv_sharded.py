@@ -99,6 +99,8 @@ class ShardedKV:
         if self._gather is not None:
             check_in_range("view rows", self._gather.view_rows, batch.view_len)
             check_in_range("gathered token rows", self._gather.row_source, self._gather.n_pages * batch.page_size)
+        if self.batch_kind != "fallback":
+            check_in_range("current view rows", batch.extend_view_rows, batch.view_len)
 
     @property
     def store_path(self) -> str:
@@ -210,13 +212,14 @@ class ShardedKV:
                 index_scale[rows] = k_scale
             self.transient_bytes = mla_rows.numel() + index_pages.numel()
             self.materialized_bytes += self.transient_bytes
-        if self.batch_kind != "fallback" and self.fused:
-            fill_current_rows(
-                kv_seq, index_k_seq, self.batch.extend_view_rows, kv, index_fp8, index_scale, layout,
-                debug=self.debug, locs_checked=True,
-            )
-        elif self.batch_kind != "fallback":
-            fill_current(self.batch, layout, kv_seq, index_k_seq, kv, index_fp8, index_scale)
+        if self.batch_kind != "fallback":
+            if self.fused:
+                fill_current_rows(
+                    kv_seq, index_k_seq, self.batch.extend_view_rows, kv, index_fp8, index_scale, layout,
+                    debug=self.debug, locs_checked=True,
+                )
+            else:
+                fill_current(self.batch, layout, kv_seq, index_k_seq, kv, index_fp8, index_scale)
         return FullView(kv, index_fp8, index_scale)
 
     def owned_pages(self) -> torch.Tensor:

@@ -31,8 +31,12 @@ raises falls back to them with one warning.
 
 from __future__ import annotations
 
+import importlib
 import logging
+from collections.abc import Callable
 from functools import lru_cache
+from types import ModuleType
+from typing import TypeVar
 
 import torch
 
@@ -43,6 +47,8 @@ from reference_impl.model import sparse_attention as torch_ref
 from reference_impl.model.sparse_attention import ComputeOps, HostKeyBounds
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @lru_cache(maxsize=1)
@@ -175,9 +181,20 @@ def indexer_topk(
     return fallback.run_with_fallback("Triton indexer_topk", lambda: _triton_indexer_topk(*args), torch_path)
 
 
-def _glue_kernels(device: torch.device, force_torch: bool) -> bool:
-    """Whether the glue kernels (query preparation, RMSNorm) run: the kernel rule, unless ``DSACP_NO_FUSED_GLUE=1``."""
-    return fallback.use_kernels(device, force_torch=force_torch) and not env_flag("no_fused_glue")
+def _run_glue(
+    name: str, device: torch.device, force_torch: bool, unsupported: Callable[[], str | None],
+    kernel: Callable[[], T], reference: Callable[[], T],
+) -> T:
+    """The glue's one rule: ``kernel()`` where the kernels run, ``DSACP_NO_FUSED_GLUE`` is unset and
+    ``unsupported()`` names no reason; else ``reference()``, also after the kernel raised (one warning)."""
+    if not fallback.use_kernels(device, force_torch=force_torch) or env_flag("no_fused_glue") or unsupported():
+        return reference()
+    return fallback.run_with_fallback(f"Triton {name}", kernel, reference)
+
+
+def _kernels(module: str) -> ModuleType:
+    """A glue kernel module, imported on first use (it imports Triton, which CPU-only runs may lack)."""
+    return importlib.import_module(f"reference_impl.kernels.{module}")
 
 
 def indexer_query(
@@ -199,15 +216,10 @@ def indexer_query(
     run and it supports the inputs (bf16 / float32, ``D = 128``); the reference elsewhere.
     """
     args = (q, cos, sin, hadamard, head_weights, rope_dim, interleaved, scale_fmt)
-    if not _glue_kernels(q.device, force_torch):
-        return query_prep.indexer_query(*args)
-    from reference_impl.kernels import query_prep_triton
-
-    if query_prep_triton.indexer_query_unsupported(q, rope_dim, scale_fmt) is not None:
-        return query_prep.indexer_query(*args)
-    return fallback.run_with_fallback(
-        "Triton indexer_query", lambda: query_prep_triton.indexer_query_triton(*args),
-        lambda: query_prep.indexer_query(*args),
+    return _run_glue(
+        "indexer_query", q.device, force_torch,
+        lambda: _kernels("query_prep_triton").indexer_query_unsupported(q, rope_dim, scale_fmt),
+        lambda: _kernels("query_prep_triton").indexer_query_triton(*args), lambda: query_prep.indexer_query(*args),
     )
 
 
@@ -221,14 +233,9 @@ def rope_into(
     the kernels run and it supports the tensors (bf16 / float32); the reference elsewhere.
     """
     args = (out, x, cos, sin, interleaved)
-    if not _glue_kernels(x.device, force_torch):
-        return query_prep.rope_into(*args)
-    from reference_impl.kernels import query_prep_triton
-
-    if query_prep_triton.rope_into_unsupported(out, x) is not None:
-        return query_prep.rope_into(*args)
-    return fallback.run_with_fallback(
-        "Triton rope_into", lambda: query_prep_triton.rope_into_triton(*args), lambda: query_prep.rope_into(*args)
+    return _run_glue(
+        "rope_into", x.device, force_torch, lambda: _kernels("query_prep_triton").rope_into_unsupported(out, x),
+        lambda: _kernels("query_prep_triton").rope_into_triton(*args), lambda: query_prep.rope_into(*args),
     )
 
 
@@ -238,14 +245,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, force_torch: 
     The Triton kernel (:func:`~reference_impl.kernels.rms_norm_triton.rms_norm_triton`) runs where
     the kernels run and it supports the tensors (bf16 / float32 rows); the reference elsewhere.
     """
-    if not _glue_kernels(x.device, force_torch):
-        return norm.rms_norm(x, weight, eps)
-    from reference_impl.kernels import rms_norm_triton
-
-    if rms_norm_triton.rms_norm_unsupported(x, weight) is not None:
-        return norm.rms_norm(x, weight, eps)
-    return fallback.run_with_fallback(
-        "Triton rms_norm", lambda: rms_norm_triton.rms_norm_triton(x, weight, eps), lambda: norm.rms_norm(x, weight, eps)
+    return _run_glue(
+        "rms_norm", x.device, force_torch, lambda: _kernels("rms_norm_triton").rms_norm_unsupported(x, weight),
+        lambda: _kernels("rms_norm_triton").rms_norm_triton(x, weight, eps), lambda: norm.rms_norm(x, weight, eps),
     )
 
 

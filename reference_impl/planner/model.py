@@ -301,7 +301,7 @@ def layer_terms(
     # The view's S rows come from the local replica (levels 0-1), gathered pages (level 2) or the
     # gathered chunk (level >= 3, fill_current), on the torch path below level 7; from level 7 phase
     # 7's fused current-rows fill writes them (a current-only batch has no history pages).
-    if fused and level >= 3:
+    if fused:
         terms["full_view"] = ms_for_bytes(fill_bytes(cfg, layout, context), rates.fill_current_fused_gbps)
     else:
         terms["full_view"] = ms_for_bytes(view_bytes(cfg, layout, context), rates.gbps("materialize", fused=False))
