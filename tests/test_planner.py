@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reference_impl.cp import capacity
 from reference_impl.cli import main
 from reference_impl.config import PhaseSet, Request, RunConfig, get_preset
+from reference_impl.cp import capacity
 from reference_impl.planner import (
     RESULTS_DIR,
     PlannerConfig,
@@ -100,14 +100,18 @@ def test_compute_terms_equal_the_hand_formula() -> None:
 
 @pytest.mark.skipif(not (RESULTS_DIR / "compute_bench.json").is_file(), reason="needs docs/results")
 def test_default_rates_reproduce_the_measured_per_rank_point() -> None:
-    """At the benchmark's own shape (rank 0 of C=8, 128K) the model returns the measured times."""
+    """At the benchmark's own shape (rank 0 of C=8, 128K) the model returns the measured times; the
+    top-k from the run of the selector the engine runs (``topk_select_h200.json``)."""
     measured = json.loads((RESULTS_DIR / "compute_bench.json").read_text())["per_rank"]
+    topk_run = json.loads((RESULTS_DIR / "topk_select_h200.json").read_text())["compute_bench"]["per_rank"]
     rates = load_rates()
     assert rates.sources["attention_tflops"] == "docs/results/compute_bench.json: per_rank.attention.engine_tflops"
     terms = layer_terms(V32, rates, 8, 131072, level=0, rank=0)
     assert terms["attention"] == pytest.approx(measured["attention"]["engine_ms"], rel=1e-9)
     assert terms["indexer_logits"] == pytest.approx(measured["indexer"]["triton_logits_ms"], rel=1e-9)
-    assert terms["indexer_topk"] == pytest.approx(measured["indexer"]["topk_ms"], rel=1e-9)
+    assert terms["indexer_topk"] == pytest.approx(topk_run["indexer"]["topk_ms"], rel=1e-9)
+    assert topk_run["indexer"]["topk_selector"] == "triton"  # the engine's default selector
+    assert rates.sources["topk_ms"] == "docs/results/topk_select_h200.json: compute_bench.per_rank.indexer.topk_ms"
 
 
 def test_level_effects_on_data_movement() -> None:
@@ -145,6 +149,12 @@ def test_rates_files_override_with_sources(tmp_path: Path) -> None:
     rates = load_rates([str(bench)], results_dir=None)
     assert rates.attention_tflops == 321.0 and rates.matmul_tflops == 654.0
     assert rates.sources["attention_tflops"] == f"{bench}: per_rank.attention.engine_tflops"
+    assert rates.topk_ms == 2.0 and rates.topk_ref_keys == 16  # a bench.compute run's top-k too
+    topk = tmp_path / "topk.json"  # a topk_select_h200.json: its bench.compute run
+    topk.write_text(json.dumps({"layer": {}, "compute_bench": {"per_rank": {"indexer": {"topk_ms": 3.0, "T": 4, "S": 8}}}}))
+    rates = load_rates([str(topk)], results_dir=None)
+    assert (rates.topk_ms, rates.topk_ref_queries, rates.topk_ref_keys) == (3.0, 4, 8)
+    assert rates.sources["topk_ms"] == f"{topk}: compute_bench.per_rank.indexer.topk_ms"
     glue = tmp_path / "glue.json"  # a bench.glue run: the fill rate of its largest token count
     glue.write_text(json.dumps({"bench": {"rows": [
         {"op": "fill_current", "tokens": 4096, "kernel_gbps": 100.0},

@@ -21,11 +21,20 @@ from reference_impl.kernels import (
     indexer_triton,
 )
 from reference_impl.kernels.topk_select import (
+    CPU_CONFIG,
+    SelectConfig,
     candidate_slots,
     selected_scores,
     topk_select_reference,
     topk_select_triton,
 )
+
+# The GPU config's logic at toy sizes: a bound of 4 radix steps (the k-th column maximum's top 16
+# bits) and many short segments per row, so that candidates cross segment boundaries.
+TRUNCATED_BOUND = SelectConfig(
+    bound_warps=4, bound_steps=4, compact_block=32, compact_warps=1, segment_keys=64, max_segments=16, finish_warps=4
+)
+CONFIGS = pytest.mark.parametrize("config", [CPU_CONFIG, TRUNCATED_BOUND], ids=["cpu", "truncated_bound"])
 
 
 def test_random_rows_ranges_and_offset_match_the_stable_sort() -> None:
@@ -61,11 +70,12 @@ def _into_one_column(n: int, lo: int, g: int) -> torch.Tensor:
     return positions[positions < n]
 
 
+@CONFIGS
 @pytest.mark.parametrize(
     ("pattern", "path"),
     [("all_equal", 1), ("two_values", 1), ("zeros_below_the_kth", 1), ("period_of_g", 0), ("one_column", 2)],
 )
-def test_paths_for_candidates_that_overflow_the_buffer(pattern: str, path: int) -> None:
+def test_paths_for_candidates_that_overflow_the_buffer(pattern: str, path: int, config: SelectConfig) -> None:
     """Scores built so that more than G keys reach the column-maxima bound: ties at the bound take
     path 1 (the bound is the k-th key); the largest keys all folded into one column take path 2
     (radix select over the whole row). A period of G (the engine's synthetic scores repeat so)
@@ -89,11 +99,12 @@ def test_paths_for_candidates_that_overflow_the_buffer(pattern: str, path: int) 
             hot = _into_one_column(int(ends[row]), int(starts[row]), g)
             logits[row, hot] = 100.0 + torch.arange(hot.numel()).float()
     paths = torch.full((2,), -1, dtype=torch.int8)
-    got = topk_select_triton(logits, starts, ends, k, paths=paths)
+    got = topk_select_triton(logits, starts, ends, k, paths=paths, config=config)
     assert torch.equal(got, topk_select_reference(logits, starts, ends, k))
     assert paths.tolist() == [path, path]
 
 
+@CONFIGS
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     n_rows=st.integers(1, 4),
@@ -102,13 +113,15 @@ def test_paths_for_candidates_that_overflow_the_buffer(pattern: str, path: int) 
     distinct=st.integers(1, 50),
     seed=st.integers(0, 2**16),
 )
-def test_property_matches_the_stable_sort(n_rows: int, n_cols: int, k: int, distinct: int, seed: int) -> None:
+def test_property_matches_the_stable_sort(
+    n_rows: int, n_cols: int, k: int, distinct: int, seed: int, config: SelectConfig
+) -> None:
     gen = torch.Generator().manual_seed(seed)
     # Few distinct values make ties; a random range per row covers empty, short and full rows.
     logits = (torch.randint(0, distinct, (n_rows, n_cols), generator=gen).float() - distinct / 2) / 3
     starts = torch.randint(0, n_cols + 1, (n_rows,), generator=gen)
     ends = starts + torch.randint(0, n_cols + 1, (n_rows,), generator=gen)
-    got = topk_select_triton(logits, starts, ends, k, col_offset=5)
+    got = topk_select_triton(logits, starts, ends, k, col_offset=5, config=config)
     assert torch.equal(got, topk_select_reference(logits, starts, ends, k, col_offset=5))
 
 
@@ -161,3 +174,44 @@ def test_indexer_selectors_agree_and_a_failing_selection_falls_back_to_torch_top
     fallback.reset_fallbacks()
     with pytest.raises(ValueError, match="selector"):
         indexer_triton.indexer_topk_triton(*args, selector="heap")
+
+
+def test_the_topk_bench_runs_dry_on_cpu(tmp_path, monkeypatch) -> None:
+    """``bench.topk``'s script logic at toy sizes under the interpreter: the default config and a
+    one-candidate sweep, each checked exact and timed per kernel."""
+    import json
+
+    from reference_impl.bench import topk
+
+    monkeypatch.setattr(topk, "SWEEP", [{"bound_steps": 4, "segment_keys": 16}])
+    out = tmp_path / "topk.json"
+    argv = ["--device", "cpu", "--context", "64", "--cp-size", "2", "--topk", "8", "--index-heads", "2", "--index-dim", "32"]
+    assert topk.main([*argv, "--sweep", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["shape"]["rows"] == 32 and result["torch_topk_ms"] > 0
+    for row in (result["default"], *result["sweep"]):
+        assert row["exact"] and set(row["kernel_ms"]) == {"bound", "compact", "finish"} and row["select_ms"] > 0
+    assert result["sweep"][0]["config"]["bound_steps"] == 4
+
+
+def test_exact_selection_is_the_reference_contract() -> None:
+    """The bench's vectorized reference equals the per-row one, rows with fewer than k keys included."""
+    from reference_impl.bench.topk import Chunk, exact_selection
+
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randint(0, 5, (6, 40), generator=gen).float()
+    starts, ends = torch.tensor([0, 3, 10, 0, 39, 5]), torch.tensor([40, 9, 40, 1, 40, 5])
+    assert torch.equal(exact_selection(Chunk(logits, starts, ends, 0), 12), topk_select_reference(logits, starts, ends, 12))
+
+
+def test_the_selection_kernel_is_the_default_selector_and_the_knob_picks_torch_topk(monkeypatch) -> None:
+    from reference_impl.config import ConfigError
+    from reference_impl.kernels.dispatch import topk_selector
+
+    monkeypatch.delenv("DSACP_TRITON_TOPK", raising=False)
+    assert topk_selector() == "triton"
+    monkeypatch.setenv("DSACP_TRITON_TOPK", "0")
+    assert topk_selector() == "torch"
+    monkeypatch.setenv("DSACP_TRITON_TOPK", "sometimes")
+    with pytest.raises(ConfigError, match="DSACP_TRITON_TOPK"):
+        topk_selector()

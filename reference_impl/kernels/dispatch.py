@@ -17,9 +17,9 @@ Sparse MLA attention has a third, preferred path on Hopper: the Gluon kernel
 DeepSeek widths) unless ``DSACP_NO_GLUON=1``; elsewhere, or after a Gluon failure, the Triton
 kernel runs. Order: Gluon -> Triton -> torch.
 
-Indexer top-k is the Triton logits kernel, then ``torch.topk``, or the Triton selection kernel
-(:mod:`reference_impl.kernels.topk_select`) where ``DSACP_TRITON_TOPK=1`` (``torch.topk`` again
-after a selection failure, one warning); the torch reference where the kernels do not run.
+Indexer top-k is the Triton logits kernel, then the Triton selection kernel
+(:mod:`reference_impl.kernels.topk_select`; ``torch.topk`` after a selection failure, one warning,
+or where ``DSACP_TRITON_TOPK=0``); the torch reference where the kernels do not run.
 
 The per-token glue runs one-pass Triton kernels where the kernels run: the query preparation
 (:mod:`reference_impl.model.query_prep`: the indexer query's RoPE, Hadamard rotation and FP8
@@ -98,11 +98,10 @@ def _triton_indexer_topk(
 
 
 def topk_selector() -> str:
-    """What picks the indexer's top-k after the Triton logits: ``"torch"`` (``torch.topk``) unless
-    ``DSACP_TRITON_TOPK=1`` asks for ``"triton"`` (the selection kernel,
-    :mod:`reference_impl.kernels.topk_select`: exact, but slower than ``torch.topk`` on the H200
-    so far, hence opt-in)."""
-    return "triton" if env_flag("triton_topk") else "torch"
+    """What picks the indexer's top-k after the Triton logits: ``"triton"`` (the selection kernel,
+    :mod:`reference_impl.kernels.topk_select`, exact and faster than ``torch.topk`` on the H200)
+    unless ``DSACP_TRITON_TOPK=0`` asks for ``"torch"`` (``torch.topk``, for comparisons)."""
+    return "triton" if env_flag("triton_topk", default=True) else "torch"
 
 
 def sparse_mla_kernel(q: torch.Tensor, kv: torch.Tensor, d_v: int, *, force_torch: bool = False) -> str:

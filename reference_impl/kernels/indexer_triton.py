@@ -1,4 +1,4 @@
-"""Lightning-indexer top-k on GPU: a Triton logits kernel, then ``torch.topk`` (or a Triton selection).
+"""Lightning-indexer top-k on GPU: a Triton logits kernel, then a Triton selection (or ``torch.topk``).
 
 Contract: the same as :func:`reference_impl.model.sparse_attention.indexer_topk`: for query row
 ``t`` and the full-view keys ``[key_start[t], key_end[t])``,
@@ -16,12 +16,12 @@ Where Triton is used and where it is not:
   product (fp8 x fp8 -> fp32 on GPU by default, or bf16 products of the exactly upcast fp8 values;
   fp32 under the CPU interpreter), then ReLU and the per-row head weight. Key tiles that no row of
   the block can see are not computed, only filled with ``-inf``; visible-range masking is exact.
-* **Top-k: torch, or Triton.** ``torch.topk`` over the masked ``[rows, keys]`` logits of a chunk
-  of rows, as the reference does (``selector="torch"``, the default); or ``selector="triton"``:
-  the exact selection kernel of :mod:`reference_impl.kernels.topk_select` over each row's visible
+* **Top-k: Triton, or torch.** ``selector="triton"`` (what the dispatch picks by default): the
+  exact selection kernels of :mod:`reference_impl.kernels.topk_select` over each row's visible
   columns (ties at the boundary go to the lower key; a kernel that raises falls back to
-  ``torch.topk``, :func:`~reference_impl.kernels.fallback.run_with_fallback`). On the H200 the
-  kernel is slower than ``torch.topk`` so far, hence not the default. The rows are
+  ``torch.topk``, :func:`~reference_impl.kernels.fallback.run_with_fallback`). ``selector="torch"``
+  (this function's default, and the dispatch's with ``DSACP_TRITON_TOPK=0``): ``torch.topk`` over
+  the masked ``[rows, keys]`` logits of a chunk of rows, as the reference does. The rows are
   processed in chunks so the fp32 logits buffer stays under ``max_chunk_bytes`` (1 GiB by default).
 """
 

@@ -1,4 +1,4 @@
-"""Exact row-wise top-k over masked index logits: a Triton selection kernel instead of ``torch.topk``.
+"""Exact row-wise top-k over masked index logits: a Triton selection instead of ``torch.topk``.
 
 Contract (:func:`topk_select_triton`): for each row ``r`` of ``logits [R, N]`` f32 and its visible
 columns ``[col_start[r], col_end[r])`` (clipped to ``[0, N)``), the ``min(k, visible)`` columns of
@@ -11,23 +11,30 @@ supported (the logits kernel never writes one).
 
 Why: at one rank of C=8 at 128K (16K rows over up to 128K keys) ``torch.topk`` spends about 13 ms
 per layer in radix digit counting, gathers and sorts over the whole ``[rows, keys]`` buffer, the
-invisible ``-inf`` columns included. One program per row here reads only the row's visible keys,
-twice. On the H200 it is exact but not faster yet (13-29% slower across the benchmarked shapes;
-the compute-kernels page says where its time goes), so the dispatch keeps ``torch.topk`` unless ``DSACP_TRITON_TOPK=1``.
+invisible ``-inf`` columns included. Here each row's visible keys are read twice, and the second
+read is split across several programs per row so that it runs near the HBM rate (the
+compute-kernels page has the times on the H200).
 
-1. **A lower bound from column maxima** (read 4 B per key). The visible keys are folded into
-   ``G = 2 * next_pow2(k)`` columns by a running max, block ``i`` of ``G`` keys rotated by
-   ``i * 1031`` columns (so that scores repeating with a period of ``G`` do not pile their copies
-   into the same columns). The k-th largest of the ``G`` maxima is a value ``L`` with at least
-   ``k`` keys ``>= L`` (those maxima), so every top-k key is ``>= L``. On scores without
-   structure about ``0.7 * G`` keys reach ``L``.
-2. **Candidates** (read 4 B per key, write 8 B per candidate): keys ``>= L`` are appended, in
-   column order, as ``(order key << 32) | column``, to the row's buffer of ``G`` slots.
-3. **The k-th key and the result.** (a) When the candidates fit (the common case): the exact k-th
-   key among them, in registers, then the keys above it and the lowest-column ties at it. (b) When
-   ties at ``L`` overflow the buffer (e.g. many equal scores) and fewer than ``k`` keys lie above
-   ``L``: ``L`` is the k-th key; one more read of the row selects. (c) Otherwise (adversarial
-   scores): radix select over the whole row (8 more reads), then that selection.
+Three kernels, each row's keys read twice in all:
+
+1. **A lower bound from column maxima** (``_topk_select_bound_kernel``, one program per row; read
+   4 B per key). The visible keys are folded into ``G = 2 * next_pow2(k)`` columns by a running
+   max, block ``i`` of ``G`` keys rotated by ``i * 1031`` columns (so that scores repeating with a
+   period of ``G`` do not pile their copies into the same columns). The k-th largest of the ``G``
+   maxima has at least ``k`` keys at or above it (those maxima), so every top-k key is at or above
+   it, and so at or above ``L``: its top 16 bits, the rest zero (4 radix steps on the GPU, half of
+   an exact select; :class:`SelectConfig`). On scores without structure about ``0.7 * G`` keys
+   reach ``L``.
+2. **Candidates** (``_topk_select_compact_kernel``, ``S`` programs per row, each a segment of the
+   row; read 4 B per key, write 4 B per candidate): the columns of the keys ``>= L``, in column
+   order, into the segment's own ``G`` slots, and the segment's count. Segment order is column
+   order, so the row's candidates are in column order without a sort or an atomic.
+3. **The k-th key and the result** (``_topk_select_finish_kernel``, one program per row). (a) When
+   the row's candidates fit in ``G`` slots (the common case): the exact k-th key among them, in
+   registers, then the keys above it and the lowest-column ties at it. (b) When ties at ``L``
+   overflow (e.g. many equal scores) and fewer than ``k`` keys lie above ``L`` (one more read
+   counts them): ``L`` is the k-th key; one more read of the row selects. (c) Otherwise
+   (adversarial scores): radix select over the whole row (8 more reads), then that selection.
    Exact on every path; only the time differs. ``paths=`` records which one each row took.
 
 The k-th largest key by radix select, 4 bits per step: one ``tl.histogram`` of the next digit
@@ -41,12 +48,41 @@ all bits flipped, non-negative ones the sign bit set); ``-0.0`` is first folded 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
-# num_warps for the selection kernel on GPU (one program per row).
-GPU_NUM_WARPS = 4
+
+@dataclass(frozen=True)
+class SelectConfig:
+    """Launch parameters of the three kernels. ``bound_steps``: radix steps of the bound (8: the
+    exact k-th column maximum; fewer: its top ``4 * bound_steps`` bits, a slightly lower bound for
+    fewer steps; a bound below a run of equal scores sends rows with many ties from path (b) to
+    (c), still exact). ``segment_keys``: about how many keys one compact
+    program reads (a row of ``N`` keys gets ``S = next_pow2(N / segment_keys)`` programs, at most
+    ``max_segments``); ``compact_block``: keys per step of a compact program (a power of two)."""
+
+    bound_warps: int
+    bound_steps: int
+    compact_block: int
+    compact_warps: int
+    segment_keys: int
+    max_segments: int
+    finish_warps: int
+
+
+GPU_CONFIG = SelectConfig(
+    bound_warps=32, bound_steps=4, compact_block=512, compact_warps=1, segment_keys=8192, max_segments=16, finish_warps=8
+)
+"""The H200's config: the fastest exact candidate of ``python -m reference_impl.bench.topk --sweep``
+(``docs/results/topk_select_h200.json``)."""
+CPU_CONFIG = SelectConfig(
+    bound_warps=4, bound_steps=8, compact_block=64, compact_warps=1, segment_keys=256, max_segments=4, finish_warps=4
+)
+"""The interpreter's: small segments, so that toy rows still take several segments."""
 
 PATHS = ("candidates", "ties at the bound", "whole row")
 """Names of the values ``paths=`` receives: 0, 1, 2 = steps 3a, 3b, 3c of the module docstring."""
@@ -84,12 +120,13 @@ def _digit_of(keys, valid, prefix, SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _kth_largest_in_registers(keys, valid, k):
+def _kth_largest_in_registers(keys, valid, k, STEPS: tl.constexpr = 8):
     """``(k-th largest valid uint32 key, how many keys equal to it are among the top k)``: radix
-    select, 4 bits per step, one ``tl.histogram`` per step. ``(0, k - valid)`` with fewer than ``k``."""
+    select, 4 bits per step, one ``tl.histogram`` per step. ``(0, k - valid)`` with fewer than ``k``.
+    With ``STEPS < 8``: the k-th key's top ``4 * STEPS`` bits, the rest zero (a lower bound on it)."""
     kth = tl.full([], 0, tl.uint32)
     remaining = k
-    for step in tl.static_range(8):
+    for step in tl.static_range(STEPS):
         hist = tl.histogram(_digit_of(keys, valid, kth, 28 - 4 * step), 32)
         kth, remaining = _choose_digit(hist, kth, remaining, 28 - 4 * step)
     return kth, remaining
@@ -102,69 +139,110 @@ def _row_keys(row_logits, cols, hi):
 
 
 @triton.jit
-def _topk_select_kernel(
-    logits_ptr,
-    col_start_ptr,
-    col_end_ptr,
-    cand_ptr,
-    out_ptr,
-    path_ptr,
-    n_cols,
-    col_offset,
-    k,
-    stride_l,
-    stride_o,
-    G: tl.constexpr,
-    WRITE_PATH: tl.constexpr,
+def _visible(col_start_ptr, col_end_ptr, row, n_cols):
+    return tl.maximum(tl.load(col_start_ptr + row), 0), tl.minimum(tl.load(col_end_ptr + row), n_cols)
+
+
+@triton.jit
+def _topk_select_bound_kernel(
+    logits_ptr, col_start_ptr, col_end_ptr, bound_ptr, n_cols, k, stride_l, G: tl.constexpr, STEPS: tl.constexpr
 ):
+    """Step 1, one program per row: the k-th largest of the row's ``G`` rotated column maxima, to
+    its top ``4 * STEPS`` bits (a lower bound on it is a bound too, and costs half the radix steps)."""
     row = tl.program_id(0).to(tl.int64)
-    lo = tl.maximum(tl.load(col_start_ptr + row), 0)
-    hi = tl.minimum(tl.load(col_end_ptr + row), n_cols)
+    lo, hi = _visible(col_start_ptr, col_end_ptr, row, n_cols)
     offs = tl.arange(0, G)
     row_logits = logits_ptr + row * stride_l
-    row_cand = cand_ptr + row * G
-    row_out = out_ptr + row * stride_o
-
-    # 1. Column maxima of the visible keys (read 4 B per key), and their k-th largest: a lower
-    #    bound on the row's k-th largest key. Block i is rotated by i * 1031 columns, so that
-    #    scores repeating with a period of G do not pile their copies into the same columns.
     col_max = tl.zeros([G], dtype=tl.uint32)
+    # Read 4 B per visible key. (Issuing the next block's load before this block's max, by hand,
+    # measured slower on the H200: more registers, fewer programs per SM.)
     for b in range(lo, hi, G):
         rotation = ((b - lo) // G * 1031) % G
         key, in_row = _row_keys(row_logits, b + (offs + rotation) % G, hi)
         col_max = tl.maximum(col_max, tl.where(in_row, key, 0))
-    bound, _ = _kth_largest_in_registers(col_max, col_max > 0, k)
+    bound = tl.full([], 0, tl.uint32)
+    if hi - lo > k:  # otherwise every visible key is a candidate
+        bound, _ = _kth_largest_in_registers(col_max, col_max > 0, k, STEPS)
+    tl.store(bound_ptr + row, bound)
 
-    # 2. Candidates (key >= bound) appended to the row's buffer as (key << 32 | column), in column
-    #    order: read 4 B per key, write 8 B per candidate; and how many keys lie above the bound.
+
+@triton.jit
+def _topk_select_compact_kernel(
+    logits_ptr, col_start_ptr, col_end_ptr, bound_ptr, cand_ptr, count_ptr, n_cols, segment_keys, stride_l,
+    G: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Step 2, program (row, segment): the columns of the segment's keys ``>= bound`` in column
+    order into the segment's ``G`` slots (read 4 B per key, write 4 B per candidate), and their
+    count (every candidate counted, only the first ``G`` stored)."""
+    row = tl.program_id(0).to(tl.int64)
+    segment = tl.program_id(1)
+    n_segments = tl.num_programs(1)
+    lo, hi = _visible(col_start_ptr, col_end_ptr, row, n_cols)
+    seg_lo = lo + segment * segment_keys
+    seg_hi = tl.minimum(hi, seg_lo + segment_keys)
+    bound = tl.load(bound_ptr + row)
+    offs = tl.arange(0, BLOCK)
+    row_logits = logits_ptr + row * stride_l
+    slots = cand_ptr + (row * n_segments + segment) * G
     n_cand = 0
-    n_above_bound = 0
-    for b in range(lo, hi, G):
+    for b in range(seg_lo, seg_hi, BLOCK):
         cols = b + offs
-        key, in_row = _row_keys(row_logits, cols, hi)
+        key, in_row = _row_keys(row_logits, cols, seg_hi)
         take = in_row & (key >= bound)
         slot = n_cand + tl.cumsum(take.to(tl.int32), axis=0) - 1
-        tl.store(row_cand + slot, (key.to(tl.uint64) << 32) | cols.to(tl.uint64), mask=take & (slot < G))
+        tl.store(slots + slot, cols.to(tl.int32), mask=take & (slot < G))
         n_cand += tl.sum(take.to(tl.int32), axis=0)
-        n_above_bound += tl.sum((in_row & (key > bound)).to(tl.int32), axis=0)
+    tl.store(count_ptr + row * n_segments + segment, n_cand)
+
+
+@triton.jit
+def _topk_select_finish_kernel(
+    logits_ptr, col_start_ptr, col_end_ptr, bound_ptr, cand_ptr, count_ptr, out_ptr, path_ptr,
+    n_cols, col_offset, k, stride_l, stride_o,
+    G: tl.constexpr, N_SEGMENTS: tl.constexpr, WRITE_PATH: tl.constexpr,
+):
+    """Step 3, one program per row: the exact k-th key and the selection, in column order."""
+    row = tl.program_id(0).to(tl.int64)
+    lo, hi = _visible(col_start_ptr, col_end_ptr, row, n_cols)
+    bound = tl.load(bound_ptr + row)
+    offs = tl.arange(0, G)
+    row_logits = logits_ptr + row * stride_l
+    row_out = out_ptr + row * stride_o
+
+    # The row's candidates: the segments' slots one after another (segment order is column order).
+    cand_cols = tl.zeros([G], dtype=tl.int32)
+    n_cand = 0
+    for segment in tl.static_range(N_SEGMENTS):
+        n_seg = tl.load(count_ptr + row * N_SEGMENTS + segment)
+        here = (offs >= n_cand) & (offs < n_cand + n_seg)
+        slots = cand_ptr + (row * N_SEGMENTS + segment) * G
+        cand_cols = tl.where(here, tl.load(slots + offs - n_cand, mask=here, other=0), cand_cols)
+        n_cand += n_seg
 
     if n_cand <= G:
         # 3a. Every candidate fits in registers: the exact k-th key among them, then the keys above
-        #     it and the lowest-column ties at it, stored in column order.
+        #     it and the lowest-column ties at it, stored in column order. With at most k
+        #     candidates (a row of at most k keys) all of them.
         path = tl.full([], 0, tl.int32)
-        packed = tl.load(row_cand + offs, mask=offs < n_cand, other=0)
         valid = offs < n_cand
-        keys = (packed >> 32).to(tl.uint32)
-        kth, ties_wanted = _kth_largest_in_registers(keys, valid, k)
-        tie = valid & (keys == kth)
-        take = (valid & (keys > kth)) | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) <= ties_wanted))
+        take = valid
+        if n_cand > k:
+            keys = tl.where(valid, _order_key(tl.load(row_logits + cand_cols, mask=valid, other=0.0)), 0)
+            kth, ties_wanted = _kth_largest_in_registers(keys, valid, k)
+            tie = valid & (keys == kth)
+            take = valid & (keys >= kth)
+            if tl.sum(tie.to(tl.int32), axis=0) > ties_wanted:  # the lowest-column ties only
+                take = (valid & (keys > kth)) | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) <= ties_wanted))
         slot = tl.cumsum(take.to(tl.int32), axis=0) - 1
-        cols = (packed & 0xFFFFFFFF).to(tl.int64)
-        tl.store(row_out + slot, (cols + col_offset).to(tl.int32), mask=take)
+        tl.store(row_out + slot, (cand_cols.to(tl.int64) + col_offset).to(tl.int32), mask=take)
         n_out = tl.sum(take.to(tl.int32), axis=0)
     else:
+        n_above_bound = 0  # one more read: how many keys lie strictly above the bound
+        for b in range(lo, hi, G):
+            key, in_row = _row_keys(row_logits, b + offs, hi)
+            n_above_bound += tl.sum((in_row & (key > bound)).to(tl.int32), axis=0)
         if n_above_bound < k:
-            # 3b. Ties at the bound overflow the buffer: the bound is itself the k-th key.
+            # 3b. Ties at the bound overflow the slots: the bound is itself the k-th key.
             path = tl.full([], 1, tl.int32)
             kth = bound
             ties_wanted = k - n_above_bound
@@ -198,8 +276,16 @@ def _topk_select_kernel(
 
 
 def candidate_slots(k: int) -> int:
-    """``G``: candidate-buffer slots (and column-maxima width) per row for top-``k``: ``2 * next_pow2(k)``."""
+    """``G``: candidate slots per segment (and column-maxima width) per row for top-``k``: ``2 * next_pow2(k)``."""
     return 2 * triton.next_power_of_2(max(int(k), 1))
+
+
+def segment_count(n_cols: int, block: int, segment_keys: int, max_segments: int) -> tuple[int, int]:
+    """``(S, keys per segment)`` for rows of up to ``n_cols`` keys: ``S`` the power of two (at most
+    ``max_segments``) that splits them into segments of about ``segment_keys``, each a whole number
+    of ``block``-key blocks."""
+    n_segments = min(triton.next_power_of_2(max(1, triton.cdiv(n_cols, segment_keys))), max_segments)
+    return n_segments, triton.cdiv(triton.cdiv(max(n_cols, 1), n_segments), block) * block
 
 
 def topk_select_triton(
@@ -211,7 +297,7 @@ def topk_select_triton(
     col_offset: int = 0,
     out: torch.Tensor | None = None,
     paths: torch.Tensor | None = None,
-    num_warps: int | None = None,
+    config: SelectConfig | None = None,
 ) -> torch.Tensor:
     """Top-``k`` columns of each row of ``logits [R, N]`` f32 within ``[col_start, col_end)`` -> ``[R, k]`` int32.
 
@@ -219,7 +305,9 @@ def topk_select_triton(
     relative to ``logits`` (clipped to ``[0, N)``); ``col_offset`` is added to every column written
     (e.g. the chunk's first key). ``out``: an ``[R, k]`` int32 view to write into (e.g. a slice of a
     larger result); a new tensor otherwise. ``paths``: an ``[R]`` int8 tensor that receives each
-    row's path (:data:`PATHS`), for tests and benchmarks.
+    row's path (:data:`PATHS`), for tests and benchmarks. ``config``: launch parameters
+    (:class:`SelectConfig`); :data:`GPU_CONFIG` or :data:`CPU_CONFIG` by default. Workspace:
+    ``R x S x G`` int32 candidate slots (``S`` segments per row, ``G`` = :func:`candidate_slots`).
     """
     if logits.dim() != 2 or logits.dtype != torch.float32:
         raise ValueError(f"logits must be a 2-D float32 tensor, got {tuple(logits.shape)} {logits.dtype}")
@@ -238,26 +326,57 @@ def topk_select_triton(
         raise ValueError(f"paths must be an [{n_rows}] int8 tensor")
     if n_rows == 0:
         return out
-    slots = candidate_slots(k)
-    candidates = torch.empty(n_rows, slots, dtype=torch.uint64, device=logits.device)
-    on_gpu = logits.device.type == "cuda"
-    _topk_select_kernel[(n_rows,)](
-        logits,
-        col_start.to(torch.int64).contiguous(),
-        col_end.to(torch.int64).contiguous(),
-        candidates,
-        out,
-        out if paths is None else paths,  # not written unless WRITE_PATH
-        n_cols,
-        col_offset,
-        k,
-        logits.stride(0),
-        out.stride(0),
-        G=slots,
-        WRITE_PATH=paths is not None,
-        num_warps=num_warps or (GPU_NUM_WARPS if on_gpu else 4),
-    )
+    for launch in select_launches(logits, col_start, col_end, k, col_offset, out, paths, config).values():
+        launch()
     return out
+
+
+def select_launches(
+    logits: torch.Tensor,
+    col_start: torch.Tensor,
+    col_end: torch.Tensor,
+    k: int,
+    col_offset: int,
+    out: torch.Tensor,
+    paths: torch.Tensor | None,
+    config: SelectConfig | None,
+) -> dict[str, Callable[[], None]]:
+    """The three kernel launches of one selection, in order (``"bound"``, ``"compact"``,
+    ``"finish"``), over shared workspace: run them in order for the selection, or time each alone
+    (:mod:`reference_impl.bench.topk`). Arguments as :func:`topk_select_triton`'s, checked there."""
+    n_rows, n_cols = logits.shape
+    cfg = config or (GPU_CONFIG if logits.device.type == "cuda" else CPU_CONFIG)
+    slots = candidate_slots(k)
+    n_segments, segment_keys = segment_count(n_cols, cfg.compact_block, cfg.segment_keys, cfg.max_segments)
+    ranges = (
+        col_start.to(device=logits.device, dtype=torch.int64).contiguous(),
+        col_end.to(device=logits.device, dtype=torch.int64).contiguous(),
+    )
+    bound = torch.empty(n_rows, dtype=torch.uint32, device=logits.device)
+    candidates = torch.empty(n_rows, n_segments, slots, dtype=torch.int32, device=logits.device)
+    counts = torch.empty(n_rows, n_segments, dtype=torch.int32, device=logits.device)
+
+    def bound_kernel() -> None:
+        _topk_select_bound_kernel[(n_rows,)](
+            logits, *ranges, bound, n_cols, k, logits.stride(0),
+            G=slots, STEPS=cfg.bound_steps, num_warps=cfg.bound_warps,
+        )
+
+    def compact_kernel() -> None:
+        _topk_select_compact_kernel[(n_rows, n_segments)](
+            logits, *ranges, bound, candidates, counts, n_cols, segment_keys, logits.stride(0),
+            G=slots, BLOCK=cfg.compact_block, num_warps=cfg.compact_warps,
+        )
+
+    def finish_kernel() -> None:
+        _topk_select_finish_kernel[(n_rows,)](
+            logits, *ranges, bound, candidates, counts, out,
+            out if paths is None else paths,  # not written unless WRITE_PATH
+            n_cols, col_offset, k, logits.stride(0), out.stride(0),
+            G=slots, N_SEGMENTS=n_segments, WRITE_PATH=paths is not None, num_warps=cfg.finish_warps,
+        )
+
+    return {"bound": bound_kernel, "compact": compact_kernel, "finish": finish_kernel}
 
 
 def topk_select_reference(

@@ -2,7 +2,8 @@
 
 :class:`PlannerRates` holds every rate with a built-in H200 default; :func:`load_rates` replaces the
 defaults with the values in ``docs/results/compute_bench.json``, ``kernels_bench.json``,
-``elementwise_rate.json`` and ``glue_h200.json`` (where they exist), then with each ``--rates`` file in order. ``sources`` records each value's origin: a
+``elementwise_rate.json``, ``glue_h200.json`` and ``topk_select_h200.json`` (where they exist), then
+with each ``--rates`` file in order. ``sources`` records each value's origin: a
 JSON path, a built-in copy, a file given on the command line, or an assumption (the interconnect).
 """
 
@@ -19,15 +20,17 @@ from reference_impl.config import ConfigError
 RESULTS_DIR = Path(__file__).resolve().parent.parent.parent / "docs" / "results"
 
 _COMPUTE, _KERNELS, _ELEMENTWISE, _GLUE = "compute_bench.json", "kernels_bench.json", "elementwise_rate.json", "glue_h200.json"
+_TOPK = "topk_select_h200.json"  # a bench.compute run after the top-k selection kernel became the default
 # Where each measured rate lives in the benchmark JSONs. "list[k=v,T=max]" picks, among the list's
 # entries with k == v, the one with the largest T (the longest measured sequence); any key can be
 # the maximized one ("tokens=max").
 _RATE_PATHS: dict[str, tuple[str, str]] = {
     "attention_tflops": (_COMPUTE, "per_rank.attention.engine_tflops"),  # the kernel the engine runs
     "indexer_logits_tflops": (_COMPUTE, "per_rank.indexer.logits_tflops"),
-    "topk_ms": (_COMPUTE, "per_rank.indexer.topk_ms"),
-    "topk_ref_queries": (_COMPUTE, "per_rank.indexer.T"),
-    "topk_ref_keys": (_COMPUTE, "per_rank.indexer.S"),
+    # The top-k of the selector the engine runs (the selection kernel by default).
+    "topk_ms": (_TOPK, "compute_bench.per_rank.indexer.topk_ms"),
+    "topk_ref_queries": (_TOPK, "compute_bench.per_rank.indexer.T"),
+    "topk_ref_keys": (_TOPK, "compute_bench.per_rank.indexer.S"),
     "matmul_tflops": (_COMPUTE, "bf16_matmul_8192_tflops"),
     "copy_gbps": (_KERNELS, "copy.gbps"),
     **{
@@ -60,7 +63,7 @@ class PlannerRates:
 
     attention_tflops: float = 315.2  # sparse MLA (the engine's kernel: Gluon on an H200), one rank of C=8 at 128K
     indexer_logits_tflops: float = 933.8
-    topk_ms: float = 13.25  # torch.topk of [topk_ref_queries, topk_ref_keys] logits
+    topk_ms: float = 4.88  # the top-k selection kernel over [topk_ref_queries, topk_ref_keys] logits
     topk_ref_queries: float = 16384
     topk_ref_keys: float = 131072
     matmul_tflops: float = 773.1  # bf16 8192^3
@@ -155,11 +158,13 @@ def load_rates(paths: list[str] | None = None, results_dir: Path | None = RESULT
     """Defaults from ``results_dir`` (where the files exist), then each of ``paths`` in order.
 
     A file in ``paths`` is a ``compute_bench.json`` (has ``per_rank``), a ``kernels_bench.json``
-    (has ``kernels``), a ``glue_h200.json`` (has ``bench``, a ``bench.glue`` run), or a flat ``{field: value}`` object of :class:`PlannerRates` fields.
+    (has ``kernels``), a ``glue_h200.json`` (has ``bench``, a ``bench.glue`` run), a
+    ``topk_select_h200.json`` (has ``compute_bench``), or a flat ``{field: value}`` object of
+    :class:`PlannerRates` fields.
     """
     rates = PlannerRates()
     found: dict[str, tuple[float, str]] = {}
-    for name in (_COMPUTE, _KERNELS, _ELEMENTWISE, _GLUE) if results_dir is not None else ():
+    for name in (_COMPUTE, _KERNELS, _ELEMENTWISE, _GLUE, _TOPK) if results_dir is not None else ():
         path = results_dir / name
         if path.is_file():
             label = f"docs/results/{name}" if results_dir == RESULTS_DIR else str(path)
@@ -174,9 +179,15 @@ def load_rates(paths: list[str] | None = None, results_dir: Path | None = RESULT
             raise ConfigError(f"--rates {path_str}: not JSON ({exc.msg} at line {exc.lineno})") from None
         if not isinstance(doc, dict):
             raise ConfigError(f"--rates {path_str}: expected a JSON object")
-        kind = _COMPUTE if "per_rank" in doc else _KERNELS if "kernels" in doc else _GLUE if "bench" in doc else None
+        kind = (
+            _COMPUTE if "per_rank" in doc else _KERNELS if "kernels" in doc else _GLUE if "bench" in doc
+            else _TOPK if "compute_bench" in doc else None
+        )
         if kind is None:
             rates = rates.override(doc, path_str)
         else:
-            rates = rates.with_sourced(rates_from_bench(doc, kind, path_str))
+            found = rates_from_bench(doc, kind, path_str)
+            if kind == _COMPUTE and "topk_ms" not in found:  # a bench.compute run: its top-k too
+                found.update(rates_from_bench({"compute_bench": doc}, _TOPK, path_str))
+            rates = rates.with_sourced(found)
     return rates

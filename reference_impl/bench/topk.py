@@ -1,0 +1,174 @@
+"""GPU benchmark of the indexer's top-k selection at the per-rank shape: its three kernels, the whole
+selection and ``torch.topk``, every config checked exact.
+
+Usage::
+
+    python -m reference_impl.bench.topk --out results.json [--context 131072 --cp-size 8 --topk 2048] [--sweep]
+
+The shape is the engine's: rank 0's zigzag queries of one ``--context``-token request split over
+``--cp-size`` ranks, each against the keys it sees, with the index logits of the Triton logits
+kernel on :func:`~reference_impl.bench.compute_cases.indexer_inputs` (64 heads x 128), cut into
+row chunks of at most 1 GiB of fp32 logits as
+:func:`~reference_impl.kernels.indexer_triton.indexer_topk_triton` cuts them. Times are summed over
+the chunks: each of the three kernels alone (:func:`~reference_impl.kernels.topk_select.select_launches`),
+the whole selection, and ``torch.topk`` over the same logits. Before timing, each config's result on
+every chunk must equal :func:`exact_selection` (the contract: a stable descending sort).
+
+``--sweep`` also times each candidate of :data:`SWEEP` (changes to ``GPU_CONFIG``); the fastest exact
+one is the value to put in ``topk_select.GPU_CONFIG``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+# Changes to GPU_CONFIG that --sweep times (the compact kernel's block, warps and segment size go together).
+SWEEP: list[dict[str, int]] = [
+    {"bound_warps": 16},
+    {"bound_steps": 8},
+    {"bound_steps": 3},
+    {"finish_warps": 16},
+    {"finish_warps": 4},
+    {"compact_block": 512, "compact_warps": 1, "segment_keys": 16384, "max_segments": 8},
+    {"compact_block": 1024, "compact_warps": 2, "segment_keys": 8192, "max_segments": 16},
+    {"compact_block": 256, "compact_warps": 1, "segment_keys": 8192, "max_segments": 16},
+    {"compact_block": 512, "compact_warps": 1, "segment_keys": 4096, "max_segments": 32},
+]
+
+
+class Chunk(NamedTuple):
+    """One row chunk: ``logits [rows, hi - lo]`` f32 and each row's visible columns, relative to ``lo``."""
+
+    logits: torch.Tensor
+    col_start: torch.Tensor
+    col_end: torch.Tensor
+    lo: int
+
+
+def per_rank_chunks(context: int, cp_size: int, heads: int, dim: int, device: str) -> list[Chunk]:
+    """Rank 0's index logits at ``context`` tokens over ``cp_size`` ranks, in the engine's row chunks."""
+    from reference_impl.bench.compute_cases import indexer_inputs, zigzag_rank0_positions
+    from reference_impl.kernels.indexer_triton import indexer_logits_triton
+    from reference_impl.model.sparse_attention import chunk_key_range
+
+    positions = zigzag_rank0_positions(context, cp_size)
+    q, w, k, k_scale, start, end = indexer_inputs(positions, context, heads, dim, torch.device(device))
+    rows = max(1, (1 << 30) // (context * 4))
+    chunks = []
+    for r0 in range(0, positions.numel(), rows):
+        r1 = min(r0 + rows, positions.numel())
+        lo, hi = chunk_key_range(start, end, r0, r1, None)
+        logits = indexer_logits_triton(q[r0:r1], w[r0:r1], k, k_scale, start[r0:r1], end[r0:r1], lo, hi)
+        chunks.append(Chunk(logits, (start[r0:r1] - lo).contiguous(), (end[r0:r1] - lo).contiguous(), lo))
+    return chunks
+
+
+def exact_selection(chunk: Chunk, k: int) -> torch.Tensor:
+    """The selection's contract, vectorized: per row the first ``min(k, visible)`` columns of a
+    stable descending sort of the visible columns, ascending, ``-1`` padded -> ``[rows, k]`` int32
+    (columns relative to the chunk, like ``topk_select_triton`` with ``col_offset=0``)."""
+    logits, start, end, _ = chunk
+    cols = torch.arange(logits.shape[1], device=logits.device)
+    visible = (cols[None] >= start[:, None]) & (cols[None] < end[:, None])
+    order = torch.sort(logits.masked_fill(~visible, float("-inf")), dim=1, descending=True, stable=True).indices
+    order = order[:, :k] if order.shape[1] >= k else torch.nn.functional.pad(order, (0, k - order.shape[1]))
+    n_visible = visible.sum(1, keepdim=True)
+    sentinel = torch.iinfo(torch.int64).max
+    chosen = torch.where(torch.arange(k, device=logits.device)[None] < n_visible, order, sentinel).sort(1).values
+    return torch.where(chosen == sentinel, -1, chosen).to(torch.int32)
+
+
+def measure(chunks: list[Chunk], k: int, config: Any, bench: Callable[[Callable[[], object]], float]) -> dict[str, Any]:
+    """One config: exact on every chunk?, then each kernel's and the whole selection's ms, summed over chunks."""
+    from reference_impl.kernels.topk_select import select_launches, topk_select_triton
+
+    row: dict[str, Any] = {"config": dataclasses.asdict(config)}
+    row["exact"] = all(
+        torch.equal(topk_select_triton(c.logits, c.col_start, c.col_end, k, config=config), exact_selection(c, k))
+        for c in chunks
+    )
+    kernel_ms = {"bound": 0.0, "compact": 0.0, "finish": 0.0}
+    for c in chunks:
+        out = torch.empty(c.logits.shape[0], k, dtype=torch.int32, device=c.logits.device)
+        launches = select_launches(c.logits, c.col_start, c.col_end, k, c.lo, out, None, config)
+        for launch in launches.values():  # in order: each kernel's inputs are the previous one's outputs
+            launch()
+        for name, launch in launches.items():
+            kernel_ms[name] += bench(launch)
+    row["kernel_ms"] = kernel_ms
+    row["select_ms"] = bench(lambda: [topk_select_triton(c.logits, c.col_start, c.col_end, k, col_offset=c.lo, config=config) for c in chunks])
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="JSON file to write")
+    parser.add_argument("--context", type=int, default=131072, help="tokens of the request")
+    parser.add_argument("--cp-size", type=int, default=8, help="C: rank 0 of C ranks")
+    parser.add_argument("--topk", type=int, default=2048)
+    parser.add_argument("--index-heads", type=int, default=64)
+    parser.add_argument("--index-dim", type=int, default=128)
+    parser.add_argument("--sweep", action="store_true", help="also time every candidate config of SWEEP")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help=argparse.SUPPRESS)  # cpu: dry run
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: this benchmark needs a CUDA device", file=sys.stderr)
+        return 2
+    if args.device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # dry run of the script's logic at toy sizes
+    import triton
+    import triton.testing
+
+    from reference_impl.bench.timing import cpu_median_ms
+    from reference_impl.kernels.topk_select import CPU_CONFIG, GPU_CONFIG
+
+    on_gpu = args.device == "cuda"
+
+    def bench(fn: Callable[[], object]) -> float:
+        return float(triton.testing.do_bench(fn, warmup=10, rep=60)) if on_gpu else cpu_median_ms(fn, 1)
+
+    torch.manual_seed(args.seed)
+    chunks = per_rank_chunks(args.context, args.cp_size, args.index_heads, args.index_dim, args.device)
+    config = GPU_CONFIG if on_gpu else CPU_CONFIG
+    result: dict[str, Any] = {
+        "command": "python -m reference_impl.bench.topk " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
+        "device": torch.cuda.get_device_name(0) if on_gpu else "cpu (interpreter dry run)",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "shape": {
+            "what": f"rank 0 of C={args.cp_size} at {args.context} tokens", "k": args.topk,
+            "rows": sum(c.logits.shape[0] for c in chunks), "chunks": [list(c.logits.shape) for c in chunks],
+        },
+        "timing": "median of triton.testing.do_bench (warmup 10 ms, rep 60 ms) per chunk, summed" if on_gpu else "one CPU call",
+        "torch_topk_ms": bench(lambda: [c.logits.topk(min(args.topk, c.logits.shape[1]), dim=-1) for c in chunks]),
+        "default": measure(chunks, args.topk, config, bench),
+    }
+    if args.sweep:
+        result["sweep"] = [measure(chunks, args.topk, dataclasses.replace(config, **change), bench) for change in SWEEP]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    for row in [result["default"], *result.get("sweep", [])]:
+        times = " ".join(f"{name} {ms:.3f}" for name, ms in row["kernel_ms"].items())
+        print(f"select {row['select_ms']:.3f} ms ({times})  exact {row['exact']}  {row['config']}")
+    print(f"torch.topk {result['torch_topk_ms']:.3f} ms")
+    return 0 if all(r["exact"] for r in [result["default"], *result.get("sweep", [])]) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
