@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import shlex
 import sys
@@ -37,6 +36,7 @@ from typing import Any
 
 import torch
 
+from reference_impl.bench.timing import median_ms_timer, ready_for
 from reference_impl.fp8 import hadamard_matrix
 from reference_impl.kvcache.layout import KVLayout
 from reference_impl.model import norm
@@ -150,20 +150,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help=argparse.SUPPRESS)  # cpu: dry run
     args = parser.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("error: this benchmark needs a CUDA device", file=sys.stderr)
+    if not ready_for(args.device):
         return 2
-    if args.device == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"  # dry run of the script's logic at toy sizes
     import triton
-    import triton.testing
-
-    from reference_impl.bench.timing import cpu_median_ms
 
     on_gpu = args.device == "cuda"
-
-    def bench(fn: Callable[[], object]) -> float:
-        return float(triton.testing.do_bench(fn, warmup=25, rep=100)) if on_gpu else cpu_median_ms(fn, 1)
+    bench = median_ms_timer(on_gpu, warmup_ms=25, rep_ms=100)
 
     result: dict[str, Any] = {
         "command": "python -m reference_impl.bench.glue " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import platform
 import shlex
 import sys
@@ -33,6 +32,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+
+from reference_impl.bench.timing import median_ms_timer, ready_for
 
 # Changes to GPU_CONFIG that --sweep times (the compact kernel's block, warps and segment size go together).
 SWEEP: list[dict[str, int]] = [
@@ -124,21 +125,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help=argparse.SUPPRESS)  # cpu: dry run
     args = parser.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("error: this benchmark needs a CUDA device", file=sys.stderr)
+    if not ready_for(args.device):
         return 2
-    if args.device == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"  # dry run of the script's logic at toy sizes
     import triton
-    import triton.testing
 
-    from reference_impl.bench.timing import cpu_median_ms
     from reference_impl.kernels.topk_select import CPU_CONFIG, GPU_CONFIG
 
     on_gpu = args.device == "cuda"
-
-    def bench(fn: Callable[[], object]) -> float:
-        return float(triton.testing.do_bench(fn, warmup=10, rep=60)) if on_gpu else cpu_median_ms(fn, 1)
+    bench = median_ms_timer(on_gpu, warmup_ms=10, rep_ms=60)
 
     torch.manual_seed(args.seed)
     chunks = per_rank_chunks(args.context, args.cp_size, args.index_heads, args.index_dim, args.device)
