@@ -91,14 +91,17 @@ def exact_selection(chunk: Chunk, k: int) -> torch.Tensor:
     return torch.where(chosen == sentinel, -1, chosen).to(torch.int32)
 
 
-def measure(chunks: list[Chunk], k: int, config: Any, bench: Callable[[Callable[[], object]], float]) -> dict[str, Any]:
-    """One config: exact on every chunk?, then each kernel's and the whole selection's ms, summed over chunks."""
+def measure(
+    chunks: list[Chunk], expected: list[torch.Tensor], k: int, config: Any, bench: Callable[[Callable[[], object]], float]
+) -> dict[str, Any]:
+    """One config: exact on every chunk (``expected``: :func:`exact_selection` of each)?, then each
+    kernel's and the whole selection's ms, summed over chunks."""
     from reference_impl.kernels.topk_select import select_launches, topk_select_triton
 
     row: dict[str, Any] = {"config": dataclasses.asdict(config)}
     row["exact"] = all(
-        torch.equal(topk_select_triton(c.logits, c.col_start, c.col_end, k, config=config), exact_selection(c, k))
-        for c in chunks
+        torch.equal(topk_select_triton(c.logits, c.col_start, c.col_end, k, config=config), want)
+        for c, want in zip(chunks, expected, strict=True)
     )
     kernel_ms = {"bound": 0.0, "compact": 0.0, "finish": 0.0}
     for c in chunks:
@@ -137,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     chunks = per_rank_chunks(args.context, args.cp_size, args.index_heads, args.index_dim, args.device)
     config = GPU_CONFIG if on_gpu else CPU_CONFIG
+    expected = [exact_selection(c, args.topk) for c in chunks]  # once, for every config
     result: dict[str, Any] = {
         "command": "python -m reference_impl.bench.topk " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
         "device": torch.cuda.get_device_name(0) if on_gpu else "cpu (interpreter dry run)",
@@ -150,10 +154,12 @@ def main(argv: list[str] | None = None) -> int:
         },
         "timing": "median of triton.testing.do_bench (warmup 10 ms, rep 60 ms) per chunk, summed" if on_gpu else "one CPU call",
         "torch_topk_ms": bench(lambda: [c.logits.topk(min(args.topk, c.logits.shape[1]), dim=-1) for c in chunks]),
-        "default": measure(chunks, args.topk, config, bench),
+        "default": measure(chunks, expected, args.topk, config, bench),
     }
     if args.sweep:
-        result["sweep"] = [measure(chunks, args.topk, dataclasses.replace(config, **change), bench) for change in SWEEP]
+        result["sweep"] = [
+            measure(chunks, expected, args.topk, dataclasses.replace(config, **change), bench) for change in SWEEP
+        ]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

@@ -47,6 +47,15 @@ _RATE_PATHS: dict[str, tuple[str, str]] = {
     "elementwise_us_per_token": (_ELEMENTWISE, "elementwise_us_per_token"),
     "fill_current_fused_gbps": (_GLUE, "bench.rows[op=fill_current,tokens=max].kernel_gbps"),
 }
+# Rates a second kind of file holds too: a bench.compute run times the default top-k selector as
+# well (a topk_select_h200.json, loaded after it, holds the run the defaults come from).
+_ALSO_IN: dict[str, dict[str, str]] = {
+    _COMPUTE: {
+        "topk_ms": "per_rank.indexer.topk_ms",
+        "topk_ref_queries": "per_rank.indexer.T",
+        "topk_ref_keys": "per_rank.indexer.S",
+    },
+}
 _ASSUMED = {
     "interconnect_gbps": "assumption: NVLink 4, 450 GB/s per direction per GPU (peak, not measured; "
     "NCCL all-gathers reach less)",
@@ -143,9 +152,8 @@ def _lookup(doc: Any, path: str) -> tuple[Any, str]:
 def rates_from_bench(doc: dict[str, Any], file: str, label: str) -> dict[str, tuple[float, str]]:
     """The rates a benchmark JSON (``file`` is its kind, by name) provides -> ``{field: (value, source)}``."""
     out = {}
-    for name, (kind, path) in _RATE_PATHS.items():
-        if kind != file:
-            continue
+    paths = [(name, path) for name, (kind, path) in _RATE_PATHS.items() if kind == file]
+    for name, path in paths + list(_ALSO_IN.get(file, {}).items()):
         try:
             value, where = _lookup(doc, path)
         except (KeyError, TypeError, ValueError, IndexError):
@@ -186,8 +194,5 @@ def load_rates(paths: list[str] | None = None, results_dir: Path | None = RESULT
         if kind is None:
             rates = rates.override(doc, path_str)
         else:
-            found = rates_from_bench(doc, kind, path_str)
-            if kind == _COMPUTE and "topk_ms" not in found:  # a bench.compute run: its top-k too
-                found.update(rates_from_bench({"compute_bench": doc}, _TOPK, path_str))
-            rates = rates.with_sourced(found)
+            rates = rates.with_sourced(rates_from_bench(doc, kind, path_str))
     return rates
