@@ -37,7 +37,8 @@ def device_name(device: torch.device) -> str:
 
 
 def attention_kernel(run: RunConfig, device: torch.device) -> str:
-    """The sparse MLA path the dispatch takes for this run's inputs: ``"gluon"``, ``"triton"`` or ``"torch"``."""
+    """The sparse MLA path the dispatch takes for this run's inputs: ``"gluon_ws"``, ``"gluon"``, ``"triton"``
+    or ``"torch"``."""
     from reference_impl.kernels.dispatch import sparse_mla_kernel
 
     d_v, d_qk = run.model.kv_lora_rank, run.model.kv_lora_rank + run.model.qk_rope_head_dim

@@ -34,22 +34,24 @@ def compute(doc: dict) -> str:
         f"Device: {doc['device']}, torch {doc['torch']}, triton {doc['triton']}; timer: {doc['timing']}.",
         f"Command: `{doc['command']}`. bf16 matmul 8192^3 on the same device: {doc['bf16_matmul_8192_tflops']:.0f} TFLOPS.",
         "",
-        "Engine: the kernel the dispatch runs on this device (Gluon on sm_90); speed-up: torch ms / engine ms.",
+        ("Engine: the kernel the dispatch runs on this device (the warp-specialized Gluon kernel, `gluon_ws`, "
+         "on sm_90); speed-up: torch ms / engine ms."),
         "",
         "| kernel | T queries | S keys | Triton ms | TFLOPS | / 640 | check | Gluon ms | TFLOPS | / 640 | check "
-        "| engine | torch ms | speed-up |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| WS Gluon ms | TFLOPS | / 640 | check | engine | torch ms | speed-up |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     rows = [("sparse MLA", a) for a in doc["attention"]] + [("sparse MLA, rank 0 of C=8", doc["per_rank"]["attention"])]
     for name, a in rows:
         torch_ms = f"{a['torch_ms']:.1f}" if a.get("torch_ms") else "-"
         speed = f"{a['speedup']:.1f}x" if a.get("speedup") else "-"
-        g = a.get("gluon")
-        gluon = f"{g['ms']:.2f} | {g['tflops']:.0f} | {g['fraction_of_flashmla_640']:.0%}" if g else "- | - | -"
+        g, w = a.get("gluon"), a.get("gluon_ws")
+        gluon, ws = (f"{x['ms']:.2f} | {x['tflops']:.0f} | {x['fraction_of_flashmla_640']:.0%}" if x else "- | - | -"
+                     for x in (g, w))
         lines.append(
             f"| {name} | {a['T']} | {a['S']} | {a['triton_ms']:.2f} | {a['triton_tflops']:.0f} | "
             f"{a['fraction_of_flashmla_640']:.0%} | {_ok(a['check'])} | {gluon} | {_ok(g and g['check'])} | "
-            f"{a.get('engine_kernel', 'triton')} | {torch_ms} | {speed} |"
+            f"{ws} | {_ok(w and w['check'])} | {a.get('engine_kernel', 'triton')} | {torch_ms} | {speed} |"
         )
     rows = [("indexer top-k", i) for i in doc["indexer"]] + [("indexer top-k, rank 0 of C=8", doc["per_rank"]["indexer"])]
     lines += ["", "| kernel | T queries | S keys | Triton ms (logits + top-k) | logits TFLOPS | top-k: `torch.topk` ms "

@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 
 from reference_impl.kernels import dispatch, fallback  # noqa: E402
 from reference_impl.model import sparse_attention as ref  # noqa: E402
+from reference_impl.errors import ConfigError  # noqa: E402
 from reference_impl.fp8 import act_quant  # noqa: E402
 
 
@@ -335,8 +336,10 @@ def test_compute_bench_dry_run_sweeps_at_the_per_rank_shape(tmp_path, monkeypatc
     assert set(compute_sweep.ATTENTION_KEYS) == set(doc["sweep"]["attention"][0]["config"])
     # No Gluon off sm_90: no Gluon rows, and the engine figures the planner reads are the Triton kernel's.
     rank_row = doc["per_rank"]["attention"]
-    assert doc["sweep"]["gluon"] == [] and "gluon" not in rank_row
+    assert doc["sweep"]["gluon"] == [] and "gluon" not in rank_row and "gluon_ws" not in rank_row
     assert rank_row["engine_tflops"] == rank_row["triton_tflops"] and rank_row["engine_ms"] == rank_row["triton_ms"]
+    smoke = doc["dispatch_smoke"]  # the dispatch itself ran (on CPU tensors: the torch references)
+    assert "error" not in smoke and smoke["attention_kernel"] == "torch" and smoke["fallback_warnings"] == [], smoke
 
 
 def test_compute_sweep_records_a_failing_candidate_and_never_picks_it(monkeypatch) -> None:
@@ -411,12 +414,15 @@ def _reference_kernel(calls: list[str], name: str):
     return kernel
 
 
-def _pretend_gluon_applies(monkeypatch: pytest.MonkeyPatch) -> None:
-    """As on an H200: Gluon imports and the kernel supports the inputs."""
+def _pretend_gluon_applies(monkeypatch: pytest.MonkeyPatch, warp_specialized: bool = False) -> None:
+    """As on an H200: Gluon imports and the first Gluon kernel (and, if asked, the warp-specialized
+    one) supports the inputs."""
     import reference_impl.kernels.sparse_mla_gluon as gluon_module
+    import reference_impl.kernels.sparse_mla_gluon_ws as ws_module
 
     monkeypatch.setattr(dispatch, "gluon_available", lambda: True)
     monkeypatch.setattr(gluon_module, "gluon_supported", lambda *a: True)
+    monkeypatch.setattr(ws_module, "ws_supported", lambda *a: warp_specialized)
 
 
 def test_dispatch_tries_gluon_then_triton(
@@ -444,6 +450,40 @@ def test_dispatch_tries_gluon_then_triton(
     messages = [r.getMessage() for r in caplog.records if r.name == fallback.__name__]
     assert len(messages) == 1 and "Gluon sparse_mla_attention failed" in messages[0]
     assert "falling back to the Triton kernel" in messages[0] and "simulated kernel failure" in messages[0]
+
+
+def test_dispatch_chain_runs_warp_specialized_then_gluon_then_triton(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, fresh_warnings: None
+) -> None:
+    """Where both Gluon kernels apply, the warp-specialized one runs; when it fails, one warning
+    names it and the first Gluon kernel runs; when that fails too, one more warning and the Triton
+    kernel runs. ``DSACP_NO_GLUON_WS=1`` skips only the first of the three."""
+    monkeypatch.setattr(fallback, "device_runs_kernels", lambda device: True)  # pretend CUDA
+    calls: list[str] = []
+    for name in ("gluon_ws", "gluon", "triton"):
+        monkeypatch.setattr(dispatch, f"_{name}_sparse_mla", _reference_kernel(calls, name))
+    q, kv, indices = _attention_case(torch.Generator().manual_seed(10), 4, 2, 96, 20, 8, torch.float32)
+    want, _ = ref.sparse_mla_attention(q, kv, indices, 0.1, 64)
+    _pretend_gluon_applies(monkeypatch, warp_specialized=True)
+    assert dispatch.sparse_mla_kernels(q, kv, 64) == ["gluon_ws", "gluon", "triton", "torch"]
+    with caplog.at_level(logging.WARNING, logger=fallback.__name__):
+        assert torch.equal(dispatch.sparse_mla_attention(q, kv, indices, 0.1, 64)[0], want)
+        assert calls == ["gluon_ws"] and not caplog.records
+        monkeypatch.setattr(dispatch, "_gluon_ws_sparse_mla", _boom)
+        assert torch.equal(dispatch.sparse_mla_attention(q, kv, indices, 0.1, 64)[0], want)
+        monkeypatch.setattr(dispatch, "_gluon_sparse_mla", _boom)
+        assert torch.equal(dispatch.sparse_mla_attention(q, kv, indices, 0.1, 64)[0], want)
+    assert calls == ["gluon_ws", "gluon", "triton"]
+    messages = [r.getMessage() for r in caplog.records if r.name == fallback.__name__]
+    assert len(messages) == 2
+    assert "Warp-specialized Gluon sparse_mla_attention failed" in messages[0]
+    assert "falling back to the Gluon kernel" in messages[0]
+    assert messages[1].startswith("Gluon sparse_mla_attention failed") and "the Triton kernel" in messages[1]
+    monkeypatch.setenv("DSACP_NO_GLUON_WS", "1")
+    assert dispatch.sparse_mla_kernels(q, kv, 64) == ["gluon", "triton", "torch"]
+    monkeypatch.setenv("DSACP_NO_GLUON_WS", "maybe")
+    with pytest.raises(ConfigError, match="DSACP_NO_GLUON_WS='maybe'"):
+        dispatch.sparse_mla_kernel(q, kv, 64)
 
 
 def test_dispatch_no_gluon_skips_the_gluon_kernel(monkeypatch: pytest.MonkeyPatch, fresh_warnings: None) -> None:

@@ -14,8 +14,9 @@ FlashMLA's published sparse prefill rate, 640 TFLOPS, is the reference. The inde
 ``2 * Hi * D * sum(visible keys)``. One more row, "one rank at C=8, 128K tokens", runs rank 0 of
 the zigzag split: ``T_local = 16384`` queries (blocks 0 and 15 of 16) against ``S = 131072`` keys.
 
-Sparse attention rows time the Triton kernel and, on sm_90, the Gluon kernel
-(:mod:`reference_impl.kernels.sparse_mla_gluon`); ``engine_ms`` / ``engine_tflops`` are those of the
+Sparse attention rows time the Triton kernel and, on sm_90, both Gluon kernels
+(:mod:`reference_impl.kernels.sparse_mla_gluon` and the warp-specialized
+:mod:`reference_impl.kernels.sparse_mla_gluon_ws`); ``engine_ms`` / ``engine_tflops`` are those of the
 kernel the dispatch runs (what the capacity planner reads).
 
 Before timing, each size checks each kernel's result against the torch reference on a slice of rows
@@ -163,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     result["attention"], result["indexer"] = [], []
     for t in tokens:
         pos = torch.arange(t)
-        result["attention"].append(guarded(bench_attention, pos, t, args, attn_cfg, gen, gluon_cfg))
+        result["attention"].append(guarded(bench_attention, pos, t, args, attn_cfg, gen, gluon_cfg, True))
         save()
         result["indexer"].append(guarded(bench_indexer, pos, t, args, idx_cfg, gen))
         save()
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         "cp_size": args.cp_size,
         "what": f"rank 0 of C={args.cp_size}, in-seq split of one {args.cp_context}-token request: "
         f"{pos.numel()} local queries against {args.cp_context} keys",
-        "attention": guarded(bench_attention, pos, args.cp_context, args, attn_cfg, gen, gluon_cfg),
+        "attention": guarded(bench_attention, pos, args.cp_context, args, attn_cfg, gen, gluon_cfg, True),
         "indexer": guarded(bench_indexer, pos, args.cp_context, args, idx_cfg, gen),
     }
     result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
@@ -191,7 +192,7 @@ def _fmt(x: float | None, spec: str) -> str:
 
 
 def _status(row: dict[str, Any]) -> str:
-    ok = row["check"]["ok"] and row.get("gluon", {}).get("check", {}).get("ok", True)
+    ok = row["check"]["ok"] and all(row.get(k, {}).get("check", {}).get("ok", True) for k in ("gluon", "gluon_ws"))
     return f"{_fmt(row.get('torch_ms'), '>11.2f')}{_fmt(row.get('speedup'), '>8.1f')}x  {'ok' if ok else 'FAIL'}"
 
 
@@ -202,7 +203,8 @@ def format_table(result: dict[str, Any]) -> str:
     lines = [
         f"{result['device']}  torch {result['torch']}  triton {result['triton']}  "
         f"bf16 matmul {result['bf16_matmul_8192_tflops']:.0f} TFLOPS",
-        f"{attn_title:<44}triton ms  TFLOPS  /640  gluon ms  TFLOPS  /640   torch ms  speedup  check",
+        (f"{attn_title:<44}triton ms  TFLOPS  /640  gluon ms  TFLOPS  /640  ws-gluon ms  TFLOPS  /640"
+         "   torch ms  speedup  check"),
     ]
     rows = [(f"T=S={r['T']}", r) for r in result["attention"]]
     rank = result["per_rank"]
@@ -211,11 +213,13 @@ def format_table(result: dict[str, Any]) -> str:
         if "error" in r:
             lines.append(f"  {name:<42}ERROR {r['error'][:70]}")
             continue
-        g = r.get("gluon", {})
+        g, w = r.get("gluon", {}), r.get("gluon_ws", {})
         lines.append(
             f"  {name:<42}{r['triton_ms']:>9.2f}{r['triton_tflops']:>8.0f}{r['fraction_of_flashmla_640']:>6.0%}"
             f"{_fmt(g.get('ms'), '>10.2f')}{_fmt(g.get('tflops'), '>8.0f')}"
             f"{_fmt(g.get('fraction_of_flashmla_640'), '>6.0%')}"
+            f"{_fmt(w.get('ms'), '>13.2f')}{_fmt(w.get('tflops'), '>8.0f')}"
+            f"{_fmt(w.get('fraction_of_flashmla_640'), '>6.0%')}"
             + _status(r)
         )
     lines.append(

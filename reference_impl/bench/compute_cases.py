@@ -118,10 +118,12 @@ def bench_attention(
     config: dict[str, Any] | None,
     gen: torch.Generator,
     gluon_config: dict[str, Any] | None = None,
+    warp_specialized: bool = False,
 ) -> dict[str, Any]:
-    """One attention row: the Triton kernel with ``config`` (skipped if ``None``) and, where it runs
-    (sm_90), the Gluon kernel with ``gluon_config`` (skipped if ``None``), each checked then timed;
-    ``engine_*`` repeat the numbers of the kernel the dispatch runs for these inputs."""
+    """One attention row: the Triton kernel with ``config`` (skipped if ``None``) and, where they run
+    (sm_90), the Gluon kernel with ``gluon_config`` (skipped if ``None``) and the warp-specialized
+    Gluon kernel (if ``warp_specialized``), each checked then timed; ``engine_*`` repeat the numbers
+    of the kernel the dispatch runs for these inputs."""
     from reference_impl.kernels import dispatch
     from reference_impl.kernels.sparse_mla_triton import sparse_mla_attention_triton
 
@@ -163,7 +165,19 @@ def bench_attention(
             tflops = flops / ms / 1e9
             row["gluon"] = {"config": gluon_config, "check": check, "ms": ms, "tflops": tflops,
                             "fraction_of_flashmla_640": tflops / FLASHMLA_TFLOPS, "timer": timer}
-    engine = row["gluon"] if row["engine_kernel"] == "gluon" and "gluon" in row else None
+    if warp_specialized and dispatch.gluon_available():
+        from reference_impl.kernels.sparse_mla_gluon_ws import sparse_mla_attention_gluon_ws, ws_supported
+
+        if ws_supported(q, kv, D_V):
+            def gluon_ws(qs: torch.Tensor, ix: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> Any:
+                return sparse_mla_attention_gluon_ws(qs, kv, ix, scale, D_V, out_dtype=out_dtype)
+
+            check = _attention_check(gluon_ws, q, kv, indices, rows, scale)
+            ms, timer = _time(lambda: gluon_ws(q, indices, torch.bfloat16), args.slow_ms)
+            tflops = flops / ms / 1e9
+            row["gluon_ws"] = {"check": check, "ms": ms, "tflops": tflops,
+                               "fraction_of_flashmla_640": tflops / FLASHMLA_TFLOPS, "timer": timer}
+    engine = row.get(row["engine_kernel"]) if row["engine_kernel"] in ("gluon", "gluon_ws") else None
     if engine is not None:
         row.update(engine_ms=engine["ms"], engine_tflops=engine["tflops"])
     elif "triton_ms" in row:
@@ -293,7 +307,7 @@ def dispatch_smoke(device: str) -> dict[str, Any]:
     """Both dispatch functions on a small input: Triton path taken (no fallback warning), result checked."""
     import logging
 
-    from reference_impl.kernels import dispatch
+    from reference_impl.kernels import dispatch, fallback
 
     records: list[logging.LogRecord] = []
 
@@ -315,7 +329,8 @@ def dispatch_smoke(device: str) -> dict[str, Any]:
     finally:
         logging.getLogger(dispatch.__name__).removeHandler(handler)
     return {
-        "triton_available": dispatch.triton_available(),
+        "triton_available": fallback.triton_available(),
+        "attention_kernel": dispatch.sparse_mla_kernel(q, kv, D_V),
         "fallback_warnings": [r.getMessage() for r in records],
         "attention_out_dtype": str(out.dtype),
         "attention_rel_err": _rel(out, ref_out),

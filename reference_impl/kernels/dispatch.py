@@ -11,11 +11,14 @@ Which path runs (:mod:`.fallback`): the kernel where the inputs live on a CUDA d
 imports, the torch reference otherwise (CPU tensors, no Triton, ``force_torch=True`` or
 ``DSACP_FORCE_TORCH=1``); a kernel that raises logs one warning and the next path runs.
 
-Sparse MLA attention has a third, preferred path on Hopper: the Gluon kernel
-(:mod:`reference_impl.kernels.sparse_mla_gluon`) runs where
-:func:`~reference_impl.kernels.sparse_mla_gluon.gluon_supported` holds (sm_90, bf16 / fp16, the
-DeepSeek widths) unless ``DSACP_NO_GLUON=1``; elsewhere, or after a Gluon failure, the Triton
-kernel runs. Order: Gluon -> Triton -> torch.
+Sparse MLA attention has two preferred paths on Hopper, both Gluon: the warp-specialized kernel
+(:mod:`reference_impl.kernels.sparse_mla_gluon_ws`) where
+:func:`~reference_impl.kernels.sparse_mla_gluon_ws.ws_supported` holds (sm_90, bf16 / fp16, the
+DeepSeek widths) unless ``DSACP_NO_GLUON_WS=1``, then the first Gluon kernel
+(:mod:`reference_impl.kernels.sparse_mla_gluon`, wider rope parts) where
+:func:`~reference_impl.kernels.sparse_mla_gluon.gluon_supported` holds; ``DSACP_NO_GLUON=1`` skips
+both. Elsewhere, or after a failure (one warning each), the next one runs. Order: warp-specialized
+Gluon -> Gluon -> Triton -> torch.
 
 Indexer top-k is the Triton logits kernel, then the Triton selection kernel
 (:mod:`reference_impl.kernels.topk_select`; ``torch.topk`` after a selection failure, one warning,
@@ -62,6 +65,14 @@ def gluon_available() -> bool:
 
 
 # Indirections so that tests can substitute a failing kernel without CUDA.
+def _gluon_ws_sparse_mla(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float, d_v: int, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from reference_impl.kernels.sparse_mla_gluon_ws import sparse_mla_attention_gluon_ws
+
+    return sparse_mla_attention_gluon_ws(q, kv, indices, softmax_scale, d_v, out_dtype=out_dtype)
+
+
 def _gluon_sparse_mla(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float, d_v: int, out_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,15 +115,28 @@ def topk_selector() -> str:
     return "triton" if env_flag("triton_topk", default=True) else "torch"
 
 
-def sparse_mla_kernel(q: torch.Tensor, kv: torch.Tensor, d_v: int, *, force_torch: bool = False) -> str:
-    """The path :func:`sparse_mla_attention` tries first for these inputs: ``"gluon"``, ``"triton"`` or ``"torch"``."""
+def sparse_mla_kernels(q: torch.Tensor, kv: torch.Tensor, d_v: int, *, force_torch: bool = False) -> list[str]:
+    """The paths :func:`sparse_mla_attention` tries for these inputs, in order, each falling back to the
+    next: some of ``"gluon_ws"``, ``"gluon"``, ``"triton"``, always ending with ``"torch"``."""
     if not fallback.use_kernels(q.device, force_torch=force_torch):
-        return "torch"
+        return ["torch"]
+    paths = ["triton", "torch"]
     if env_flag("no_gluon") or not gluon_available():
-        return "triton"
+        return paths
     from reference_impl.kernels.sparse_mla_gluon import gluon_supported
+    from reference_impl.kernels.sparse_mla_gluon_ws import ws_supported
 
-    return "gluon" if gluon_supported(q, kv, d_v) else "triton"
+    if gluon_supported(q, kv, d_v):
+        paths.insert(0, "gluon")
+    if not env_flag("no_gluon_ws") and ws_supported(q, kv, d_v):
+        paths.insert(0, "gluon_ws")
+    return paths
+
+
+def sparse_mla_kernel(q: torch.Tensor, kv: torch.Tensor, d_v: int, *, force_torch: bool = False) -> str:
+    """The path :func:`sparse_mla_attention` tries first for these inputs: ``"gluon_ws"``, ``"gluon"``,
+    ``"triton"`` or ``"torch"``."""
+    return sparse_mla_kernels(q, kv, d_v, force_torch=force_torch)[0]
 
 
 def sparse_mla_attention(
@@ -138,19 +162,25 @@ def sparse_mla_attention(
         out, lse = torch_ref.sparse_mla_attention(q, kv, indices, softmax_scale, d_v, rows_per_chunk)
         return out.to(out_dtype), lse
 
-    def triton_path() -> tuple[torch.Tensor, torch.Tensor]:
+    # Each kernel path: (its name in a fallback warning, how the next one names it, the launcher).
+    kernels = {
+        "gluon_ws": ("Warp-specialized Gluon sparse_mla_attention", "the warp-specialized Gluon kernel",
+                     _gluon_ws_sparse_mla),
+        "gluon": ("Gluon sparse_mla_attention", "the Gluon kernel", _gluon_sparse_mla),
+        "triton": ("Triton sparse_mla_attention", "the Triton kernel", _triton_sparse_mla),
+    }
+
+    def run(paths: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        path, rest = paths[0], paths[1:]
+        if path == "torch":
+            return torch_path()
+        what, _, launch = kernels[path]
+        to = "the torch path" if rest[0] == "torch" else kernels[rest[0]][1]
         return fallback.run_with_fallback(
-            "Triton sparse_mla_attention", lambda: _triton_sparse_mla(q, kv, indices, softmax_scale, d_v, out_dtype),
-            torch_path,
+            what, lambda: launch(q, kv, indices, softmax_scale, d_v, out_dtype), lambda: run(rest), to=to
         )
 
-    path = sparse_mla_kernel(q, kv, d_v, force_torch=force_torch)
-    if path == "gluon":
-        return fallback.run_with_fallback(
-            "Gluon sparse_mla_attention", lambda: _gluon_sparse_mla(q, kv, indices, softmax_scale, d_v, out_dtype),
-            triton_path, to="the Triton kernel",
-        )
-    return triton_path() if path == "triton" else torch_path()
+    return run(sparse_mla_kernels(q, kv, d_v, force_torch=force_torch))
 
 
 def indexer_topk(

@@ -70,12 +70,12 @@ class PlannerRates:
     where its value came from (``file: json path``, a built-in copy, or an assumption).
     """
 
-    attention_tflops: float = 315.2  # sparse MLA (the engine's kernel: Gluon on an H200), one rank of C=8 at 128K
-    indexer_logits_tflops: float = 933.8
+    attention_tflops: float = 485.0  # sparse MLA (the engine's kernel: warp-specialized Gluon on an H200), rank 0 of C=8 at 128K
+    indexer_logits_tflops: float = 903.9
     topk_ms: float = 4.88  # the top-k selection kernel over [topk_ref_queries, topk_ref_keys] logits
     topk_ref_queries: float = 16384
     topk_ref_keys: float = 131072
-    matmul_tflops: float = 773.1  # bf16 8192^3
+    matmul_tflops: float = 723.6  # bf16 8192^3
     copy_gbps: float = 4221.2  # device copy, read + write
     store_mla_fp8_torch_gbps: float = 158.0
     store_mla_fp8_fused_gbps: float = 3637.3
