@@ -93,7 +93,7 @@ class PlannerRates:
     remap_sort_ms: float = 0.2188  # one sort + searchsorted call over remap_ref_tokens locs
     remap_page_inverse_ms: float = 0.04957
     remap_ref_tokens: float = 131072
-    elementwise_us_per_token: float = 0.144  # planner.elementwise: profiled device time per local token
+    elementwise_us_per_token: float = 0.110  # planner.elementwise: profiled device time per local token
     interconnect_gbps: float = 450.0
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
