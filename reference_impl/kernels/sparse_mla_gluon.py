@@ -107,7 +107,7 @@ def _gather_next(nope_slot, rope_slot, kv_ptr, idx_row, k0, topk, n_kv, stride_k
 
 
 @gluon.jit
-def _load_q_part(q_smem, q_ptr, token, head0, n_heads, stride_qt, stride_qh,
+def load_q_part(q_smem, q_ptr, token, head0, n_heads, stride_qt, stride_qh,
                  COL0: gl.constexpr, WIDTH: gl.constexpr, BLOCK_H: gl.constexpr, layout: gl.constexpr):
     """Columns ``[COL0, COL0 + WIDTH)`` of the block's q rows into ``q_smem`` (zeros past ``n_heads``)."""
     heads = head0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, layout))
@@ -151,8 +151,8 @@ def _sparse_mla_fwd_gluon_kernel(
     q_rope_shared: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_ROPE], dtype)
     q_nope_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, D_V], q_nope_shared)
     q_rope_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, D_ROPE], q_rope_shared)
-    _load_q_part(q_nope_smem, q_ptr, token, head0, n_heads, stride_qt, stride_qh, 0, D_V, BLOCK_H, nope_layout)
-    _load_q_part(q_rope_smem, q_ptr, token, head0, n_heads, stride_qt, stride_qh, D_V, D_ROPE, BLOCK_H, rope_layout)
+    load_q_part(q_nope_smem, q_ptr, token, head0, n_heads, stride_qt, stride_qh, 0, D_V, BLOCK_H, nope_layout)
+    load_q_part(q_rope_smem, q_ptr, token, head0, n_heads, stride_qt, stride_qh, D_V, D_ROPE, BLOCK_H, rope_layout)
 
     # The two-slot ring of gathered KV rows and the probabilities' meeting point.
     kv_nope_shared: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, D_V], dtype)
@@ -254,6 +254,18 @@ def _sparse_mla_fwd_gluon_kernel(
 MAX_D_QK = 576
 
 
+def hopper_operand_reason(
+    device_type: str, capability: tuple[int, int] | None, q_dtype: torch.dtype, kv_dtype: torch.dtype
+) -> str | None:
+    """Why neither Gluon kernel runs on this device or these dtypes (an sm_90 GPU, bf16 / fp16 ``q``
+    and ``kv`` of one dtype), or ``None``."""
+    if device_type != "cuda" or capability is None or capability[0] != 9:
+        return f"needs an sm_90 GPU, got {device_type} {capability or ''}".rstrip()
+    if q_dtype not in (torch.bfloat16, torch.float16) or kv_dtype != q_dtype:
+        return f"needs bf16 or fp16 q and kv of one dtype, got {q_dtype} and {kv_dtype}"
+    return None
+
+
 def unsupported_reason(
     device_type: str,
     capability: tuple[int, int] | None,
@@ -268,10 +280,9 @@ def unsupported_reason(
     in [64, 512] and rope width ``d_qk - d_v`` in [16, 256] (the layouts tile them exactly), and
     ``d_qk <= 576`` (shared memory).
     """
-    if device_type != "cuda" or capability is None or capability[0] != 9:
-        return f"needs an sm_90 GPU, got {device_type} {capability or ''}".rstrip()
-    if q_dtype not in (torch.bfloat16, torch.float16) or kv_dtype != q_dtype:
-        return f"needs bf16 or fp16 q and kv of one dtype, got {q_dtype} and {kv_dtype}"
+    reason = hopper_operand_reason(device_type, capability, q_dtype, kv_dtype)
+    if reason is not None:
+        return reason
     d_rope = d_qk - d_v
     pow2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
     if not (pow2(d_v) and 64 <= d_v <= 512 and pow2(d_rope) and 16 <= d_rope <= 256):

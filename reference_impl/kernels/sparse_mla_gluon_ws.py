@@ -56,6 +56,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from reference_impl.kernels.interpreter_compat import interpreting
+from reference_impl.kernels.sparse_mla_gluon import load_q_part, hopper_operand_reason
 from reference_impl.kernels.sparse_mla_triton import check_attention_shapes, unit_stride_inputs
 
 LOG2E = math.log2(math.e)
@@ -353,17 +354,6 @@ def _producer(k_l, k_r, k_rope, ready, free, kv_ptr, idx_row, topk, n_kv, stride
 
 
 @gluon.jit
-def _load_q(q_smem, q_ptr, token, head0, n_heads, stride_qt, stride_qh, COL0: gl.constexpr, WIDTH: gl.constexpr,
-            BLOCK_H: gl.constexpr, layout: gl.constexpr):
-    """Columns [COL0, COL0 + WIDTH) of the block's q rows into ``q_smem`` (zeros past ``n_heads``)."""
-    heads = head0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, layout))
-    cols = COL0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
-    q = gl.load(q_ptr + token * stride_qt + heads[:, None] * stride_qh + cols[None, :],
-                mask=(heads < n_heads)[:, None], other=0.0)
-    q_smem.store(q)
-
-
-@gluon.jit
 def _sparse_mla_fwd_ws_kernel(
     q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr,
     n_heads, n_kv, topk, n_head_blocks,
@@ -414,9 +404,9 @@ def _sparse_mla_fwd_ws_kernel(
     for i in gl.static_range(6):
         mbarrier.init(hand.index(i), count=1)
 
-    _load_q(q_half.index(0), q_ptr, token, head0, n_heads, stride_qt, stride_qh, 0, HALF, BLOCK_H, half_layout)
-    _load_q(q_half.index(1), q_ptr, token, head0, n_heads, stride_qt, stride_qh, HALF, HALF, BLOCK_H, half_layout)
-    _load_q(q_rope1.index(0), q_ptr, token, head0, n_heads, stride_qt, stride_qh, D_V, D_ROPE, BLOCK_H, rope_layout)
+    load_q_part(q_half.index(0), q_ptr, token, head0, n_heads, stride_qt, stride_qh, 0, HALF, BLOCK_H, half_layout)
+    load_q_part(q_half.index(1), q_ptr, token, head0, n_heads, stride_qt, stride_qh, HALF, HALF, BLOCK_H, half_layout)
+    load_q_part(q_rope1.index(0), q_ptr, token, head0, n_heads, stride_qt, stride_qh, D_V, D_ROPE, BLOCK_H, rope_layout)
     fence_async_shared()
 
     n_pairs = gl.cdiv(topk, 2 * BLOCK_K)
@@ -460,10 +450,9 @@ def unsupported_reason(
     in [64, 512] (each consumer's half is one tensor-core product wide) and a power-of-two rope
     width ``d_qk - d_v`` in [16, 64] (shared memory).
     """
-    if device_type != "cuda" or capability is None or capability[0] != 9:
-        return f"needs an sm_90 GPU, got {device_type} {capability or ''}".rstrip()
-    if q_dtype not in (torch.bfloat16, torch.float16) or kv_dtype != q_dtype:
-        return f"needs bf16 or fp16 q and kv of one dtype, got {q_dtype} and {kv_dtype}"
+    reason = hopper_operand_reason(device_type, capability, q_dtype, kv_dtype)
+    if reason is not None:
+        return reason
     d_rope = d_qk - d_v
     def pow2(n: int) -> bool:
         return n > 0 and n & (n - 1) == 0
