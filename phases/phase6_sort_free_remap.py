@@ -71,8 +71,8 @@ for cp, rank in ((2, 1), (8, 3)):
 # %% [markdown]
 # ## 3. Cost per forward: page arithmetic once vs sort per layer and per write
 #
-# `python -m reference_impl.bench.kernels` times both (`triton.testing.do_bench` median on the
-# GPU; a CPU run is a dry run). Per forward, the sorted remap runs `2 x 61` times (MLA and index
+# `python -m reference_impl.bench.kernels` times both (on the GPU the device time of a call, median
+# of 200; a CPU run is a dry run). Per forward, the sorted remap runs `2 x 61` times (MLA and index
 # writes, every layer), the page arithmetic once.
 
 # %%

@@ -60,9 +60,12 @@ for phases in (PhaseSet.level(7), PhaseSet(frozenset({7}))):
 # %% [markdown]
 # ## 2. Bandwidth: each kernel against its torch path and the device copy
 #
-# Bytes counted once each (read and written), median of `triton.testing.do_bench`, 32K and 128K
-# tokens at DeepSeek-V3.2 dims, next to the measured device-to-device copy. The bar is 80% of the
-# copy bandwidth. On CPU this is an interpreter dry run at 64 tokens (correctness of the bench only).
+# Bytes counted once each (read and written); the device time of a call, median of 200, each
+# after an L2 flush and with its launch queued behind a GPU sleep, so the host's launch work is not
+# timed (`bench.timing.queued_median_ms`). 32K and 128K tokens at DeepSeek-V3.2 dims, next to the
+# measured device-to-device copy (1 GiB) and, in the last column, a copy of the row's own bytes
+# under the same timer. The bar is 80% of the copy bandwidth. On CPU this is an interpreter dry run
+# at 64 tokens (correctness of the bench only).
 
 # %%
 from reference_impl.bench.kernels import format_table
@@ -75,12 +78,14 @@ print(format_table(result))
 
 # %% [markdown]
 # **Reading the table** (the committed outputs are an H200 run). At 131,072 tokens the FP8 and
-# BF16 MLA stores, the KV rerange and the FP8 materialize reach the 80%-of-copy bar, 5-23x faster
-# than torch (the KV rerange 1.1x: with no rank padded, torch's trim is a view). The index store
-# stays near 60%: each token's 4-byte scale is a separate scattered store into its page. The index
-# rerange is the shortest call of the table (256-byte rows), and its timing is bimodal across runs. At 32,768
-# tokens every kernel is short of the bar: a few microseconds of traffic, where launch, the grid's
-# tail and `do_bench`'s L2 flush weigh heavily. The launch configs are the best byte-exact ones of
-# `python -m reference_impl.bench.kernels --sweep`; the FP8 store got there by dividing with a
-# reciprocal and one FMA correction (`fast_div`, the same quotients) and by loading a whole row
+# BF16 MLA stores, the KV rerange and the FP8 materialize reach the 80%-of-copy bar, many times
+# faster than torch (the KV rerange only a little: with no rank padded, torch's trim is a view).
+# The index store and the index rerange move a fifth of their bytes and stay short of the bar
+# against the 1 GiB copy, yet close to a copy of their own bytes (last column): a transfer of a
+# few tens of megabytes cannot amortize the launch, the ramp-up and the grid's tail, nor the
+# write-back of the dirty lines the flush leaves in the L2. At 32,768 tokens every kernel is short
+# of the bar for the same reason. The phase 7 page profiles both with Nsight Compute. The launch
+# configs are the best byte-exact ones of `python -m reference_impl.bench.kernels --sweep`; the FP8
+# store got there by dividing with a reciprocal and one FMA correction (`fast_div`, the same
+# quotients) and by loading a whole row
 # before its first store (`one_pass`). See the [phase 7 page](../phases/phase7-fused-kernels.md#measured-results).

@@ -462,6 +462,10 @@ def _run_chunk(
             if run.check:
                 topk_per_layer.append(torch.where(topk >= 0, topk - request_start, topk))  # stays on device
             clock.mark()
+            # Drop this layer's tensors now: a loop variable lives until it is reassigned, so the next
+            # layer would otherwise project, gather and attend with them still allocated (q alone is
+            # [T, H, 576], 2.25 GiB at 16K local tokens).
+            del proj, kv_seq, index_k_seq, view, out, topk
     if isinstance(audit, HostSyncAudit):
         acc.host_syncs += audit.count
         acc.transport_syncs += audit.transport

@@ -4,6 +4,7 @@
     python3 scripts/results_tables.py kernels docs/results/kernels_bench.json
     python3 scripts/results_tables.py layer docs/results/layer_bench.json
     python3 scripts/results_tables.py demo docs/results/demo_h200.json
+    python3 scripts/results_tables.py fused_profile docs/results/fused_kernels_ncu_h200.json
 """
 
 from __future__ import annotations
@@ -92,14 +93,15 @@ def kernels(doc: dict) -> str:
         f"Device: {doc['device']}, torch {doc['torch']}, triton {doc['triton']}; timer: {doc['timing']}.",
         f"Command: `{doc['command']}`. Device copy bandwidth: {copy['gbps']:.0f} GB/s (read + write). Bar: {doc['bar']}.",
         "",
-        "| op | T | Triton ms | GB/s | / copy | torch ms | GB/s | speed-up | bytes equal to torch |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| op | T | Triton ms | GB/s | / copy | / same-size copy | torch ms | GB/s | speed-up | bytes equal to torch |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for k in doc["kernels"]:
         check = "yes" if k["check"].get("bytes_equal", k["check"].get("ok", False)) else f"no ({k['check'].get('differing_bytes')} B differ)"
+        same = k.get("triton_fraction_of_same_size_copy")  # runs before it was measured have none
         lines.append(
             f"| {k['op']} | {k['T']} | {k['triton_ms']:.3f} | {k['triton_gbps']:.0f} | {k['triton_fraction_of_copy']:.0%} | "
-            f"{k['torch_ms']:.3f} | {k['torch_gbps']:.0f} | {k['speedup']:.1f}x | {check} |"
+            f"{'-' if same is None else f'{same:.0%}'} | {k['torch_ms']:.3f} | {k['torch_gbps']:.0f} | {k['speedup']:.1f}x | {check} |"
         )
     if doc.get("sweep"):
         settings = doc["sweep_settings"]
@@ -121,6 +123,28 @@ def kernels(doc: dict) -> str:
         lines.append(
             f"| {'equal' if r['equal'] else 'DIFFER'} | {r['T']} | {r['sorted_ms']:.4f} | {r['page_inverse_ms']:.4f} | "
             f"{r['per_call_ratio']:.1f}x | {r['per_layer_ratio']:.1f}x | {r['per_forward_ratio']:.0f}x |"
+        )
+    return "\n".join(lines)
+
+
+def fused_profile(doc: dict) -> str:
+    """``scripts/profile_fused_kernels.py``: each phase-7 kernel under Nsight Compute next to a copy
+    kernel of its bytes (the rows come in pairs: the kernel, then its copy)."""
+    lines = [
+        f"Device: {doc['device']}, torch {doc['torch']}, triton {doc['triton']}, {doc['ncu']}; {doc['what']}.",
+        f"Command: `{doc['command']}`.",
+        "",
+        ("| kernel | T | payload MB | µs | payload GB/s | DRAM bytes / payload | DRAM % of peak | occupancy "
+         "| copy kernel µs | copy DRAM % of peak | copy time / kernel time |"),
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for kernel, copy in zip(doc["rows"][::2], doc["rows"][1::2]):
+        us, copy_us = kernel["duration_ns"] / 1e3, copy["duration_ns"] / 1e3
+        lines.append(
+            f"| {kernel['op']} | {kernel['T']} | {kernel['payload'] / 1e6:.1f} | {us:.1f} | "
+            f"{kernel['payload'] / kernel['duration_ns']:.0f} | {kernel['dram_bytes_over_payload']:.2f} | "
+            f"{kernel['dram_pct_of_peak']:.0f}% | {kernel['achieved_occupancy_pct']:.0f}% | {copy_us:.1f} | "
+            f"{copy['dram_pct_of_peak']:.0f}% | {copy_us / us:.0%} |"
         )
     return "\n".join(lines)
 
@@ -200,7 +224,7 @@ def demo(doc: dict) -> str:
 
 if __name__ == "__main__":
     kind, path = sys.argv[1], sys.argv[2]
-    print({"compute": compute, "kernels": kernels, "layer": layer, "demo": demo}[kind](json.load(open(path))))
+    print({"compute": compute, "kernels": kernels, "layer": layer, "demo": demo, "fused_profile": fused_profile}[kind](json.load(open(path))))
 
 
 def pd_stream(doc: dict) -> str:

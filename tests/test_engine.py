@@ -124,3 +124,34 @@ def test_topk_boundary_rules() -> None:
     tied[40] = tied[39]
     assert _topk_rows_agree(near, ref, tied, exact=True)
     assert not _topk_rows_agree(near, ref, scores[:40], exact=False)  # key 40 is not visible
+
+
+@pytest.mark.parametrize("level", [0, 8])
+def test_a_prefill_leaves_no_tensor_to_the_cyclic_collector(level: int) -> None:
+    """Every tensor of a layer is freed by reference counting when it goes out of use. A reference
+    cycle (a closure that calls itself held the sparse MLA's ``q``, ``kv`` and ``indices``) keeps
+    them until the cyclic collector runs, which in a GPU layer loop can be many layers later: on the
+    H200 the measured peak grew by ``q`` per layer (2.25 GiB at 16K local tokens)."""
+    import gc
+
+    import torch
+
+    from reference_impl.config import RunConfig
+    from reference_impl.cp.loopback import LoopbackGroup
+    from reference_impl.engine import run_rank
+
+    run = RunConfig(preset="tiny", n_layers=3, cp_size=2, check=False, device="cpu", requests=(Request(64, 128),),
+                    phases=PhaseSet.level(level))
+    run_rank(LoopbackGroup(0, 2, "cpu"), run)  # first use: module imports and caches
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)  # what the collector finds unreachable is kept in gc.garbage
+    try:
+        run_rank(LoopbackGroup(0, 2, "cpu"), run)
+        gc.collect()
+        cyclic = [tuple(o.shape) for o in gc.garbage if isinstance(o, torch.Tensor)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert cyclic == []

@@ -611,6 +611,10 @@ def test_bench_kernels_cpu_dry_run(tmp_path: Path, fs: object, fr: object, fm: o
         "materialize_fp8",
     }
     assert all(r["check"]["bytes_equal"] and r["bytes"] > 0 and r["triton_ms"] > 0 for r in result["kernels"])
+    for r in result["kernels"]:  # next to each row, a copy of its bytes
+        assert r["same_size_copy_ms"] > 0
+        assert r["triton_fraction_of_same_size_copy"] == pytest.approx(r["same_size_copy_ms"] / r["triton_ms"])
+        assert "triton_ms_repeats" not in r  # one timing each by default
     assert result["remap"][0]["equal"] is True
     from reference_impl.kernels.fused_configs import CPU_CONFIGS
 
@@ -640,6 +644,24 @@ def test_bench_kernels_cpu_sweep_dry_run(tmp_path: Path, fs: object, fr: object,
         assert row["check"]["bytes_equal"]
         assert row["config"] == result["configs"][row["op"].replace("_torch_padded_gather", "")]
     assert "sweep" in bench.format_table(result)
+
+
+def test_bench_kernels_repeats_keep_every_timing_and_their_median(
+    tmp_path: Path, fs: object, fr: object, fm: object
+) -> None:
+    from reference_impl.bench import kernels as bench
+
+    out = tmp_path / "kernels.json"
+    argv = ["--out", str(out), "--device", "cpu", "--tokens", "16", "--cp-size", "2", "--page-size", "8"]
+    assert bench.main([*argv, "--repeats", "3"]) == 0
+    result = json.loads(out.read_text())
+    assert result["repeats"] == 3
+    for r in result["kernels"]:
+        for path in ("triton", "torch"):
+            times = r[f"{path}_ms_repeats"]
+            assert len(times) == 3 and r[f"{path}_ms"] == sorted(times)[1]
+    with pytest.raises(SystemExit):
+        bench.main([*argv, "--repeats", "0"])
 
 
 def test_kernels_refuse_misaligned_rows(fs: object) -> None:

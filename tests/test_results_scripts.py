@@ -103,3 +103,75 @@ def test_the_test_run_summary_reads_each_jobs_pytest_line(tmp_path: Path) -> Non
     assert "notebooks" not in summary and summary["seconds"] == 416.0
     with pytest.raises(LookupError, match="did not finish"):
         summarize_test_run.pytest_outcome("......\nTimeout\n")
+
+
+def _script(name: str):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    import importlib
+
+    return importlib.import_module(name)
+
+
+def test_the_memory_peak_replays_the_allocator_trace_from_the_mark() -> None:
+    """``scripts/memory_peak.py``: counted from the mark as the engine's statistic counts (frees of
+    older tensors lower it); the layer marks place the peak and each live allocation; the peak's
+    live allocations are grouped by innermost ``reference_impl`` frame and layer; a trace without
+    the mark is refused."""
+    import pytest
+
+    memory_peak = _script("memory_peak")
+    ours = {"filename": "/x/reference_impl/model/attention.py", "line": 7, "name": "attend"}
+    caller = {"filename": "/x/reference_impl/engine.py", "line": 3, "name": "_run_chunk"}
+    torch_frame = {"filename": "/usr/lib/torch/functional.py", "line": 1, "name": "empty"}
+
+    def alloc(addr: int, size: int, *frames: dict) -> dict:
+        return {"action": "alloc", "addr": addr, "size": size, "frames": list(frames)}
+
+    def free(addr: int) -> dict:
+        return {"action": "free_requested", "addr": addr}
+
+    layer_mark = alloc(99, memory_peak.LAYER_MARKER_BYTES)
+    trace = [
+        alloc(1, 1000, ours), alloc(7, 40, caller), free(7),  # before the mark: the store, the input
+        alloc(2, memory_peak.MARKER_BYTES), free(2),
+        layer_mark, free(99),  # layer 0
+        alloc(3, 300, torch_frame, ours, caller), alloc(4, 200, ours, caller),  # 500
+        layer_mark, free(99),  # layer 1
+        free(1),  # allocated before the mark: -1000
+        alloc(5, 1100, caller),  # 600: the peak, in layer 1
+        free(3),
+        alloc(6, 100, caller),  # 400
+    ]
+    found = memory_peak.live_at_peak(trace)
+    assert found["peak_bytes"] == 600 and found["peak_layer"] == 1
+    assert [(s["site"], s["layer"], s["bytes"], s["count"]) for s in found["sites"]] == [
+        ("reference_impl/engine.py:3 _run_chunk", 1, 1100, 1), ("reference_impl/model/attention.py:7 attend", 0, 500, 2),
+    ]
+    assert found["sites"][1]["chain"].endswith("<- reference_impl/engine.py:3 _run_chunk")
+    with pytest.raises(ValueError, match="mark"):
+        memory_peak.live_at_peak(trace[:1])
+
+
+def test_the_fused_kernel_profile_reads_ncu_csv_and_pairs_it_with_the_launches() -> None:
+    """``scripts/profile_fused_kernels.py``: ncu's raw CSV (its own messages, the units row and
+    thousands separators around it) -> one entry per kernel; each paired with the worker's launch
+    in order, with DRAM bytes over the payload; a count mismatch is refused, not silently zipped."""
+    import pytest
+
+    profile = _script("profile_fused_kernels")
+    names = list(profile.METRICS)
+    header = ",".join(f'"{c}"' for c in ["ID", "Kernel Name", *names])
+    units = ",".join(f'"{c}"' for c in ["", "", "ns", "byte", "byte", "%", "%", "", ""])
+    row = ",".join(f'"{c}"' for c in ["0", "_store_index_kernel", "10,000", "20,000", "30,000", "55.5", "40", "16384", "3.9"])
+    text = f"==PROF== Connected to process\n{header}\n{units}\n{row}\n==PROF== Disconnected"
+    kernels = profile.parse_ncu_csv(text)
+    assert kernels == [{"kernel": "_store_index_kernel", "duration_ns": 10000.0, "dram_read_bytes": 20000.0,
+                        "dram_write_bytes": 30000.0, "dram_pct_of_peak": 55.5, "achieved_occupancy_pct": 40.0,
+                        "grid_size": 16384.0, "waves_per_sm": 3.9}]
+    rows = profile.pair_rows([{"op": "store_index", "T": 8, "payload": 40000}], kernels)
+    assert rows[0]["dram_bytes_over_payload"] == 1.25 and rows[0]["dram_gbps"] == 5.0
+    with pytest.raises(ValueError, match="2 profiled launches but 1"):
+        profile.pair_rows([{"op": "a", "payload": 1}, {"op": "b", "payload": 1}], kernels)
+    assert profile.parse_ncu_csv("==PROF== no kernels\n") == []

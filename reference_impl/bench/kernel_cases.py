@@ -7,29 +7,30 @@ from __future__ import annotations
 
 import argparse
 import functools
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from reference_impl.bench.timing import cpu_median_ms
+from reference_impl.bench.timing import cpu_median_ms, queued_median_ms
 from reference_impl.kernels.fused_configs import LaunchConfig
 
 COPY_BYTES_GPU = 1 << 30
 BAR_FRACTION = 0.8
 BAR_MIN_TOKENS = 32768
-WARMUP_MS, REP_MS = 25, 100
+REPS = 200
 
 
-def make_timer(
-    device: torch.device, cpu_repeats: int, warmup_ms: int = WARMUP_MS, rep_ms: int = REP_MS
-) -> Callable[[Callable[[], object]], float]:
+def make_timer(device: torch.device, cpu_repeats: int, reps: int = REPS) -> Callable[[Callable[[], object]], float]:
+    """On CUDA, :func:`~reference_impl.bench.timing.queued_median_ms` over ``reps`` calls (device
+    time, L2 flushed before each call, the host's launch work kept out); on a CPU the median of
+    ``cpu_repeats`` wall-clock calls."""
+
     def time_ms(fn: Callable[[], object]) -> float:
         if device.type == "cuda":
-            import triton.testing
-
-            return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+            return queued_median_ms(fn, reps)
         return cpu_median_ms(fn, cpu_repeats)
 
     return time_ms
@@ -42,6 +43,25 @@ def copy_bandwidth(device: torch.device, time_ms: Callable[[Callable[[], object]
     dst = torch.empty_like(src)
     ms = time_ms(lambda: dst.copy_(src))
     return {"bytes": 2 * n, "ms": ms, "gbps": 2 * n / ms / 1e6}
+
+
+class SameSizeCopy:
+    """The copy that moves a row's bytes: ``payload / 2`` bytes read and as many written, by
+    ``Tensor.copy_``, timed like the kernels. A 1 GiB copy sets the bandwidth ceiling; this one
+    says what a transfer of the row's size reaches, launch, ramp-up and the grid's tail included
+    (the buffers are kept per size, so several rows of one size share one measurement)."""
+
+    def __init__(self, device: torch.device, time_ms: Callable[[Callable[[], object]], float]) -> None:
+        self.device, self.time_ms = device, time_ms
+        self.ms: dict[int, float] = {}
+
+    def __call__(self, payload: int) -> float:
+        n = max(payload // 2, 1)
+        if n not in self.ms:
+            src = torch.empty(n, dtype=torch.uint8, device=self.device).random_(0, 255)
+            dst = torch.empty_like(src)
+            self.ms[n] = self.time_ms(lambda: dst.copy_(src))
+        return self.ms[n]
 
 
 def _bytes_diff(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -82,8 +102,11 @@ def _row(
     tokens: int,
     time_ms: Callable[[Callable[[], object]], float],
     copy_gbps: float,
+    same_size_copy: SameSizeCopy,
+    repeats: int = 1,
 ) -> dict[str, Any]:
-    """Check the kernel's bytes against the torch path, then time both."""
+    """Check the kernel's bytes against the torch path, then time both (``repeats`` timings each,
+    interleaved; the row keeps their median and, with several, all of them)."""
     differing, _ = case.kernel_bytes(config, case.reference_bytes())
     row: dict[str, Any] = {
         "op": case.op,
@@ -94,12 +117,21 @@ def _row(
         "config": config,
     }
     row["check"] = {"differing_bytes": differing, "bytes_equal": differing == 0}
-    for name, fn in (("triton", lambda: case.run(config)), ("torch", case.reference)):
-        ms = time_ms(fn)
+    paths = {"triton": lambda: case.run(config), "torch": case.reference}
+    timings: dict[str, list[float]] = {name: [] for name in paths}
+    for _ in range(repeats):
+        for name, fn in paths.items():
+            timings[name].append(time_ms(fn))
+    for name, times in timings.items():
+        ms = statistics.median(times)
         row[f"{name}_ms"] = ms
+        if repeats > 1:
+            row[f"{name}_ms_repeats"] = times
         row[f"{name}_gbps"] = case.payload / ms / 1e6
         row[f"{name}_fraction_of_copy"] = case.payload / ms / 1e6 / copy_gbps
     row["speedup"] = row["torch_ms"] / row["triton_ms"]
+    row["same_size_copy_ms"] = same_size_copy(case.payload)
+    row["triton_fraction_of_same_size_copy"] = row["same_size_copy_ms"] / row["triton_ms"]
     return row
 
 
@@ -259,10 +291,12 @@ def bench_tokens(
     copy_gbps: float,
     configs: dict[str, LaunchConfig],
 ) -> list[dict[str, Any]]:
-    """Every row at ``tokens``, each kernel with its config from ``configs`` (by launch-config name)."""
+    """Every row at ``tokens``, each kernel with its config from ``configs`` (by launch-config name),
+    timed ``args.repeats`` times, next to a copy of the same bytes."""
     rows_out: list[dict[str, Any]] = []
+    same_size_copy = SameSizeCopy(torch.device(args.device), time_ms)
     for case in build_cases(tokens, args):
-        row = _row(case, configs[case.kernel], tokens, time_ms, copy_gbps)
+        row = _row(case, configs[case.kernel], tokens, time_ms, copy_gbps, same_size_copy, args.repeats)
         rows_out.append(row)
         print(
             f"  {case.op:<34}{row['triton_ms']:>9.3f} ms{row['torch_ms']:>9.3f} ms  check "

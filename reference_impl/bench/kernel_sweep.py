@@ -5,7 +5,7 @@ For each kernel row of :data:`SWEPT` the sweep runs every candidate config of
 harness) at each sweep token count. A candidate that raises (out of shared memory or registers,
 a compile error) is recorded with its error and skipped; the others' output bytes are compared with
 the torch path's, and every candidate whose bytes equal torch's (or, see below, the default
-config's) is timed: ``triton.testing.do_bench`` median, warm-up 10 ms, rep 40 ms. The best config is
+config's) is timed as the benchmark's rows are, over 60 calls. The best config is
 the one with the highest fraction of the copy bandwidth, averaged over the sweep token counts.
 
 The default config (:mod:`reference_impl.kernels.fused_configs`) is always a candidate, so the best
@@ -42,8 +42,7 @@ SWEPT: tuple[str, ...] = (
     "rerange_index",
     "materialize_fp8",
 )
-SWEEP_WARMUP_MS = 10
-SWEEP_REP_MS = 40
+SWEEP_REPS = 60
 
 
 def _configs(keys: tuple[str, ...], rows: Iterable[tuple[int | bool, ...]], **fixed: int | bool) -> list[LaunchConfig]:

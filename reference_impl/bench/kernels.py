@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m reference_impl.bench.kernels --out FILE.json [--tokens 32768,131072] [--cp-size 8] [--sweep]
+    python -m reference_impl.bench.kernels --out FILE.json [--tokens 32768,131072] [--cp-size 8] [--sweep] [--repeats N]
     python -m reference_impl.bench.kernels --out dry.json --device cpu [--sweep]  # interpreter dry run, toy sizes
 
 For each token count ``T`` (one request of ``T`` current tokens, DeepSeek-V3.2 widths):
@@ -20,7 +20,10 @@ For each token count ``T`` (one request of ``T`` current tokens, DeepSeek-V3.2 w
 
 Bytes moved count each byte read and written once, payload only: e.g. store FP8 reads ``T * 576 * 2``
 and writes ``T * 656``; the int64 row / loc vectors (8-16 B per row) are reported separately. GB/s
-are divided by the measured device copy bandwidth (a 1 GiB device-to-device copy, read + write).
+are divided by the measured device copy bandwidth (a 1 GiB device-to-device copy, read + write);
+``same_size_copy_ms`` is a copy of the row's own payload (``payload / 2`` bytes read and written),
+and ``triton_fraction_of_same_size_copy`` its time over the kernel's: what a transfer of that size
+reaches, launch, ramp-up and the grid's tail included, against the kernel.
 Before timing, each kernel's output bytes are compared with the torch path's (on GPU the kernels
 use the hardware fp8 / bf16 conversions).
 
@@ -36,7 +39,12 @@ Phase 6: ``remap``: ``torch.sort`` + ``torch.searchsorted`` (:func:`reference_im
 vs page arithmetic (:func:`~reference_impl.cp.remap.page_inverse_remap`) on ``T`` logical locs. The
 baseline runs per layer per write (MLA and indexer K); the page inverse once per forward.
 
-Timing: median of ``triton.testing.do_bench`` (warm-up 25 ms, rep 100 ms) on CUDA; on ``--device cpu``
+Timing on CUDA: the device time of a call, median of 200, each after an L2 flush and with its
+launch queued behind a GPU sleep (:func:`reference_impl.bench.timing.queued_median_ms`: a kernel of
+a few microseconds is timed without the host's launch work, which ``triton.testing.do_bench``
+counts whenever it outlasts the flush, from run to run differently). ``--repeats N``
+times each row's kernel and torch path ``N`` times, interleaved, and keeps the median of the ``N``
+medians (all of them under ``*_ms_repeats``): the spread between calls is the noise. On ``--device cpu``
 the median of ``--cpu-repeats`` wall-clock runs under ``TRITON_INTERPRET=1`` (a dry run of the
 harness: the numbers mean nothing).
 """
@@ -58,8 +66,7 @@ import torch
 from reference_impl.bench.kernel_cases import (
     BAR_FRACTION,
     BAR_MIN_TOKENS,
-    REP_MS,
-    WARMUP_MS,
+    REPS,
     bench_remap,
     bench_tokens,
     build_cases,
@@ -73,7 +80,7 @@ def format_table(result: dict[str, Any]) -> str:
         f"{result['device']}  torch {result['torch']}  triton {result['triton']}  "
         f"copy {result['copy']['gbps']:.0f} GB/s (read + write)",
         f"{'op':<34}{'T':>8}{'triton ms':>11}{'GB/s':>8}{'/copy':>7}{'torch ms':>10}{'GB/s':>8}{'/copy':>7}"
-        f"{'speedup':>9}  check",
+        f"{'speedup':>9}  check  {'/same-size copy':>15}",
     ]
     for r in result["kernels"]:
         if "error" in r:
@@ -83,6 +90,7 @@ def format_table(result: dict[str, Any]) -> str:
             f"{r['op']:<34}{r['T']:>8}{r['triton_ms']:>11.3f}{r['triton_gbps']:>8.0f}{r['triton_fraction_of_copy']:>7.0%}"
             f"{r['torch_ms']:>10.3f}{r['torch_gbps']:>8.0f}{r['torch_fraction_of_copy']:>7.0%}{r['speedup']:>8.1f}x  "
             + ("ok" if r["check"]["bytes_equal"] else f"DIFF {r['check']['differing_bytes']} B")
+            + f"  {r['triton_fraction_of_same_size_copy']:>15.0%}"
         )
     lines.append(
         f"{'remap (phase 6)':<34}{'T':>8}{'sort ms':>11}{'page ms':>10}{'per call':>10}{'per layer':>11}{'per fwd':>10}"
@@ -112,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", default="deepseek-v3.2")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cpu-repeats", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--repeats", type=int, default=1, help="timings per row (median kept; default 1)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: interpreter dry run")
     parser.add_argument(
         "--sweep",
@@ -124,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         help="token counts of the sweep, comma separated (default: the largest --tokens value)",
     )
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: at least 1")
     if args.device == "cuda" and not torch.cuda.is_available():
         print("error: this benchmark needs a CUDA device (use --device cpu for a dry run)", file=sys.stderr)
         return 2
@@ -155,19 +166,21 @@ def main(argv: list[str] | None = None) -> int:
         "shapes": {"tokens": tokens, "cp_size": args.cp_size, "page_size": args.page_size, "preset": args.preset},
         "configs": configs,
         "config_source": "defaults (reference_impl.kernels.fused_configs)",
-        "timing": f"triton.testing.do_bench median (warmup {WARMUP_MS} ms, rep {REP_MS} ms)"
+        "timing": f"device time, median of {REPS} calls, L2 flushed and the launch queued behind a GPU sleep "
+        "before each (bench.timing.queued_median_ms)"
         if on_gpu
         else f"cpu wall clock, median of {args.cpu_repeats} after one warm-up (dry run, meaningless)",
         "bytes": "payload read + written once per byte; int64 row/loc vectors in index_vector_bytes",
         "bar": f">= {BAR_FRACTION:.0%} of copy bandwidth at >= {BAR_MIN_TOKENS} tokens and faster than torch",
+        "repeats": args.repeats,
+        "same_size_copy": "Tensor.copy_ of payload / 2 bytes (read + write = the row's payload), same timer",
     }
     result["copy"] = copy_bandwidth(device, time_ms)
     if args.sweep:
-        sweep_timer = make_timer(device, args.cpu_repeats, kernel_sweep.SWEEP_WARMUP_MS, kernel_sweep.SWEEP_REP_MS)
+        sweep_timer = make_timer(device, args.cpu_repeats, kernel_sweep.SWEEP_REPS)
         result["sweep_settings"] = {
             "tokens": sweep_tokens,
-            "timing": f"triton.testing.do_bench median (warmup {kernel_sweep.SWEEP_WARMUP_MS} ms, "
-            f"rep {kernel_sweep.SWEEP_REP_MS} ms)"
+            "timing": f"as the rows', median of {kernel_sweep.SWEEP_REPS} calls"
             if on_gpu
             else result["timing"],
             "best": "highest fraction of copy bandwidth (mean over the sweep tokens) among candidates whose "

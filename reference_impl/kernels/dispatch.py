@@ -39,7 +39,7 @@ import logging
 from collections.abc import Callable
 from functools import lru_cache
 from types import ModuleType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -157,30 +157,37 @@ def sparse_mla_attention(
     ``out_dtype`` (float32 by default): the kernel rounds its fp32 result once when it stores it,
     as ``.to(out_dtype)`` would; a bf16 output saves the fp32 ``[T, H, d_v]`` buffer.
     """
+    args = (q, kv, indices, softmax_scale, d_v, out_dtype)
+    return _sparse_mla_chain(sparse_mla_kernels(q, kv, d_v, force_torch=force_torch), args, rows_per_chunk)
 
-    def torch_path() -> tuple[torch.Tensor, torch.Tensor]:
+
+# Each kernel path: (its name in a fallback warning, how the next one names it, the launcher).
+_SPARSE_MLA_PATHS = {
+    "gluon_ws": ("Warp-specialized Gluon sparse_mla_attention", "the warp-specialized Gluon kernel",
+                 _gluon_ws_sparse_mla),
+    "gluon": ("Gluon sparse_mla_attention", "the Gluon kernel", _gluon_sparse_mla),
+    "triton": ("Triton sparse_mla_attention", "the Triton kernel", _triton_sparse_mla),
+}
+
+
+def _sparse_mla_chain(
+    paths: list[str], args: tuple[Any, ...], rows_per_chunk: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``paths[0]``, falling back along the rest (``args``: the launchers' arguments).
+
+    A module function, not a closure that calls itself: such a closure is a reference cycle that
+    holds the layer's ``q``, ``kv`` and ``indices`` until the cyclic garbage collector happens to run
+    (on the H200, 2.25 GiB of ``q`` per layer at 16K local tokens, accumulating over layers)."""
+    path, rest = paths[0], paths[1:]
+    if path == "torch":
+        q, kv, indices, softmax_scale, d_v, out_dtype = args
         out, lse = torch_ref.sparse_mla_attention(q, kv, indices, softmax_scale, d_v, rows_per_chunk)
         return out.to(out_dtype), lse
-
-    # Each kernel path: (its name in a fallback warning, how the next one names it, the launcher).
-    kernels = {
-        "gluon_ws": ("Warp-specialized Gluon sparse_mla_attention", "the warp-specialized Gluon kernel",
-                     _gluon_ws_sparse_mla),
-        "gluon": ("Gluon sparse_mla_attention", "the Gluon kernel", _gluon_sparse_mla),
-        "triton": ("Triton sparse_mla_attention", "the Triton kernel", _triton_sparse_mla),
-    }
-
-    def run(paths: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        path, rest = paths[0], paths[1:]
-        if path == "torch":
-            return torch_path()
-        what, _, launch = kernels[path]
-        to = "the torch path" if rest[0] == "torch" else kernels[rest[0]][1]
-        return fallback.run_with_fallback(
-            what, lambda: launch(q, kv, indices, softmax_scale, d_v, out_dtype), lambda: run(rest), to=to
-        )
-
-    return run(sparse_mla_kernels(q, kv, d_v, force_torch=force_torch))
+    what, _, launch = _SPARSE_MLA_PATHS[path]
+    to = "the torch path" if rest[0] == "torch" else _SPARSE_MLA_PATHS[rest[0]][1]
+    return fallback.run_with_fallback(
+        what, lambda: launch(*args), lambda: _sparse_mla_chain(rest, args, rows_per_chunk), to=to
+    )
 
 
 def indexer_topk(

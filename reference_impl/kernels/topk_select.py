@@ -288,6 +288,15 @@ def segment_count(n_cols: int, block: int, segment_keys: int, max_segments: int)
     return n_segments, triton.cdiv(triton.cdiv(max(n_cols, 1), n_segments), block) * block
 
 
+def workspace_bytes(n_rows: int, n_cols: int, k: int, config: SelectConfig | None = None) -> int:
+    """Bytes of the candidate slots one selection of top-``k`` over ``[n_rows, n_cols]`` allocates
+    (``R x S x G`` int32, :func:`select_launches`; the per-row bound and counts are small), with
+    ``config`` (:data:`GPU_CONFIG` by default)."""
+    cfg = config or GPU_CONFIG
+    n_segments, _ = segment_count(n_cols, cfg.compact_block, cfg.segment_keys, cfg.max_segments)
+    return n_rows * n_segments * candidate_slots(k) * 4
+
+
 def topk_select_triton(
     logits: torch.Tensor,
     col_start: torch.Tensor,

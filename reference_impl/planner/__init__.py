@@ -25,9 +25,10 @@ blocks from level 4. Times are those of the slowest rank.
   gathered chunk ``T x (576 + 128) x 2`` B (bf16), the full view ``S x (576 x 2 + 132)`` B, and at
   level 2 the gathered pages ``pages x page_bytes``. From level 3 a current-only batch gathers no page.
 * Activations per layer (:func:`activation_bytes`, JSON ``activation_bytes_per_layer``): the
-  projections of the ``T_local`` queries and the larger of the indexer's logits chunk and the
-  attention output with its einsum copies. Transient + activations is the predicted peak above
-  the pools, which ``bench/layer.py`` compares with ``torch.cuda.max_memory_allocated``.
+  projections of the ``T_local`` queries and their top-k, and the larger of the indexer's logits
+  chunk with the selection's workspace and the attention output with the products after it.
+  Transient + activations is the predicted peak above the pools, which ``bench/layer.py`` compares
+  with ``torch.cuda.max_memory_allocated`` (``scripts/memory_peak.py`` lists what is alive there).
 
 **Time per layer per rank** = compute + data movement, added (no overlap assumed):
 

@@ -221,19 +221,23 @@ def activation_bytes(cfg: ModelConfig, t_local: int, context: int, act_bytes: in
     allocates them (``DSAAttention.project`` / ``attend``), for ``t_local`` queries over ``context`` keys.
 
     Live through the layer: the residual ``x``, the projections (``q [T, H, 576]``, ``kv``, index
-    K, FP8 index q and head weights). Then the larger of two phases: the indexer's fp32 logits of
-    one row chunk ``[rows, S]`` (rows sized to stay under 1 GiB, as ``indexer_topk_triton`` does)
-    with its top-k values and int64 indices, or the attention's ``topk [T, K]`` int32, its output
-    ``[T, H, 512]``, the einsum's permuted copy of it and the ``[T, H, 128]`` result.
+    K, FP8 index q and head weights) and the top-k result ``[T, K]`` int32. Then the larger of two
+    phases: the indexer's fp32 logits of one row chunk ``[rows, S]`` (rows sized to stay under
+    1 GiB, as ``indexer_topk_triton`` does) with the selection kernel's candidate slots
+    (:func:`reference_impl.kernels.topk_select.workspace_bytes`), or the attention's output
+    ``[T, H, 512]``, the ``[T, H, 128]`` value product and the output projection's ``[T, dim]``.
+    ``scripts/memory_peak.py`` lists what is alive at the measured peak: these tensors.
     """
+    from reference_impl.kernels.topk_select import workspace_bytes
+
     h, hi, k = cfg.n_heads, cfg.index_n_heads, cfg.index_topk
     live = t_local * (
         cfg.dim * act_bytes + h * cfg.kv_width * act_bytes + (cfg.kv_width + cfg.index_head_dim) * act_bytes
-        + hi * cfg.index_head_dim + hi * 4
+        + hi * cfg.index_head_dim + hi * 4 + k * 4
     )
     rows = min(t_local, max(1, (1 << 30) // (max(context, 1) * 4)))
-    indexer = rows * context * 4 + rows * min(k, context) * (4 + 8)
-    attention = t_local * (k * 4 + 2 * h * cfg.kv_lora_rank * act_bytes + h * cfg.v_head_dim * act_bytes)
+    indexer = rows * context * 4 + workspace_bytes(rows, context, k)
+    attention = t_local * (h * cfg.kv_lora_rank + h * cfg.v_head_dim + cfg.dim) * act_bytes
     return live + max(indexer, attention)
 
 

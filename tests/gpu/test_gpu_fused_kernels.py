@@ -167,3 +167,27 @@ def test_the_dispatch_runs_the_kernels_and_refuses_bad_locs_like_torch() -> None
         assert not empty.any()
     assert all(torch.equal(a, b) for a, b in zip(pools[False], pools[True]))
     assert fallback.use_kernels(DEVICE) is True
+
+
+def test_the_queued_timer_keeps_the_hosts_launch_work_out() -> None:
+    """bench.kernels' timer: a call that spends 0.15 ms on the host before a tiny kernel. ``do_bench``
+    times the GPU waiting for the host (at least the 0.15 ms less its 256 MB flush); the queued
+    timer, whose launches wait behind a GPU sleep, the kernel's few microseconds."""
+    import time
+
+    import triton.testing
+
+    from reference_impl.bench.timing import queued_median_ms
+
+    x = torch.zeros(4096, device=DEVICE)
+
+    def slow_host_tiny_kernel() -> None:
+        start = time.perf_counter()
+        while time.perf_counter() - start < 1.5e-4:
+            pass
+        x.add_(1.0)
+
+    queued = queued_median_ms(slow_host_tiny_kernel, reps=40)
+    waited = triton.testing.do_bench(slow_host_tiny_kernel, warmup=5, rep=20, return_mode="median")
+    assert queued < 0.02, queued
+    assert waited > 0.04, waited
