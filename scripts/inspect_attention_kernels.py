@@ -1,11 +1,12 @@
-"""Compile both sparse MLA kernels for sm_90 without a GPU and print what the compiler made of them.
+"""Compile the three sparse MLA kernels for sm_90 without a GPU and print what the compiler made of them.
 
     python3 scripts/inspect_attention_kernels.py
 
 For each kernel at the DeepSeek-V3.2 shape (64-head blocks, 64-key tiles, d_v 512, rope 64, bf16,
 the GPU default switches): the MMA layouts (``warpsPerCTA`` of each product), the count of each
-WGMMA instruction in the PTX, 16-byte ``cp.async`` copies, registers and spills (``ptxas -v`` from
-Triton's bundled ptxas), and shared memory. Integer arguments are marked divisible by 16, as the
+WGMMA instruction in the PTX, 16-byte ``cp.async`` copies (and, for the warp-specialized kernel,
+its mbarrier-tracked arrivals and per-warp-group register budgets), registers and spills
+(``ptxas -v`` from Triton's bundled ptxas), and shared memory. Integer arguments are marked divisible by 16, as the
 launcher specializes them at run time (without that the KV gathers compile to scalar loads).
 Needs Triton with its NVIDIA backend (the ptxas it ships); no CUDA device or driver.
 """
@@ -23,7 +24,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from reference_impl.kernels import sparse_mla_gluon, sparse_mla_triton
+from reference_impl.kernels import sparse_mla_gluon, sparse_mla_gluon_ws, sparse_mla_triton
 
 ARGS = ["q_ptr", "kv_ptr", "idx_ptr", "out_ptr", "lse_ptr", "n_heads", "n_kv", "topk", "n_head_blocks",
         "stride_qt", "stride_qh", "stride_kv", "stride_it", "stride_ot", "stride_oh", "stride_lt", "qk_scale_log2"]
@@ -52,9 +53,13 @@ def report(name: str, kernel: Any) -> None:
     print(f"== {name}")
     for layout in re.findall(r"#ttg\.nvidia_mma<\{[^}]*\}>", ttgir.split("module")[0]):
         print("  MMA layout:", layout)
-    counts = collections.Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.\w+|cp\.async\.cg\.shared\.global", ptx))
+    pattern = r"wgmma\.mma_async\.sync\.aligned\.\w+|cp\.async\.cg\.shared\.global|cp\.async\.mbarrier\.arrive\.noinc"
+    counts = collections.Counter(re.findall(pattern, ptx))
     for instr, n in sorted(counts.items()):
         print(f"  {n:4d} x {instr}")
+    budgets = sorted({int(n) for n in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)})
+    if budgets:
+        print("  setmaxnreg budgets:", budgets)
     print("  ptxas:", ptxas_verbose(ptx))
     print(f"  shared memory: {kernel.metadata.shared} B")
 
@@ -81,6 +86,11 @@ def main() -> None:
         num_warps=sparse_mla_gluon.NUM_WARPS,
     )
     report(f"Gluon kernel, GPU default {sparse_mla_gluon.GPU_DEFAULT_CONFIG}", gluon_kernel)
+    ws_kernel = compile_for_sm90(
+        GluonASTSource, sparse_mla_gluon_ws._sparse_mla_fwd_ws_kernel, sparse_mla_gluon_ws.launch_constexprs(512, 64),
+        num_warps=4,  # per warp group: the kernel adds the producer and the second consumer
+    )
+    report(f"Warp-specialized Gluon kernel, PIPELINE_QK={sparse_mla_gluon_ws.GPU_PIPELINE_QK}", ws_kernel)
     print(f"(Triton {triton.__version__}, target sm_90a)")
 
 
