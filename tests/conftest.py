@@ -117,3 +117,17 @@ def fr() -> object:
 @pytest.fixture(scope="module")
 def fm() -> object:
     return importlib.import_module("reference_impl.kernels.fused_materialize")
+
+
+def gluon_operand_refusals():  # -> dict[str, list[tuple]]
+    """Inputs both Gluon kernels refuse through ``hopper_operand_reason`` (``unsupported_reason``'s
+    arguments), keyed by words of the reason: not sm_90, or not one bf16 / fp16 dtype."""
+    import torch
+
+    bf16 = torch.bfloat16
+    return {
+        "sm_90": [("cpu", None, bf16, bf16, 576, 512), ("cuda", (8, 0), bf16, bf16, 576, 512),
+                  ("cuda", (10, 0), bf16, bf16, 576, 512)],
+        "bf16 or fp16": [("cuda", (9, 0), torch.float32, torch.float32, 576, 512),
+                         ("cuda", (9, 0), bf16, torch.float16, 576, 512)],
+    }

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 
+from conftest import gluon_operand_refusals
 from reference_impl.kernels import dispatch, fallback  # noqa: E402
 from reference_impl.model import sparse_attention as ref  # noqa: E402
 from reference_impl.errors import ConfigError  # noqa: E402
@@ -384,10 +385,7 @@ def test_gluon_kernel_names_what_it_cannot_run() -> None:
     assert unsupported_reason("cuda", (9, 0), bf16, bf16, 576, 512) is None
     assert unsupported_reason("cuda", (9, 0), torch.float16, torch.float16, 80, 64) is None
     refused = {
-        "sm_90": [("cpu", None, bf16, bf16, 576, 512), ("cuda", (8, 0), bf16, bf16, 576, 512),
-                  ("cuda", (10, 0), bf16, bf16, 576, 512)],
-        "bf16 or fp16": [("cuda", (9, 0), torch.float32, torch.float32, 576, 512),
-                         ("cuda", (9, 0), bf16, torch.float16, 576, 512)],
+        **gluon_operand_refusals(),
         "power-of-two": [("cuda", (9, 0), bf16, bf16, 560, 500), ("cuda", (9, 0), bf16, bf16, 552, 512),
                          ("cuda", (9, 0), bf16, bf16, 40, 32)],
         "d_qk <= 576": [("cuda", (9, 0), bf16, bf16, 640, 512)],

@@ -17,6 +17,8 @@ import torch
 
 pytest.importorskip("triton.experimental.gluon")
 
+from conftest import gluon_operand_refusals
+
 from reference_impl.kernels.sparse_mla_gluon_ws import sparse_mla_attention_gluon_ws, unsupported_reason
 
 H200_SHARED_BYTES = 227 * 1024  # the most shared memory one block can opt into on sm_90
@@ -27,10 +29,7 @@ def test_names_what_it_cannot_run() -> None:
     assert unsupported_reason("cuda", (9, 0), bf16, bf16, 576, 512) is None
     assert unsupported_reason("cuda", (9, 0), torch.float16, torch.float16, 80, 64) is None
     refused = {
-        "sm_90": [("cpu", None, bf16, bf16, 576, 512), ("cuda", (8, 0), bf16, bf16, 576, 512),
-                  ("cuda", (10, 0), bf16, bf16, 576, 512)],
-        "bf16 or fp16": [("cuda", (9, 0), torch.float32, torch.float32, 576, 512),
-                         ("cuda", (9, 0), bf16, torch.float16, 576, 512)],
+        **gluon_operand_refusals(),
         "rope width in [16, 64]": [("cuda", (9, 0), bf16, bf16, 640, 512), ("cuda", (9, 0), bf16, bf16, 560, 500),
                                    ("cuda", (9, 0), bf16, bf16, 40, 32), ("cuda", (9, 0), bf16, bf16, 1088, 1024)],
     }
