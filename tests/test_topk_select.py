@@ -215,3 +215,30 @@ def test_the_selection_kernel_is_the_default_selector_and_the_knob_picks_torch_t
     monkeypatch.setenv("DSACP_TRITON_TOPK", "sometimes")
     with pytest.raises(ConfigError, match="DSACP_TRITON_TOPK"):
         topk_selector()
+
+
+@CONFIGS
+def test_workspace_bytes_is_what_the_selection_allocates(config: SelectConfig) -> None:
+    """The planner counts the selection's candidate slots with ``workspace_bytes``: the bytes of the
+    one ``[R, S, G]`` int32 tensor a selection allocates."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from reference_impl.kernels.topk_select import workspace_bytes
+
+    class Allocations(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.int32_3d: list[int] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.empty.memory_format and out.dtype == torch.int32 and out.dim() == 3:
+                self.int32_3d.append(out.numel() * out.element_size())
+            return out
+
+    rows, cols, k = 6, 300, 16
+    logits = torch.randn(rows, cols, generator=torch.Generator().manual_seed(3))
+    start, end = torch.zeros(rows, dtype=torch.int64), torch.full((rows,), cols, dtype=torch.int64)
+    with Allocations() as seen:
+        topk_select_triton(logits, start, end, k, config=config)
+    assert seen.int32_3d == [workspace_bytes(rows, cols, k, config)]
