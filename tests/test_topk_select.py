@@ -230,7 +230,7 @@ def test_workspace_bytes_is_what_the_selection_allocates(config: SelectConfig) -
             super().__init__()
             self.int32_3d: list[int] = []
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             if func is torch.ops.aten.empty.memory_format and out.dtype == torch.int32 and out.dim() == 3:
                 self.int32_3d.append(out.numel() * out.element_size())
