@@ -24,6 +24,8 @@ from reference_impl.kernels.topk_select import (
     CPU_CONFIG,
     SelectConfig,
     candidate_slots,
+    group_maxima_reference,
+    maxima_width,
     selected_scores,
     topk_select_reference,
     topk_select_triton,
@@ -189,8 +191,11 @@ def test_the_topk_bench_runs_dry_on_cpu(tmp_path, monkeypatch) -> None:
     assert topk.main([*argv, "--sweep", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["shape"]["rows"] == 32 and result["torch_topk_ms"] > 0
-    for row in (result["default"], *result["sweep"]):
+    for row in (result["default"], result["fused_bound"], *result["sweep"]):
         assert row["exact"] and set(row["kernel_ms"]) == {"bound", "compact", "finish"} and row["select_ms"] > 0
+        assert sum(row["rows_per_path"]) == 32
+    assert result["fused_bound"]["fused_bound"] and not result["default"]["fused_bound"]
+    assert result["logits_ms"]["plain"] > 0 and result["logits_ms"]["with_maxima"] > 0
     assert result["sweep"][0]["config"]["bound_steps"] == 4
 
 
@@ -242,3 +247,104 @@ def test_workspace_bytes_is_what_the_selection_allocates(config: SelectConfig) -
     with Allocations() as seen:
         topk_select_triton(logits, start, end, k, config=config)
     assert seen.int32_3d == [workspace_bytes(rows, cols, k, config)]
+
+
+def _indexer_inputs(n: int, keys: int, seed: int) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(n, 2, 32, generator=gen).to(torch.float8_e4m3fn)
+    w = torch.randn(n, 2, generator=gen)
+    k = torch.randn(keys, 32, generator=gen).to(torch.float8_e4m3fn)
+    return q, w, k, torch.rand(keys, generator=gen) + 0.5
+
+
+def test_the_logits_kernel_writes_the_group_maxima_of_the_visible_keys() -> None:
+    """The fused bound's input: beside the logits, each row's group maxima (8 per 128-column span,
+    every 8th column a group) of the order keys of its visible columns, 0 where none is visible, on a
+    chunk that starts at a key offset and ends inside a span."""
+    n, keys, lo, hi = 24, 700, 37, 650
+    q, w, k, ks = _indexer_inputs(n, keys, seed=5)
+    start = torch.arange(n) * 13
+    end = torch.minimum(start + 40 + torch.arange(n) * 29, torch.tensor(hi))
+    maxima = torch.empty(n, maxima_width(hi - lo), dtype=torch.uint32)
+    logits = indexer_triton.indexer_logits_triton(q, w, k, ks, start, end, lo, hi, maxima=maxima)
+    want = group_maxima_reference(logits, start - lo, end - lo)
+    assert torch.equal(maxima.view(torch.int32).to(torch.int64) & 0xFFFFFFFF, want)
+    assert (want > 0).any() and (want == 0).any()  # both visible and empty groups occur
+    with pytest.raises(ValueError, match="block_s=64"):
+        indexer_triton.indexer_logits_triton(q, w, k, ks, start, end, lo, hi, maxima=maxima, block_s=64)
+    with pytest.raises(ValueError, match=r"maxima must be an \[24, 40\] uint32"):
+        indexer_triton.indexer_logits_triton(q, w, k, ks, start, end, lo, hi, maxima=maxima[:, :8])
+
+
+def _run_of_hot_keys(n: int, run: int, count: int) -> torch.Tensor:
+    """``count`` runs of ``run`` adjacent columns spread over ``n``: locally clustered top scores."""
+    starts = torch.linspace(0, n - run - 1, count).long()
+    return (starts[:, None] + torch.arange(run)[None]).flatten()
+
+
+@CONFIGS
+@pytest.mark.parametrize("pattern", ["random", "all_equal", "two_values", "adjacent_runs", "one_column"])
+def test_the_fused_bound_selects_exactly_and_keeps_random_rows_on_the_fast_path(pattern: str, config: SelectConfig) -> None:
+    """The selection with the group maxima as its bound source, on rows long enough to use them
+    (at least G maxima) and short ones beside them: the stable-sort reference on every pattern;
+    random scores and runs of 8 adjacent hot keys still fit the candidate slots (path 0)."""
+    k, n = 16, 1500
+    g = candidate_slots(k)
+    starts, ends = torch.tensor([0, 5, 200, 1300]), torch.tensor([n, n - 3, 1499, 1400])  # the last row is short
+    gen = torch.Generator().manual_seed(7)
+    cols = torch.arange(n)
+    logits = torch.rand(4, n, generator=gen)
+    if pattern == "all_equal":
+        logits = torch.full((4, n), 0.5)
+    elif pattern == "two_values":
+        logits = torch.where(cols % 3 == 0, 1.0, 2.0).float().repeat(4, 1)
+    elif pattern == "adjacent_runs":
+        logits[:, _run_of_hot_keys(n, 8, 4)] += 10.0
+    elif pattern == "one_column":
+        for row in range(4):
+            hot = _into_one_column(int(ends[row]), int(starts[row]), g)
+            logits[row, hot] = 100.0 + torch.arange(hot.numel()).float()
+    maxima = group_maxima_reference(logits, starts, ends).to(torch.uint32)
+    assert maxima.shape[1] >= g  # the long rows read maxima, not keys
+    paths = torch.full((4,), -1, dtype=torch.int8)
+    got = topk_select_triton(logits, starts, ends, k, col_offset=9, paths=paths, config=config, maxima=maxima)
+    assert torch.equal(got, topk_select_reference(logits, starts, ends, k, col_offset=9))
+    if pattern in ("random", "adjacent_runs"):
+        assert (paths == 0).all()
+    with pytest.raises(ValueError, match=r"maxima must be an \[4, 96\] uint32"):
+        topk_select_triton(logits, starts, ends, k, maxima=maxima.view(torch.int32))
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n_rows=st.integers(1, 6), n_cols=st.integers(100, 2000), k=st.sampled_from([1, 8, 40]), seed=st.integers(0, 2**16))
+def test_property_the_indexer_with_the_fused_bound_selects_what_it_selects_without(
+    n_rows: int, n_cols: int, k: int, seed: int
+) -> None:
+    """Through ``indexer_topk_triton``: the fused bound changes where the bound reads, never the result."""
+    q, w, kk, ks = _indexer_inputs(n_rows, n_cols, seed)
+    gen = torch.Generator().manual_seed(seed)
+    start = torch.randint(0, n_cols // 2, (n_rows,), generator=gen)
+    end = torch.clamp(start + torch.randint(1, n_cols, (n_rows,), generator=gen), max=n_cols)
+    args = (q, w, kk, ks, start, end, k)
+    fused = indexer_triton.indexer_topk_triton(*args, selector="triton", fused_bound=True)
+    plain = indexer_triton.indexer_topk_triton(*args, selector="triton")
+    logits = indexer_triton.indexer_logits_triton(q, w, kk, ks, start, end, 0, int(end.max()))
+    assert torch.equal(fused, plain)
+    assert torch.equal(fused, topk_select_reference(logits, start, end, k))
+
+
+def test_the_fused_bound_is_off_by_default_and_the_knob_turns_it_on(monkeypatch) -> None:
+    from reference_impl.config import ConfigError
+    from reference_impl.kernels import dispatch
+
+    seen: list[object] = []
+    monkeypatch.setattr(indexer_triton, "indexer_topk_triton", lambda *a, **kw: seen.append(kw["fused_bound"]))
+    args = (None,) * 8
+    monkeypatch.delenv("DSACP_FUSED_BOUND", raising=False)
+    dispatch._triton_indexer_topk(*args)
+    monkeypatch.setenv("DSACP_FUSED_BOUND", "1")
+    dispatch._triton_indexer_topk(*args)
+    assert seen == [False, True]
+    monkeypatch.setenv("DSACP_FUSED_BOUND", "perhaps")
+    with pytest.raises(ConfigError, match="DSACP_FUSED_BOUND"):
+        dispatch._triton_indexer_topk(*args)

@@ -14,6 +14,10 @@ the chunks: each of the three kernels alone (:func:`~reference_impl.kernels.topk
 the whole selection, and ``torch.topk`` over the same logits. Before timing, each config's result on
 every chunk must equal :func:`exact_selection` (the contract: a stable descending sort).
 
+The selection runs as the engine runs it (``"default"``: the bound reads the logits) and with the
+opt-in fused bound (``"fused_bound"``: its first kernel reads the group maxima the logits kernel
+wrote); ``logits_ms`` times the logits kernel without and with writing the maxima.
+
 ``--sweep`` also times each candidate of :data:`SWEEP` (changes to ``GPU_CONFIG``); the fastest exact
 one is the value to put in ``topk_select.GPU_CONFIG``.
 """
@@ -50,37 +54,50 @@ SWEEP: list[dict[str, int]] = [
 
 
 class Chunk(NamedTuple):
-    """One row chunk: ``logits [rows, hi - lo]`` f32 and each row's visible columns, relative to ``lo``."""
+    """One row chunk: ``logits [rows, hi - lo]`` f32 and each row's visible columns, relative to
+    ``lo``; ``maxima``: the group maxima the logits kernel wrote beside them (the fused bound's input)."""
 
     logits: torch.Tensor
     col_start: torch.Tensor
     col_end: torch.Tensor
     lo: int
+    maxima: torch.Tensor | None = None
 
 
-def per_rank_chunks(context: int, cp_size: int, heads: int, dim: int, device: str) -> list[Chunk]:
-    """Rank 0's index logits at ``context`` tokens over ``cp_size`` ranks, in the engine's row chunks."""
+def per_rank_chunks(
+    context: int, cp_size: int, heads: int, dim: int, device: str, bench: Callable[[Callable[[], object]], float] | None = None
+) -> tuple[list[Chunk], dict[str, float]]:
+    """Rank 0's index logits at ``context`` tokens over ``cp_size`` ranks, in the engine's row
+    chunks, with their group maxima; and, with ``bench``, the logits kernel's ms summed over the
+    chunks without (``"plain"``) and with (``"with_maxima"``) writing the maxima."""
     from reference_impl.bench.compute_cases import indexer_inputs, zigzag_rank0_positions
     from reference_impl.kernels.indexer_triton import indexer_logits_triton
+    from reference_impl.kernels.topk_select import maxima_width
     from reference_impl.model.sparse_attention import chunk_key_range
 
     positions = zigzag_rank0_positions(context, cp_size)
     q, w, k, k_scale, start, end = indexer_inputs(positions, context, heads, dim, torch.device(device))
     rows = max(1, (1 << 30) // (context * 4))
     chunks = []
+    logits_ms = {"plain": 0.0, "with_maxima": 0.0}
     for r0 in range(0, positions.numel(), rows):
         r1 = min(r0 + rows, positions.numel())
         lo, hi = chunk_key_range(start, end, r0, r1, None)
-        logits = indexer_logits_triton(q[r0:r1], w[r0:r1], k, k_scale, start[r0:r1], end[r0:r1], lo, hi)
-        chunks.append(Chunk(logits, (start[r0:r1] - lo).contiguous(), (end[r0:r1] - lo).contiguous(), lo))
-    return chunks
+        inputs = (q[r0:r1], w[r0:r1], k, k_scale, start[r0:r1], end[r0:r1], lo, hi)
+        maxima = torch.empty(r1 - r0, maxima_width(hi - lo), dtype=torch.uint32, device=device)
+        logits = indexer_logits_triton(*inputs, maxima=maxima)
+        if bench is not None:
+            logits_ms["plain"] += bench(lambda inputs=inputs: indexer_logits_triton(*inputs))
+            logits_ms["with_maxima"] += bench(lambda inputs=inputs, m=maxima: indexer_logits_triton(*inputs, maxima=m))
+        chunks.append(Chunk(logits, (start[r0:r1] - lo).contiguous(), (end[r0:r1] - lo).contiguous(), lo, maxima))
+    return chunks, logits_ms
 
 
 def exact_selection(chunk: Chunk, k: int) -> torch.Tensor:
     """The selection's contract, vectorized: per row the first ``min(k, visible)`` columns of a
     stable descending sort of the visible columns, ascending, ``-1`` padded -> ``[rows, k]`` int32
     (columns relative to the chunk, like ``topk_select_triton`` with ``col_offset=0``)."""
-    logits, start, end, _ = chunk
+    logits, start, end = chunk.logits, chunk.col_start, chunk.col_end
     cols = torch.arange(logits.shape[1], device=logits.device)
     visible = (cols[None] >= start[:, None]) & (cols[None] < end[:, None])
     order = torch.sort(logits.masked_fill(~visible, float("-inf")), dim=1, descending=True, stable=True).indices
@@ -92,27 +109,43 @@ def exact_selection(chunk: Chunk, k: int) -> torch.Tensor:
 
 
 def measure(
-    chunks: list[Chunk], expected: list[torch.Tensor], k: int, config: Any, bench: Callable[[Callable[[], object]], float]
+    chunks: list[Chunk],
+    expected: list[torch.Tensor],
+    k: int,
+    config: Any,
+    bench: Callable[[Callable[[], object]], float],
+    fused_bound: bool = False,
 ) -> dict[str, Any]:
     """One config: exact on every chunk (``expected``: :func:`exact_selection` of each)?, then each
-    kernel's and the whole selection's ms, summed over chunks."""
+    kernel's and the whole selection's ms, summed over chunks; the bound from the chunks' group
+    maxima (``fused_bound``) or from the logits."""
     from reference_impl.kernels.topk_select import select_launches, topk_select_triton
 
-    row: dict[str, Any] = {"config": dataclasses.asdict(config)}
+    def maxima(c: Chunk) -> torch.Tensor | None:
+        return c.maxima if fused_bound else None
+
+    row: dict[str, Any] = {"config": dataclasses.asdict(config), "fused_bound": fused_bound}
+    paths = [torch.full((c.logits.shape[0],), -1, dtype=torch.int8, device=c.logits.device) for c in chunks]
     row["exact"] = all(
-        torch.equal(topk_select_triton(c.logits, c.col_start, c.col_end, k, config=config), want)
-        for c, want in zip(chunks, expected, strict=True)
+        torch.equal(topk_select_triton(c.logits, c.col_start, c.col_end, k, config=config, maxima=maxima(c), paths=p), want)
+        for c, want, p in zip(chunks, expected, paths, strict=True)
     )
+    row["rows_per_path"] = torch.bincount(torch.cat(paths).long(), minlength=3).tolist()
     kernel_ms = {"bound": 0.0, "compact": 0.0, "finish": 0.0}
     for c in chunks:
         out = torch.empty(c.logits.shape[0], k, dtype=torch.int32, device=c.logits.device)
-        launches = select_launches(c.logits, c.col_start, c.col_end, k, c.lo, out, None, config)
+        launches = select_launches(c.logits, c.col_start, c.col_end, k, c.lo, out, None, config, maxima(c))
         for launch in launches.values():  # in order: each kernel's inputs are the previous one's outputs
             launch()
         for name, launch in launches.items():
             kernel_ms[name] += bench(launch)
     row["kernel_ms"] = kernel_ms
-    row["select_ms"] = bench(lambda: [topk_select_triton(c.logits, c.col_start, c.col_end, k, col_offset=c.lo, config=config) for c in chunks])
+    row["select_ms"] = bench(
+        lambda: [
+            topk_select_triton(c.logits, c.col_start, c.col_end, k, col_offset=c.lo, config=config, maxima=maxima(c))
+            for c in chunks
+        ]
+    )
     return row
 
 
@@ -138,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = median_ms_timer(on_gpu, warmup_ms=10, rep_ms=60)
 
     torch.manual_seed(args.seed)
-    chunks = per_rank_chunks(args.context, args.cp_size, args.index_heads, args.index_dim, args.device)
+    chunks, logits_ms = per_rank_chunks(args.context, args.cp_size, args.index_heads, args.index_dim, args.device, bench)
     config = GPU_CONFIG if on_gpu else CPU_CONFIG
     expected = [exact_selection(c, args.topk) for c in chunks]  # once, for every config
     result: dict[str, Any] = {
@@ -153,8 +186,10 @@ def main(argv: list[str] | None = None) -> int:
             "rows": sum(c.logits.shape[0] for c in chunks), "chunks": [list(c.logits.shape) for c in chunks],
         },
         "timing": "median of triton.testing.do_bench (warmup 10 ms, rep 60 ms) per chunk, summed" if on_gpu else "one CPU call",
+        "logits_ms": logits_ms,
         "torch_topk_ms": bench(lambda: [c.logits.topk(min(args.topk, c.logits.shape[1]), dim=-1) for c in chunks]),
         "default": measure(chunks, expected, args.topk, config, bench),
+        "fused_bound": measure(chunks, expected, args.topk, config, bench, fused_bound=True),
     }
     if args.sweep:
         result["sweep"] = [
@@ -163,11 +198,14 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
-    for row in [result["default"], *result.get("sweep", [])]:
+    rows = [result["default"], result["fused_bound"], *result.get("sweep", [])]
+    for row in rows:
         times = " ".join(f"{name} {ms:.3f}" for name, ms in row["kernel_ms"].items())
-        print(f"select {row['select_ms']:.3f} ms ({times})  exact {row['exact']}  {row['config']}")
+        print(f"select {row['select_ms']:.3f} ms ({times})  exact {row['exact']}  fused bound {row['fused_bound']}  "
+              f"paths {row['rows_per_path']}  {row['config']}")
+    print(f"logits {logits_ms['plain']:.3f} ms, writing the maxima too {logits_ms['with_maxima']:.3f} ms")
     print(f"torch.topk {result['torch_topk_ms']:.3f} ms")
-    return 0 if all(r["exact"] for r in [result["default"], *result.get("sweep", [])]) else 1
+    return 0 if all(r["exact"] for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -22,7 +22,10 @@ Gluon -> Gluon -> Triton -> torch.
 
 Indexer top-k is the Triton logits kernel, then the Triton selection kernel
 (:mod:`reference_impl.kernels.topk_select`; ``torch.topk`` after a selection failure, one warning,
-or where ``DSACP_TRITON_TOPK=0``); the torch reference where the kernels do not run.
+or where ``DSACP_TRITON_TOPK=0``); the torch reference where the kernels do not run. With
+``DSACP_FUSED_BOUND=1`` the selection's bound reads the group maxima the logits kernel writes beside
+the logits instead of the logits (the fused bound; off by default: slower on the H200, see
+:mod:`reference_impl.kernels.topk_select`).
 
 The per-token glue runs one-pass Triton kernels where the kernels run: the query preparation
 (:mod:`reference_impl.model.query_prep`: the indexer query's RoPE, Hadamard rotation and FP8
@@ -39,7 +42,7 @@ import logging
 from collections.abc import Callable
 from functools import lru_cache
 from types import ModuleType
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -104,7 +107,7 @@ def _triton_indexer_topk(
 
     return indexer_topk_triton(
         q_fp8, weights, k_fp8, k_scale, key_start, key_end, topk, rows_per_chunk, host_bounds,
-        selector=topk_selector(),
+        selector=topk_selector(), fused_bound=env_flag("fused_bound"),
     )
 
 
@@ -161,11 +164,22 @@ def sparse_mla_attention(
     return _sparse_mla_chain(sparse_mla_kernels(q, kv, d_v, force_torch=force_torch), args, rows_per_chunk)
 
 
-# Each kernel path: (its name in a fallback warning, how the previous one's warning names it).
+class _KernelPath(NamedTuple):
+    """One sparse MLA kernel path: its name in a fallback warning, how the previous path's warning
+    names it, and its launcher's name in this module (looked up when called, so that tests can stand
+    kernels in for the launchers)."""
+
+    warning_name: str
+    referred_to_as: str
+    launcher: str
+
+
 _SPARSE_MLA_PATHS = {
-    "gluon_ws": ("Warp-specialized Gluon sparse_mla_attention", "the warp-specialized Gluon kernel"),
-    "gluon": ("Gluon sparse_mla_attention", "the Gluon kernel"),
-    "triton": ("Triton sparse_mla_attention", "the Triton kernel"),
+    "gluon_ws": _KernelPath(
+        "Warp-specialized Gluon sparse_mla_attention", "the warp-specialized Gluon kernel", "_gluon_ws_sparse_mla"
+    ),
+    "gluon": _KernelPath("Gluon sparse_mla_attention", "the Gluon kernel", "_gluon_sparse_mla"),
+    "triton": _KernelPath("Triton sparse_mla_attention", "the Triton kernel", "_triton_sparse_mla"),
 }
 
 
@@ -182,12 +196,11 @@ def _sparse_mla_chain(
         q, kv, indices, softmax_scale, d_v, out_dtype = args
         out, lse = torch_ref.sparse_mla_attention(q, kv, indices, softmax_scale, d_v, rows_per_chunk)
         return out.to(out_dtype), lse
-    what = _SPARSE_MLA_PATHS[path][0]
-    # The launchers looked up when called (tests stand kernels in for them).
-    launch = {"gluon_ws": _gluon_ws_sparse_mla, "gluon": _gluon_sparse_mla, "triton": _triton_sparse_mla}[path]
-    to = "the torch path" if rest[0] == "torch" else _SPARSE_MLA_PATHS[rest[0]][1]
+    this = _SPARSE_MLA_PATHS[path]
+    launch = globals()[this.launcher]
+    to = "the torch path" if rest[0] == "torch" else _SPARSE_MLA_PATHS[rest[0]].referred_to_as
     return fallback.run_with_fallback(
-        what, lambda: launch(*args), lambda: _sparse_mla_chain(rest, args, rows_per_chunk), to=to
+        this.warning_name, lambda: launch(*args), lambda: _sparse_mla_chain(rest, args, rows_per_chunk), to=to
     )
 
 

@@ -19,7 +19,11 @@ Where Triton is used and where it is not:
 * **Top-k: Triton, or torch.** ``selector="triton"`` (what the dispatch picks by default): the
   exact selection kernels of :mod:`reference_impl.kernels.topk_select` over each row's visible
   columns (ties at the boundary go to the lower key; a kernel that raises falls back to
-  ``torch.topk``, :func:`~reference_impl.kernels.fallback.run_with_fallback`). ``selector="torch"``
+  ``torch.topk``, :func:`~reference_impl.kernels.fallback.run_with_fallback`). With
+  ``fused_bound=True`` (opt-in) the logits kernel also writes each row's group maxima
+  (:func:`~reference_impl.kernels.topk_select.span_maxima`, 1/16 of the logits' bytes), so that the
+  selection's first kernel reads those instead of every logit of a long row. On the H200 the
+  kernel's epilogue costs more than the bound saves (the compute-kernels page has the times). ``selector="torch"``
   (this function's default, and the dispatch's with ``DSACP_TRITON_TOPK=0``): ``torch.topk`` over
   the masked ``[rows, keys]`` logits of a chunk of rows, as the reference does. The rows are
   processed in chunks so the fp32 logits buffer stays under ``max_chunk_bytes`` (1 GiB by default).
@@ -32,12 +36,22 @@ import triton
 import triton.language as tl
 
 from reference_impl.kernels import fallback
-from reference_impl.kernels.topk_select import topk_select_triton
+from reference_impl.kernels.topk_select import (
+    MAXIMA_SPAN,
+    first_group,
+    groups_below,
+    maxima_width,
+    order_keys,
+    span_maxima,
+    topk_select_triton,
+)
 from reference_impl.kernels.triton_helpers import pow2_at_least_16
 from reference_impl.model.sparse_attention import HostKeyBounds, chunk_key_range
 
 # (BLOCK_T, BLOCK_S, num_warps, num_stages, dot dtype) used on GPU unless the caller overrides them.
 GPU_DEFAULT_CONFIG: tuple[int, int, int, int, str] = (64, 128, 4, 3, "fp8")
+# The interpreter's: small row tiles; one 128-column span per tile, as the group maxima need.
+CPU_DEFAULT_CONFIG: tuple[int, int, int, int, str] = (16, 128, 4, 1, "fp8")
 
 
 @triton.jit
@@ -49,6 +63,7 @@ def _indexer_logits_kernel(
     key_start_ptr,
     key_end_ptr,
     out_ptr,
+    maxima_ptr,
     n_rows,
     n_cols,
     col0,
@@ -59,12 +74,14 @@ def _indexer_logits_kernel(
     stride_wh,
     stride_k,
     stride_ot,
+    stride_mt,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_S: tl.constexpr,
     DOT_BF16: tl.constexpr,
     UPCAST: tl.constexpr,
+    WRITE_MAXIMA: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -116,7 +133,14 @@ def _indexer_logits_kernel(
         logits,
         mask=row_mask[:, None] & col_mask[None, :],
     )
-
+    if WRITE_MAXIMA:  # the fused bound's group maxima: write 4 B per 16 keys (BLOCK_S holds whole spans)
+        keys = tl.where(visible & col_mask[None, :], order_keys(logits), 0)
+        groups = first_group(pid_s * BLOCK_S) + tl.arange(0, BLOCK_S // 16)
+        tl.store(
+            maxima_ptr + rows[:, None] * stride_mt + groups[None, :],
+            span_maxima(keys, BLOCK_T, BLOCK_S),
+            mask=row_mask[:, None] & (groups[None, :] < groups_below(n_cols)),
+        )
 
 
 def indexer_logits_triton(
@@ -134,21 +158,33 @@ def indexer_logits_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
     dot_dtype: str | None = None,
+    maxima: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Masked index logits of all rows of ``q_fp8`` against keys ``[col_lo, col_hi)`` -> [T, col_hi-col_lo] f32.
 
     Entry ``[t, j]`` is ``I[t, col_lo + j]`` where ``key_start[t] <= col_lo + j < key_end[t]`` and
     ``-inf`` elsewhere. ``q_fp8 [T, Hi, D]``, ``weights [T, Hi]`` f32, ``k_fp8 [S, D]``,
     ``k_scale [S]`` f32, ``key_start/key_end [T]`` int64. ``dot_dtype``: ``"fp8"`` or ``"bf16"``
-    (GPU only; the interpreter always computes in fp32).
+    (GPU only; the interpreter always computes in fp32). ``maxima``: a
+    ``[T, maxima_width(col_hi - col_lo)]`` uint32 tensor that receives the rows' group maxima for
+    the fused bound (:func:`~reference_impl.kernels.topk_select.span_maxima`; ``block_s`` a
+    multiple of 128).
     """
     n_rows, n_heads, d = q_fp8.shape
     n_cols = col_hi - col_lo
     out = torch.empty(n_rows, max(n_cols, 0), dtype=torch.float32, device=q_fp8.device)
+    on_gpu = q_fp8.device.type == "cuda"
+    dflt_t, dflt_s, dflt_warps, dflt_stages, dflt_dot = GPU_DEFAULT_CONFIG if on_gpu else CPU_DEFAULT_CONFIG
+    block_t = block_t or dflt_t
+    block_s = block_s or dflt_s
+    if maxima is not None:
+        width = maxima_width(max(n_cols, 0))
+        if maxima.shape != (n_rows, width) or maxima.dtype != torch.uint32 or maxima.stride(-1) != 1:
+            raise ValueError(f"maxima must be an [{n_rows}, {width}] uint32 tensor contiguous along the groups")
+        if block_s % MAXIMA_SPAN:
+            raise ValueError(f"block_s={block_s}: the group maxima need whole {MAXIMA_SPAN}-column spans per tile")
     if n_rows == 0 or n_cols <= 0:
         return out
-    on_gpu = q_fp8.device.type == "cuda"
-    dflt_t, dflt_s, dflt_warps, dflt_stages, dflt_dot = GPU_DEFAULT_CONFIG if on_gpu else (16, 64, 4, 1, "fp8")
     dot_dtype = dot_dtype or dflt_dot
     if dot_dtype not in ("fp8", "bf16"):
         raise ValueError(f"dot_dtype={dot_dtype!r}: use 'fp8' or 'bf16'")
@@ -156,8 +192,6 @@ def indexer_logits_triton(
         q_fp8 = q_fp8.contiguous()
     if k_fp8.stride(-1) != 1:
         k_fp8 = k_fp8.contiguous()
-    block_t = block_t or dflt_t
-    block_s = block_s or dflt_s
     grid = (triton.cdiv(n_rows, block_t), triton.cdiv(n_cols, block_s))
     _indexer_logits_kernel[grid](
         q_fp8,
@@ -167,6 +201,7 @@ def indexer_logits_triton(
         key_start.to(torch.int64).contiguous(),
         key_end.to(torch.int64).contiguous(),
         out,
+        out if maxima is None else maxima,  # not written unless WRITE_MAXIMA
         n_rows,
         n_cols,
         col_lo,
@@ -177,12 +212,14 @@ def indexer_logits_triton(
         weights.stride(1),
         k_fp8.stride(0),
         out.stride(0),
+        0 if maxima is None else maxima.stride(0),
         D=d,
         BLOCK_D=pow2_at_least_16(d),
         BLOCK_T=block_t,
         BLOCK_S=block_s,
         DOT_BF16=dot_dtype == "bf16" or q_fp8.dtype != k_fp8.dtype,
         UPCAST=not on_gpu,
+        WRITE_MAXIMA=maxima is not None,
         num_warps=num_warps or dflt_warps,
         num_stages=num_stages or dflt_stages,
     )
@@ -202,6 +239,7 @@ def indexer_topk_triton(
     *,
     max_chunk_bytes: int = 1 << 30,
     selector: str = "torch",
+    fused_bound: bool = False,
     **launch: object,
 ) -> torch.Tensor:
     """Top-``min(topk, visible)`` full-view rows per query -> [T, topk] int32, -1 padded.
@@ -209,10 +247,13 @@ def indexer_topk_triton(
     Within a row: descending score with ``selector="torch"``, ascending rows with ``"triton"``.
     ``rows_per_chunk <= 0`` sizes the chunks so each chunk's ``[rows, keys]`` fp32 logits stay
     under ``max_chunk_bytes``. ``selector``: ``"triton"`` (the selection kernel, falling back to
-    ``torch.topk`` if it raises) or ``"torch"``. ``launch`` is passed to :func:`indexer_logits_triton`.
+    ``torch.topk`` if it raises) or ``"torch"``. ``fused_bound`` (``"triton"`` only): the logits
+    kernel writes the group maxima the selection's bound reads (``block_s`` a multiple of 128);
+    by default the bound reads the logits. ``launch`` is passed to :func:`indexer_logits_triton`.
     """
     if selector not in ("triton", "torch"):
         raise ValueError(f"selector={selector!r}: use 'triton' or 'torch'")
+    with_maxima = selector == "triton" and fused_bound
     n_rows = q_fp8.shape[0]
     out = torch.full((n_rows, topk), -1, dtype=torch.int32, device=q_fp8.device)
     if n_rows == 0 or topk <= 0:
@@ -228,21 +269,30 @@ def indexer_topk_triton(
             continue
         rows = slice(r0, r1)
         chunk = (q_fp8[rows], weights[rows], k_fp8, k_scale, key_start[rows], key_end[rows])
-        logits = indexer_logits_triton(*chunk, lo, hi, **launch)  # type: ignore[arg-type]
+        maxima = None
+        if with_maxima:
+            maxima = torch.empty(r1 - r0, maxima_width(hi - lo), dtype=torch.uint32, device=q_fp8.device)
+        logits = indexer_logits_triton(*chunk, lo, hi, maxima=maxima, **launch)  # type: ignore[arg-type]
         if selector == "triton":
-            _select_into(out[rows], logits, key_start[rows] - lo, key_end[rows] - lo, lo, topk)
+            _select_into(out[rows], logits, key_start[rows] - lo, key_end[rows] - lo, lo, topk, maxima)
         else:
             _torch_topk_into(out[rows], logits, lo, topk)
     return out
 
 
 def _select_into(
-    out: torch.Tensor, logits: torch.Tensor, col_start: torch.Tensor, col_end: torch.Tensor, lo: int, topk: int
+    out: torch.Tensor,
+    logits: torch.Tensor,
+    col_start: torch.Tensor,
+    col_end: torch.Tensor,
+    lo: int,
+    topk: int,
+    maxima: torch.Tensor | None,
 ) -> None:
     """The selection kernel into ``out`` (keys ``lo + column``), or ``torch.topk`` if it raises."""
     fallback.run_with_fallback(
         "Triton top-k selection",
-        lambda: topk_select_triton(logits, col_start, col_end, topk, col_offset=lo, out=out),
+        lambda: topk_select_triton(logits, col_start, col_end, topk, col_offset=lo, out=out, maxima=maxima),
         lambda: _torch_topk_into(out, logits, lo, topk),
         to="torch.topk",
     )

@@ -25,6 +25,15 @@ Three kernels, each row's keys read twice in all:
    it, and so at or above ``L``: its top 16 bits, the rest zero (4 radix steps on the GPU, half of
    an exact select; :class:`SelectConfig`). On scores without structure about ``0.7 * G`` keys
    reach ``L``.
+
+   **Fused bound** (``maxima=``, opt-in): the logits kernel, which has each tile in registers, also
+   writes the row's *group maxima* (:func:`span_maxima`: each 128-column span's 8 groups of every
+   8th column, 16 keys a group, 0 where no key is visible; ``1/16`` of the logits' bytes). A row
+   with at least ``G`` group maxima folds those instead of its keys (read 4 B per 16 keys): a
+   folded column is still the largest of a disjoint set of visible keys, so the bound is as valid,
+   and as tight (about ``visible / G`` keys per column either way). Shorter rows read their keys.
+   Off by default: on the H200 the logits kernel, already out of registers, slows by more than the
+   bound's pass costs (``python -m reference_impl.bench.topk`` times both).
 2. **Candidates** (``_topk_select_compact_kernel``, ``S`` programs per row, each a segment of the
    row; read 4 B per key, write 4 B per candidate): the columns of the keys ``>= L``, in column
    order, into the segment's own ``G`` slots, and the segment's count. Segment order is column
@@ -84,6 +93,12 @@ CPU_CONFIG = SelectConfig(
 )
 """The interpreter's: small segments, so that toy rows still take several segments."""
 
+MAXIMA_SPAN = 128
+"""Columns per span of the group maxima (:func:`span_maxima`); a logits tile that writes maxima holds whole spans."""
+MAXIMA_PER_SPAN = 8
+"""Groups per span: group ``g`` of span ``s`` holds columns ``128 s + g + 8 i`` for ``i < 16``, so a run
+of up to 8 adjacent high scores lands in as many groups."""
+
 PATHS = ("candidates", "ties at the bound", "whole row")
 """Names of the values ``paths=`` receives: 0, 1, 2 = steps 3a, 3b, 3c of the module docstring."""
 
@@ -94,6 +109,28 @@ def _order_key(v):
     bits = (v + 0.0).to(tl.uint32, bitcast=True)
     negative = (bits >> 31) != 0
     return tl.where(negative, bits ^ 0xFFFFFFFF, bits | 0x80000000)
+
+
+@triton.jit
+def span_maxima(keys, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr):
+    """``[BLOCK_T, BLOCK_S]`` order keys (0 where not visible) of ``BLOCK_S // 128`` whole spans ->
+    their ``[BLOCK_T, BLOCK_S // 16]`` group maxima (:data:`MAXIMA_PER_SPAN` per span, in span order)."""
+    SPANS: tl.constexpr = BLOCK_S // 128
+    by_group = tl.reshape(keys, [BLOCK_T, SPANS, 16, 8])  # [t, s, i, g] = column 128 s + 8 i + g
+    return tl.reshape(tl.max(by_group, axis=2), [BLOCK_T, SPANS * 8])
+
+
+@triton.jit
+def first_group(col):
+    """Index of the first group maximum of the span holding column ``col`` (the literals are
+    :data:`MAXIMA_SPAN` and :data:`MAXIMA_PER_SPAN`)."""
+    return col // 128 * 8
+
+
+@triton.jit
+def groups_below(n_cols):
+    """Group maxima of the spans that cover columns ``[0, n_cols)``: :func:`maxima_width` on the device."""
+    return (n_cols + 127) // 128 * 8
 
 
 @triton.jit
@@ -133,6 +170,12 @@ def _kth_largest_in_registers(keys, valid, k, STEPS: tl.constexpr = 8):
 
 
 @triton.jit
+def order_keys(v):
+    """:func:`_order_key` for callers outside this module (the logits kernel's group maxima)."""
+    return _order_key(v)
+
+
+@triton.jit
 def _row_keys(row_logits, cols, hi):
     in_row = cols < hi
     return _order_key(tl.load(row_logits + cols, mask=in_row, other=0.0)), in_row
@@ -145,21 +188,33 @@ def _visible(col_start_ptr, col_end_ptr, row, n_cols):
 
 @triton.jit
 def _topk_select_bound_kernel(
-    logits_ptr, col_start_ptr, col_end_ptr, bound_ptr, n_cols, k, stride_l, G: tl.constexpr, STEPS: tl.constexpr
+    logits_ptr, col_start_ptr, col_end_ptr, maxima_ptr, bound_ptr, n_cols, k, stride_l, stride_m,
+    G: tl.constexpr, STEPS: tl.constexpr, USE_MAXIMA: tl.constexpr,
 ):
     """Step 1, one program per row: the k-th largest of the row's ``G`` rotated column maxima, to
-    its top ``4 * STEPS`` bits (a lower bound on it is a bound too, and costs half the radix steps)."""
+    its top ``4 * STEPS`` bits (a lower bound on it is a bound too, and costs half the radix steps).
+    With ``USE_MAXIMA``, a row with at least ``G`` group maxima folds those instead of its keys."""
     row = tl.program_id(0).to(tl.int64)
     lo, hi = _visible(col_start_ptr, col_end_ptr, row, n_cols)
     offs = tl.arange(0, G)
-    row_logits = logits_ptr + row * stride_l
     col_max = tl.zeros([G], dtype=tl.uint32)
-    # Read 4 B per visible key. (Issuing the next block's load before this block's max, by hand,
-    # measured slower on the H200: more registers, fewer programs per SM.)
-    for b in range(lo, hi, G):
-        rotation = ((b - lo) // G * 1031) % G
-        key, in_row = _row_keys(row_logits, b + (offs + rotation) % G, hi)
-        col_max = tl.maximum(col_max, tl.where(in_row, key, 0))
+    # The groups of the spans the row's keys touch (invisible keys are 0 in their maxima).
+    g_lo = first_group(lo)
+    g_hi = tl.minimum(groups_below(hi), groups_below(n_cols))
+    if USE_MAXIMA and g_hi - g_lo >= G:
+        row_maxima = maxima_ptr + row * stride_m
+        for b in range(g_lo, g_hi, G):  # read 4 B per 16 keys
+            rotation = ((b - g_lo) // G * 1031) % G
+            groups = b + (offs + rotation) % G
+            col_max = tl.maximum(col_max, tl.load(row_maxima + groups, mask=groups < g_hi, other=0))
+    else:
+        row_logits = logits_ptr + row * stride_l
+        # Read 4 B per visible key. (Issuing the next block's load before this block's max, by hand,
+        # measured slower on the H200: more registers, fewer programs per SM.)
+        for b in range(lo, hi, G):
+            rotation = ((b - lo) // G * 1031) % G
+            key, in_row = _row_keys(row_logits, b + (offs + rotation) % G, hi)
+            col_max = tl.maximum(col_max, tl.where(in_row, key, 0))
     bound = tl.full([], 0, tl.uint32)
     if hi - lo > k:  # otherwise every visible key is a candidate
         bound, _ = _kth_largest_in_registers(col_max, col_max > 0, k, STEPS)
@@ -288,13 +343,39 @@ def segment_count(n_cols: int, block: int, segment_keys: int, max_segments: int)
     return n_segments, triton.cdiv(triton.cdiv(max(n_cols, 1), n_segments), block) * block
 
 
+def maxima_width(n_cols: int) -> int:
+    """Group maxima per row of ``n_cols`` logits columns: 8 per 128-column span (the last one partial)."""
+    return triton.cdiv(max(int(n_cols), 0), MAXIMA_SPAN) * MAXIMA_PER_SPAN
+
+
+def group_maxima_reference(logits: torch.Tensor, col_start: torch.Tensor, col_end: torch.Tensor) -> torch.Tensor:
+    """The group maxima the fused bound expects, in torch (tests): the order keys of each row's
+    visible columns, 0 elsewhere, maxed per group (:data:`MAXIMA_PER_SPAN`) -> ``[R, maxima_width(N)]``
+    int64 holding the uint32 values."""
+    n_rows, n_cols = logits.shape
+    bits = (logits.float() + 0.0).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    keys = torch.where(bits >> 31 != 0, bits ^ 0xFFFFFFFF, bits | 0x80000000)
+    cols = torch.arange(n_cols, device=logits.device)
+    lo, hi = col_start.to(logits.device).clamp(min=0), col_end.to(logits.device).clamp(max=n_cols)
+    keys = keys.masked_fill((cols[None] < lo[:, None]) | (cols[None] >= hi[:, None]), 0)
+    spans = triton.cdiv(n_cols, MAXIMA_SPAN)
+    keys = torch.nn.functional.pad(keys, (0, spans * MAXIMA_SPAN - n_cols))
+    by_group = keys.view(n_rows, spans, MAXIMA_SPAN // MAXIMA_PER_SPAN, MAXIMA_PER_SPAN)
+    return by_group.amax(dim=2).reshape(n_rows, spans * MAXIMA_PER_SPAN)
+
+
 def workspace_bytes(n_rows: int, n_cols: int, k: int, config: SelectConfig | None = None) -> int:
     """Bytes of the candidate slots one selection of top-``k`` over ``[n_rows, n_cols]`` allocates
     (``R x S x G`` int32, :func:`select_launches`; the per-row bound and counts are small), with
     ``config`` (:data:`GPU_CONFIG` by default)."""
-    cfg = config or GPU_CONFIG
-    n_segments, _ = segment_count(n_cols, cfg.compact_block, cfg.segment_keys, cfg.max_segments)
-    return n_rows * n_segments * candidate_slots(k) * 4
+    n_segments, _, slots = _candidate_layout(n_cols, k, config or GPU_CONFIG)
+    return n_rows * n_segments * slots * 4
+
+
+def _candidate_layout(n_cols: int, k: int, cfg: SelectConfig) -> tuple[int, int, int]:
+    """``(S segments per row, keys per segment, G slots per segment)`` of one selection's workspace."""
+    n_segments, segment_keys = segment_count(n_cols, cfg.compact_block, cfg.segment_keys, cfg.max_segments)
+    return n_segments, segment_keys, candidate_slots(k)
 
 
 def topk_select_triton(
@@ -307,6 +388,7 @@ def topk_select_triton(
     out: torch.Tensor | None = None,
     paths: torch.Tensor | None = None,
     config: SelectConfig | None = None,
+    maxima: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Top-``k`` columns of each row of ``logits [R, N]`` f32 within ``[col_start, col_end)`` -> ``[R, k]`` int32.
 
@@ -317,6 +399,8 @@ def topk_select_triton(
     row's path (:data:`PATHS`), for tests and benchmarks. ``config``: launch parameters
     (:class:`SelectConfig`); :data:`GPU_CONFIG` or :data:`CPU_CONFIG` by default. Workspace:
     ``R x S x G`` int32 candidate slots (``S`` segments per row, ``G`` = :func:`candidate_slots`).
+    ``maxima``: the rows' group maxima, ``[R, maxima_width(N)]`` uint32 as the logits kernel writes
+    them (:func:`group_maxima_reference` in torch; of the visible columns only): the fused bound.
     """
     if logits.dim() != 2 or logits.dtype != torch.float32:
         raise ValueError(f"logits must be a 2-D float32 tensor, got {tuple(logits.shape)} {logits.dtype}")
@@ -333,9 +417,12 @@ def topk_select_triton(
         raise ValueError(f"out must be an [{n_rows}, {k}] int32 tensor contiguous along k")
     if paths is not None and (paths.shape != (n_rows,) or paths.dtype != torch.int8):
         raise ValueError(f"paths must be an [{n_rows}] int8 tensor")
+    width = maxima_width(n_cols)
+    if maxima is not None and (maxima.shape != (n_rows, width) or maxima.dtype != torch.uint32 or maxima.stride(1) != 1):
+        raise ValueError(f"maxima must be an [{n_rows}, {width}] uint32 tensor contiguous along the groups")
     if n_rows == 0:
         return out
-    for launch in select_launches(logits, col_start, col_end, k, col_offset, out, paths, config).values():
+    for launch in select_launches(logits, col_start, col_end, k, col_offset, out, paths, config, maxima).values():
         launch()
     return out
 
@@ -349,14 +436,14 @@ def select_launches(
     out: torch.Tensor,
     paths: torch.Tensor | None,
     config: SelectConfig | None,
+    maxima: torch.Tensor | None = None,
 ) -> dict[str, Callable[[], None]]:
     """The three kernel launches of one selection, in order (``"bound"``, ``"compact"``,
     ``"finish"``), over shared workspace: run them in order for the selection, or time each alone
     (:mod:`reference_impl.bench.topk`). Arguments as :func:`topk_select_triton`'s, checked there."""
     n_rows, n_cols = logits.shape
     cfg = config or (GPU_CONFIG if logits.device.type == "cuda" else CPU_CONFIG)
-    slots = candidate_slots(k)
-    n_segments, segment_keys = segment_count(n_cols, cfg.compact_block, cfg.segment_keys, cfg.max_segments)
+    n_segments, segment_keys, slots = _candidate_layout(n_cols, k, cfg)
     ranges = (
         col_start.to(device=logits.device, dtype=torch.int64).contiguous(),
         col_end.to(device=logits.device, dtype=torch.int64).contiguous(),
@@ -367,8 +454,9 @@ def select_launches(
 
     def bound_kernel() -> None:
         _topk_select_bound_kernel[(n_rows,)](
-            logits, *ranges, bound, n_cols, k, logits.stride(0),
-            G=slots, STEPS=cfg.bound_steps, num_warps=cfg.bound_warps,
+            logits, *ranges, logits if maxima is None else maxima, bound, n_cols, k, logits.stride(0),
+            0 if maxima is None else maxima.stride(0),
+            G=slots, STEPS=cfg.bound_steps, USE_MAXIMA=maxima is not None, num_warps=cfg.bound_warps,
         )
 
     def compact_kernel() -> None:

@@ -141,3 +141,29 @@ def test_indexer_topk_selectors_pick_the_same_scores() -> None:
     assert torch.equal(kernel < 0, torch_topk < 0)
     assert torch.equal(selected_scores(logits, kernel), selected_scores(logits, torch_topk))
     assert torch.equal(kernel, topk_select_reference(logits, start, end, 2048))
+
+
+def test_the_fused_bound_on_the_gpu_writes_the_reference_maxima_and_selects_exactly() -> None:
+    """Rows long enough (at k = 2048) for the bound to read the logits kernel's group maxima: the
+    maxima are the torch reference's, bit for bit, and the selection with them is the exact one, the
+    same as with the bound read from the logits; the long rows stay on the fast path."""
+    from reference_impl.kernels.indexer_triton import indexer_logits_triton, indexer_topk_triton
+    from reference_impl.kernels.topk_select import (
+        group_maxima_reference,
+        maxima_width,
+        topk_select_reference,
+        topk_select_triton,
+    )
+
+    n_keys = 70000
+    q, w, k, ks, start, end = _indexer_case(128, n_keys, 5)
+    maxima = torch.empty(128, maxima_width(n_keys), dtype=torch.uint32, device=DEVICE)
+    logits = indexer_logits_triton(q, w, k, ks, start, end, 0, n_keys, maxima=maxima)
+    assert torch.equal(maxima.view(torch.int32).long() & 0xFFFFFFFF, group_maxima_reference(logits, start, end))
+    paths = torch.full((128,), -1, dtype=torch.int8, device=DEVICE)
+    fused = topk_select_triton(logits, start, end, 2048, maxima=maxima, paths=paths)
+    assert torch.equal(fused, topk_select_reference(logits, start, end, 2048))
+    assert (paths[64:] == 0).all()  # the late rows, 69,936+ keys: their candidates fit
+    plain = indexer_topk_triton(q, w, k, ks, start, end, 2048, selector="triton")
+    assert torch.equal(indexer_topk_triton(q, w, k, ks, start, end, 2048, selector="triton", fused_bound=True), plain)
+    assert torch.equal(plain, fused)
