@@ -343,6 +343,40 @@ def test_compute_bench_dry_run_sweeps_at_the_per_rank_shape(tmp_path, monkeypatc
     assert "error" not in smoke and smoke["attention_kernel"] == "torch" and smoke["fallback_warnings"] == [], smoke
 
 
+def test_the_compute_bench_checks_and_times_each_gluon_kernel_it_is_asked_for(monkeypatch) -> None:
+    """The Gluon rows of an attention row, on CPU with stand-ins for the two Gluon launchers (the
+    torch reference, the first one also taking its switches): each kernel asked for and supported
+    gets a checked, timed row, the first with its config; one not asked for, or not supported, none."""
+    from reference_impl.bench import compute_cases
+    from reference_impl.kernels import sparse_mla_gluon, sparse_mla_gluon_ws
+
+    seen: list[str] = []
+
+    def stand_in(name: str):
+        def attention(q, kv, ix, scale, d_v, *, out_dtype=torch.float32, **switches):
+            seen.append(f"{name}{sorted(switches)}")
+            out, lse = ref.sparse_mla_attention(q, kv, ix, scale, d_v)
+            return out.to(out_dtype), lse
+        return attention
+
+    monkeypatch.setattr(sparse_mla_gluon, "sparse_mla_attention_gluon", stand_in("gluon"))
+    monkeypatch.setattr(sparse_mla_gluon_ws, "sparse_mla_attention_gluon_ws", stand_in("ws"))
+    monkeypatch.setattr(sparse_mla_gluon, "gluon_supported", lambda *a: True)
+    monkeypatch.setattr(sparse_mla_gluon_ws, "ws_supported", lambda *a: True)
+    gen = torch.Generator().manual_seed(0)
+    q, kv, indices = compute_cases.attention_inputs(torch.arange(40, 52), 64, 4, 8, gen, torch.device("cpu"))
+    rows = torch.arange(6)
+    switches = {"overlap_pv": False, "evict_last": True}
+    both = compute_cases._gluon_rows(q, kv, indices, rows, 0.1, 1e9, 100.0, switches, True)
+    assert set(both) == {"gluon", "gluon_ws"} and both["gluon"]["config"] == switches and "config" not in both["gluon_ws"]
+    for row in both.values():
+        assert row["check"]["ok"] and row["ms"] > 0 and row["tflops"] == pytest.approx(1e9 / row["ms"] / 1e9)
+    assert seen == ["gluon['evict_last', 'overlap_pv']"] * 2 + ["ws[]"] * 2  # checked, then timed
+    assert set(compute_cases._gluon_rows(q, kv, indices, rows, 0.1, 1e9, 100.0, None, True)) == {"gluon_ws"}
+    monkeypatch.setattr(sparse_mla_gluon_ws, "ws_supported", lambda *a: False)
+    assert compute_cases._gluon_rows(q, kv, indices, rows, 0.1, 1e9, 100.0, None, True) == {}
+
+
 def test_compute_sweep_records_a_failing_candidate_and_never_picks_it(monkeypatch) -> None:
     """A candidate that raises (as one out of shared memory does on the GPU) becomes an error row;
     the pick ignores it and falls back to the current default when nothing else passed."""

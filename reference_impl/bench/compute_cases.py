@@ -111,6 +111,43 @@ def _attention_check(
     return check
 
 
+def _gluon_rows(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    rows: torch.Tensor,
+    scale: float,
+    flops: float,
+    slow_ms: float,
+    gluon_config: dict[str, Any] | None,
+    warp_specialized: bool,
+) -> dict[str, dict[str, Any]]:
+    """``{"gluon": ..., "gluon_ws": ...}``: each Gluon kernel asked for (the first with
+    ``gluon_config``, the warp-specialized one if ``warp_specialized``) that supports these inputs,
+    checked against the reference on ``rows``, then timed with a bf16 output."""
+    from reference_impl.kernels import sparse_mla_gluon, sparse_mla_gluon_ws
+
+    wanted: list[tuple[str, Any, Any, dict[str, Any]]] = []
+    if gluon_config is not None:
+        wanted.append(("gluon", sparse_mla_gluon.gluon_supported, sparse_mla_gluon.sparse_mla_attention_gluon, gluon_config))
+    if warp_specialized:
+        wanted.append(("gluon_ws", sparse_mla_gluon_ws.ws_supported, sparse_mla_gluon_ws.sparse_mla_attention_gluon_ws, {}))
+    out: dict[str, dict[str, Any]] = {}
+    for name, supported, attention, config in wanted:
+        if not supported(q, kv, D_V):
+            continue
+
+        def kernel(qs: torch.Tensor, ix: torch.Tensor, out_dtype: torch.dtype = torch.float32, f: Any = attention,
+                   c: dict[str, Any] = config) -> Any:
+            return f(qs, kv, ix, scale, D_V, out_dtype=out_dtype, **c)
+
+        check = _attention_check(kernel, q, kv, indices, rows, scale)
+        ms, timer = _time(lambda k=kernel: k(q, indices, torch.bfloat16), slow_ms)
+        out[name] = {**({"config": config} if config else {}), "check": check, "ms": ms, "tflops": flops / ms / 1e9,
+                     "fraction_of_flashmla_640": flops / ms / 1e9 / FLASHMLA_TFLOPS, "timer": timer}
+    return out
+
+
 def bench_attention(
     positions: torch.Tensor,
     n_kv: int,
@@ -153,30 +190,8 @@ def bench_attention(
         row.update(
             triton_ms=ms, triton_tflops=tflops, fraction_of_flashmla_640=tflops / FLASHMLA_TFLOPS, triton_timer=timer
         )
-    if gluon_config is not None and dispatch.gluon_available():
-        from reference_impl.kernels.sparse_mla_gluon import gluon_supported, sparse_mla_attention_gluon
-
-        if gluon_supported(q, kv, D_V):
-            def gluon(qs: torch.Tensor, ix: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> Any:
-                return sparse_mla_attention_gluon(qs, kv, ix, scale, D_V, out_dtype=out_dtype, **gluon_config)
-
-            check = _attention_check(gluon, q, kv, indices, rows, scale)
-            ms, timer = _time(lambda: gluon(q, indices, torch.bfloat16), args.slow_ms)
-            tflops = flops / ms / 1e9
-            row["gluon"] = {"config": gluon_config, "check": check, "ms": ms, "tflops": tflops,
-                            "fraction_of_flashmla_640": tflops / FLASHMLA_TFLOPS, "timer": timer}
-    if warp_specialized and dispatch.gluon_available():
-        from reference_impl.kernels.sparse_mla_gluon_ws import sparse_mla_attention_gluon_ws, ws_supported
-
-        if ws_supported(q, kv, D_V):
-            def gluon_ws(qs: torch.Tensor, ix: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> Any:
-                return sparse_mla_attention_gluon_ws(qs, kv, ix, scale, D_V, out_dtype=out_dtype)
-
-            check = _attention_check(gluon_ws, q, kv, indices, rows, scale)
-            ms, timer = _time(lambda: gluon_ws(q, indices, torch.bfloat16), args.slow_ms)
-            tflops = flops / ms / 1e9
-            row["gluon_ws"] = {"check": check, "ms": ms, "tflops": tflops,
-                               "fraction_of_flashmla_640": tflops / FLASHMLA_TFLOPS, "timer": timer}
+    if dispatch.gluon_available():
+        row.update(_gluon_rows(q, kv, indices, rows, scale, flops, args.slow_ms, gluon_config, warp_specialized))
     engine = row.get(row["engine_kernel"]) if row["engine_kernel"] in ("gluon", "gluon_ws") else None
     if engine is not None:
         row.update(engine_ms=engine["ms"], engine_tflops=engine["tflops"])

@@ -42,6 +42,8 @@ path on other GPUs and the one the CPU suite checks.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import triton
@@ -254,6 +256,11 @@ def _sparse_mla_fwd_gluon_kernel(
 MAX_D_QK = 576
 
 
+# --------------------------------------------------------------------------------------------
+# What both Gluon kernels share on the host: their refusals and their launch prologue
+# --------------------------------------------------------------------------------------------
+
+
 def hopper_operand_reason(
     device_type: str, capability: tuple[int, int] | None, q_dtype: torch.dtype, kv_dtype: torch.dtype
 ) -> str | None:
@@ -264,6 +271,86 @@ def hopper_operand_reason(
     if q_dtype not in (torch.bfloat16, torch.float16) or kv_dtype != q_dtype:
         return f"needs bf16 or fp16 q and kv of one dtype, got {q_dtype} and {kv_dtype}"
     return None
+
+
+def width_reason(d_v: int, d_rope: int, max_d_v: int, max_d_rope: int) -> str | None:
+    """Why a Gluon kernel's layouts cannot tile these widths (both powers of two, ``d_v`` in
+    ``[64, max_d_v]``, the rope width in ``[16, max_d_rope]``), or ``None``."""
+
+    def pow2(n: int) -> bool:
+        return n > 0 and n & (n - 1) == 0
+
+    if pow2(d_v) and 64 <= d_v <= max_d_v and pow2(d_rope) and 16 <= d_rope <= max_d_rope:
+        return None
+    return f"needs power-of-two d_v in [64, {max_d_v}] and rope width in [16, {max_d_rope}], got d_v={d_v}, rope={d_rope}"
+
+
+UnsupportedReason = Callable[[str, tuple[int, int] | None, torch.dtype, torch.dtype, int, int], str | None]
+"""A kernel's ``unsupported_reason(device_type, capability, q_dtype, kv_dtype, d_qk, d_v)``."""
+
+
+def inputs_reason(q: torch.Tensor, kv: torch.Tensor, d_v: int, unsupported: UnsupportedReason) -> str | None:
+    """Why a Gluon kernel (its ``unsupported_reason``) cannot run these tensors, or ``None``; never
+    under ``TRITON_INTERPRET=1``."""
+    if interpreting():
+        return "does not run under TRITON_INTERPRET=1 (Gluon has no interpreter)"
+    capability = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else None
+    return unsupported(q.device.type, capability, q.dtype, kv.dtype, q.shape[-1], d_v)
+
+
+class GluonLaunch(NamedTuple):
+    """Checked inputs and allocated outputs of one Gluon sparse MLA call (:func:`prepare_launch`).
+    ``empty``: no key at all, and ``out`` / ``lse`` already hold the reference's empty-row answer."""
+
+    q: torch.Tensor
+    kv: torch.Tensor
+    indices: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+    empty: bool
+
+    def grid_and_args(self, block_h: int, softmax_scale: float) -> tuple[tuple[int], tuple[object, ...]]:
+        """Both kernels' grid (one program per token and head block) and positional arguments."""
+        q, kv, indices, out, lse = self.q, self.kv, self.indices, self.out, self.lse
+        n_tokens, n_heads = q.shape[0], q.shape[1]
+        n_head_blocks = triton.cdiv(n_heads, block_h)
+        args = (
+            q, kv, indices, out, lse, n_heads, kv.shape[0], indices.shape[1], n_head_blocks,
+            q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1), lse.stride(0),
+            float(softmax_scale) * LOG2E,
+        )
+        return (n_tokens * n_head_blocks,), args
+
+
+def prepare_launch(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    d_v: int,
+    out_dtype: torch.dtype,
+    kernel: str,
+    unsupported: UnsupportedReason,
+) -> GluonLaunch:
+    """The launchers' shared prologue: shapes checked, a ``ValueError`` naming ``kernel`` and the
+    problem for inputs ``unsupported`` rejects, unit-stride inputs, and ``out [T, H, d_v]`` /
+    ``lse [T, H]`` (every entry is stored by the kernel, or the empty-row answer here)."""
+    n_tokens, n_heads, _ = check_attention_shapes(q, kv, indices)
+    reason = inputs_reason(q, kv, d_v, unsupported)
+    if reason is not None:
+        raise ValueError(f"the {kernel} {reason}")
+    q, kv, indices = unit_stride_inputs(q, kv, indices)
+    out = torch.empty(n_tokens, n_heads, d_v, dtype=out_dtype, device=q.device)
+    lse = torch.empty(n_tokens, n_heads, dtype=torch.float32, device=q.device)
+    empty = n_tokens == 0 or n_heads == 0 or kv.shape[0] == 0 or indices.shape[1] == 0
+    if empty:
+        out.zero_()
+        lse.fill_(float("-inf"))
+    return GluonLaunch(q, kv, indices, out, lse, empty)
+
+
+# --------------------------------------------------------------------------------------------
+# This kernel's host side
+# --------------------------------------------------------------------------------------------
 
 
 def unsupported_reason(
@@ -280,29 +367,16 @@ def unsupported_reason(
     in [64, 512] and rope width ``d_qk - d_v`` in [16, 256] (the layouts tile them exactly), and
     ``d_qk <= 576`` (shared memory).
     """
-    reason = hopper_operand_reason(device_type, capability, q_dtype, kv_dtype)
-    if reason is not None:
-        return reason
-    d_rope = d_qk - d_v
-    pow2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
-    if not (pow2(d_v) and 64 <= d_v <= 512 and pow2(d_rope) and 16 <= d_rope <= 256):
-        return f"needs power-of-two d_v in [64, 512] and rope width in [16, 256], got d_v={d_v}, rope={d_rope}"
-    if d_qk > MAX_D_QK:
-        return f"needs d_qk <= {MAX_D_QK} (q and two KV tiles in shared memory), got {d_qk}"
-    return None
-
-
-def _reason_for(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> str | None:
-    if interpreting():
-        return "does not run under TRITON_INTERPRET=1 (Gluon has no interpreter)"
-    capability = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else None
-    return unsupported_reason(q.device.type, capability, q.dtype, kv.dtype, q.shape[-1], d_v)
+    reason = hopper_operand_reason(device_type, capability, q_dtype, kv_dtype) or width_reason(d_v, d_qk - d_v, 512, 256)
+    if reason is None and d_qk > MAX_D_QK:
+        reason = f"needs d_qk <= {MAX_D_QK} (q and two KV tiles in shared memory), got {d_qk}"
+    return reason
 
 
 def gluon_supported(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> bool:
     """Whether :func:`sparse_mla_attention_gluon` runs these inputs (see :func:`unsupported_reason`;
     never under ``TRITON_INTERPRET=1``)."""
-    return _reason_for(q, kv, d_v) is None
+    return inputs_reason(q, kv, d_v, unsupported_reason) is None
 
 
 def sparse_mla_attention_gluon(
@@ -321,25 +395,15 @@ def sparse_mla_attention_gluon(
     ``overlap_pv`` / ``evict_last`` override :data:`GPU_DEFAULT_CONFIG` (benchmark sweeps). Raises
     ``ValueError`` naming the problem for inputs :func:`unsupported_reason` rejects.
     """
-    n_tokens, n_heads, d_qk = check_attention_shapes(q, kv, indices)
-    reason = _reason_for(q, kv, d_v)
-    if reason is not None:
-        raise ValueError(f"the Gluon sparse MLA kernel {reason}")
-    q, kv, indices = unit_stride_inputs(q, kv, indices)
-    out = torch.empty(n_tokens, n_heads, d_v, dtype=out_dtype, device=q.device)  # every entry is stored
-    lse = torch.empty(n_tokens, n_heads, dtype=torch.float32, device=q.device)
-    if n_tokens == 0 or n_heads == 0 or kv.shape[0] == 0 or indices.shape[1] == 0:
-        # No key at all: the reference's empty-row answer, out = 0 and lse = -inf.
-        return out.zero_(), lse.fill_(float("-inf"))
-    n_head_blocks = triton.cdiv(n_heads, BLOCK_H)
-    _sparse_mla_fwd_gluon_kernel[(n_tokens * n_head_blocks,)](
-        q, kv, indices, out, lse,
-        n_heads, kv.shape[0], indices.shape[1], n_head_blocks,
-        q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1), lse.stride(0),
-        float(softmax_scale) * LOG2E,
-        D_V=d_v, D_ROPE=d_qk - d_v, BLOCK_H=BLOCK_H, BLOCK_K=BLOCK_K,
+    launch = prepare_launch(q, kv, indices, d_v, out_dtype, "Gluon sparse MLA kernel", unsupported_reason)
+    if launch.empty:
+        return launch.out, launch.lse
+    grid, args = launch.grid_and_args(BLOCK_H, softmax_scale)
+    _sparse_mla_fwd_gluon_kernel[grid](
+        *args,
+        D_V=d_v, D_ROPE=q.shape[-1] - d_v, BLOCK_H=BLOCK_H, BLOCK_K=BLOCK_K,
         OVERLAP_PV=GPU_DEFAULT_CONFIG[0] if overlap_pv is None else overlap_pv,
         EVICT_LAST=GPU_DEFAULT_CONFIG[1] if evict_last is None else evict_last,
         num_warps=NUM_WARPS,
     )
-    return out, lse
+    return launch.out, launch.lse

@@ -41,10 +41,7 @@ Gluon has no CPU interpreter: the kernel is checked against the torch reference 
 
 from __future__ import annotations
 
-import math
-
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -55,11 +52,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from reference_impl.kernels.interpreter_compat import interpreting
-from reference_impl.kernels.sparse_mla_gluon import load_q_part, hopper_operand_reason
-from reference_impl.kernels.sparse_mla_triton import check_attention_shapes, unit_stride_inputs
+from reference_impl.kernels.sparse_mla_gluon import (
+    hopper_operand_reason,
+    inputs_reason,
+    load_q_part,
+    prepare_launch,
+    width_reason,
+)
 
-LOG2E = math.log2(math.e)
 BLOCK_H = 64
 BLOCK_K = 64
 # Registers per thread after `setmaxnreg` (multiples of 8; 128 threads each; the three warp groups
@@ -450,29 +450,14 @@ def unsupported_reason(
     in [64, 512] (each consumer's half is one tensor-core product wide) and a power-of-two rope
     width ``d_qk - d_v`` in [16, 64] (shared memory).
     """
-    reason = hopper_operand_reason(device_type, capability, q_dtype, kv_dtype)
-    if reason is not None:
-        return reason
-    d_rope = d_qk - d_v
-    def pow2(n: int) -> bool:
-        return n > 0 and n & (n - 1) == 0
-
-    if not (pow2(d_v) and 64 <= d_v <= MAX_D_V and pow2(d_rope) and 16 <= d_rope <= MAX_D_ROPE):
-        return (f"needs power-of-two d_v in [64, {MAX_D_V}] and rope width in [16, {MAX_D_ROPE}], "
-                f"got d_v={d_v}, rope={d_rope}")
-    return None
-
-
-def _reason_for(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> str | None:
-    if interpreting():
-        return "does not run under TRITON_INTERPRET=1 (Gluon has no interpreter)"
-    capability = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else None
-    return unsupported_reason(q.device.type, capability, q.dtype, kv.dtype, q.shape[-1], d_v)
+    return hopper_operand_reason(device_type, capability, q_dtype, kv_dtype) or width_reason(
+        d_v, d_qk - d_v, MAX_D_V, MAX_D_ROPE
+    )
 
 
 def ws_supported(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> bool:
     """Whether :func:`sparse_mla_attention_gluon_ws` runs these inputs (see :func:`unsupported_reason`)."""
-    return _reason_for(q, kv, d_v) is None
+    return inputs_reason(q, kv, d_v, unsupported_reason) is None
 
 
 def launch_constexprs(d_v: int, d_rope: int, pipeline_qk: bool | None = None) -> dict[str, object]:
@@ -498,22 +483,11 @@ def sparse_mla_attention_gluon_ws(
 
     ``pipeline_qk`` overrides :data:`GPU_PIPELINE_QK` (benchmark sweeps). Raises ``ValueError`` naming the problem for inputs :func:`unsupported_reason` rejects.
     """
-    n_tokens, n_heads, d_qk = check_attention_shapes(q, kv, indices)
-    reason = _reason_for(q, kv, d_v)
-    if reason is not None:
-        raise ValueError(f"the warp-specialized Gluon sparse MLA kernel {reason}")
-    q, kv, indices = unit_stride_inputs(q, kv, indices)
-    out = torch.empty(n_tokens, n_heads, d_v, dtype=out_dtype, device=q.device)  # every entry is stored
-    lse = torch.empty(n_tokens, n_heads, dtype=torch.float32, device=q.device)
-    if n_tokens == 0 or n_heads == 0 or kv.shape[0] == 0 or indices.shape[1] == 0:
-        return out.zero_(), lse.fill_(float("-inf"))  # no key at all: the reference's empty-row answer
-    n_head_blocks = triton.cdiv(n_heads, BLOCK_H)
-    _sparse_mla_fwd_ws_kernel[(n_tokens * n_head_blocks,)](
-        q, kv, indices, out, lse,
-        n_heads, kv.shape[0], indices.shape[1], n_head_blocks,
-        q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1), lse.stride(0),
-        float(softmax_scale) * LOG2E,
-        **launch_constexprs(d_v, d_qk - d_v, pipeline_qk),
-        num_warps=4,
+    launch = prepare_launch(
+        q, kv, indices, d_v, out_dtype, "warp-specialized Gluon sparse MLA kernel", unsupported_reason
     )
-    return out, lse
+    if launch.empty:
+        return launch.out, launch.lse
+    grid, args = launch.grid_and_args(BLOCK_H, softmax_scale)
+    _sparse_mla_fwd_ws_kernel[grid](*args, **launch_constexprs(d_v, q.shape[-1] - d_v, pipeline_qk), num_warps=4)
+    return launch.out, launch.lse
