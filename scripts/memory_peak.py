@@ -17,7 +17,6 @@ made them. The script prints the trace's peak next to the engine's measured one.
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections import defaultdict
 from collections.abc import Iterable
@@ -97,27 +96,17 @@ def live_at_peak(
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     import torch
+    from profile_layer import one_rank_parser, one_rank_run  # scripts/, on the path when run as a script
 
     from reference_impl import engine
-    from reference_impl.config import PhaseSet, Request, RunConfig
     from reference_impl.cp.loopback import LoopbackGroup
     from reference_impl.engine import run_rank
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="deepseek-v3.2")
-    parser.add_argument("--level", type=int, default=8)
-    parser.add_argument("--prefix", type=int, default=0)
-    parser.add_argument("--extend", type=int, default=131072)
-    parser.add_argument("--cp-size", type=int, default=8)
-    parser.add_argument("--rank", type=int, default=0)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--rows", type=int, default=12)
-    parser.add_argument("--json", default=None, help="also write the peak and every site here")
+    parser = one_rank_parser(__doc__.split("\n\n")[0], level=8, rows=12, json_help="also write the peak and every site here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("error: the allocator trace needs a CUDA device")
-    run = RunConfig(preset=args.preset, n_layers=args.layers, cp_size=args.cp_size, check=False, device="cuda",
-                    requests=(Request(args.prefix, args.extend),), phases=PhaseSet.level(args.level))
+    run = one_rank_run(args, "cuda")
     run_rank(LoopbackGroup(args.rank, args.cp_size, "cuda"), run)  # warm-up: compiles the kernels
     reset = torch.cuda.reset_peak_memory_stats
 

@@ -108,22 +108,35 @@ def loop_kernels(events: Iterable[TraceEvent]) -> tuple[dict[str, float], dict[s
     return dict(ms), dict(calls), sum(b - a for a, b in ranges) / 1e6
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def one_rank_parser(description: str, level: int, rows: int, json_help: str) -> argparse.ArgumentParser:
+    """The arguments of the one-rank diagnostics (this script and ``memory_peak.py``): the preset, the
+    phase level, one request ``--prefix + --extend``, rank ``--rank`` of ``--cp-size``, ``--layers``,
+    the rows printed and a ``--json`` output."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--preset", default="deepseek-v3.2")
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    parser.add_argument("--level", type=int, default=7)
+    parser.add_argument("--level", type=int, default=level)
     parser.add_argument("--prefix", type=int, default=0)
     parser.add_argument("--extend", type=int, default=131072)
     parser.add_argument("--cp-size", type=int, default=8)
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--rows", type=int, default=30)
+    parser.add_argument("--rows", type=int, default=rows)
+    parser.add_argument("--json", default=None, help=json_help)
+    return parser
+
+
+def one_rank_run(args: argparse.Namespace, device: str) -> RunConfig:
+    """The run those arguments describe: one request, the level's phases, no oracle check."""
+    return RunConfig(preset=args.preset, n_layers=args.layers, cp_size=args.cp_size, check=False, device=device,
+                     requests=(Request(args.prefix, args.extend),), phases=PhaseSet.level(args.level))
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = one_rank_parser(__doc__.split("\n\n")[0], level=7, rows=30, json_help="also write every op's time and count here")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--wire-gbps", type=float, default=None)
-    parser.add_argument("--json", default=None, help="also write every op's time and count here")
     args = parser.parse_args(argv)
-    run = RunConfig(preset=args.preset, n_layers=args.layers, cp_size=args.cp_size, check=False, device=args.device,
-                    requests=(Request(args.prefix, args.extend),), phases=PhaseSet.level(args.level))
+    run = one_rank_run(args, args.device)
     group = lambda: LoopbackGroup(args.rank, args.cp_size, args.device, args.wire_gbps)  # noqa: E731
     run_rank(group(), run)  # warm-up: compiles the kernels
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if args.device == "cuda" else [ProfilerActivity.CPU]

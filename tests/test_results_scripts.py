@@ -154,6 +154,23 @@ def test_the_memory_peak_replays_the_allocator_trace_from_the_mark() -> None:
         memory_peak.live_at_peak(trace[:1])
 
 
+def test_the_memory_peak_takes_the_layer_profiles_arguments_and_refuses_a_machine_without_cuda() -> None:
+    """``memory_peak.py`` parses the one-rank arguments it shares with ``profile_layer.py`` (its own
+    defaults: level 8, 12 rows) into the same run, and without a CUDA device stops with a message."""
+    import pytest
+    import torch
+
+    memory_peak, profile_layer = _script("memory_peak"), _script("profile_layer")
+    parser = profile_layer.one_rank_parser("x", level=8, rows=12, json_help="")
+    args = parser.parse_args(["--extend", "4096", "--layers", "1"])
+    run = profile_layer.one_rank_run(args, "cpu")
+    assert (args.level, args.rows, run.n_layers, run.check) == (8, 12, 1, False)
+    assert run.requests[0].extend == 4096 and run.phases == profile_layer.PhaseSet.level(8)
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="needs a CUDA device"):
+            memory_peak.main(["--extend", "4096", "--layers", "1"])
+
+
 def test_the_fused_kernel_profile_reads_ncu_csv_and_pairs_it_with_the_launches() -> None:
     """``scripts/profile_fused_kernels.py``: ncu's raw CSV (its own messages, the units row and
     thousands separators around it) -> one entry per kernel; each paired with the worker's launch
