@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 
 from reference_impl.bench.compute_sweep import ATTENTION_KEYS, GLUON_KEYS
@@ -219,6 +220,72 @@ def demo(doc: dict) -> str:
     lines += ["", f"Phase 8: history payload {pf['payload_ms']:.2f} ms per layer; the main stream stalls "
               f"{pf['exposed_wait_ms_median'] * 1e3:.0f} us at the wait (median), "
               f"{pf['hidden_fraction_direct']:.0%} of the payload hidden."]
+    return "\n".join(lines)
+
+
+def _level_noise(level: dict) -> float:
+    """The spread (max - min) of a level's per-layer times, the first layer left out (it often carries warm-up)."""
+    samples = level["layer_ms"][1:] or level["layer_ms"]
+    return max(samples) - min(samples)
+
+
+def run_to_run_spread(doc: dict) -> float:
+    """The typical run-to-run spread of a ``bench.layer`` file run with ``--level-repeats``: per level, the
+    range of the runs' median layer times over their median; the median of that over the levels."""
+    spreads = []
+    for w in doc["workloads"]:
+        for level in w["levels"]:
+            runs = [statistics.median(level["layer_ms"][i:i + doc["n_layers"]])
+                    for i in range(0, len(level["layer_ms"]), doc["n_layers"])]
+            spreads.append((max(runs) - min(runs)) / statistics.median(runs))
+    return statistics.median(spreads)
+
+
+def level_change(levels: list[dict], k: int, run_spread: float) -> str:
+    """Level ``k`` against level ``k - 1``: the difference of their median layer times, called noise when it
+    is smaller than the layer-to-layer spread of either level or than ``run_spread`` (a fraction) of the
+    time: with one run per level, the run-to-run spread is taken from a run that repeated each level."""
+    if k == 0:
+        return "-"
+    a, b = levels[k - 1], levels[k]
+    delta = b["layer_ms_median"] - a["layer_ms_median"]
+    noise = max(_level_noise(a), _level_noise(b), run_spread * a["layer_ms_median"])
+    verdict = "noise" if abs(delta) < noise else ("slower" if delta > 0 else "faster")
+    return f"{delta:+.1f} ({delta / a['layer_ms_median']:+.0%}, {verdict})"
+
+
+def phases(doc: dict) -> str:
+    """What each phase level buys: the planner's capacity per rank (``doc["capacity"]``, a
+    ``scripts/capacity_plan.py`` file) beside one rank's measured layer (``doc["layer"]``, a ``bench.layer``
+    file) at the largest current-only workload; ``doc["repeats"]``: a ``bench.layer`` file with several runs per
+    level, for the run-to-run noise."""
+    plan, bench = doc["capacity"]["plan"], doc["layer"]
+    run_spread = run_to_run_spread(doc["repeats"])
+    work = max((w for w in bench["workloads"] if not w["workload"]["prefix"]), key=lambda w: w["workload"]["extend"])
+    tokens, n_layers = work["workload"]["extend"], bench["n_layers"]
+    levels = work["levels"]
+    inputs = plan["inputs"]
+    lines = [
+        f"{bench['preset']}, one request of {tokens:,} new tokens, rank 0 of C={bench['cp_size']}. KV at rest and max "
+        f"context: the planner's arithmetic (`{doc['capacity']['command']}`: all {inputs['n_layers']} layers, KV "
+        f"budget {inputs['budget_rule']}). Moved, materialized, tail and layer time: measured on "
+        f"{bench['device']} ({bench['how_cp_runs']}; {n_layers} layers, one run per level; `{bench['command']}`). "
+        f"A change is called noise when it is smaller than the layer-to-layer spread of either level or than "
+        f"{run_spread:.0%} of the layer, the median run-to-run spread of a run that repeated every level "
+        f"{len(doc['repeats']['workloads'][0]['levels'][0]['layer_ms']) // doc['repeats']['n_layers']} times "
+        f"(`{doc['repeats']['command']}`).",
+        "",
+        f"| level | adds | KV at rest per rank, GiB | max context per rank, tokens | moved per layer, MiB "
+        f"| materialized per layer, MiB | tail per forward, ms | layer ms | vs level k-1, ms |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for k, (row, planned) in enumerate(zip(levels, plan["levels"])):
+        at = next(c for c in planned["contexts"] if c["context"] == tokens)
+        lines.append(
+            f"| {row['level']} | {planned['adds']} | {at['kv_bytes_per_rank'] / 2**30:.2f} | {planned['max_context']:,} "
+            f"| {row['gather_bytes'] / n_layers / 2**20:,.1f} | {row['materialized_bytes'] / n_layers / 2**20:,.1f} "
+            f"| {row['tail_ms']:.1f} | {row['layer_ms_median']:.1f} | {level_change(levels, k, run_spread)} |"
+        )
     return "\n".join(lines)
 
 
