@@ -286,6 +286,9 @@ def phases(doc: dict) -> str:
             f"| {row['gather_bytes'] / n_layers / 2**20:,.1f} | {row['materialized_bytes'] / n_layers / 2**20:,.1f} "
             f"| {row['tail_ms']:.1f} | {row['layer_ms_median']:.1f} | {level_change(levels, k, run_spread)} |"
         )
+    beyond = [f"level {k} ({level_change(levels, k, run_spread).split(' ')[0]} ms)" for k in range(1, len(levels))
+              if not level_change(levels, k, run_spread).endswith("noise)")]
+    lines += ["", "Layer time changes beyond noise: " + (", ".join(beyond) if beyond else "none") + "."]
     return "\n".join(lines)
 
 
