@@ -185,8 +185,9 @@ def layer(doc: dict) -> str:
             lines.append(row)
         if "prefetch" in w:
             pf = w["prefetch"]
-            lines += ["", f"Phase 8 at {doc['wire_gbps']:g} GB/s ({pf['repeats']} alternating runs per level, median of "
-                      f"{pf['samples_per_level']} layers each): level 7 {pf['level7_ms']:.3f} ms, "
+            lines += ["", f"Phase 8 at {doc['wire_gbps']:g} GB/s, measured apart from the rows above (which are one run "
+                      f"per level): {pf['repeats']} alternating runs per level, median of "
+                      f"{pf['samples_per_level']} layers each: level 7 {pf['level7_ms']:.3f} ms, "
                       f"level 8 {pf['level8_ms']:.3f} ms per layer; prefetch payload alone {pf['payload_ms']:.3f} ms; hidden by layer difference: "
                       f"**{pf['hidden_fraction']:.0%}**" + (
                           f" (paired per repeat: {pf['hidden_fraction_paired']:.0%}); hidden by the stall at the wait "
