@@ -81,7 +81,7 @@ def marker_leaks(text: str) -> list[str]:
     return [text[max(0, m.start() - 40):m.end() + 60].strip() for m in _MARKER.finditer(text)]
 
 
-_TEST_NAME = re.compile(r"\btest_[A-Za-z0-9_]*[A-Za-z0-9](?!\.json)")
+_TEST_NAME = re.compile(r"\btest_\w*[A-Za-z0-9](?![\w.]*\.json)(?!\w)")
 
 
 def cited_tests(text: str) -> set[str]:
