@@ -267,17 +267,8 @@ def phases(doc: dict) -> str:
     levels = work["levels"]
     inputs = plan["inputs"]
     lines = [
-        f"{bench['preset']}, one request of {tokens:,} new tokens, rank 0 of C={bench['cp_size']}. KV at rest and max "
-        f"context: the planner's arithmetic (`{doc['capacity']['command']}`: all {inputs['n_layers']} layers, KV "
-        f"budget {inputs['budget_rule']}). Moved, materialized, tail and layer time: measured on "
-        f"{bench['device']} ({bench['how_cp_runs']}; {n_layers} layers, one run per level; `{bench['command']}`). "
-        f"A change is called noise when it is smaller than the layer-to-layer spread of either level or than "
-        f"{run_spread:.0%} of the layer, the median run-to-run spread of a run that repeated every level "
-        f"{len(doc['repeats']['workloads'][0]['levels'][0]['layer_ms']) // doc['repeats']['n_layers']} times "
-        f"(`{doc['repeats']['command']}`).",
-        "",
-        f"| level | adds | KV at rest per rank, GiB | max context per rank, tokens | moved per layer, MiB "
-        f"| materialized per layer, MiB | tail per forward, ms | layer ms | vs level k-1, ms |",
+        "| level | adds | KV at rest, GiB | max context, tokens | moved, MiB per layer | materialized, MiB per layer "
+        "| tail, ms | layer, ms | change, ms |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for k, (row, planned) in enumerate(zip(levels, plan["levels"])):
@@ -289,7 +280,19 @@ def phases(doc: dict) -> str:
         )
     beyond = [f"level {k} ({level_change(levels, k, run_spread).split(' ')[0]} ms)" for k in range(1, len(levels))
               if not level_change(levels, k, run_spread).endswith("noise)")]
-    lines += ["", "Layer time changes beyond noise: " + (", ".join(beyond) if beyond else "none") + "."]
+    repeats = len(doc["repeats"]["workloads"][0]["levels"][0]["layer_ms"]) // doc["repeats"]["n_layers"]
+    lines += [
+        "",
+        "Layer time changes beyond noise: " + (", ".join(beyond) if beyond else "none") + ".",
+        "",
+        f"Per rank, {bench['preset']}, one request of {tokens:,} new tokens. KV at rest and max context: the "
+        f"planner's arithmetic for all {inputs['n_layers']} layers, KV budget {inputs['budget_rule']}. Moved (all-gather "
+        f"#1 and materialize), materialized, tail (once per forward) and layer time: rank {bench['rank']} of "
+        f"C={bench['cp_size']} on an {bench['device']} alone in one process with a modeled {bench['wire_gbps']:g} GB/s "
+        f"wire, {n_layers} layers, one run per level. Change: against the level before; noise when smaller than "
+        f"the spread between either level's layers or than {run_spread:.0%} of the layer, the median spread between "
+        f"runs of a run that repeated every level {repeats} times.",
+    ]
     return "\n".join(lines)
 
 
