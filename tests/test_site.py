@@ -135,6 +135,21 @@ def test_the_metric_check_sees_two_runs_of_one_metric(tmp_path: Path) -> None:
     assert not figure_sources.conflicts(figure_sources.figure_reads([a, b], Sources()))
 
 
+#: Design pages besides those under docs/phases/: each opens with what it changes, buys and costs.
+DESIGN_PAGES = ("all-gathers.md", "pd-transfer.md", "round-robin-shared-kv.md", "compute-kernels.md", "glue-kernels.md")
+
+
+def test_every_design_page_opens_with_what_it_changes_buys_and_costs() -> None:
+    docs = ROOT / "docs"
+    pages = sorted((docs / "phases").glob("*.md")) + [docs / name for name in DESIGN_PAGES]
+    wrong = []
+    for page in pages:
+        lines = [line for line in page.read_text().splitlines() if line.strip()]
+        if not (lines[0].startswith("# ") and [line.split(":**")[0] for line in lines[1:4]] == ["**Changes", "**Buys", "**Costs"]):
+            wrong.append(page.relative_to(docs).as_posix())
+    assert not wrong, "open with the three lines **Changes:** / **Buys:** / **Costs:** under the title: " + ", ".join(wrong)
+
+
 def test_every_page_keeps_its_prose_budget() -> None:
     over = [r for r in prose_words.counts() if r["budget"] is not None and r["prose_words"] >= r["budget"]]
     assert not over, "over the prose budget (tables, code and figures aside):\n" + "\n".join(map(str, over))
