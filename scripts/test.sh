@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Every test: the strict docs build, the CPU tier (pytest: unit, multi-process, Triton under the
 # interpreter, CUDA hidden; the site tests read the build), the walkthrough notebooks under nbval.
-# On a machine with a CUDA device, also the GPU tier (pytest --gpu: compiled kernels, DeepSeek-V3.2 dims), and the notebooks run on
-# the GPU instead of the CPU, beside the GPU tier. DSACP_TEST_LOG_DIR (default: a temp folder) keeps
+# On a machine with a CUDA device, also the GPU tier (pytest --gpu: compiled kernels, DeepSeek-V3.2
+# dims), and the notebooks run on the GPU instead of the CPU, beside the GPU tier. DSACP_TEST_LOG_DIR (default: a temp folder) keeps
 # every job's log and the docs build's, and on a CUDA machine summary.json (scripts/summarize_test_run.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
