@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Every test: the CPU tier (pytest: unit, multi-process, Triton under the interpreter, CUDA hidden),
-# the walkthrough notebooks under nbval, and the strict docs build. On a machine with a CUDA device,
-# also the GPU tier (pytest --gpu: compiled kernels, DeepSeek-V3.2 dims), and the notebooks run on
-# the GPU instead of the CPU, beside the GPU tier. DSACP_TEST_LOG_DIR (default: a temp folder) keeps
+# Every test: the strict docs build, the CPU tier (pytest: unit, multi-process, Triton under the
+# interpreter, CUDA hidden; the site tests read the build), the walkthrough notebooks under nbval.
+# On a machine with a CUDA device, also the GPU tier (pytest --gpu: compiled kernels, DeepSeek-V3.2
+# dims), and the notebooks run on the GPU instead of the CPU, beside the GPU tier. DSACP_TEST_LOG_DIR (default: a temp folder) keeps
 # every job's log and the docs build's, and on a CUDA machine summary.json (scripts/summarize_test_run.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,6 +11,14 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 start=$SECONDS
 cuda=$(python3 -c "import torch; print(int(torch.cuda.is_available()))")
 notebooks=(python3 -m pytest -q --nbval-lax --nbval-current-env -p no:cacheprovider notebooks)
+# The site first: the strict build, then the CPU tier's site tests read the pages it wrote
+# (DSACP_SITE_DIR). --strict aborts on most warnings but not on unresolved cross-references
+# (mkdocs-autorefs), so any WARNING line fails the build here too.
+docs_log="${DSACP_TEST_LOG_DIR:-$(mktemp -d)}/mkdocs.log"
+mkdir -p "$(dirname "$docs_log")"
+export DSACP_SITE_DIR="$(mktemp -d)/site"
+NO_MKDOCS_2_WARNING=1 python3 -m mkdocs build --strict -d "$DSACP_SITE_DIR" > "$docs_log" 2>&1 || { cat "$docs_log"; exit 1; }
+if grep "WARNING" "$docs_log"; then echo "mkdocs printed warnings: fix them" >&2; exit 1; fi
 
 if [ "$cuda" = 1 ]; then
   # Three jobs side by side, each writing its own log: the CPU tier (it hides CUDA itself), the
@@ -39,11 +47,6 @@ else
   TRITON_INTERPRET=1 "${notebooks[@]}"  # notebooks on CPU: Triton kernels under the interpreter
   notebooks_on="the CPU"
 fi
-# --strict aborts on most warnings but not on unresolved cross-references (mkdocs-autorefs), so
-# any WARNING line fails the build here too.
-docs_log="${DSACP_TEST_LOG_DIR:-$(mktemp -d)}/mkdocs.log"
-NO_MKDOCS_2_WARNING=1 python3 -m mkdocs build --strict -d "$(mktemp -d)/site" > "$docs_log" 2>&1 || { cat "$docs_log"; exit 1; }
-if grep "WARNING" "$docs_log"; then echo "mkdocs printed warnings: fix them" >&2; exit 1; fi
 if [ "$cuda" = 1 ]; then  # what each job reported, as JSON (the README's GPU-tier row cites one such run)
   python3 scripts/summarize_test_run.py "$logs" --seconds $((SECONDS - start)) --out "$logs/summary.json"
 fi
