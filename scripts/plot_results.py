@@ -2,14 +2,17 @@
 
     python3 scripts/plot_results.py [--results docs/results] [--out docs/results]
 
-Reads ``layer_bench.json`` (and ``layer_bench_8k.json``, ``prefetch_bench_*gbps.json`` where
-present) and writes two SVGs next to them:
+Reads ``layer_bench.json`` (and ``layer_bench_8k.json``, ``prefetch_bench_*gbps.json``,
+``kv_designs_*.json`` where present) and writes SVGs next to them:
 
 * ``layer_bench.svg``: per-layer time by level, measured against the planner, for each
   current-only size; and per-rank memory by level at the largest size (KV at rest, measured peak,
   planner peak);
 * ``prefetch.svg``: level 7 against level 8 per-layer time and the payload, for every prefix-heavy
-  run, with the hidden share by both measures.
+  run, with the hidden share by both measures;
+* ``kv_designs.svg``: the competing KV designs per workload (layer time, bytes moved per layer) and
+  their KV at rest per rank, from ``kv_designs_h200.json`` (measured) or, until it exists,
+  ``kv_designs_modeled.json`` (the planner's).
 
 The SVGs carry no date and fixed element ids, so an unchanged input rewrites identical files.
 """
@@ -101,6 +104,33 @@ def plot_prefetch(docs: list[dict[str, Any]], out: Path) -> None:
     plt.close(fig)
 
 
+def plot_designs(doc: dict[str, Any], out: Path) -> None:
+    """Per workload, each KV design's layer time and the bytes it moves per layer; KV at rest per rank."""
+    workloads = doc["workloads"]
+    designs = [r["design"] for r in workloads[0]["designs"]]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
+    width = 0.8 / len(designs)
+    x = range(len(workloads))
+    labels = [f"{w['name']}\n{w['prefix'] // 1024}K+{w['extend'] // 1024}K" for w in workloads]
+    for panel, (key, scale, title) in zip(axes[:2], (("layer_ms", 1, "ms per layer"),
+                                                     ("bytes_moved_per_layer", MIB, "MiB moved per layer"))):
+        for i, design in enumerate(designs):
+            values = [next(r for r in w["designs"] if r["design"] == design)[key] / scale for w in workloads]
+            panel.bar([j + (i - (len(designs) - 1) / 2) * width for j in x], values, width, label=design)
+        panel.set_xticks(list(x), labels, fontsize=8)
+        panel.set_title(title, fontsize=9)
+    at_rest = [next(r for r in workloads[-1]["designs"] if r["design"] == d)["kv_bytes_at_rest"] / 2**30 for d in designs]
+    axes[2].bar(designs, at_rest, color=[f"C{i}" for i in range(len(designs))])
+    axes[2].set_title(f"KV at rest per rank, GiB, whole model ({labels[-1].replace(chr(10), ' ')})", fontsize=9)
+    axes[2].tick_params(axis="x", labelsize=7, rotation=20)
+    axes[0].legend(fontsize=7)
+    kind = "measured" if doc.get("kind") == "measured" else "modeled by the planner"
+    fig.suptitle(f"KV designs, rank {doc['rank']} of C={doc['cp_size']} ({kind})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, metadata={"Date": None})
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", default="docs/results")
@@ -117,7 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     prefetch = [d for d in (_load(p) for p in sorted(results.glob("prefetch_bench_*gbps.json"))) if d]
     plot_layers([main_doc, *extra], out / "layer_bench.svg")
     plot_prefetch([main_doc, *prefetch], out / "prefetch.svg")
-    print(f"wrote {out / 'layer_bench.svg'} and {out / 'prefetch.svg'}")
+    designs = _load(results / "kv_designs_h200.json") or _load(results / "kv_designs_modeled.json")
+    if designs is not None:
+        plot_designs(designs, out / "kv_designs.svg")
+    print(f"wrote {out / 'layer_bench.svg'}, {out / 'prefetch.svg'}" + (f" and {out / 'kv_designs.svg'}" if designs else ""))
     return 0
 
 
