@@ -29,7 +29,6 @@ The estimated device time is printed before anything runs.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -47,7 +46,7 @@ from reference_impl.config import ConfigError, PhaseSet, Request, RunConfig, get
 from reference_impl.cp.designs import layer_shard_range
 from reference_impl.cp.loopback import LoopbackGroup
 from reference_impl.engine import PER_LAYER_TAGS, run_rank
-from reference_impl.planner.designs import design_layer, kv_bytes_at_rest
+from reference_impl.planner.designs import design_layer, kv_bytes_at_rest, one_rank_parser
 from reference_impl.planner.rates import PlannerRates, load_rates
 
 MEASURED_DESIGNS = ("phases", "layer-split", "rotated-shard", "dcp-gather")
@@ -163,12 +162,7 @@ def measure(preset: str, workloads: list[Workload], designs: list[str], cp_size:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True, help="JSON file to write")
-    parser.add_argument("--preset", default="deepseek-v3.2")
-    parser.add_argument("--cp-size", type=int, default=8)
-    parser.add_argument("--rank", type=int, default=0)
-    parser.add_argument("--layers", type=int, default=4)
+    parser = one_rank_parser(__doc__.split("\n\n")[0], 4, "layers run (the layer bench's slice)")
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per design after a warm-up run")
     parser.add_argument("--workloads", default=DEFAULT_WORKLOADS)
     parser.add_argument("--designs", default=",".join(MEASURED_DESIGNS))

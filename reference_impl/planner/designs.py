@@ -50,17 +50,13 @@ from reference_impl.cp.split import in_seq_block_sizes
 from reference_impl.kvcache.layout import KVLayout
 from reference_impl.planner.model import (
     activation_bytes,
-    attention_flops,
+    compute_terms,
     fill_bytes,
     gather_row_bytes,
-    indexer_flops,
     ms_for_bytes,
-    ms_for_flops,
-    projection_flops,
     rank_ranges,
     rerange_bytes,
     store_bytes,
-    topk_ms,
     view_bytes,
     visible_keys,
 )
@@ -123,13 +119,7 @@ def design_layer(
     t_pad = max(blocks[r] + blocks[len(blocks) - 1 - r] for r in range(cp_size))
     context = prefix + extend
     n_visible = visible_keys(tuple((prefix + a, prefix + b) for a, b in ranges))
-    compute = {
-        "projections": ms_for_flops(projection_flops(cfg, t_local), rates.matmul_tflops),
-        "indexer_logits": ms_for_flops(indexer_flops(cfg, n_visible), rates.indexer_logits_tflops),
-        "indexer_topk": topk_ms(rates, t_local, context),
-        "attention": ms_for_flops(attention_flops(cfg, t_local, context), rates.attention_tflops),
-        "elementwise": rates.elementwise_us_per_token * t_local / 1e3,
-    }
+    compute = compute_terms(cfg, rates, t_local, context, n_visible)
     compute_ms = sum(compute.values())
     wire = rates.interconnect_gbps
     terms = dict(compute)
@@ -237,13 +227,19 @@ def plan_designs(
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def one_rank_parser(description: str, layers: int | None, layers_help: str) -> argparse.ArgumentParser:
+    """The flags the designs' planner and benchmark share: ``--out``, ``--preset``, ``--cp-size``, ``--rank``, ``--layers``."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--out", required=True, help="JSON file to write")
     parser.add_argument("--preset", default="deepseek-v3.2")
     parser.add_argument("--cp-size", type=int, default=8)
     parser.add_argument("--rank", type=int, default=0)
-    parser.add_argument("--layers", type=int, default=None, help="model layers (default: the preset's)")
+    parser.add_argument("--layers", type=int, default=layers, help=layers_help)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = one_rank_parser(__doc__.split("\n\n")[0], None, "model layers (default: the preset's)")
     parser.add_argument("--peer-gbps", type=float, default=None, help="shared VMM peer-read rate (default: the wire's)")
     parser.add_argument("--budget-gib", type=float, default=48.0, help="KV budget per GPU for max_context")
     args = parser.parse_args(argv)

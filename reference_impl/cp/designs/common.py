@@ -15,13 +15,15 @@ from typing import Any
 
 import torch
 
+from reference_impl.config import ConfigError
 from reference_impl.cp.batch import BatchLocs
-from reference_impl.cp.fused_ops import fill_current_rows, fused_store
+from reference_impl.cp.comm import CPGroup
+from reference_impl.cp.fused_ops import fill_current_rows, fused_store, materialize_rows
 from reference_impl.cp.kv_store import FullView, StoredRows
 from reference_impl.cp.ownership import Ownership
 from reference_impl.cp.prefetch import CudaSideStream, InlineStream, Stream
 from reference_impl.kvcache.layout import KVLayout
-from reference_impl.kvcache.pool import PagedKVPool
+from reference_impl.kvcache.pool import PagedKVPool, check_in_range
 
 
 def empty_view(batch: BatchLocs, layout: KVLayout, device: torch.device) -> FullView:
@@ -122,3 +124,97 @@ class LayerAhead:
     def wait_ms(self) -> list[float]:
         """The consumer's stall at each :meth:`take` (CUDA; synchronizes the device)."""
         return self.stream.wait_ms()
+
+
+class OwnedShare:
+    """The store half of a design whose ranks keep the tokens an :class:`Ownership` gives them
+    (rotated page shard, DCP gather): each rank quantizes and writes its owned rows of the gathered
+    chunk and of an installed prefix, and reports them. Subclasses set ``ownership``, ``pool``,
+    ``group``, ``batch``, ``fused``, ``debug`` and call :meth:`plan_store` in ``bind``."""
+
+    ownership: Ownership
+    pool: PagedKVPool
+    group: CPGroup
+    batch: BatchLocs
+    fused: bool
+    debug: bool
+    store_path = "gathered"  # owned rows of the gathered chunk
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.pool.mla_bytes_total
+
+    @property
+    def index_bytes(self) -> int:
+        return self.pool.index_bytes_total
+
+    def plan_store(self, batch: BatchLocs) -> None:
+        """The current tokens this rank owns (sequence-order rows of the chunk) and their physical locs."""
+        own = self.ownership.owner(batch.extend_locs) == self.group.rank
+        self._store_rows = own.nonzero().flatten()
+        self._store_locs = self.ownership.physical(batch.extend_locs[own])
+        check_in_range("store locs", self._store_locs, self.pool.n_slots)
+
+    def write_prefix(self, layer: int, request: int, rows: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor,
+                     start: int = 0) -> None:
+        """Install the owned part of a request's cached prefix, positions ``start`` on."""
+        locs = self.batch.prefix_locs(request)[start:]
+        own = self.ownership.owner(locs) == self.group.rank
+        phys = self.ownership.physical(locs[own])
+        self.pool.write_mla(layer, phys, rows[own])
+        self.pool.write_index(layer, phys, k_fp8[own], k_scale[own])
+
+    def store_current(self, layer: int, kv_seq: torch.Tensor, index_k_seq: torch.Tensor,
+                      kv_local: torch.Tensor | None = None, index_k_local: torch.Tensor | None = None) -> None:
+        """Quantize and write the tokens this rank owns of the gathered chunk."""
+        store_rows(self.pool, layer, kv_seq, index_k_seq, self._store_rows, self._store_locs, self.fused, self.debug)
+
+    def stored_rows(self, layer: int, request_locs: list[torch.Tensor] | None = None) -> StoredRows:
+        """Per request, the tokens this rank owns: ``(positions, mla rows, index bytes, index scale)``."""
+        located = request_locs if request_locs is not None else list(self.batch.request_locs)
+        return stored_rows_of(self.pool, layer, [owned_rows(self.ownership, self.group.rank, locs) for locs in located])
+
+
+class HistoryAhead:
+    """The view half of a design that gathers the batch's history pages one layer ahead (layer split,
+    rotated page shard): ``gather(layer, slot)`` leaves ``(mla pages, index pages)`` in
+    ``_slots[slot]``; the view's history rows come from there (``row_source``: token row in the
+    slot's pages of each history view row), its current rows from the chunk."""
+
+    name: str
+    layout: KVLayout
+    group: CPGroup
+    batch: BatchLocs
+    fused: bool
+    debug: bool
+    materialized_bytes: int
+    transient_bytes: int
+
+    def plan_history(self, rows: torch.Tensor, row_source: torch.Tensor, n_layers: int,
+                     gather: Callable[[int, int], None]) -> None:
+        """Per batch: history view ``rows``, their ``row_source`` in a slot, and the gather that fills a slot."""
+        self._view_rows, self._row_source = rows, row_source
+        self._slots: list[tuple[torch.Tensor, torch.Tensor] | None] = [None, None]
+        self._ahead = LayerAhead(self.group.device, n_layers, gather) if rows.numel() else None
+        if rows.numel():
+            check_in_range("view rows", rows, self.batch.view_len)
+        check_in_range("current view rows", self.batch.extend_view_rows, self.batch.view_len)
+
+    def full_view(self, layer: int, kv_seq: torch.Tensor, index_k_seq: torch.Tensor,
+                  prefetched_kv: torch.Tensor | None = None) -> FullView:
+        """History rows from the layer's (prefetched) slot, current rows from the chunk; then start the next layer's gather."""
+        if prefetched_kv is not None:
+            raise ConfigError(f"{self.name} gathers its own history a layer ahead: phase 8 does not run beside it")
+        view = empty_view(self.batch, self.layout, kv_seq.device)
+        self.transient_bytes = 0
+        if self._ahead is not None:
+            slot = self._ahead.take(layer)
+            mla, index = self._slots[slot]  # type: ignore[misc]
+            materialize_rows(mla, index, self._row_source, self._view_rows, view.kv, view.index_k_fp8, view.index_k_scale,
+                             self.layout, debug=self.debug, force_torch=not self.fused, locs_checked=True)
+            self._ahead.release(layer)
+            self._ahead.launch(layer + 1)
+            self.materialized_bytes += mla.numel() + index.numel()
+            self.transient_bytes = 2 * (mla.numel() + index.numel())  # both slots
+        fill_current(view, self.batch, kv_seq, index_k_seq, self.layout, self.fused, self.debug)
+        return view

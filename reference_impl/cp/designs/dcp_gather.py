@@ -25,19 +25,18 @@ import torch
 from reference_impl.config import ConfigError
 from reference_impl.cp.batch import BatchLocs
 from reference_impl.cp.comm import CPGroup
-from reference_impl.cp.designs.common import empty_view, owned_rows, store_rows, stored_rows_of
-from reference_impl.cp.kv_store import FullView, StoredRows
+from reference_impl.cp.designs.common import OwnedShare, empty_view
+from reference_impl.cp.kv_store import FullView
 from reference_impl.cp.ownership import Ownership
 from reference_impl.kvcache.layout import SCALE_BYTES, KVLayout
 from reference_impl.kvcache.pool import PagedKVPool, check_in_range
 
 
-class DcpGatherKV:
+class DcpGatherKV(OwnedShare):
     """The rank's DCP shard at interleave ``I`` and a per-layer rank-major workspace of every shard."""
 
     name = "dcp-gather"
     sharded = True
-    store_path = "gathered"  # the shard's rows of the gathered chunk
 
     def __init__(self, batch: BatchLocs, layout: KVLayout, n_layers: int, group: CPGroup, debug: bool,
                  fused: bool = False, interleave: int = 1) -> None:
@@ -50,14 +49,6 @@ class DcpGatherKV:
         self.transient_bytes = 0
         self.bind(batch)
 
-    @property
-    def kv_bytes(self) -> int:
-        return self.pool.mla_bytes_total
-
-    @property
-    def index_bytes(self) -> int:
-        return self.pool.index_bytes_total
-
     def bind(self, batch: BatchLocs) -> None:
         """Plan the batch once: owned rows of the chunk, this rank's shard rows of the view (send
         list), each rank's row count and the workspace row of every view row."""
@@ -65,9 +56,7 @@ class DcpGatherKV:
             raise ConfigError(f"chunk batch spans {batch.n_pages} pages, the pool was built for {self.batch.n_pages}")
         self.batch = batch
         rank, cp_size = self.group.rank, self.group.size
-        own = self.ownership.owner(batch.extend_locs) == rank
-        self._store_rows = own.nonzero().flatten()
-        self._store_locs = self.ownership.physical(batch.extend_locs[own])
+        self.plan_store(batch)
 
         owner = self.ownership.owner(batch.view_locs)  # [S]
         self.counts = [int(c) for c in torch.bincount(owner, minlength=cp_size)]  # shard rows per rank
@@ -79,23 +68,8 @@ class DcpGatherKV:
         place[order] = torch.arange(owner.numel(), device=owner.device) - starts[owner[order]]
         self._row_source = owner * self.n_pad + place  # [S] row of the rank-major workspace
         self._send = self.ownership.physical(batch.view_locs[owner == rank])  # this rank's shard rows, view order
-        check_in_range("store locs", self._store_locs, self.pool.n_slots)
         check_in_range("shard rows", self._send, self.pool.n_slots)
         check_in_range("workspace rows", self._row_source, cp_size * self.n_pad)
-
-    def write_prefix(self, layer: int, request: int, rows: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor,
-                     start: int = 0) -> None:
-        """Install this rank's shard of a request's cached prefix, positions ``start`` on."""
-        locs = self.batch.prefix_locs(request)[start:]
-        own = self.ownership.owner(locs) == self.group.rank
-        phys = self.ownership.physical(locs[own])
-        self.pool.write_mla(layer, phys, rows[own])
-        self.pool.write_index(layer, phys, k_fp8[own], k_scale[own])
-
-    def store_current(self, layer: int, kv_seq: torch.Tensor, index_k_seq: torch.Tensor,
-                      kv_local: torch.Tensor | None = None, index_k_local: torch.Tensor | None = None) -> None:
-        """Quantize and write this rank's shard of the gathered chunk."""
-        store_rows(self.pool, layer, kv_seq, index_k_seq, self._store_rows, self._store_locs, self.fused, self.debug)
 
     def full_view(self, layer: int, kv_seq: torch.Tensor, index_k_seq: torch.Tensor,
                   prefetched_kv: torch.Tensor | None = None) -> FullView:
@@ -123,9 +97,3 @@ class DcpGatherKV:
 
     def owned_pages(self) -> torch.Tensor:
         raise ConfigError("dcp-gather keeps a token-interleaved shard: send it as it is (reference_impl.pd.dcp)")
-
-    def stored_rows(self, layer: int, request_locs: list[torch.Tensor] | None = None) -> StoredRows:
-        """Per request, the tokens of this rank's shard: ``(positions, mla rows, index bytes, index scale)``."""
-        located = request_locs if request_locs is not None else list(self.batch.request_locs)
-        return stored_rows_of(self.pool, layer, [owned_rows(self.ownership, self.group.rank, locs) for locs in located])
-

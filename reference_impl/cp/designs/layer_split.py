@@ -10,7 +10,7 @@ the others; a layer that a rank does not own is broadcast from its owner into a 
   write nothing for that layer;
 * **gather**: per layer, the owner broadcasts the pages holding the batch's history (prefix)
   rows, MLA then index K (two broadcasts), one layer ahead of the layer that reads them
-  (:class:`~reference_impl.cp.designs.common.LayerAhead`); a current-only batch broadcasts nothing;
+  (:class:`~reference_impl.cp.designs.common.HistoryAhead`); a current-only batch broadcasts nothing;
 * **materialize**: history rows of the full view from the broadcast pages, current rows from the
   gathered chunk.
 
@@ -28,11 +28,8 @@ from reference_impl.config import ConfigError
 from reference_impl.cp.batch import BatchLocs
 from reference_impl.cp.comm import CPGroup
 from reference_impl.cp.current_reuse import history_rows
-from reference_impl.cp.designs.common import (
-    LayerAhead, empty_view, fill_current, nothing_stored, store_rows, stored_rows_of,
-)
-from reference_impl.cp.fused_ops import materialize_rows
-from reference_impl.cp.kv_store import FullView, StoredRows
+from reference_impl.cp.designs.common import HistoryAhead, nothing_stored, store_rows, stored_rows_of
+from reference_impl.cp.kv_store import StoredRows
 from reference_impl.kvcache.layout import KVLayout
 from reference_impl.kvcache.pool import PagedKVPool, check_in_range
 
@@ -54,7 +51,7 @@ def layer_owner(layer: int, cp_size: int, n_layers: int) -> int:
     raise ConfigError(f"layer {layer} is outside the model's {n_layers} layers")
 
 
-class LayerSplitKV:
+class LayerSplitKV(HistoryAhead):
     """A rank's owned layers (all tokens) and a two-slot broadcast scratch for the others."""
 
     name = "layer-split"
@@ -72,10 +69,7 @@ class LayerSplitKV:
         self.batch = batch
         self.materialized_bytes = 0
         self.transient_bytes = 0
-        self._slots: list[tuple[torch.Tensor, torch.Tensor] | None] = [None, None]
         self.bind(batch)
-
-    # ---- ownership ------------------------------------------------------------------------------
 
     def local_layer(self, layer: int) -> int | None:
         """This rank's pool index of ``layer``, or ``None`` when another rank owns it."""
@@ -89,8 +83,6 @@ class LayerSplitKV:
     def index_bytes(self) -> int:
         return self.pool.index_bytes_total if self.end > self.start else 0
 
-    # ---- per batch ------------------------------------------------------------------------------
-
     def bind(self, batch: BatchLocs) -> None:
         """Plan the batch's broadcast (its history pages) and the view rows they fill; once per batch."""
         if batch.n_pages != self.batch.n_pages:
@@ -98,15 +90,11 @@ class LayerSplitKV:
         self.batch = batch
         rows = history_rows(batch)
         page_size = batch.page_size
-        pages, position = torch.unique(batch.view_locs.index_select(0, rows) // page_size, return_inverse=True)
+        locs = batch.view_locs.index_select(0, rows)
+        pages, position = torch.unique(locs // page_size, return_inverse=True)
         self._pages = pages  # [n] logical pages holding history, ascending: the broadcast's order
-        self._view_rows = rows  # [R] full-view rows filled from the broadcast
-        self._row_source = position * page_size + batch.view_locs.index_select(0, rows) % page_size
         check_in_range("store locs", batch.extend_locs, batch.n_pages * page_size)
-        if rows.numel():
-            check_in_range("view rows", rows, batch.view_len)
-        check_in_range("current view rows", batch.extend_view_rows, batch.view_len)
-        self._ahead = LayerAhead(self.group.device, self.n_layers, self._broadcast) if rows.numel() else None
+        self.plan_history(rows, position * page_size + locs % page_size, self.n_layers, self._broadcast)
 
     def _broadcast(self, layer: int, slot: int) -> None:
         """Layer ``layer``'s history pages from its owner into ``slot``: MLA, then index K (two broadcasts)."""
@@ -122,8 +110,6 @@ class LayerSplitKV:
         self.group.broadcast_rows(mla, owner, tag="materialize")
         self.group.broadcast_rows(index, owner, tag="materialize_index")
         self._slots[slot] = (mla, index)
-
-    # ---- the KVStore operations -----------------------------------------------------------------
 
     def write_prefix(self, layer: int, request: int, rows: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor,
                      start: int = 0) -> None:
@@ -141,25 +127,6 @@ class LayerSplitKV:
         local = self.local_layer(layer)
         if local is not None:
             store_rows(self.pool, local, kv_seq, index_k_seq, None, self.batch.extend_locs, self.fused, self.debug)
-
-    def full_view(self, layer: int, kv_seq: torch.Tensor, index_k_seq: torch.Tensor,
-                  prefetched_kv: torch.Tensor | None = None) -> FullView:
-        """History rows from the (prefetched) broadcast, current rows from the chunk; then start the next layer's."""
-        if prefetched_kv is not None:
-            raise ConfigError("layer split prefetches its own broadcast: phase 8 does not run beside it")
-        view = empty_view(self.batch, self.layout, kv_seq.device)
-        self.transient_bytes = 0
-        if self._ahead is not None:
-            slot = self._ahead.take(layer)
-            mla, index = self._slots[slot]  # type: ignore[misc]
-            materialize_rows(mla, index, self._row_source, self._view_rows, view.kv, view.index_k_fp8, view.index_k_scale,
-                             self.layout, debug=self.debug, force_torch=not self.fused, locs_checked=True)
-            self._ahead.release(layer)
-            self._ahead.launch(layer + 1)
-            self.materialized_bytes += mla.numel() + index.numel()
-            self.transient_bytes = 2 * (mla.numel() + index.numel())  # both slots
-        fill_current(view, self.batch, kv_seq, index_k_seq, self.layout, self.fused, self.debug)
-        return view
 
     def owned_pages(self) -> torch.Tensor:
         raise ConfigError("layer split owns layers, not pages: its PD transfer (per owned layer) is not in this package")

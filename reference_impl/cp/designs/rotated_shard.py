@@ -11,7 +11,7 @@ cyclic and per-rank page counts differ by at most one.
   **trash page** (one extra physical page no plan row reads) to ``block = ceil(pages / C)`` (the
   largest owner's count): one *regular* all-gather per buffer (MLA, index K) whose output is
   owner-major, ``[rank 0's pages | rank 1's | ...]``, with no reorder pass; it runs one layer ahead
-  into two alternating slots (:class:`~reference_impl.cp.designs.common.LayerAhead`);
+  into two alternating slots (:class:`~reference_impl.cp.designs.common.HistoryAhead`);
 * **materialize**: a history row of plan page ``k`` sits at ``owner * block + k_within`` of the
   slot, ``k_within = k // C`` when the owners are cyclic (computed here per owner, so a batch of
   several requests, whose chains each start their own cycle, translates too); current rows come
@@ -33,11 +33,7 @@ from reference_impl.config import ConfigError
 from reference_impl.cp.batch import BatchLocs
 from reference_impl.cp.comm import CPGroup
 from reference_impl.cp.current_reuse import history_rows
-from reference_impl.cp.designs.common import (
-    LayerAhead, empty_view, fill_current, owned_rows, store_rows, stored_rows_of, unique_in_order,
-)
-from reference_impl.cp.fused_ops import materialize_rows
-from reference_impl.cp.kv_store import FullView, StoredRows
+from reference_impl.cp.designs.common import HistoryAhead, OwnedShare, unique_in_order
 from reference_impl.cp.ownership import Ownership
 from reference_impl.kvcache.allocator import RequestPageTable
 from reference_impl.kvcache.layout import KVLayout
@@ -62,12 +58,11 @@ def owners_cyclic(pages: list[int], cp_size: int) -> bool:
     return all((b - a) % cp_size == 1 % cp_size for a, b in zip(pages, pages[1:]))
 
 
-class RotatedShardKV:
+class RotatedShardKV(OwnedShare, HistoryAhead):
     """Owned pages at ``p // C`` (plus one trash page) and a two-slot owner-major gather scratch."""
 
     name = "rotated-shard"
     sharded = True
-    store_path = "gathered"  # owned rows of the gathered chunk
 
     def __init__(self, batch: BatchLocs, layout: KVLayout, n_layers: int, group: CPGroup, debug: bool,
                  fused: bool = False) -> None:
@@ -80,16 +75,7 @@ class RotatedShardKV:
         self.batch = batch
         self.materialized_bytes = 0
         self.transient_bytes = 0
-        self._slots: list[tuple[torch.Tensor, torch.Tensor] | None] = [None, None]
         self.bind(batch)
-
-    @property
-    def kv_bytes(self) -> int:
-        return self.pool.mla_bytes_total
-
-    @property
-    def index_bytes(self) -> int:
-        return self.pool.index_bytes_total
 
     def bind(self, batch: BatchLocs) -> None:
         """Plan the batch once: the owned rows of the chunk, the history pages in position order, each
@@ -98,10 +84,7 @@ class RotatedShardKV:
             raise ConfigError(f"chunk batch spans {batch.n_pages} pages, the pool was built for {self.batch.n_pages}")
         self.batch = batch
         rank, cp_size, page_size, device = self.group.rank, self.group.size, batch.page_size, batch.view_locs.device
-        own = self.ownership.owner(batch.extend_locs) == rank
-        self._store_rows = own.nonzero().flatten()
-        self._store_locs = self.ownership.physical(batch.extend_locs[own])
-
+        self.plan_store(batch)
         rows = history_rows(batch)
         locs = batch.view_locs.index_select(0, rows)
         plan = unique_in_order((locs // page_size).tolist())  # history pages, request by request, position order
@@ -116,14 +99,10 @@ class RotatedShardKV:
         self._send = torch.tensor(mine + [self.trash_page] * (self.block - len(mine)), dtype=torch.long, device=device)
         slot_of_page = {page: (page % cp_size) * self.block + k for page, k in zip(plan, within)}
         page_index = torch.tensor([slot_of_page[p] for p in (locs // page_size).tolist()], dtype=torch.long, device=device)
-        self._view_rows = rows
-        self._row_source = page_index * page_size + locs % page_size
-        check_in_range("store locs", self._store_locs, self.pool.n_slots)
-        check_in_range("current view rows", batch.extend_view_rows, batch.view_len)
+        row_source = page_index * page_size + locs % page_size
         if rows.numel():
-            check_in_range("view rows", rows, batch.view_len)
-            check_in_range("slot rows", self._row_source, cp_size * self.block * page_size)
-        self._ahead = LayerAhead(self.group.device, self.n_layers, self._gather) if rows.numel() else None
+            check_in_range("slot rows", row_source, cp_size * self.block * page_size)
+        self.plan_history(rows, row_source, self.n_layers, self._gather)
 
     def _gather(self, layer: int, slot: int) -> None:
         """Layer ``layer``'s history pages, owner-major, into ``slot``: one regular all-gather per buffer."""
@@ -136,45 +115,7 @@ class RotatedShardKV:
             self.group.all_gather_padded(index, lengths, tag="materialize_index"),
         )
 
-    def write_prefix(self, layer: int, request: int, rows: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor,
-                     start: int = 0) -> None:
-        """Install the owned part of a request's cached prefix, positions ``start`` on."""
-        locs = self.batch.prefix_locs(request)[start:]
-        own = self.ownership.owner(locs) == self.group.rank
-        phys = self.ownership.physical(locs[own])
-        self.pool.write_mla(layer, phys, rows[own])
-        self.pool.write_index(layer, phys, k_fp8[own], k_scale[own])
-
-    def store_current(self, layer: int, kv_seq: torch.Tensor, index_k_seq: torch.Tensor,
-                      kv_local: torch.Tensor | None = None, index_k_local: torch.Tensor | None = None) -> None:
-        """Quantize and write the tokens this rank owns of the gathered chunk."""
-        store_rows(self.pool, layer, kv_seq, index_k_seq, self._store_rows, self._store_locs, self.fused, self.debug)
-
-    def full_view(self, layer: int, kv_seq: torch.Tensor, index_k_seq: torch.Tensor,
-                  prefetched_kv: torch.Tensor | None = None) -> FullView:
-        """History rows through the owner-major translation, current rows from the chunk; then the next layer's gather."""
-        if prefetched_kv is not None:
-            raise ConfigError("rotated shard prefetches its own gather: phase 8 does not run beside it")
-        view = empty_view(self.batch, self.layout, kv_seq.device)
-        self.transient_bytes = 0
-        if self._ahead is not None:
-            slot = self._ahead.take(layer)
-            mla, index = self._slots[slot]  # type: ignore[misc]
-            materialize_rows(mla, index, self._row_source, self._view_rows, view.kv, view.index_k_fp8, view.index_k_scale,
-                             self.layout, debug=self.debug, force_torch=not self.fused, locs_checked=True)
-            self._ahead.release(layer)
-            self._ahead.launch(layer + 1)
-            self.materialized_bytes += mla.numel() + index.numel()
-            self.transient_bytes = 2 * (mla.numel() + index.numel())  # both slots
-        fill_current(view, self.batch, kv_seq, index_k_seq, self.layout, self.fused, self.debug)
-        return view
-
     def owned_pages(self) -> torch.Tensor:
         """Logical pages of this batch stored on this rank, ascending (physical page ``p // C``)."""
         pages = torch.arange(self.batch.n_pages, device=self.batch.view_locs.device)
         return pages[pages % self.group.size == self.group.rank]
-
-    def stored_rows(self, layer: int, request_locs: list[torch.Tensor] | None = None) -> StoredRows:
-        """Per request, the tokens this rank owns: ``(positions, mla rows, index bytes, index scale)``."""
-        located = request_locs if request_locs is not None else list(self.batch.request_locs)
-        return stored_rows_of(self.pool, layer, [owned_rows(self.ownership, self.group.rank, locs) for locs in located])
