@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from reference_impl.config import (
+    KV_DESIGNS,
     ConfigError,
     PhaseSet,
     RunConfig,
@@ -30,6 +31,7 @@ from reference_impl.config import (
     parse_batches,
     parse_int_list,
     parse_requests,
+    validate_kv_design,
     validate_page_size,
 )
 from reference_impl.errors import RankFailedError, RunStopped
@@ -80,6 +82,18 @@ def _float_arg(positive: bool = True) -> Callable[[str], float]:
     return parse
 
 
+def _choice_arg(validate: Callable[[str], str]) -> Callable[[str], str]:
+    """A flag value checked by ``validate`` (which raises :class:`ConfigError` outside its set, empty included)."""
+
+    def parse(text: str) -> str:
+        try:
+            return validate(text)
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc).partition(": ")[2] or str(exc)) from None
+
+    return parse
+
+
 def _flag(field: str) -> str:
     return knob_names(field)[1]
 
@@ -97,6 +111,8 @@ _RUN_KNOBS: dict[str, tuple[Callable[[str], Any], str]] = {
     "page_size": (_int_arg(1), "tokens per KV page (a power of two, 4..4096)"),
     "kv_interleave": (_int_arg(1), "KV sharded at rest: consecutive tokens per rank (a power of two dividing the page "
                       "size; default: the page size in-seq, 1 round-robin)"),
+    "kv_design": (_choice_arg(validate_kv_design), f"how the KV is kept and gathered: {' | '.join(KV_DESIGNS)} "
+                  "(default phases; a design replaces phases 2, 3, 5, 6 and 8: run it with --phases 1,7 or fewer)"),
     "n_layers": (_int_arg(1), "layers (default: the preset's)"),
     "chunk_size": (_int_arg(1), "chunked prefill: extend tokens per request per chunk"),
     "seed": (_int_arg(0), "weights and inputs"),

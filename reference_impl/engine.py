@@ -32,6 +32,7 @@ import torch
 from reference_impl.config import RunConfig
 from reference_impl.cp.batch import BatchLocs, new_page_table
 from reference_impl.cp.comm import CPGroup
+from reference_impl.cp.designs import audits_layer_loop, design_page_lanes, make_design_store
 from reference_impl.cp.kv_replicated import ReplicatedKV
 from reference_impl.cp.kv_sharded import ShardedKV
 from reference_impl.cp.kv_store import KVStore
@@ -112,7 +113,9 @@ class LayerStoredHook(Protocol):
 
 def make_kv_store(run: RunConfig, batch: BatchLocs, layout: KVLayout, group: CPGroup) -> KVStore:
     """The KV store the phase set asks for: a replica per rank (baseline) or sharded at the run's
-    interleave (phases 2, 3, 5)."""
+    interleave (phases 2, 3, 5), or the store of a competing KV design (:mod:`reference_impl.cp.designs`)."""
+    if run.kv_design != "phases":
+        return make_design_store(run, batch, layout, group)
     if run.phases.sharded_kv:
         # Round-robin computes token t on rank t % C: at interleave 1 that is its owner, with no lanes.
         direct = run.phases.compute_owner or run.split_mode == "round-robin"
@@ -230,6 +233,12 @@ def requests_to_free(run: RunConfig, chunk: Chunk) -> list[int]:
     return frees_after_batch(run).get(chunk.batch, [])
 
 
+def new_run_page_table(run: RunConfig) -> RequestPageTable:
+    """The run's empty page table, with lane slack where an allocator hands out pages by lanes (phase 5, a design's)."""
+    lanes = run.phases.compute_owner or design_page_lanes(run) is not None
+    return new_page_table([r.total for r in run.requests], run.page_size, run.cp_size, lanes)
+
+
 def replay_page_table(run: RunConfig, last_pages: dict[int, list[int]] | None = None) -> RequestPageTable:
     """The logical page table a run ends with, rebuilt without running it (pure metadata): every
     allocation, share and free between batches, in order.
@@ -239,11 +248,11 @@ def replay_page_table(run: RunConfig, last_pages: dict[int, list[int]] | None = 
     filled with every request's pages as they were when it finished: before its free, for a request
     an earlier batch let go (:func:`request_locs`).
     """
-    table = new_page_table([r.total for r in run.requests], run.page_size, run.cp_size, run.phases.compute_owner)
+    table = new_run_page_table(run)
     shares = shares_of(run)
     for chunk in chunk_schedule(run):
         BatchLocs.build(chunk_metadata(run, chunk), "cpu", run.phases.compute_owner, table=table, request_ids=chunk.requests,
-                        id_space=table.allocator.n_pages, shares=shares)
+                        id_space=table.allocator.n_pages, shares=shares, page_lanes=design_page_lanes(run))
         for req in requests_to_free(run, chunk):
             if last_pages is not None:
                 last_pages[req] = table.pages(req)
@@ -283,7 +292,7 @@ def run_rank(
     inputs = build_inputs(run, device)
     chunks = chunk_schedule(run)
     id_space = run_id_space(replay_page_table(run))  # pure metadata: same on every rank
-    table = new_page_table([r.total for r in run.requests], run.page_size, run.cp_size, run.phases.compute_owner)
+    table = new_run_page_table(run)
     shares = shares_of(run)
     store: KVStore | None = None
     acc = _Accumulated()
@@ -293,7 +302,7 @@ def run_rank(
         meta = chunk_metadata(run, chunk)
         first_of_batch = index == 0 or chunks[index - 1].batch != chunk.batch
         batch = BatchLocs.build(meta, device, run.phases.compute_owner, table=table, request_ids=chunk.requests,
-                                id_space=id_space, shares=shares)
+                                id_space=id_space, shares=shares, page_lanes=design_page_lanes(run))
         # Tokens a new request found in the pool by reference (the whole pages of a shared prefix).
         shared_tokens = {req: table.shared_tokens(req) for req in chunk.requests} if first_of_batch else {}
         if store is None:
@@ -341,7 +350,7 @@ def run_rank(
         "output_gather_bytes": sum(s.buffer_bytes for s in group.stats if s.tag == "tail"),
         "collectives": len(group.stats),
     }
-    if run.phases.sort_free_remap:
+    if audits_layer_loop(run):
         stats["host_syncs_in_layer_loop"] = acc.host_syncs
         stats["transport_syncs_in_layer_loop"] = acc.transport_syncs
     if device.type == "cuda":
@@ -423,14 +432,14 @@ def _run_chunk(
     # Top-k rows relative to the request's first full-view row, i.e. token positions in the request.
     request_start = key_start[:, None].int()
 
-    host_bounds = _host_key_bounds(meta, batch, group.rank) if run.phases.sort_free_remap else None
+    host_bounds = _host_key_bounds(meta, batch, group.rank) if audits_layer_loop(run) else None
     fused = run.phases.fused_kernels  # phase 7: one-pass rerange of the per-layer all-gathers
 
     clock = _LayerClock(device)
     topk_per_layer: list[torch.Tensor] = []
     audit = (
         HostSyncAudit(api=group.debug or device.type != "cuda", cuda=device.type == "cuda")
-        if run.phases.sort_free_remap
+        if audits_layer_loop(run)
         else contextlib.nullcontext()
     )
     prefetch = MlaPrefetcher(store, len(model.layers)) if run.phases.prefetch else None

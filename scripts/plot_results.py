@@ -3,17 +3,20 @@
     python3 scripts/plot_results.py [--results docs/results] [--out docs/results]
     python3 scripts/plot_results.py --check      # exit 1 naming each plot that is not what its results say
 
-Reads ``layer_bench.json`` (and ``layer_bench_8k.json``, ``prefetch_bench_*gbps.json`` where
-present) and writes two SVGs next to them:
+Reads ``layer_bench.json`` (and ``layer_bench_8k.json``, ``prefetch_bench_*gbps.json``,
+``kv_designs_*.json`` where present) and writes SVGs next to them:
 
 * ``layer_bench.svg``: per-layer time by level, measured against the planner, for each
   current-only size; and per-rank memory by level at the largest size (KV at rest, measured peak,
   planner peak);
 * ``prefetch.svg``: level 7 against level 8 per-layer time and the payload, for every prefix-heavy
-  run, with the hidden share by both measures.
+  run, with the hidden share by both measures;
+* ``kv_designs.svg``: the competing KV designs per workload (layer time, bytes moved per layer) and
+  their KV at rest per rank, from ``kv_designs_h200.json`` (measured) or, until it exists,
+  ``kv_designs_modeled.json`` (the planner's).
 
 Each figure is drawn from a data object computed from the results (:func:`layer_data`,
-:func:`prefetch_data`) and carries it (:mod:`reference_impl.figures`), so ``--check`` and the test command
+:func:`prefetch_data`, :func:`designs_data`) and carries it (:mod:`reference_impl.figures`), so ``--check`` and the test command
 find a plot that was not redrawn after its results changed. The SVGs carry no date and fixed
 element ids, so an unchanged input rewrites identical files.
 """
@@ -45,7 +48,8 @@ def inputs(results: Path) -> dict[str, list[dict[str, Any]]]:
         raise SystemExit(f"no layer_bench.json in {results}")
     extra = [d for d in (_load(results / "layer_bench_8k.json"),) if d]
     prefetch = [d for d in (_load(p) for p in sorted(results.glob("prefetch_bench_*gbps.json"))) if d]
-    return {"layer": [main_doc, *extra], "prefetch": [main_doc, *prefetch]}
+    designs = _load(results / "kv_designs_h200.json") or _load(results / "kv_designs_modeled.json")
+    return {"layer": [main_doc, *extra], "prefetch": [main_doc, *prefetch], "designs": [designs] if designs else []}
 
 
 def current_only(docs: list[dict[str, Any]]) -> list[tuple[int, list[dict[str, Any]]]]:
@@ -141,10 +145,57 @@ def draw_prefetch(data: dict[str, Any], out: Path) -> None:
     plt.close(fig)
 
 
+def designs_data(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """What ``kv_designs.svg`` draws: per workload, each design's layer time and bytes moved per layer;
+    KV at rest per rank at the last workload."""
+    doc = docs[0]
+    workloads = doc["workloads"]
+    designs = [r["design"] for r in workloads[0]["designs"]]
+
+    def row(w: dict[str, Any], design: str) -> dict[str, Any]:
+        return next(r for r in w["designs"] if r["design"] == design)
+
+    return {
+        "designs": designs,
+        "labels": [f"{w['name']}\n{w['prefix'] // 1024}K+{w['extend'] // 1024}K" for w in workloads],
+        "layer_ms": {d: [row(w, d)["layer_ms"] for w in workloads] for d in designs},
+        "moved_mib": {d: [row(w, d)["bytes_moved_per_layer"] / MIB for w in workloads] for d in designs},
+        "at_rest_gib": [row(workloads[-1], d)["kv_bytes_at_rest"] / 2**30 for d in designs],
+        "title": (f"KV designs, rank {doc['rank']} of C={doc['cp_size']} "
+                  f"({'measured' if doc.get('kind') == 'measured' else 'modeled by the planner'})"),
+    }
+
+
+def draw_designs(data: dict[str, Any], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    designs, labels = data["designs"], data["labels"]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
+    width = 0.8 / len(designs)
+    x = range(len(labels))
+    for panel, (key, title) in zip(axes[:2], (("layer_ms", "ms per layer"), ("moved_mib", "MiB moved per layer"))):
+        for i, design in enumerate(designs):
+            panel.bar([j + (i - (len(designs) - 1) / 2) * width for j in x], data[key][design], width, label=design)
+        panel.set_xticks(list(x), labels, fontsize=8)
+        panel.set_title(title, fontsize=9)
+    axes[2].bar(designs, data["at_rest_gib"], color=[f"C{i}" for i in range(len(designs))])
+    axes[2].set_title(f"KV at rest per rank, GiB, whole model ({labels[-1].replace(chr(10), ' ')})", fontsize=9)
+    axes[2].tick_params(axis="x", labelsize=7, rotation=20)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(data["title"], fontsize=10)
+    fig.tight_layout()
+    figure_data.save(fig, out, data)
+    plt.close(fig)
+
+
 #: file name -> (which inputs, data function, drawing function)
 FIGURES: dict[str, tuple[str, Callable[[list[dict[str, Any]]], dict[str, Any]], Callable[[dict[str, Any], Path], None]]] = {
     "layer_bench.svg": ("layer", layer_data, draw_layers),
     "prefetch.svg": ("prefetch", prefetch_data, draw_prefetch),
+    "kv_designs.svg": ("designs", designs_data, draw_designs),
 }
 
 
@@ -152,7 +203,7 @@ def stale(results: Path, figures: Path) -> list[str]:
     """The figures under ``figures`` whose embedded data differs from what ``results`` gives now."""
     docs = inputs(results)
     return [name for name, (kind, data_of, _) in FIGURES.items()
-            if figure_data.embedded(figures / name) != figure_data.expected(data_of(docs[kind]))]
+            if docs[kind] and figure_data.embedded(figures / name) != figure_data.expected(data_of(docs[kind]))]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,9 +221,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if names else 0
     out.mkdir(parents=True, exist_ok=True)
     docs = inputs(results)
-    for name, (kind, data_of, draw) in FIGURES.items():
+    drawn = [name for name, (kind, _, _) in FIGURES.items() if docs[kind]]
+    for name in drawn:
+        kind, data_of, draw = FIGURES[name]
         draw(data_of(docs[kind]), out / name)
-    print(f"wrote {', '.join(str(out / n) for n in FIGURES)}")
+    print(f"wrote {', '.join(str(out / n) for n in drawn)}")
     return 0
 
 

@@ -325,3 +325,40 @@ def pd_stream(doc: dict) -> str:
             f"| {w['completion_wait_ms']:.3f} | {w['received_equal_rows_at_rest']} |"
         )
     return "\n".join(lines)
+
+
+def kv_designs(doc: dict) -> str:
+    """``bench/designs.py`` (measured) or ``planner/designs.py`` (modeled): one row per workload and design."""
+    measured = doc.get("kind") == "measured"
+    if measured:
+        head = (f"Measured on {doc['device']}, torch {doc['torch']}; {doc['preset']}, {doc['n_layers']} layers run; "
+                f"how CP runs: {doc['how_cp_runs']}; timer: {doc['timing']}. Command: `{doc['command']}`. "
+                "Shared VMM is the planner's row (modeled).")
+    else:
+        head = (f"**Modeled** by the planner, nothing ran: {doc['preset']}, rank {doc['rank']} of C={doc['cp_size']}, "
+                f"{doc['n_layers']} layers, wire {doc['wire_gbps']:g} GB/s (assumed), shared VMM peer reads "
+                f"{doc['peer_gbps']:g} GB/s (assumed), kernel rates from `docs/results`. Command: `{doc['source']}`.")
+    lines = [head, "",
+             "| workload | design | layer ms | KV at rest per rank, GiB (whole model) | moved MiB / layer | of it history "
+             "| materialized MiB / layer | collectives / layer | host syncs / layer | peak MiB |" + (" planner ms |" if measured else ""),
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if measured else "")]
+    for w in doc["workloads"]:
+        for r in w["designs"]:
+            modeled = "" if r["status"] == "measured" or not measured else " (modeled)"
+            peak = "-" if r.get("peak_bytes") is None else _mib(r["peak_bytes"])
+            row = (f"| {w['name']} {w['prefix']:,}+{w['extend']:,} | {r['design']}{modeled} | {r['layer_ms']:.2f} "
+                   f"| {r['kv_bytes_at_rest'] / 2**30:.2f} | {_mib(r['bytes_moved_per_layer'])} "
+                   f"| {_mib(r['history_bytes_moved_per_layer'])} | {_mib(r['bytes_materialized_per_layer'])} "
+                   f"| {r['collectives_per_layer']:g} | {r['host_syncs_per_layer']:g} | {peak} |")
+            if measured:
+                row += f" {r['planner']['layer_ms']:.2f} |" if "planner" in r else " - |"
+            lines.append(row)
+    return "\n".join(lines)
+
+
+def kv_capacity(doc: dict) -> str:
+    """The longest request each design's KV fits in the planner's budget (``capacity`` of the modeled results)."""
+    lines = [f"| design | max context per request, {doc['kv_budget_gib']:g} GiB of KV per GPU, C={doc['cp_size']} |",
+             "| --- | --- |"]
+    lines += [f"| {c['design']} | {c['max_context']:,} |" for c in doc["capacity"]]
+    return "\n".join(lines)
