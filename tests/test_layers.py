@@ -26,7 +26,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "reference_impl"
 
 LAYERS: dict[str, int] = {
-    "errors": 0, "presets": 0, "phases": 0, "config": 0, "fp8": 0, "sync_audit": 0,
+    "errors": 0, "presets": 0, "presets_v4": 0, "phases": 0, "config": 0, "fp8": 0, "sync_audit": 0,
     "kvcache": 1,
     "model": 2,
     "kernels": 3,
