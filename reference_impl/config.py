@@ -18,6 +18,7 @@ from typing import Literal
 from reference_impl.errors import ConfigError
 from reference_impl.phases import PhaseSet, available_levels
 from reference_impl.presets import PRESETS, ModelConfig, get_preset
+from reference_impl.presets_v4 import is_v4
 
 __all__ = [
     "PRESETS", "ConfigError", "KVDtype", "ModelConfig", "PhaseSet", "Request", "RunConfig", "SplitMode", "parse_batches",
@@ -225,6 +226,10 @@ class RunConfig:
             raise ConfigError(f"chunk_size={self.chunk_size}: need at least one token per chunk")
         self._check_batches()
         self.phases.check_implemented()
+        if is_v4(self.model) and (self.batch_sizes is not None or any(r.shares is not None for r in self.requests)):
+            raise ConfigError(
+                f"{self.preset}: several batches and shared prefixes (rN:P+E) are not wired to DeepSeek-V4's cache; run one batch"
+            )
 
     def _check_types(self) -> None:
         """Wrong types fail here, by name, not later inside a rank."""

@@ -32,7 +32,7 @@ LAYERS: dict[str, int] = {
     "kernels": 3,
     "cp": 4,
     "pd": 5,
-    "engine": 6, "runner": 6, "launch": 6, "schedule": 6, "workload": 6, "check": 6, "report": 6,
+    "engine": 6, "runner": 6, "launch": 6, "schedule": 6, "workload": 6, "check": 6, "check_v4": 6, "report": 6,
     "prefill_decode": 6, "footprint": 6, "rank_processes": 6,
     "cli": 7, "tables": 7, "bench": 7, "planner": 7, "api": 7, "demo": 7, "__main__": 7, "": 7,
 }

@@ -139,10 +139,11 @@ def e2m1_codes(y: torch.Tensor) -> torch.Tensor:
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     """uint8 e2m1 codes -> float32 values."""
-    grid = torch.tensor(E2M1_GRID, dtype=torch.float32, device=codes.device)
-    c = codes.long()
-    magnitude = grid[c & 7]
-    return torch.where((c & 8) != 0, -magnitude, magnitude)
+    index = (codes & 7).to(torch.float32)
+    # 1 sign, 2 exponent, 1 mantissa bits: normal codes 2..7 are 2^(e - 1) * (1 + m / 2), codes 0, 1 are 0, 0.5.
+    exponent, mantissa = torch.floor(index / 2), index - 2 * torch.floor(index / 2)
+    magnitude = torch.where(index >= 2, torch.exp2(exponent - 1) * (1 + 0.5 * mantissa), 0.5 * index)
+    return torch.where((codes & 8) != 0, -magnitude, magnitude)
 
 
 def fp4_quant(x: torch.Tensor, block: int = FP4_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:

@@ -151,13 +151,14 @@ class V4Attention(nn.Module):
         positions: torch.Tensor,  # [T] absolute positions of the queries
         view: torch.Tensor,  # [S, D] dequantized entries (window tokens and compressed entries)
         indices: torch.Tensor,  # [T, K] rows of view, -1 unused
-        dense_start: torch.Tensor | None = None,
-        dense_len: torch.Tensor | None = None,
+        dense_start: torch.Tensor | None = None,  # [T] first view row of a dense run (HCA entries)
+        dense_len: torch.Tensor | None = None,  # [T] its length
+        dense_width: int | None = None,  # host bound on dense_len
     ) -> torch.Tensor:
         """Attention with sinks over the given rows, inverse RoPE, grouped output -> ``[T, dim]``."""
         cfg = self.cfg
         o = self.ops.sparse_attention(
-            proj.q.to(view.dtype), view, indices, self.attn_sink, cfg.softmax_scale, dense_start, dense_len
+            proj.q.to(view.dtype), view, indices, self.attn_sink, cfg.softmax_scale, dense_start, dense_len, dense_width
         )
         o = rope_tail(o.to(proj.q.dtype), positions, self.freqs, cfg.rope_head_dim, inverse=True)
         return self.output(o)

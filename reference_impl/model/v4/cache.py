@@ -67,7 +67,7 @@ class V4LayerCache:
         return cls(
             codec, ratio, index_head_dim,
             torch.empty(0, main_entry_bytes(codec), **u8), torch.empty(0, main_entry_bytes(codec), **u8),
-            torch.empty(0, index_entry_bytes(codec, index_head_dim), **u8),
+            torch.empty(0, index_entry_bytes(codec, index_head_dim) if ratio == 4 else 0, **u8),
             torch.empty(0, coff * head_dim if ratio else 0, **f32), torch.empty(0, coff * head_dim if ratio else 0, **f32),
             torch.empty(0, 2 * index_head_dim if ratio == 4 else 0, **f32),
             torch.empty(0, 2 * index_head_dim if ratio == 4 else 0, **f32),
@@ -135,9 +135,12 @@ def v4_layer_forward(
         n_visible = visible_entries(positions, attn.ratio)
         if attn.indexer is not None:
             keys = decode_index(cache.index_keys, cache.codec, cache.index_head_dim)
-            topk = attn.ops.select_entries(proj.index_q, proj.index_weights, keys, n_visible, cfg.index_topk)
+            topk = attn.ops.select_entries(
+                proj.index_q, proj.index_weights, keys, torch.zeros_like(positions), n_visible, cfg.index_topk
+            )
             indices.append(torch.where(topk >= 0, topk.long() + offset, torch.full_like(topk, -1, dtype=torch.long)))
         else:
             dense_start, dense_len = torch.full_like(positions, offset), n_visible
-    out = attn.attend(proj, positions, torch.cat(views), torch.cat(indices, dim=1), dense_start, dense_len)
+    width = (start_pos + x.shape[0]) // attn.ratio if attn.ratio else 0
+    out = attn.attend(proj, positions, torch.cat(views), torch.cat(indices, dim=1), dense_start, dense_len, width)
     return out, topk, proj

@@ -43,12 +43,14 @@ def index_scores(
 
 
 def select_entries(
-    q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, n_visible: torch.Tensor, topk: int,
-    rows_per_chunk: int = 4096,
+    q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_start: torch.Tensor, n_visible: torch.Tensor,
+    topk: int, rows_per_chunk: int = 4096,
 ) -> torch.Tensor:
-    """Top-``topk`` entries by index score among ``keys[:n_visible[t]]`` -> ``[T, topk]`` int32, ``-1`` padded.
+    """Top-``topk`` rows of ``keys`` by index score among ``[key_start[t], key_start[t] + n_visible[t])``
+    -> ``[T, topk]`` int32 rows of ``keys``, ``-1`` padded.
 
-    ``keys`` are one request's indexer keys in entry order (row = entry index).
+    ``keys`` are the indexer keys of a batch's requests, each request's in entry order from its
+    ``key_start`` (one request: ``key_start = 0`` and rows are entry indices).
     """
     n_rows = q.shape[0]
     out = torch.full((n_rows, topk), -1, dtype=torch.int32, device=q.device)
@@ -58,7 +60,8 @@ def select_entries(
     for r0 in range(0, n_rows, rows_per_chunk):
         r1 = min(n_rows, r0 + rows_per_chunk)
         scores = index_scores(q[r0:r1], weights[r0:r1], keys)
-        hidden = torch.arange(n_keys, device=q.device)[None, :] >= n_visible[r0:r1, None]
+        rel = torch.arange(n_keys, device=q.device)[None, :] - key_start[r0:r1, None]
+        hidden = (rel < 0) | (rel >= n_visible[r0:r1, None])
         scores = scores.masked_fill(hidden, float("-inf"))
         k = min(topk, n_keys)
         vals, idx = scores.topk(k, dim=-1)
@@ -81,13 +84,14 @@ def sparse_attention_sinks(
     softmax_scale: float,
     dense_start: torch.Tensor | None = None,  # [T] int64 first row of a dense run
     dense_len: torch.Tensor | None = None,  # [T] int64 rows in the run
+    dense_width: int | None = None,  # a host bound on dense_len (None: read it from the device)
     rows_per_chunk: int = 0,
 ) -> torch.Tensor:
     """``out [T, H, D]`` float32: softmax over the selected rows and the sink; see the module docstring."""
     n_rows, n_heads, d = q.shape
     out = torch.zeros(n_rows, n_heads, d, dtype=torch.float32, device=q.device)
     if dense_len is not None and dense_start is not None and n_rows:
-        width = int(dense_len.max()) if dense_len.numel() else 0
+        width = dense_width if dense_width is not None else int(dense_len.max())
         run = dense_start[:, None] + torch.arange(width, device=q.device)[None, :]
         run = torch.where(torch.arange(width, device=q.device)[None, :] < dense_len[:, None], run, torch.full_like(run, -1))
         indices = torch.cat([indices.long(), run], dim=1)
@@ -112,8 +116,8 @@ def sparse_attention_sinks(
 class V4Ops:
     """What a V4 layer hands to kernels (the torch references by default, :data:`V4_TORCH_OPS`):
 
-    * ``select_entries(q, weights, keys, n_visible, topk)`` -> ``[T, topk]`` int32 (:func:`select_entries`);
-    * ``sparse_attention(q, view, indices, sinks, softmax_scale, dense_start=None, dense_len=None)``
+    * ``select_entries(q, weights, keys, key_start, n_visible, topk)`` -> ``[T, topk]`` int32 (:func:`select_entries`);
+    * ``sparse_attention(q, view, indices, sinks, softmax_scale, dense_start=None, dense_len=None, dense_width=None)``
       -> ``[T, H, D]`` float32 (:func:`sparse_attention_sinks`).
     """
 
