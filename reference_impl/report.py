@@ -18,7 +18,7 @@ from reference_impl.config import RunConfig
 from reference_impl.cp.split import SplitMetadata
 from reference_impl.engine import RankResult
 from reference_impl.presets_v4 import is_v4
-from reference_impl.workload import build_v4_ops, compute_dtype, resolve_device
+from reference_impl.workload import compute_dtype, resolve_device
 
 # DeepSeek-V4's bytes at rest by part (reference_impl.cp.v4.store.V4Store.breakdown).
 V4_FIELDS = ("csa_bytes", "hca_bytes", "window_bytes", "compressor_state_bytes")
@@ -45,7 +45,9 @@ def attention_kernel(run: RunConfig, device: torch.device) -> str:
     from reference_impl.kernels.dispatch import sparse_mla_kernel
 
     if is_v4(run.model):  # DeepSeek-V4's sparse attention with sinks
-        return f"v4-{getattr(build_v4_ops(device), 'name', 'torch')}"
+        from reference_impl.kernels.v4_dispatch import attention_kernel_name
+
+        return "v4-" + attention_kernel_name(device)
     d_v, d_qk = run.model.kv_lora_rank, run.model.kv_lora_rank + run.model.qk_rope_head_dim
     probe = torch.empty(0, 1, d_qk, device=device, dtype=compute_dtype(run, device))  # allocates nothing
     return sparse_mla_kernel(probe, probe[:, 0], d_v)

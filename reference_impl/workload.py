@@ -12,7 +12,8 @@ from reference_impl.config import RunConfig
 from reference_impl.kernels.dispatch import KERNEL_OPS
 from reference_impl.model.oracle import DSAModel, init_weights
 from reference_impl.model.v4.oracle import build_v4_model
-from reference_impl.model.v4.sparse import V4_TORCH_OPS, V4Ops
+from reference_impl.kernels.v4_dispatch import V4_KERNEL_OPS
+from reference_impl.model.v4.sparse import V4Ops
 from reference_impl.presets_v4 import is_v4
 
 
@@ -55,5 +56,6 @@ def build_inputs(run: RunConfig, device: torch.device) -> list[torch.Tensor]:
 
 
 def build_v4_ops(device: torch.device) -> V4Ops:
-    """The V4 layer's compute cores on ``device``: the torch references (kernels plug in here)."""
-    return V4_TORCH_OPS
+    """The V4 layer's compute cores: the kernel dispatch (:data:`~reference_impl.kernels.v4_dispatch.V4_KERNEL_OPS`,
+    which takes the torch references off CUDA)."""
+    return V4_KERNEL_OPS
