@@ -30,6 +30,7 @@ from reference_impl.cp.comm import CPGroup
 from reference_impl.cp.ownership import Ownership
 from reference_impl.kvcache.v4_layout import index_entry_bytes, main_entry_bytes
 from reference_impl.model.v4.cache import V4LayerCache
+from reference_impl.model.v4.compressor import state_start
 from reference_impl.presets_v4 import V4ModelConfig
 
 
@@ -308,3 +309,38 @@ def install_v4_prefixes(run: RunConfig, model: torch.nn.Module, inputs: list[tor
     for layer, caches in enumerate(result.caches):
         for req, cache in zip(todo, caches):
             store.install(layer, req, cache)
+
+
+@torch.no_grad()
+def install_synthetic_prefixes(run: RunConfig, store: V4Store, chunk: object, seed: int = 0) -> None:
+    """Fill the store with what ``chunk``'s prefixes would leave, from random values of the right
+    shapes and codecs (for benchmarks: computing a 1M-token prefix with the oracle takes hours, and
+    no timing or byte count depends on the values)."""
+    from reference_impl.kvcache.v4_layout import encode_index, encode_main
+
+    cfg, device = store.cfg, store.group.device
+    requests = list(getattr(chunk, "requests"))
+    store.begin_chunk(requests, list(store.batch.request_locs))
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(rows: int, width: int) -> torch.Tensor:
+        return torch.randn(rows, width, generator=gen, device=device)
+
+    for req in requests:
+        n = run.requests[req].prefix
+        if n == 0:
+            continue
+        for layer in range(cfg.n_layers):
+            m = cfg.ratio(layer)
+            entries = n // m if m else 0
+            ids = torch.arange(entries)
+            main = encode_main(randn(entries, cfg.head_dim), store.codec)
+            index = encode_index(randn(entries, cfg.index_head_dim), store.codec) if m == 4 else main[:, :0]
+            if store.owns(layer):
+                mine = torch.tensor(store.entry_owner(req, range(entries)), dtype=torch.long) == store.group.rank
+                ids, main, index = ids[mine], main[mine.to(device)], index[mine.to(device)]
+            state_rows = n - state_start(n, m) if m else 0
+            store.layers[layer][req] = RequestState(
+                n, encode_main(randn(min(n, cfg.window_size - 1), cfg.head_dim), store.codec),
+                randn(state_rows, pool_width(cfg, m)), ids, main, index,
+            )

@@ -44,7 +44,7 @@ def index_scores(
 
 def select_entries(
     q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_start: torch.Tensor, n_visible: torch.Tensor,
-    topk: int, rows_per_chunk: int = 4096,
+    topk: int, rows_per_chunk: int = 0,
 ) -> torch.Tensor:
     """Top-``topk`` rows of ``keys`` by index score among ``[key_start[t], key_start[t] + n_visible[t])``
     -> ``[T, topk]`` int32 rows of ``keys``, ``-1`` padded.
@@ -57,6 +57,8 @@ def select_entries(
     n_keys = keys.shape[0]
     if n_keys == 0:
         return out
+    if rows_per_chunk <= 0:  # the [rows, heads, keys] float32 logits under ~512 MiB
+        rows_per_chunk = max(1, (512 << 20) // (q.shape[1] * n_keys * 4))
     for r0 in range(0, n_rows, rows_per_chunk):
         r1 = min(n_rows, r0 + rows_per_chunk)
         scores = index_scores(q[r0:r1], weights[r0:r1], keys)
