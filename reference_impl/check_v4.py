@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from reference_impl.check import (
-    EXACT_TOLERANCE, ROUNDING_TOLERANCE, Agreement, _assemble, _scaled_err, _topk_rows_agree, exact_arithmetic,
+    EXACT_TOLERANCE, ROUNDING_TOLERANCE, Agreement, _assemble, _topk_rows_agree, compare_outputs, exact_arithmetic,
 )
 from reference_impl.config import RunConfig
 from reference_impl.cp.split import SplitMetadata
@@ -32,22 +32,7 @@ def compare_v4(
     exact = exact_arithmetic(resolve_device(run), dtype)
     tol = EXACT_TOLERANCE if exact else ROUNDING_TOLERANCE
     problems: list[str] = []
-    ref_hidden = torch.cat(oracle.hidden).float().cpu()
-    hidden = _assemble(results, [r.local_hidden for r in results if r.local_hidden is not None], meta.total_tokens)
-    err, scale = _scaled_err(hidden, ref_hidden)
-    if not err <= tol * scale:
-        problems.append(f"hidden states differ: max abs err {err:.3g} > {tol * scale:.3g}")
-    logits_err = 0.0
-    for r in results:
-        ref_rows = ref_hidden[list(r.row_ids)]
-        row_err, row_scale = _scaled_err(r.rows, ref_rows)
-        ref_logits = model.logits(ref_rows.to(model.head.weight)).cpu()
-        l_err, l_scale = _scaled_err(r.logits, ref_logits)
-        logits_err, err = max(logits_err, l_err), max(err, row_err)
-        if not row_err <= tol * row_scale:
-            problems.append(f"rank {r.rank}: output rows differ (max abs err {row_err:.3g})")
-        if not l_err <= tol * l_scale:
-            problems.append(f"rank {r.rank}: logits differ (max abs err {l_err:.3g})")
+    err, logits_err = compare_outputs(meta, model, torch.cat(oracle.hidden).float().cpu(), results, tol, problems)
 
     rows_total = rows_equal = ties = 0
     for layer, per_request in enumerate(oracle.topk):

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from reference_impl.model.attention import RMSNorm
-from reference_impl.model.oracle import init_weights
+from reference_impl.model.oracle import chunk_spans, init_weights
 from reference_impl.model.v4.attention import V4Attention, V4Projection
 from reference_impl.model.v4.cache import V4LayerCache, v4_layer_forward
 from reference_impl.model.v4.sparse import V4_TORCH_OPS, V4Ops
@@ -93,9 +93,7 @@ def run_v4_oracle(
     hidden, topks = [], [[] for _ in model.layers]
     projs: list[list[V4Projection]] = [[] for _ in model.layers]
     for req, (x_all, prefix) in enumerate(zip(inputs, prefix_lens)):
-        total = x_all.shape[0]
-        step = chunk_size or max(total - prefix, 1)
-        spans = [(0, prefix)] + [(s, min(s + step, total)) for s in range(prefix, total, step)]
+        spans = chunk_spans(prefix, x_all.shape[0], chunk_size)
         outs: list[list[torch.Tensor]] = [[] for _ in model.layers]
         parts: list[list[V4Projection]] = [[] for _ in model.layers]
         hs = []
