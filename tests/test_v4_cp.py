@@ -105,5 +105,20 @@ def test_every_new_entry_has_one_compute_owner_holding_its_last_token():
 
 
 def test_v4_refuses_what_is_not_wired():
+    from reference_impl.planner import PlannerConfig
+
     with pytest.raises(ConfigError, match="one batch"):
         RunConfig(preset="tiny-v4", requests=(Request(0, 130), Request(64, 9, 0)), batch_sizes=(1, 1))
+    with pytest.raises(ConfigError, match="planner.v4"):
+        PlannerConfig(preset="deepseek-v4-flash")
+
+
+def test_the_api_builds_v4_models_and_runs_their_oracle():
+    import torch
+
+    from reference_impl import api
+
+    model = api.make_model("tiny-v4", dtype=torch.float32, kernels=False)
+    requests = [Request(5, 140)]
+    result = api.oracle(model, requests, api.make_inputs(model.cfg, requests, dtype=torch.float32), chunk_size=61)
+    assert result.hidden[0].shape == (140, CFG.dim) and result.caches[1][0].entries.shape == (145 // 4, 584)
