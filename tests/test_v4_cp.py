@@ -122,3 +122,36 @@ def test_the_api_builds_v4_models_and_runs_their_oracle():
     requests = [Request(5, 140)]
     result = api.oracle(model, requests, api.make_inputs(model.cfg, requests, dtype=torch.float32), chunk_size=61)
     assert result.hidden[0].shape == (140, CFG.dim) and result.caches[1][0].entries.shape == (145 // 4, 584)
+
+
+def test_cache_check_compares_by_value_when_bytes_differ():
+    """A rank whose entries differ in their last bits (a GPU's GEMM rounding) passes by value; a
+    corrupted entry fails; a missing entry fails."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from reference_impl.check_v4 import _compare_caches
+    from reference_impl.cp.v4.store import pack_pool
+    from reference_impl.kvcache.v4_layout import decode_main, encode_main
+    from reference_impl.model.v4.oracle import build_v4_model, run_v4_oracle
+
+    model = build_v4_model(CFG, torch.float32, 0, "cpu")
+    oracle = run_v4_oracle(model, [0], [torch.randn(150, CFG.dim, generator=torch.Generator().manual_seed(0))], "fp8")
+
+    def stored(main_of):
+        return [{0: (torch.tensor(c.n_tokens), c.window_tail(128), pack_pool(c), torch.arange(c.entries.shape[0]),
+                     main_of(c.entries), c.index_keys)} for c in (caches[0] for caches in oracle.caches)]
+
+    def check(main_of):
+        problems: list[str] = []
+        equal, _ = _compare_caches(oracle, [SimpleNamespace(rank=0, stored=stored(main_of))], 128, 6e-2, problems)
+        return equal, problems
+
+    assert check(lambda m: m) == (True, [])
+    nudged = lambda m: encode_main(decode_main(m, "fp8") * (1 + 1e-3), "fp8")  # noqa: E731
+    equal, problems = check(nudged)
+    assert not equal and not problems
+    broken = lambda m: encode_main(decode_main(m, "fp8") + 1.0, "fp8")  # noqa: E731
+    assert any("entries differs" in p for p in check(broken)[1])
+    assert any("shape" in p for p in check(lambda m: m[1:])[1])
