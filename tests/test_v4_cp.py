@@ -48,6 +48,7 @@ def test_matches_the_oracle_and_shards_csa_entries(cp_size, chunk_size):
             assert (r["hca_bytes"], r["window_bytes"], r["compressor_state_bytes"]) == (
                 base["hca_bytes"], base["window_bytes"], base["compressor_state_bytes"])
     assert reports[0]["per_rank"][0]["materialized_bytes"] == 0 < reports[1]["per_rank"][0]["materialized_bytes"]
+    assert all(r["host_syncs_in_layer_loop"] == 0 for r in reports[-1]["per_rank"])  # phase 6's audit, level 8
 
 
 def test_round_robin_runs_with_its_whole_chunk_halo():
