@@ -23,10 +23,15 @@ import torch
 
 from reference_impl.config import ConfigError, Request
 from reference_impl.kernels.dispatch import KERNEL_OPS
+from reference_impl.kernels.v4_dispatch import V4_KERNEL_OPS
 from reference_impl.model.checkpoint import load_hf_weights
 from reference_impl.model.oracle import DSAModel, OracleResult, init_weights, run_oracle
 from reference_impl.model.sparse_attention import TORCH_OPS
+from reference_impl.model.v4.checkpoint import load_v4_hf_weights
+from reference_impl.model.v4.oracle import build_v4_model, run_v4_oracle
+from reference_impl.model.v4.sparse import V4_TORCH_OPS
 from reference_impl.presets import ModelConfig, get_preset
+from reference_impl.presets_v4 import is_v4
 
 
 def make_model(
@@ -55,6 +60,11 @@ def make_model(
         if n_layers < 1:
             raise ConfigError(f"n_layers={n_layers}: need at least one layer")
         cfg = cfg.with_layers(n_layers)
+    if is_v4(cfg):  # DeepSeek-V4: a V4Model (reference_impl.model.v4), its weights by Hugging Face names
+        v4 = build_v4_model(cfg, dtype, seed, device, V4_KERNEL_OPS if kernels else V4_TORCH_OPS)  # type: ignore[arg-type]
+        if checkpoint is not None:
+            load_v4_hf_weights(v4, checkpoint, first_layer=first_layer, head=head)
+        return v4  # type: ignore[return-value]
     with torch.device(device):
         model = DSAModel(cfg, dtype, ops=KERNEL_OPS if kernels else TORCH_OPS)
     init_weights(model, seed)
@@ -96,4 +106,6 @@ def oracle(
         if tuple(x.shape) != (r.total, model.cfg.dim):
             raise ConfigError(f"inputs[{i}] is {tuple(x.shape)}, request {i} needs ({r.total}, {model.cfg.dim})")
     view = torch.float32 if fp32 else torch.bfloat16
+    if is_v4(model.cfg):  # DeepSeek-V4's oracle: caches in reference_impl.kvcache.v4_layout (no pages)
+        return run_v4_oracle(model, [r.prefix for r in requests], list(inputs), kv_dtype, chunk_size, view)  # type: ignore[arg-type,return-value]
     return run_oracle(model, [r.prefix for r in requests], list(inputs), kv_dtype, page_size, chunk_size, view)  # type: ignore[arg-type]

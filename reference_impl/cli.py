@@ -102,7 +102,7 @@ def _flag(field: str) -> str:
 
 # field -> (parse, help); defaults come from RunConfig, then DSACP_<FIELD> overrides them.
 _RUN_KNOBS: dict[str, tuple[Callable[[str], Any], str]] = {
-    "preset": (str, "deepseek-v3.2 | glm-5 | tiny"),
+    "preset": (str, "deepseek-v3.2 | glm-5 | tiny | deepseek-v4-flash | deepseek-v4-pro | tiny-v4"),
     "cp_size": (_int_arg(1), "CP ranks C"),
     "requests": (str, "comma-separated PREFIX+EXTEND pairs (or EXTEND), e.g. 0+96,40+70"),
     "kv_dtype": (str, "fp8 | bf16"),
@@ -285,7 +285,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def _add_plan_flags(p: argparse.ArgumentParser) -> None:
     env = lambda field: knob_names(field)[2]  # noqa: E731
-    p.add_argument(_flag("preset"), default=None, help=f"deepseek-v3.2 | glm-5 | tiny (env {env('preset')})")
+    p.add_argument(_flag("preset"), default=None, help=f"deepseek-v3.2 | glm-5 | tiny | deepseek-v4-flash | deepseek-v4-pro | tiny-v4 (env {env('preset')})")
     p.add_argument(_flag("cp_size"), "--cp", dest="cp_size", type=_int_arg(1), default=None,
                    help=f"CP ranks C (env {env('cp_size')})")
     p.add_argument(_flag("hbm_gib"), type=_float_arg(), default=None, help="HBM per GPU, GiB (default 141)")

@@ -18,6 +18,7 @@ from typing import Literal
 from reference_impl.errors import ConfigError
 from reference_impl.phases import PhaseSet, available_levels
 from reference_impl.presets import PRESETS, ModelConfig, get_preset
+from reference_impl.presets_v4 import is_v4
 
 __all__ = [
     "DESIGN_PHASES", "KV_DESIGNS", "PRESETS", "ConfigError", "KVDesign", "KVDtype", "ModelConfig", "PhaseSet", "Request", "RunConfig", "SplitMode", "parse_batches",
@@ -249,11 +250,20 @@ class RunConfig:
             raise ConfigError(f"chunk_size={self.chunk_size}: need at least one token per chunk")
         self._check_batches()
         self.phases.check_implemented()
+        if is_v4(self.model) and (self.batch_sizes is not None or any(r.shares is not None for r in self.requests)):
+            raise ConfigError(
+                f"{self.preset}: several batches and shared prefixes (rN:P+E) are not wired to DeepSeek-V4's cache; run one batch"
+            )
 
     def _check_design(self) -> None:
         """A competing KV design runs only beside the phases it does not replace (:data:`DESIGN_PHASES`)."""
         if self.kv_design == "phases":
             return
+        if is_v4(self.model):
+            raise ConfigError(
+                f"kv_design={self.kv_design} is built for the DSA cache (MLA latent + indexer K); {self.preset}'s "
+                "compressed caches run under the phases only (kv_design=phases)"
+            )
         clash = sorted(self.phases.enabled - DESIGN_PHASES)
         if clash:
             raise ConfigError(

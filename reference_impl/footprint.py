@@ -19,12 +19,18 @@ import torch
 from reference_impl.config import ConfigError, RunConfig
 from reference_impl.cp.ownership import Ownership
 from reference_impl.kvcache.layout import KVLayout
+from reference_impl.presets_v4 import is_v4
 
 GIB = 1 << 30
 
 
 def _param_count(run: RunConfig) -> int:
     cfg = run.model
+    if is_v4(cfg):  # counted on the meta device: no memory
+        from reference_impl.model.v4.oracle import V4Model
+
+        with torch.device("meta"):
+            return sum(p.numel() for p in V4Model(cfg).parameters())  # type: ignore[arg-type]
     h, qk, c, r = cfg.n_heads, cfg.qk_head_dim, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     per_layer = (
         cfg.dim * cfg.q_lora_rank + cfg.q_lora_rank * h * qk  # wq_a, wq_b
@@ -41,6 +47,10 @@ def lower_bound_bytes(run: RunConfig, device_type: str) -> int:
     dtype_bytes = 2 if (run.compute_dtype == "bf16" or (run.compute_dtype == "auto" and device_type == "cuda")) else 4
     cfg = run.model
     tokens = sum(r.total for r in run.requests)
+    if is_v4(cfg):  # weights and inputs per process, the oracle's copy; caches are small beside them
+        per_process = _param_count(run) * dtype_bytes + tokens * cfg.dim * dtype_bytes
+        ranks = run.cp_size if device_type == "cpu" else max(1, run.cp_size // max(1, torch.cuda.device_count()))
+        return ranks * per_process + (per_process if run.check else 0)
     layout = KVLayout.from_config(cfg, run.kv_dtype, run.page_size)
     pages = sum(-(-r.total // run.page_size) for r in run.requests)
     page_bytes = cfg.n_layers * (layout.mla_page_bytes + layout.index_page_bytes)

@@ -44,6 +44,7 @@ from reference_impl.pd.manifest import TransferManifest, build_manifest
 from reference_impl.pd.stream import LayerStreamer
 from reference_impl.pd.transfer import DecodeCache, RequestRows, receive_pages, send_owned_pages
 from reference_impl.pd.transport import TorchDistributedTransport
+from reference_impl.presets_v4 import is_v4
 from reference_impl.workload import build_inputs, build_model
 
 logger = logging.getLogger(__name__)
@@ -212,6 +213,8 @@ def run_prefill_and_decode(run: RunConfig, timeout_s: float = 300, *, transfer: 
     """
     if transfer not in ("rows", "pages"):
         raise ConfigError(f"transfer={transfer!r}: use 'rows' or 'pages'")
+    if is_v4(run.model):
+        raise ConfigError(f"{run.preset}: the PD transfer moves DeepSeek-V3.2's KV layout; DeepSeek-V4's entries are not wired to it")
     if transfer == "pages" and run.batch_sizes is not None and len(run.batch_sizes) > 1:
         raise ConfigError("the page transfer mirrors one batch's page ids; a run of several batches (--batches) sends "
                           "rows: use transfer='rows'")

@@ -24,6 +24,7 @@ from reference_impl.planner.model import (
 )
 from reference_impl.planner.rates import PlannerRates
 from reference_impl.presets import ModelConfig, get_preset
+from reference_impl.presets_v4 import is_v4
 
 GIB = 2**30
 DEFAULT_RESERVED_GIB = 93.0
@@ -79,7 +80,8 @@ class PlannerConfig:
     split_mode: str = "in-seq"  # round-robin: KV sharded at interleave 1, no phases 4 and 5
 
     def __post_init__(self) -> None:
-        get_preset(self.preset)
+        if is_v4(get_preset(self.preset)):
+            raise ConfigError(f"{self.preset}: DeepSeek-V4's terms are in `python -m reference_impl.planner.v4 --preset {self.preset}`")
         if self.split_mode not in ("in-seq", "round-robin"):
             raise ConfigError(f"split_mode={self.split_mode!r}: use 'in-seq' or 'round-robin'")
         if self.cp_size < 1:
