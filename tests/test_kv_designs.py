@@ -16,7 +16,7 @@ import torch
 
 from conftest import tiny
 from reference_impl.cli import main
-from reference_impl.config import DESIGN_PHASES, KV_DESIGNS, ConfigError, PhaseSet, RunConfig, parse_batches
+from reference_impl.config import DESIGN_PHASES, KV_DESIGNS, ConfigError, PhaseSet, Request, RunConfig, parse_batches
 from reference_impl.cp.batch import BatchLocs, new_page_table
 from reference_impl.cp.designs import (
     RotatedShardKV, layer_owner, layer_shard_range, owners_cyclic, rotated_page_lanes,
@@ -165,6 +165,12 @@ def test_a_design_outside_the_set_is_refused(value: object) -> None:
 def test_a_design_refuses_the_phases_it_replaces(phases: str) -> None:
     with pytest.raises(ConfigError, match=r"replaces the KV path of phases 2, 3, 5, 6 and 8"):
         tiny(kv_design="rotated-shard", phases=PhaseSet.parse(phases))
+
+
+@pytest.mark.parametrize("design", [d for d in KV_DESIGNS if d != "phases"])
+def test_a_design_refuses_deepseek_v4s_compressed_caches(design: str) -> None:
+    with pytest.raises(ConfigError, match=f"kv_design={design} is built for the DSA cache.*tiny-v4"):
+        RunConfig(requests=(Request(0, 40),), cp_size=2, preset="tiny-v4", kv_design=design)
 
 
 def test_a_design_runs_beside_phases_1_4_7_and_dcp_gather_takes_the_interleave() -> None:
