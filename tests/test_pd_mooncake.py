@@ -12,15 +12,15 @@ why (:data:`scripts.ensure_deps.MOONCAKE_MARKER`), and these tests skip with tha
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from reference_impl.cli import main
-from reference_impl.config import ConfigError, PhaseSet, Request, RunConfig, get_preset, parse_batches
+from reference_impl.config import ConfigError, PhaseSet, Request, RunConfig, env_flag, get_preset, parse_batches
 from reference_impl.kvcache.layout import KVLayout
 from reference_impl.pd.dcp import DcpDecodeShard, DcpLayout
 from reference_impl.pd.mooncake import (
@@ -30,17 +30,49 @@ from reference_impl.pd.mooncake_engine import MooncakeEngine, MooncakeError, ins
 from reference_impl.pd.transport import RowBlock
 from reference_impl.prefill_decode import run_prefill_and_decode
 
-MARKER = Path(__file__).resolve().parent.parent / ".mooncake-unavailable"  # written by scripts/ensure_deps.py
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("ensure_deps", ROOT / "scripts" / "ensure_deps.py")
+ensure_deps = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ensure_deps)
 
 
 def require_mooncake() -> None:
+    """Mooncake imports, or setup recorded why it could not install it (then skip, unless required)."""
     reason = mooncake_unavailable()
     if reason is None:
         return
-    if os.environ.get("DSACP_REQUIRE_MOONCAKE") == "1" or not MARKER.exists():
-        pytest.fail(f"{reason}; scripts/setup.sh recorded no reason it could not install it"
-                    if not MARKER.exists() else f"DSACP_REQUIRE_MOONCAKE=1 and {reason}")
-    pytest.skip(f"setup could not install Mooncake: {MARKER.read_text().strip()}")
+    marker = ensure_deps.MOONCAKE_MARKER
+    if env_flag("require_mooncake"):
+        pytest.fail(f"DSACP_REQUIRE_MOONCAKE=1 and {reason}")
+    if not marker.exists():
+        pytest.fail(f"{reason}, and scripts/setup.sh recorded no reason it could not install it: run it")
+    pytest.skip(f"setup could not install Mooncake: {marker.read_text().strip()}")
+
+
+# ---- setup -------------------------------------------------------------------------------------
+
+
+def test_setup_records_why_it_could_not_install_mooncake(monkeypatch, tmp_path, capsys) -> None:
+    """Not root and the RDMA libraries missing: one line, the reason kept for the tests' skip;
+    required (CI), the same is an error; once it imports, the record goes."""
+    marker = tmp_path / "marker"
+    monkeypatch.setattr(ensure_deps, "MOONCAKE_MARKER", marker)
+    monkeypatch.setattr(ensure_deps, "mooncake_import_error", lambda: "ImportError: libibverbs.so.1: cannot open")
+    monkeypatch.setattr(ensure_deps, "installed_version", lambda name: "0.3.13")  # some build is installed
+    monkeypatch.setattr(ensure_deps, "_missing_debian_libs", lambda: ["libibverbs1"])
+    monkeypatch.setattr(ensure_deps.os, "geteuid", lambda: 1000)
+    monkeypatch.delenv("DSACP_REQUIRE_MOONCAKE", raising=False)
+    assert ensure_deps.ensure_mooncake([], dry_run=False) == 0
+    assert "needs the Debian packages libibverbs1" in marker.read_text()
+    assert capsys.readouterr().err.count("\n") == 1  # one line
+    monkeypatch.setenv("DSACP_REQUIRE_MOONCAKE", "1")
+    assert ensure_deps.ensure_mooncake([], dry_run=False) == 1
+    monkeypatch.setenv("DSACP_REQUIRE_MOONCAKE", "maybe")
+    with pytest.raises(SystemExit, match="DSACP_REQUIRE_MOONCAKE='maybe'"):
+        ensure_deps.ensure_mooncake([], dry_run=False)
+    monkeypatch.setattr(ensure_deps, "mooncake_import_error", lambda: None)
+    monkeypatch.setenv("DSACP_REQUIRE_MOONCAKE", "1")
+    assert ensure_deps.ensure_mooncake([], dry_run=False) == 0 and not marker.exists()
 
 
 # ---- pure helpers (no engine) ------------------------------------------------------------------
