@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -147,6 +148,7 @@ def test_one_sided_writes_land_where_a_receive_puts_the_rows(engines) -> None:
     transport.complete(0, 0).wait()
     done = receiver.wait(range(3), [0], N_LAYERS, deadline_s=30)
     transport.close()
+    receiver.close()
     assert torch.equal(shard.pool.mla, reference.pool.mla) and torch.equal(shard.pool.index, reference.pool.index)
     assert shard.bytes_received == reference.bytes_received == transport.bytes_written == sent
     assert sorted((d.request, d.rows) for d in done) == [(0, 0), (1, 37), (2, 20)]
@@ -161,6 +163,7 @@ def test_a_missing_completion_is_named_at_the_deadline(engines) -> None:
     receiver = MooncakeReceiver(_shard(), decode, range(3))
     with pytest.raises(TransferTimeoutError, match="request 1 from prefill rank 0"):
         receiver.wait([1], [0], N_LAYERS, deadline_s=0.2)
+    receiver.close()
 
 
 def test_a_write_outside_the_registered_pool_fails(engines) -> None:
@@ -168,13 +171,16 @@ def test_a_write_outside_the_registered_pool_fails(engines) -> None:
     shard = _shard()
     receiver = MooncakeReceiver(shard, decode, range(3))
     target = receiver.target
-    beyond = type(target)(**{**target.__dict__, "mla_address": target.mla_address + shard.pool.mla.numel() + 4096})
+    unregistered = torch.zeros_like(shard.pool.mla)  # the same geometry, memory the decode did not register
+    beyond = type(target)(**{**target.__dict__, "mla_address": unregistered.data_ptr()})
     transport = MooncakeTransport(prefill, beyond, rank=0)
     with pytest.raises(MooncakeError, match="returned -1"):
         transport.isend(_block(2, 0, torch.arange(4), shard, 0), 0).wait()
     with pytest.raises(ConfigError, match="beyond the 20 the decode allocated"):
         transport.isend(_block(2, 0, torch.arange(21), shard, 0), 0).wait()
     transport.close()
+    receiver.close()
+    assert not unregistered.any()
 
 
 # ---- end to end --------------------------------------------------------------------------------
@@ -223,3 +229,62 @@ def test_transport_refusals(capsys, monkeypatch) -> None:
     monkeypatch.setattr("reference_impl.prefill_decode.mooncake_unavailable", lambda: "no mooncake here")
     with pytest.raises(ConfigError, match="no mooncake here"):
         run_prefill_and_decode(run, transfer="rows", transport="mooncake")
+
+
+# ---- the H200 measurement's command, on CPU ----------------------------------------------------
+
+
+def test_the_mooncake_bench_dry_run_checks_what_arrived(tmp_path) -> None:
+    from reference_impl.bench import pd_mooncake
+
+    require_mooncake()
+    out = tmp_path / "dry.json"
+    assert pd_mooncake.main(["--out", str(out), "--device", "cpu", "--preset", "tiny", "--cp-size", "2",
+                             "--workloads", "t:32+200", "--layers", "2", "--repeats", "1", "--no-end-to-end"]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["ok"] and doc["failure"] is None and doc["mooncake"]["protocol"] in ("tcp", "rdma")
+    w = doc["workloads"][0]
+    assert set(w["layer_ms"]) == {"plain", "torch", "mooncake_host"} and not w["variant_errors"]
+    assert w["mooncake_host"]["received_equal_rows_at_rest"] is True
+    assert w["mooncake_host"]["bytes_per_layer"] > 0 and w["mooncake_host"]["pieces_per_layer"] >= 3
+
+
+def test_the_mooncake_bench_records_a_wheel_that_does_not_load(tmp_path, monkeypatch) -> None:
+    from reference_impl.bench import pd_mooncake
+
+    monkeypatch.setattr(pd_mooncake, "load_mooncake", lambda dirs: ("ImportError: libibverbs.so.1: cannot open", []))
+    out = tmp_path / "failed.json"
+    assert pd_mooncake.main(["--out", str(out), "--device", "cpu"]) == 0  # recorded, not a crash
+    doc = json.loads(out.read_text())
+    assert doc["ok"] is False and doc["failure"]["stage"] == "load" and "libibverbs" in doc["failure"]["error"]
+
+
+def test_the_bench_loads_a_missing_library_from_the_folders_given(tmp_path, monkeypatch) -> None:
+    """What the wheel misses is loaded from ``--libs`` (only that), and child processes find it."""
+    from reference_impl.bench import pd_mooncake
+
+    libc = Path(ctypes_util_find("m"))
+    (tmp_path / "deb" / "usr" / "lib").mkdir(parents=True)
+    fake = tmp_path / "deb" / "usr" / "lib" / "libdsacpfake.so.1"
+    fake.write_bytes(libc.read_bytes())
+    answers = iter(["ImportError: libdsacpfake.so.1: cannot open shared object file: No such file", None])
+    monkeypatch.setattr(pd_mooncake, "mooncake_unavailable", lambda: next(answers))
+    monkeypatch.setenv("LD_LIBRARY_PATH", "")
+    error, loaded = pd_mooncake.load_mooncake([str(tmp_path / "deb")])
+    assert error is None and loaded == [str(fake)]
+    assert (Path(os.environ["LD_LIBRARY_PATH"].split(":")[0]) / fake.name).resolve() == fake.resolve()
+    monkeypatch.setattr(pd_mooncake, "mooncake_unavailable", lambda: "ImportError: libnowhere.so.3: cannot open shared "
+                        "object file")
+    assert pd_mooncake.load_mooncake([str(tmp_path / "deb")]) == (
+        "ImportError: libnowhere.so.3: cannot open shared object file", [])
+
+
+def ctypes_util_find(name: str) -> str:
+    import ctypes.util
+
+    found = ctypes.util.find_library(name)
+    assert found is not None
+    for folder in ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/lib64", "/usr/lib64", "/lib", "/usr/lib"):
+        if (Path(folder) / found).exists():
+            return str(Path(folder) / found)
+    pytest.skip(f"{found} not found in the usual folders")

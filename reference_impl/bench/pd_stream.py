@@ -46,7 +46,7 @@ from reference_impl.pd.transport import InProcessTransport
 DECODE_RANK = -1  # the in-process decode's mailbox key
 
 
-def _streamed(run: RunConfig, group: LoopbackGroup) -> tuple[Any, LayerStreamer, InProcessTransport, list[float]]:
+def streamed_prefill(run: RunConfig, group: LoopbackGroup) -> tuple[Any, LayerStreamer, InProcessTransport, list[float]]:
     transport = InProcessTransport(sender_rank=group.rank)
     streamer = LayerStreamer(transport, DECODE_RANK)
     result = run_rank(group, run, keep_store=True, on_layer_stored=streamer)
@@ -72,7 +72,7 @@ def measure(preset: str, workload: Workload, cp_size: int, rank: int, level: int
     run = RunConfig(preset=preset, n_layers=n_layers, cp_size=cp_size, requests=(Request(workload.prefix, workload.extend),),
                     check=False, device=device, phases=PhaseSet.level(level))
     group_of = lambda: LoopbackGroup(rank, cp_size, device, wire_gbps)  # noqa: E731 (fresh stats per run)
-    _streamed(run, group_of())  # warm-up: kernels compiled, pinned host blocks cached
+    streamed_prefill(run, group_of())  # warm-up: kernels compiled, pinned host blocks cached
     plain: list[float] = []
     streamed: list[float] = []
     paired: list[float] = []
@@ -81,7 +81,7 @@ def measure(preset: str, workload: Workload, cp_size: int, rank: int, level: int
     bytes_per_layer = 0
     for repeat in range(repeats):
         base = run_rank(group_of(), run).timings["layer_ms"][1:]
-        result, streamer, transport, wait = _streamed(run, group_of())
+        result, streamer, transport, wait = streamed_prefill(run, group_of())
         with_send = result.timings["layer_ms"][1:]
         plain += base
         streamed += with_send

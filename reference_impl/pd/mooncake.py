@@ -302,5 +302,7 @@ class MooncakeReceiver:
         return self.completions
 
     def close(self) -> None:
-        self.engine.close()
+        """Unregister the pool (after the completions: nothing writes into it any more)."""
+        self.engine.unregister(self.shard.pool.mla)
+        self.engine.unregister(self.shard.pool.index)
 
