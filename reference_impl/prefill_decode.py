@@ -343,7 +343,8 @@ def format_pd(doc: dict[str, Any]) -> str:
     verdict = {True: "MATCHES the oracle byte for byte", False: "DIFFERS from the oracle", None: "not checked"}
     how = ("rows: the decode allocates its own pages" if doc["transfer"] == "rows"
            else "pages: the decode mirrors the prefill's page ids")
-    how += f"; transport {doc['transport']} ({doc['protocol']})"
+    if doc["transport"] != "torch":  # the default (gloo) line stays as it was; the JSON names both always
+        how += f"; transport {doc['transport']} ({doc['protocol']})"
     lines = [
         f"PD | prefill on C={doc['cp_size']} ranks ({doc['split_mode']}, phases {doc['phases']}), decode on one process "
         f"| {doc['preset']} | requests {doc['requests']} | transfer {how}",

@@ -270,6 +270,7 @@ def test_the_bench_loads_a_missing_library_from_the_folders_given(tmp_path, monk
     answers = iter(["ImportError: libdsacpfake.so.1: cannot open shared object file: No such file", None])
     monkeypatch.setattr(pd_mooncake, "mooncake_unavailable", lambda: next(answers))
     monkeypatch.setenv("LD_LIBRARY_PATH", "")
+    monkeypatch.setattr(pd_mooncake, "LIB_LINKS", tmp_path / "links")
     error, loaded = pd_mooncake.load_mooncake([str(tmp_path / "deb")])
     assert error is None and loaded == [str(fake)]
     assert (Path(os.environ["LD_LIBRARY_PATH"].split(":")[0]) / fake.name).resolve() == fake.resolve()

@@ -49,6 +49,7 @@ import os
 import platform
 import re
 import shlex
+import shutil
 import statistics
 import sys
 import tempfile
@@ -71,6 +72,7 @@ from reference_impl.pd.mooncake import MooncakeReceiver, MooncakeTransport
 from reference_impl.pd.mooncake_engine import MooncakeEngine, mooncake_unavailable
 from reference_impl.pd.stream import LayerStreamer
 
+LIB_LINKS = Path(tempfile.gettempdir()) / "dsacp-mooncake-libs"  # the loaded ones, for LD_LIBRARY_PATH
 MISSING_LIB = re.compile(r"(lib[\w.+-]+\.so[\w.]*): cannot open shared object file")
 VARIANTS = ("plain", "torch", "mooncake_host", "mooncake_gpu")
 
@@ -103,7 +105,8 @@ def _preload(path: Path, dirs: list[Path], loaded: list[str], depth: int = 0) ->
 def load_mooncake(lib_dirs: list[str]) -> tuple[str | None, list[str]]:
     """Import ``mooncake.engine``, loading each shared library it misses from ``lib_dirs`` (and
     the CUDA runtime libraries that came with torch); ``(error or None, paths loaded)``. The
-    loaded libraries are also linked into a folder put on ``LD_LIBRARY_PATH`` for child processes."""
+    loaded libraries are also linked into :data:`LIB_LINKS`, put on ``LD_LIBRARY_PATH`` for child
+    processes (and for a later command: ``LD_LIBRARY_PATH=/tmp/dsacp-mooncake-libs``)."""
     dirs = [Path(d) for d in lib_dirs] + [Path(torch.__file__).resolve().parent.parent / "nvidia"]
     dirs = [d for d in dirs if d.is_dir()]
     loaded: list[str] = []
@@ -121,10 +124,11 @@ def load_mooncake(lib_dirs: list[str]) -> tuple[str | None, list[str]]:
             return f"{error}; loading {path} failed: {exc}", loaded
         error = mooncake_unavailable()
     if loaded:
-        links = Path(tempfile.mkdtemp(prefix="dsacp-mooncake-libs-"))
+        shutil.rmtree(LIB_LINKS, ignore_errors=True)
+        LIB_LINKS.mkdir(parents=True)
         for p in loaded:
-            (links / Path(p).name).symlink_to(p)
-        os.environ["LD_LIBRARY_PATH"] = f"{links}:{os.environ.get('LD_LIBRARY_PATH', '')}".rstrip(":")
+            (LIB_LINKS / Path(p).name).symlink_to(p)
+        os.environ["LD_LIBRARY_PATH"] = f"{LIB_LINKS}:{os.environ.get('LD_LIBRARY_PATH', '')}".rstrip(":")
     return error, loaded
 
 
