@@ -315,8 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--transfer", default="rows", choices=["rows", "pages"],
                     help="rows: the decode allocates its own pages (default); pages: it mirrors the prefill's page ids")
     pd.add_argument(_flag("transport"), default=None,
-                    help="torch (default): gloo point-to-point; mooncake: one-sided writes into the decode's registered "
-                         f"pool through the Mooncake Transfer Engine, rows only (env {knob_names('transport')[2]})")
+                    help="torch (default): gloo point-to-point; mooncake: one-sided writes into the decode's "
+                         "registered pool through the Mooncake Transfer Engine, rows only "
+                         f"(env {knob_names('transport')[2]})")
     demo = sub.add_parser("demo", help="the main job: every phase level, what each buys (memory, time), one folder")
     demo.add_argument("--device", default=None, help="auto | cpu | cuda (env DSACP_DEVICE)")
     demo.add_argument("--out", default=None, help="results folder (default results/demo-<device>-<time>)")

@@ -145,7 +145,8 @@ def _receive_rows(run: RunConfig, device: torch.device, transport: str, deadline
     return _RoleResult([], rows=rows, bytes_received=shard.bytes_received, decode_pages=pages, protocol=protocol)
 
 
-def _prefill_transport(transport: str, cp_size: int, rank: int) -> tuple[TorchDistributedTransport | MooncakeTransport, str]:
+def _prefill_transport(transport: str, cp_size: int,
+                       rank: int) -> tuple[TorchDistributedTransport | MooncakeTransport, str]:
     """A prefill rank's end of the row transfer, and the protocol that carries it."""
     if transport == "mooncake":
         box: list[Any] = [None]

@@ -191,7 +191,8 @@ def _pd_json(capsys, argv: list[str]) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-@pytest.mark.parametrize("extra", [["--phases", "5"], ["--phases", "8", "--chunk-size", "70"]], ids=["level5", "level8-chunked"])
+@pytest.mark.parametrize("extra", [["--phases", "5"], ["--phases", "8", "--chunk-size", "70"]],
+                         ids=["level5", "level8-chunked"])
 def test_the_pd_command_over_mooncake_matches_the_oracle(capsys, extra: list[str]) -> None:
     require_mooncake()
     doc = _pd_json(capsys, ["pd", "--transport", "mooncake", "--cp-size", "2", "--requests", "130+300,0+200",

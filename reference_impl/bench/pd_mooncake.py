@@ -62,7 +62,7 @@ from typing import Any
 import torch
 
 from reference_impl.bench.layer import Workload
-from reference_impl.bench.pd_stream import DECODE_RANK, streamed_prefill
+from reference_impl.bench.pd_stream import DECODE_RANK, parse_stream_args, stream_parser, streamed_prefill
 from reference_impl.config import PhaseSet, Request, RunConfig
 from reference_impl.cp.loopback import LoopbackGroup
 from reference_impl.engine import request_locs, run_rank
@@ -294,30 +294,19 @@ def end_to_end(device: str) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True)
+    parser = stream_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--libs", action="append", default=[], metavar="DIR",
                         help="a folder of shared libraries to load the ones the wheel misses from (repeatable)")
-    parser.add_argument("--preset", default="deepseek-v3.2")
-    parser.add_argument("--cp-size", type=int, default=8)
-    parser.add_argument("--rank", type=int, default=0)
-    parser.add_argument("--level", type=int, default=8, help="a phase level with KV sharded at rest (2-8)")
-    parser.add_argument("--workloads", default="32k:0+32768,128k:0+131072,prefix-heavy:131072+2048")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--wire-gbps", type=float, default=None, help="model the CP all-gathers' interconnect (CUDA only)")
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--no-end-to-end", dest="end_to_end", action="store_false",
                         help="skip the multi-process pd run")
-    args = parser.parse_args(argv)
-    if not 2 <= args.level <= 8 or args.layers < 2 or args.repeats < 1:
-        parser.error("--level 2..8 (KV sharded at rest), --layers >= 2 (the first layer is left out), --repeats >= 1")
+    args = parse_stream_args(parser, argv)
     on_cuda = args.device == "cuda"
     doc: dict[str, Any] = {
         "ok": False, "failure": None,
         "device": torch.cuda.get_device_name(0) if on_cuda else platform.processor() or "cpu",
         "torch": torch.__version__, "python": platform.python_version(),
-        "command": "python -m reference_impl.bench.pd_mooncake " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m reference_impl.bench.pd_mooncake "
+        + shlex.join(argv if argv is not None else sys.argv[1:]),
         "how_cp_runs": f"rank {args.rank} of C={args.cp_size} alone in one process (LoopbackGroup), the decode in the "
         "same process with its own Mooncake engine" + (f"; all-gathers with a modeled wire of {args.wire_gbps:g} GB/s"
                                                         if args.wire_gbps else ""),

@@ -222,9 +222,12 @@ class MooncakeTransport:
             regions = (block.mla, block.index, block.scale.view(torch.uint8).reshape(n, SCALE_BYTES))
             widths = (width, dim, SCALE_BYTES)
             buffer = self._send_buffer(n * (width + dim + SCALE_BYTES))
-            sources, destinations, lengths = [], [], []
+            sources: list[int] = []
+            destinations: list[int] = []
+            lengths: list[int] = []
             offset = 0
-            for rows, row_bytes, dst in zip(regions, widths, target.destinations(block.request, block.layer, positions)):
+            destinations_of = target.destinations(block.request, block.layer, positions)
+            for rows, row_bytes, dst in zip(regions, widths, destinations_of):
                 buffer[offset: offset + n * row_bytes].view(n, row_bytes).copy_(rows)
                 src = buffer.data_ptr() + offset + torch.arange(n, dtype=torch.long) * row_bytes
                 s, d, lens = merge_runs(src, dst, row_bytes)

@@ -127,7 +127,8 @@ class MooncakeEngine:
         notification, which Mooncake sends once that batch completed. Returns when every byte is
         placed; raises :class:`MooncakeError` otherwise."""
         if not lengths:
-            raise ConfigError("a Mooncake batch needs at least one entry (a zero-length one carries a notification alone)")
+            raise ConfigError("a Mooncake batch needs at least one entry (a zero-length one carries a notification "
+                              "alone)")
         for start in range(0, len(lengths), MAX_BATCH):
             stop = min(start + MAX_BATCH, len(lengths))
             args = (peer, sources[start:stop], destinations[start:stop], lengths[start:stop])
