@@ -159,13 +159,11 @@ class MooncakeTransport:
     """:class:`~reference_impl.pd.transport.BlockTransport` of a prefill rank: one-sided writes
     into the decode's pool (:class:`DecodeTarget`) through ``engine``, from one ordered sender thread.
 
-    ``rank``: this prefill rank (named in completions). ``send_buffer_device``: where the registered
-    send buffer lives (host by default; pinned when CUDA is present)."""
+    ``rank``: this prefill rank (named in completions). The registered send buffer is host memory,
+    pinned when CUDA is present (the staged blocks are host memory already)."""
 
-    def __init__(self, engine: MooncakeEngine, target: DecodeTarget, rank: int,
-                 send_buffer_device: torch.device | str = "cpu") -> None:
+    def __init__(self, engine: MooncakeEngine, target: DecodeTarget, rank: int) -> None:
         self.engine, self.target, self.rank = engine, target, rank
-        self.buffer_device = torch.device(send_buffer_device)
         self._buffer = torch.empty(0, dtype=torch.uint8)
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-mooncake")
         self._written: dict[int, _Written] = {}
@@ -201,9 +199,8 @@ class MooncakeTransport:
     def _send_buffer(self, nbytes: int) -> torch.Tensor:
         if self._buffer.numel() < nbytes:
             self.engine.unregister(self._buffer)
-            pin = self.buffer_device.type == "cpu" and torch.cuda.is_available()
             self._buffer = torch.empty(max(nbytes, 2 * self._buffer.numel()), dtype=torch.uint8,
-                                       device=self.buffer_device, pin_memory=pin)
+                                       pin_memory=torch.cuda.is_available())
             self.engine.register(self._buffer)
         return self._buffer
 
