@@ -113,7 +113,9 @@ def _install_mooncake(pip: list[str]) -> str | None:
         print("installing:", MOONCAKE_PACKAGE, flush=True)
         done = subprocess.run(pip + [MOONCAKE_PACKAGE], capture_output=True, text=True)
         if done.returncode != 0:
-            return f"pip could not install {MOONCAKE_PACKAGE}: {(done.stderr.strip().splitlines() or [''])[-1]}"
+            lines = done.stderr.strip().splitlines() or [f"exit {done.returncode}"]
+            said = next((line for line in lines if line.lower().startswith("error")), lines[-1])
+            return f"pip could not install {MOONCAKE_PACKAGE}: {said.strip()}"
     error = mooncake_import_error()
     missing = _missing_debian_libs() if error is not None else []
     if missing:
@@ -135,7 +137,10 @@ def ensure_mooncake(pip: list[str], dry_run: bool) -> int:
     if error is None:
         MOONCAKE_MARKER.unlink(missing_ok=True)
         return 0
-    MOONCAKE_MARKER.write_text(error + "\n")
+    try:
+        MOONCAKE_MARKER.write_text(error + "\n")
+    except OSError as exc:  # a read-only checkout: the tests then fail instead of skipping, saying so
+        error += f" (and the reason could not be recorded in {MOONCAKE_MARKER}: {exc.strerror})"
     print(f"Mooncake Transfer Engine not installed ({error}): the mooncake transport's tests skip with this reason"
           + ("" if required else f"; {REQUIRE_MOONCAKE}=1 makes it an error"), file=sys.stderr)
     return 1 if required else 0
