@@ -328,11 +328,6 @@ def main(argv: list[str] | None = None) -> int:
                            "import_error": error}
         if error is not None:
             raise RuntimeError(error)
-        if args.end_to_end:  # first: its ranks start from a process that holds no engine yet
-            stage = "end to end"
-            print("end to end: pd --transport mooncake", file=sys.stderr, flush=True)
-            doc["end_to_end"] = end_to_end(args.device)
-            write()
         stage = "start engines"
         engines = (MooncakeEngine.start(), MooncakeEngine.start())
         doc["mooncake"]["protocol"] = engines[0].protocol
@@ -342,6 +337,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{w.name} {w.prefix}+{w.extend}", file=sys.stderr, flush=True)
             doc["workloads"].append(measure(args, w, engines, variants))
             write()
+        if args.end_to_end:  # last (the measurement first); its ranks never touch this process's engines
+            stage = "end to end"
+            print("end to end: pd --transport mooncake", file=sys.stderr, flush=True)
+            doc["end_to_end"] = end_to_end(args.device)
         doc["ok"] = True
     except Exception as exc:  # noqa: BLE001 (the failure is the result: recorded, not a crash)
         doc["failure"] = {"stage": stage, "error": f"{type(exc).__name__}: {exc}",
