@@ -194,12 +194,26 @@ def _cmd_run(args: argparse.Namespace) -> int:
 # ---- demo --------------------------------------------------------------------------------------
 
 
+def _enumerated(args: argparse.Namespace, field: str, choices: Sequence[str], default: str) -> str:
+    """An enumerated knob: the flag if given, else ``DSACP_<FIELD>``, else ``default``; a value
+    outside ``choices`` (the empty one too) is refused, naming the flag or the variable."""
+    value, name = getattr(args, field), knob_names(field)[1]
+    if value is None:
+        value, name = env_value(field), knob_names(field)[2]
+    if value is None:
+        return default
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r}: use {', '.join(choices)}")
+    return value
+
+
 def _cmd_pd(args: argparse.Namespace) -> int:
-    from reference_impl.prefill_decode import format_pd, pd_report, run_prefill_and_decode
+    from reference_impl.prefill_decode import TRANSPORTS, format_pd, pd_report, run_prefill_and_decode
 
     run = _run_config(args, phases="2")
     args.debug = run.debug
-    result = run_prefill_and_decode(run, timeout_s=run.timeout_s, transfer=args.transfer)
+    transport = _enumerated(args, "transport", TRANSPORTS, "torch")
+    result = run_prefill_and_decode(run, timeout_s=run.timeout_s, transfer=args.transfer, transport=transport)
     doc = pd_report(run, result)
     print(json.dumps(doc, indent=2) if args.json else format_pd(doc))
     return EXIT_DISAGREES if False in (doc["decode_matches_oracle"], doc["decode_matches_prefill"]) else EXIT_OK
@@ -316,6 +330,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_flags(pd)
     pd.add_argument("--transfer", default="rows", choices=["rows", "pages"],
                     help="rows: the decode allocates its own pages (default); pages: it mirrors the prefill's page ids")
+    pd.add_argument(_flag("transport"), default=None,
+                    help="torch (default): gloo point-to-point; mooncake: one-sided writes into the decode's "
+                         "registered pool through the Mooncake Transfer Engine, rows only "
+                         f"(env {knob_names('transport')[2]})")
     demo = sub.add_parser("demo", help="the main job: every phase level, what each buys (memory, time), one folder")
     demo.add_argument("--device", default=None, help="auto | cpu | cuda (env DSACP_DEVICE)")
     demo.add_argument("--out", default=None, help="results folder (default results/demo-<device>-<time>)")
