@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from reference_impl.config import (
+    SCALE_FMTS,
     ConfigError,
     PhaseSet,
     RunConfig,
@@ -80,6 +81,17 @@ def _float_arg(positive: bool = True) -> Callable[[str], float]:
     return parse
 
 
+def _choice_arg(choices: Sequence[str]) -> Callable[[str], str]:
+    """A value from ``choices``, exactly; anything else, the empty string included, is refused by name."""
+
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise argparse.ArgumentTypeError(f"{text!r}: use {' or '.join(choices)}")
+        return text
+
+    return parse
+
+
 def _flag(field: str) -> str:
     return knob_names(field)[1]
 
@@ -88,7 +100,7 @@ def _flag(field: str) -> str:
 
 # field -> (parse, help); defaults come from RunConfig, then DSACP_<FIELD> overrides them.
 _RUN_KNOBS: dict[str, tuple[Callable[[str], Any], str]] = {
-    "preset": (str, "deepseek-v3.2 | glm-5 | tiny"),
+    "preset": (str, "deepseek-v3.2 | glm-5 | glm-5.2 | tiny"),
     "cp_size": (_int_arg(1), "CP ranks C"),
     "requests": (str, "comma-separated PREFIX+EXTEND pairs (or EXTEND), e.g. 0+96,40+70"),
     "kv_dtype": (str, "fp8 | bf16"),
@@ -104,6 +116,10 @@ _RUN_KNOBS: dict[str, tuple[Callable[[str], Any], str]] = {
     "backend": (str, "auto | gloo | nccl"),
     "compute_dtype": (str, "auto | fp32 | bf16"),
     "timeout_s": (_float_arg(), "seconds a run may take before its ranks are stopped"),
+    "mla_scale_fmt": (_choice_arg(SCALE_FMTS), "FP8 MLA cache scales: ue8m0 (powers of two, DeepSeek's; default) | "
+                      "fp32 (amax / 448, SGLang's); same 656-byte rows"),
+    "index_topk_pattern": (str, "IndexShare: one letter per layer, F (runs the indexer) or S (reuses the previous F "
+                           "layer's top-k), e.g. FFFS; default: the preset's (glm-5.2: full on 0, 1, 2, 6, 10, ...)"),
 }
 _RUN_SWITCHES: dict[str, str] = {
     "debug": "syncing diagnostics, collective recorder",
@@ -269,7 +285,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def _add_plan_flags(p: argparse.ArgumentParser) -> None:
     env = lambda field: knob_names(field)[2]  # noqa: E731
-    p.add_argument(_flag("preset"), default=None, help=f"deepseek-v3.2 | glm-5 | tiny (env {env('preset')})")
+    p.add_argument(_flag("preset"), default=None, help=f"deepseek-v3.2 | glm-5 | glm-5.2 | tiny (env {env('preset')})")
     p.add_argument(_flag("cp_size"), "--cp", dest="cp_size", type=_int_arg(1), default=None,
                    help=f"CP ranks C (env {env('cp_size')})")
     p.add_argument(_flag("hbm_gib"), type=_float_arg(), default=None, help="HBM per GPU, GiB (default 141)")

@@ -17,10 +17,11 @@ from typing import Literal
 
 from reference_impl.errors import ConfigError
 from reference_impl.phases import PhaseSet, available_levels
-from reference_impl.presets import PRESETS, ModelConfig, get_preset
+from reference_impl.presets import PRESETS, SCALE_FMTS, ModelConfig, get_preset
 
 __all__ = [
-    "PRESETS", "ConfigError", "KVDtype", "ModelConfig", "PhaseSet", "Request", "RunConfig", "SplitMode", "parse_batches",
+    "PRESETS", "SCALE_FMTS", "ConfigError", "KVDtype", "ModelConfig", "PhaseSet", "Request", "RunConfig", "SplitMode",
+    "parse_batches",
     "available_levels", "env_flag", "env_value", "get_preset", "knob_names", "parse_int_list", "parse_requests",
     "validate_interleave",
     "validate_page_size",
@@ -189,6 +190,12 @@ class RunConfig:
     # Per-request output needs (phase 1 eligibility): any True forces the full tail gather.
     return_hidden_states: bool = False
     input_logprobs: bool = False
+    # FP8 scales of the MLA cache's latent blocks (kv_dtype fp8): "ue8m0" (powers of two, DeepSeek's
+    # inference code) or "fp32" (amax / 448, SGLang's); the 656-byte row layout is the same.
+    mla_scale_fmt: str = "ue8m0"
+    # IndexShare: one letter per layer, F (runs the indexer) or S (reuses the previous F layer's
+    # top-k); None: the preset's pattern (GLM-5.2's, or every layer full).
+    index_topk_pattern: str | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -223,6 +230,9 @@ class RunConfig:
             raise ConfigError(f"n_layers={self.n_layers}: need at least one layer")
         if self.chunk_size is not None and self.chunk_size < 1:
             raise ConfigError(f"chunk_size={self.chunk_size}: need at least one token per chunk")
+        if self.mla_scale_fmt not in SCALE_FMTS:
+            raise ConfigError(f"mla_scale_fmt={self.mla_scale_fmt!r}: use {' or '.join(map(repr, SCALE_FMTS))}")
+        _ = self.model  # the indexer pattern against the layer count, by name
         self._check_batches()
         self.phases.check_implemented()
 
@@ -241,7 +251,8 @@ class RunConfig:
             hint = f" (e.g. PhaseSet.level({self.phases}))" if isinstance(self.phases, int) else ""
             raise ConfigError(f"phases={self.phases!r}: need a PhaseSet{hint}")
         for name, kind in (("preset", str), ("kv_dtype", str), ("split_mode", str), ("device", str),
-                           ("compute_dtype", str), ("backend", str), ("cp_size", int), ("page_size", int),
+                           ("compute_dtype", str), ("backend", str), ("mla_scale_fmt", str), ("cp_size", int),
+                           ("page_size", int),
                            ("seed", int), ("debug", bool), ("check", bool), ("return_hidden_states", bool),
                            ("input_logprobs", bool)):
             _check_type(name, getattr(self, name), kind)
@@ -252,6 +263,8 @@ class RunConfig:
         for name in ("n_layers", "chunk_size", "kv_interleave"):
             if getattr(self, name) is not None:
                 _check_type(name, getattr(self, name), int)
+        if self.index_topk_pattern is not None:
+            _check_type("index_topk_pattern", self.index_topk_pattern, str)
 
     def _check_batches(self) -> None:
         """Batch sizes that tile the requests; each shared prefix from an earlier batch, no longer than its source."""
@@ -302,8 +315,12 @@ class RunConfig:
 
     @property
     def model(self) -> ModelConfig:
+        """The preset with this run's layer count, MLA scale format and indexer pattern."""
         cfg = get_preset(self.preset)
-        return cfg.with_layers(self.n_layers) if self.n_layers is not None else cfg
+        cfg = cfg.with_layers(self.n_layers) if self.n_layers is not None else cfg
+        return dataclasses.replace(
+            cfg, mla_scale_fmt=self.mla_scale_fmt, index_topk_pattern=self.index_topk_pattern or cfg.index_topk_pattern
+        )
 
     def replace(self, **changes: object) -> "RunConfig":
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

@@ -106,6 +106,7 @@ def _random_kv(gen: torch.Generator, n: int, width: int, dtype: torch.dtype) -> 
 @SETTINGS
 @given(
     kv_dtype=st.sampled_from(["fp8", "bf16"]),
+    mla_scale_fmt=st.sampled_from(["ue8m0", "fp32"]),
     in_dtype=st.sampled_from([torch.bfloat16, torch.float32]),
     dims=st.sampled_from([(128, 64), (256, 32), (128, 0)]),
     page_size=st.sampled_from([4, 16]),
@@ -116,6 +117,7 @@ def _random_kv(gen: torch.Generator, n: int, width: int, dtype: torch.dtype) -> 
 def test_store_mla_bytes_equal_pack_then_write(
     fs: object,
     kv_dtype: str,
+    mla_scale_fmt: str,
     in_dtype: torch.dtype,
     dims: tuple[int, int],
     page_size: int,
@@ -125,7 +127,7 @@ def test_store_mla_bytes_equal_pack_then_write(
 ) -> None:
     gen = torch.Generator().manual_seed(seed)
     kv_lora, rope = dims
-    layout = KVLayout(kv_lora, rope, kv_dtype, page_size)  # type: ignore[arg-type]
+    layout = KVLayout(kv_lora, rope, kv_dtype, page_size, mla_scale_fmt=mla_scale_fmt)  # type: ignore[arg-type]
     n_pages = -(-n // page_size) + 2
     ref = PagedKVPool(2, n_pages, page_size, layout)
     ref.mla.random_(0, 256, generator=gen)  # untouched slots must keep their bytes
@@ -134,9 +136,25 @@ def test_store_mla_bytes_equal_pack_then_write(
     m = n if all_rows else int(torch.randint(1, n + 1, (1,), generator=gen))
     src = None if all_rows else torch.randint(0, n, (m,), generator=gen)  # repeats allowed
     dst = torch.randperm(n_pages * page_size, generator=gen)[:m]  # scattered over partial pages
-    ref.write_mla(1, dst, pack_mla(kv if src is None else kv[src], kv_lora, kv_dtype))
+    ref.write_mla(1, dst, pack_mla(kv if src is None else kv[src], kv_lora, kv_dtype, mla_scale_fmt))
     fs.store_mla_triton(kv, src, dst, pool[1], layout)  # type: ignore[attr-defined]
     assert torch.equal(pool, ref.mla)
+
+
+@pytest.mark.parametrize("one_pass", [True, False])
+def test_store_mla_both_scale_formats_at_deepseek_widths(fs: object, one_pass: bool) -> None:
+    """The 656-byte rows of both MLA scale formats, from the kernel (both code paths) and from torch."""
+    gen = torch.Generator().manual_seed(5)
+    kv = _random_kv(gen, 24, 576, torch.bfloat16)
+    rows = {}
+    for fmt in ("ue8m0", "fp32"):
+        layout = KVLayout(512, 64, "fp8", 16, mla_scale_fmt=fmt)
+        pool = torch.zeros(32, 656, dtype=torch.uint8)
+        dst = torch.randperm(32, generator=gen)[:24]
+        fs.store_mla_triton(kv, None, dst, pool, layout, one_pass=one_pass)  # type: ignore[attr-defined]
+        assert torch.equal(pool[dst], pack_mla(kv, 512, "fp8", fmt)), fmt
+        rows[fmt] = pool[dst]
+    assert not torch.equal(rows["ue8m0"], rows["fp32"])  # the formats differ, so each assertion can fail
 
 
 @SETTINGS
