@@ -126,6 +126,8 @@ _RUN_SWITCHES: dict[str, str] = {
     "check": "compare with the oracle",
     "input_logprobs": "needs every row: full tail gather",
     "return_hidden_states": "needs every row: full tail gather",
+    "cpu_widths": "a real preset on a CPU: tiny's widths (hidden, heads, q_lora, indexer heads, top-k, vocab), the "
+                  "preset's head dims, byte layouts and semantics",
 }
 
 
@@ -272,6 +274,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         kv_dtype=knob("kv_dtype", str, "fp8"),
         page_size=knob("page_size", _int_arg(1), 64),
         split_mode=knob("split_mode", str, "in-seq"),
+        index_topk_pattern=knob("index_topk_pattern", str, None),
     )
     env_rates = env_value("rates")
     rates = load_rates(args.rates if args.rates else [env_rates] if env_rates else None)
@@ -299,6 +302,8 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(_flag("page_size"), type=_int_arg(1), default=None)
     p.add_argument(_flag("split_mode"), default=None,
                    help="in-seq | round-robin (KV sharded at interleave 1; its levels skip 4 and 5)")
+    p.add_argument(_flag("index_topk_pattern"), default=None,
+                   help="IndexShare: F / S per layer of the preset (default: the preset's; glm-5.2 shares)")
     p.add_argument(_flag("rates"), action="append", default=None, metavar="FILE.json",
                    help="override rates: a compute_bench.json, a kernels_bench.json or {field: value}; repeatable")
     p.add_argument(_flag("interconnect_gbps"), type=_float_arg(), default=None,

@@ -17,7 +17,7 @@ from typing import Literal
 
 from reference_impl.errors import ConfigError
 from reference_impl.phases import PhaseSet, available_levels
-from reference_impl.presets import PRESETS, SCALE_FMTS, ModelConfig, get_preset
+from reference_impl.presets import PRESETS, SCALE_FMTS, ModelConfig, at_cpu_widths, get_preset
 
 __all__ = [
     "PRESETS", "SCALE_FMTS", "ConfigError", "KVDtype", "ModelConfig", "PhaseSet", "Request", "RunConfig", "SplitMode",
@@ -196,6 +196,9 @@ class RunConfig:
     # IndexShare: one letter per layer, F (runs the indexer) or S (reuses the previous F layer's
     # top-k); None: the preset's pattern (GLM-5.2's, or every layer full).
     index_topk_pattern: str | None = None
+    # Run a real preset on a CPU: tiny's widths (hidden, heads, q_lora, indexer heads, top-k, vocab),
+    # the preset's own head dims, byte layouts and semantics (presets.at_cpu_widths).
+    cpu_widths: bool = False
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -254,7 +257,7 @@ class RunConfig:
                            ("compute_dtype", str), ("backend", str), ("mla_scale_fmt", str), ("cp_size", int),
                            ("page_size", int),
                            ("seed", int), ("debug", bool), ("check", bool), ("return_hidden_states", bool),
-                           ("input_logprobs", bool)):
+                           ("input_logprobs", bool), ("cpu_widths", bool)):
             _check_type(name, getattr(self, name), kind)
         if not isinstance(self.timeout_s, (int, float)) or isinstance(self.timeout_s, bool) or not (
             0 < self.timeout_s < float("inf")
@@ -315,9 +318,11 @@ class RunConfig:
 
     @property
     def model(self) -> ModelConfig:
-        """The preset with this run's layer count, MLA scale format and indexer pattern."""
+        """The preset with this run's layer count, MLA scale format and indexer pattern (and, with
+        ``cpu_widths``, tiny's widths)."""
         cfg = get_preset(self.preset)
         cfg = cfg.with_layers(self.n_layers) if self.n_layers is not None else cfg
+        cfg = at_cpu_widths(cfg) if self.cpu_widths else cfg
         return dataclasses.replace(
             cfg, mla_scale_fmt=self.mla_scale_fmt, index_topk_pattern=self.index_topk_pattern or cfg.index_topk_pattern
         )

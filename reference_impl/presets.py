@@ -64,9 +64,10 @@ class ModelConfig:
     norm_eps: float = 1e-6
     # IndexShare (GLM-5.2): which layers run the indexer. ``index_topk_pattern`` (one letter per
     # layer, F full / S shared) wins; else the rule of ``index_topk_freq`` and ``index_skip_topk_offset``
-    # (reference_impl.index_share.pattern_from_freq); freq 1: every layer full.
+    # (reference_impl.index_share.pattern_from_freq; GlmMoeDsaConfig's defaults 1 and 2); freq 1:
+    # every layer full.
     index_topk_freq: int = 1
-    index_skip_topk_offset: int = 0
+    index_skip_topk_offset: int = 2
     index_topk_pattern: str | None = None
 
     def __post_init__(self) -> None:
@@ -217,6 +218,20 @@ PRESETS: dict[str, ModelConfig] = {
         max_seq_len=8192,
     ),
 }
+
+
+# The widths that CPU runs of a real preset take from ``tiny`` (``RunConfig.cpu_widths``): the rest of
+# the preset stays, its layer semantics, head dims and so the KV byte layouts included.
+CPU_WIDTH_FIELDS = ("dim", "n_heads", "q_lora_rank", "index_n_heads", "index_topk", "vocab_size")
+
+
+def at_cpu_widths(cfg: ModelConfig) -> ModelConfig:
+    """``cfg`` with ``tiny``'s widths (:data:`CPU_WIDTH_FIELDS`: hidden 256, 4 heads, q_lora 96, 16
+    indexer heads, top-k 32, vocab 512) and everything else its own: GLM-5's 192 / 64 / 256 head
+    dims, 512-wide latent (656-byte FP8 rows), interleaved indexer RoPE, norm epsilon, RoPE and
+    IndexShare rule. A layer of GLM-5 then weighs about 2 MB instead of 700 MB in float32."""
+    tiny = PRESETS["tiny"]
+    return dataclasses.replace(cfg, **{name: getattr(tiny, name) for name in CPU_WIDTH_FIELDS})
 
 
 def get_preset(name: str) -> ModelConfig:

@@ -148,13 +148,15 @@ class DSAAttention(nn.Module):
         ``cache`` holds the request's first ``start_pos`` tokens in the KV byte layouts and gets the
         ``T`` new ones appended; ``None`` starts an empty one (FP8 cache, 64-token pages; then
         ``start_pos`` must be 0). ``topk`` lists the selected key positions per query, ``-1`` padded.
+        ``reuse_topk``: on a layer without an indexer (IndexShare), the full layer's top-k to attend with.
         """
         from reference_impl.kvcache.layout import KVLayout
         from reference_impl.model.cache import LayerCache, attention_forward
 
         if cache is None:
-            cache = LayerCache.empty(KVLayout.from_config(self.cfg, "fp8", 64), x.device)
-        out, topk, _ = attention_forward(self, x, start_pos, cache)
+            layout = KVLayout.from_config(self.cfg, "fp8", 64)
+            cache = LayerCache.empty(layout, x.device, with_index=self.indexer is not None)
+        out, topk, _ = attention_forward(self, x, start_pos, cache, reuse_topk=reuse_topk)
         return out, topk
 
     # ---- per-token half -----------------------------------------------------------------------
