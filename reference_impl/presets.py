@@ -133,6 +133,32 @@ class ModelConfig:
         return dataclasses.replace(self, n_layers=n_layers, index_topk_pattern=pattern)
 
 
+# GLM-5 shares the DSA layer; RoPE settings below are placeholders that only move positions
+# (override them from the checkpoint's config): no layout or CP logic depends on them.
+# rms_norm_eps 1e-5 (GlmMoeDsaConfig); SGLang and vLLM apply it to q_a/kv_a_layernorm too,
+# transformers' glm_moe_dsa only to the block norms (its q_a/kv_a keep the class default 1e-6).
+_GLM5 = ModelConfig(
+    name="glm-5",
+    n_layers=78,
+    dim=6144,
+    n_heads=64,
+    q_lora_rank=2048,
+    kv_lora_rank=512,
+    qk_nope_head_dim=192,
+    qk_rope_head_dim=64,
+    v_head_dim=256,
+    index_n_heads=32,
+    index_head_dim=128,
+    index_topk=2048,
+    index_rope_interleaved=True,
+    vocab_size=154880,
+    rope_theta=1_000_000.0,
+    rope_factor=1.0,
+    max_seq_len=202752,
+    norm_eps=1e-5,
+)
+
+
 PRESETS: dict[str, ModelConfig] = {
     "deepseek-v3.2": ModelConfig(
         name="deepseek-v3.2",
@@ -149,53 +175,11 @@ PRESETS: dict[str, ModelConfig] = {
         index_topk=2048,
         index_rope_interleaved=False,
     ),
-    # GLM-5 shares the DSA layer; RoPE settings below are placeholders that only move positions
-    # (override them from the checkpoint's config): no layout or CP logic depends on them.
-    # rms_norm_eps 1e-5 (GlmMoeDsaConfig); SGLang and vLLM apply it to q_a/kv_a_layernorm too,
-    # transformers' glm_moe_dsa only to the block norms (its q_a/kv_a keep the class default 1e-6).
-    "glm-5": ModelConfig(
-        name="glm-5",
-        n_layers=78,
-        dim=6144,
-        n_heads=64,
-        q_lora_rank=2048,
-        kv_lora_rank=512,
-        qk_nope_head_dim=192,
-        qk_rope_head_dim=64,
-        v_head_dim=256,
-        index_n_heads=32,
-        index_head_dim=128,
-        index_topk=2048,
-        index_rope_interleaved=True,
-        vocab_size=154880,
-        rope_theta=1_000_000.0,
-        rope_factor=1.0,
-        max_seq_len=202752,
-        norm_eps=1e-5,
-    ),
+    "glm-5": _GLM5,
     # GLM-5.2: GLM-5's layer with IndexShare (full layers 0, 1, 2, 6, 10, ..., 74: 21 of 78) and a
     # 1M-token window. Values from copies of its config.json (see the module docstring).
-    "glm-5.2": ModelConfig(
-        name="glm-5.2",
-        n_layers=78,
-        dim=6144,
-        n_heads=64,
-        q_lora_rank=2048,
-        kv_lora_rank=512,
-        qk_nope_head_dim=192,
-        qk_rope_head_dim=64,
-        v_head_dim=256,
-        index_n_heads=32,
-        index_head_dim=128,
-        index_topk=2048,
-        index_rope_interleaved=True,
-        vocab_size=154880,
-        rope_theta=8_000_000.0,
-        rope_factor=1.0,
-        max_seq_len=1_048_576,
-        norm_eps=1e-5,
-        index_topk_freq=4,
-        index_skip_topk_offset=3,
+    "glm-5.2": dataclasses.replace(
+        _GLM5, name="glm-5.2", rope_theta=8_000_000.0, max_seq_len=1_048_576, index_topk_freq=4, index_skip_topk_offset=3
     ),
     # Small enough for CPU tests, big enough that top-k (32) selects a strict subset.
     "tiny": ModelConfig(

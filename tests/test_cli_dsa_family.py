@@ -53,3 +53,20 @@ def test_every_new_knob_is_on_the_knobs_page() -> None:
         for spelling in knob_names(field):
             assert f"`{spelling}`" in page, spelling
     assert "`glm-5.2`" in page
+
+
+def test_setup_installs_the_pinned_transformers_and_keeps_an_installed_5x(monkeypatch) -> None:
+    """A fresh machine (CI) gets requirements-dev.txt's pin; an offline GPU box keeps its own 5.x."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    import ensure_deps
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    pin = next(line for line in (ensure_deps.ROOT / "requirements-dev.txt").read_text().splitlines()
+               if line.startswith("transformers"))
+    assert pin == "transformers==5.25.0"
+    for installed, kept in (("5.17.0", True), ("5.25.0", True), ("4.57.1", False), (None, False)):
+        monkeypatch.setattr(ensure_deps, "installed_version", lambda name, v=installed: None if v is None else Version(v))
+        assert ensure_deps.satisfied(Requirement(pin)) is kept, installed
