@@ -141,6 +141,35 @@ def test_store_mla_bytes_equal_pack_then_write(
     assert torch.equal(pool, ref.mla)
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # inf * 0, on purpose
+def test_ue8m0_stores_match_torch_at_the_extreme_scales(fs: object) -> None:
+    """Power-of-two scales at the ends of the float32 range: ``2^120`` (float max / 448 rounded up),
+    ``2^-22`` (the amax floor) and an inf block (reciprocal 0, like ``x / inf``)."""
+    kv = torch.randn(4, 576, generator=torch.Generator().manual_seed(3))
+    kv[0, :128] *= 3e38 / kv[0, :128].abs().max()  # amax / 448 rounds up to 2^120
+    kv[1, 128:256] = 0.0  # the 1e-4 floor: 2^-22
+    kv[2, 256:384] *= 1e-3
+    kv[3, 384] = float("inf")
+    k = kv[:, :128].clone()
+    layout = KVLayout(512, 64, "fp8", 4, mla_scale_fmt="ue8m0", index_scale_fmt="ue8m0")
+    dst = torch.arange(4)
+    want_mla, want_index = torch.zeros(4, 656, dtype=torch.uint8), torch.zeros(1, layout.index_page_bytes, dtype=torch.uint8)
+    fused_torch.store_mla_torch(kv, None, dst, want_mla, layout)
+    fused_torch.store_index_torch(k, None, dst, want_index, layout)
+    for one_pass in (True, False):
+        mla, index = torch.zeros_like(want_mla), torch.zeros_like(want_index)
+        fs.store_mla_triton(kv, None, dst, mla, layout, one_pass=one_pass)  # type: ignore[attr-defined]
+        fs.store_index_triton(k, None, dst, index, layout)  # type: ignore[attr-defined]
+        assert int(mla[3, 384]) & 0x7F == 0x7F  # the inf itself: a NaN code (its bit pattern may differ)
+        mla[3, 384] = want_mla[3, 384]
+        assert torch.equal(mla, want_mla) and torch.equal(index, want_index), one_pass
+    assert struct_scales(want_mla[0])[0] == 2.0**120 and struct_scales(want_mla[1])[1] == 2.0**-22
+
+
+def struct_scales(row: torch.Tensor) -> tuple[float, ...]:
+    return tuple(row[512:528].contiguous().view(torch.float32).tolist())
+
+
 @pytest.mark.parametrize("one_pass", [True, False])
 def test_store_mla_both_scale_formats_at_deepseek_widths(fs: object, one_pass: bool) -> None:
     """The 656-byte rows of both MLA scale formats, from the kernel (both code paths) and from torch."""
