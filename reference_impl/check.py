@@ -183,16 +183,24 @@ def _compare_caches(
                 if req not in r.stored[layer]:
                     continue
                 pos, rows, k_bytes, k_scale = r.stored[layer][req]
-                same = (
-                    torch.equal(rows, cache.mla_rows[pos].cpu())
-                    and torch.equal(k_bytes, cache.index_fp8[pos].cpu().view(torch.uint8))
-                    and torch.equal(k_scale, cache.index_scale[pos].cpu())
+                if (k_bytes is not None) != cache.with_index:  # IndexShare: index K on full layers only
+                    equal = False
+                    problems.append(f"layer {layer} request {req}: rank {r.rank} keeps index K where the oracle "
+                                    f"{'keeps' if cache.with_index else 'keeps none'}")
+                    continue
+                same = torch.equal(rows, cache.mla_rows[pos].cpu()) and (
+                    k_bytes is None or k_scale is None or (
+                        torch.equal(k_bytes, cache.index_fp8[pos].cpu().view(torch.uint8))
+                        and torch.equal(k_scale, cache.index_scale[pos].cpu())
+                    )
                 )
                 equal &= same
                 if not same:
                     kv = cache.layout.dequantize_mla(rows)
-                    k = k_bytes.view(torch.float8_e4m3fn).float() * k_scale[:, None]
-                    err = max((kv - ref_kv[pos]).abs().max().item(), (k - ref_k[pos]).abs().max().item())
+                    err = (kv - ref_kv[pos]).abs().max().item()
+                    if k_bytes is not None and k_scale is not None:
+                        k = k_bytes.view(torch.float8_e4m3fn).float() * k_scale[:, None]
+                        err = max(err, (k - ref_k[pos]).abs().max().item())
                     worst = max(worst, err)
                     if not err <= tol * max(1.0, ref_kv.abs().max().item()):
                         problems.append(f"layer {layer} request {req}: rank {r.rank}'s cache differs (max abs err {err:.3g})")

@@ -32,6 +32,7 @@ from reference_impl.config import (
     parse_int_list,
     parse_requests,
     validate_kv_design,
+    validate_scale_fmt,
     validate_page_size,
 )
 from reference_impl.errors import RankFailedError, RunStopped
@@ -102,7 +103,7 @@ def _flag(field: str) -> str:
 
 # field -> (parse, help); defaults come from RunConfig, then DSACP_<FIELD> overrides them.
 _RUN_KNOBS: dict[str, tuple[Callable[[str], Any], str]] = {
-    "preset": (str, "deepseek-v3.2 | glm-5 | tiny | deepseek-v4-flash | deepseek-v4-pro | tiny-v4"),
+    "preset": (str, "deepseek-v3.2 | glm-5 | glm-5.2 | tiny | deepseek-v4-flash | deepseek-v4-pro | tiny-v4"),
     "cp_size": (_int_arg(1), "CP ranks C"),
     "requests": (str, "comma-separated PREFIX+EXTEND pairs (or EXTEND), e.g. 0+96,40+70"),
     "kv_dtype": (str, "fp8 | bf16"),
@@ -120,12 +121,18 @@ _RUN_KNOBS: dict[str, tuple[Callable[[str], Any], str]] = {
     "backend": (str, "auto | gloo | nccl"),
     "compute_dtype": (str, "auto | fp32 | bf16"),
     "timeout_s": (_float_arg(), "seconds a run may take before its ranks are stopped"),
+    "mla_scale_fmt": (_choice_arg(validate_scale_fmt), "FP8 MLA cache scales: ue8m0 (powers of two, DeepSeek's; default) | "
+                      "fp32 (amax / 448, SGLang's); same 656-byte rows"),
+    "index_topk_pattern": (str, "IndexShare: one letter per layer, F (runs the indexer) or S (reuses the previous F "
+                           "layer's top-k), e.g. FFFS; default: the preset's (glm-5.2: full on 0, 1, 2, 6, 10, ...)"),
 }
 _RUN_SWITCHES: dict[str, str] = {
     "debug": "syncing diagnostics, collective recorder",
     "check": "compare with the oracle",
     "input_logprobs": "needs every row: full tail gather",
     "return_hidden_states": "needs every row: full tail gather",
+    "cpu_widths": "a real preset on a CPU: tiny's widths (hidden, heads, q_lora, indexer heads, top-k, vocab), the "
+                  "preset's head dims, byte layouts and semantics",
 }
 
 
@@ -286,6 +293,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         kv_dtype=knob("kv_dtype", str, "fp8"),
         page_size=knob("page_size", _int_arg(1), 64),
         split_mode=knob("split_mode", str, "in-seq"),
+        index_topk_pattern=knob("index_topk_pattern", str, None),
     )
     env_rates = env_value("rates")
     rates = load_rates(args.rates if args.rates else [env_rates] if env_rates else None)
@@ -299,7 +307,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def _add_plan_flags(p: argparse.ArgumentParser) -> None:
     env = lambda field: knob_names(field)[2]  # noqa: E731
-    p.add_argument(_flag("preset"), default=None, help=f"deepseek-v3.2 | glm-5 | tiny | deepseek-v4-flash | deepseek-v4-pro | tiny-v4 (env {env('preset')})")
+    p.add_argument(_flag("preset"), default=None, help=f"deepseek-v3.2 | glm-5 | glm-5.2 | tiny | deepseek-v4-flash | deepseek-v4-pro | tiny-v4 (env {env('preset')})")
     p.add_argument(_flag("cp_size"), "--cp", dest="cp_size", type=_int_arg(1), default=None,
                    help=f"CP ranks C (env {env('cp_size')})")
     p.add_argument(_flag("hbm_gib"), type=_float_arg(), default=None, help="HBM per GPU, GiB (default 141)")
@@ -313,6 +321,8 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(_flag("page_size"), type=_int_arg(1), default=None)
     p.add_argument(_flag("split_mode"), default=None,
                    help="in-seq | round-robin (KV sharded at interleave 1; its levels skip 4 and 5)")
+    p.add_argument(_flag("index_topk_pattern"), default=None,
+                   help="IndexShare: F / S per layer of the preset (default: the preset's; glm-5.2 shares)")
     p.add_argument(_flag("rates"), action="append", default=None, metavar="FILE.json",
                    help="override rates: a compute_bench.json, a kernels_bench.json or {field: value}; repeatable")
     p.add_argument(_flag("interconnect_gbps"), type=_float_arg(), default=None,

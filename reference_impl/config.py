@@ -17,13 +17,14 @@ from typing import Literal
 
 from reference_impl.errors import ConfigError
 from reference_impl.phases import PhaseSet, available_levels
-from reference_impl.presets import PRESETS, ModelConfig, get_preset
+from reference_impl.presets import PRESETS, SCALE_FMTS, ModelConfig, at_cpu_widths, get_preset
 from reference_impl.presets_v4 import is_v4
 
 __all__ = [
-    "DESIGN_PHASES", "KV_DESIGNS", "PRESETS", "ConfigError", "KVDesign", "KVDtype", "ModelConfig", "PhaseSet", "Request", "RunConfig", "SplitMode", "parse_batches",
+    "DESIGN_PHASES", "KV_DESIGNS", "PRESETS", "SCALE_FMTS", "ConfigError", "KVDesign", "KVDtype", "ModelConfig", "PhaseSet",
+    "Request", "RunConfig", "SplitMode", "parse_batches",
     "available_levels", "env_flag", "env_value", "get_preset", "knob_names", "parse_int_list", "parse_requests",
-    "validate_interleave", "validate_kv_design",
+    "validate_choice", "validate_interleave", "validate_kv_design", "validate_scale_fmt",
     "validate_page_size",
 ]
 
@@ -57,12 +58,22 @@ def validate_page_size(page_size: int) -> None:
         raise ConfigError(f"page_size={page_size} exceeds {MAX_PAGE_SIZE} tokens")
 
 
-def validate_kv_design(value: object) -> str:
-    """``value`` if it names a KV design (:data:`KV_DESIGNS`), else a :class:`ConfigError` listing them
-    (an empty value too)."""
-    if not isinstance(value, str) or value not in KV_DESIGNS:
-        raise ConfigError(f"kv_design={value!r}: use one of {', '.join(KV_DESIGNS)}")
+def validate_choice(field_name: str, value: object, choices: tuple[str, ...]) -> str:
+    """``value`` if it is one of ``choices`` exactly, else a :class:`ConfigError` naming the knob and
+    listing them (an empty value too)."""
+    if not isinstance(value, str) or value not in choices:
+        raise ConfigError(f"{field_name}={value!r}: use one of {', '.join(choices)}")
     return value
+
+
+def validate_kv_design(value: object) -> str:
+    """``value`` if it names a KV design (:data:`KV_DESIGNS`), else a :class:`ConfigError` listing them."""
+    return validate_choice("kv_design", value, KV_DESIGNS)
+
+
+def validate_scale_fmt(value: object) -> str:
+    """``value`` if it names an MLA cache scale format (:data:`SCALE_FMTS`), else a :class:`ConfigError`."""
+    return validate_choice("mla_scale_fmt", value, SCALE_FMTS)
 
 
 def validate_interleave(interleave: int, page_size: int) -> None:
@@ -210,6 +221,15 @@ class RunConfig:
     # Per-request output needs (phase 1 eligibility): any True forces the full tail gather.
     return_hidden_states: bool = False
     input_logprobs: bool = False
+    # FP8 scales of the MLA cache's latent blocks (kv_dtype fp8): "ue8m0" (powers of two, DeepSeek's
+    # inference code) or "fp32" (amax / 448, SGLang's); the 656-byte row layout is the same.
+    mla_scale_fmt: str = "ue8m0"
+    # IndexShare: one letter per layer, F (runs the indexer) or S (reuses the previous F layer's
+    # top-k); None: the preset's pattern (GLM-5.2's, or every layer full).
+    index_topk_pattern: str | None = None
+    # Run a real preset on a CPU: tiny's widths (hidden, heads, q_lora, indexer heads, top-k, vocab),
+    # the preset's own head dims, byte layouts and semantics (presets.at_cpu_widths).
+    cpu_widths: bool = False
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -248,6 +268,8 @@ class RunConfig:
             raise ConfigError(f"n_layers={self.n_layers}: need at least one layer")
         if self.chunk_size is not None and self.chunk_size < 1:
             raise ConfigError(f"chunk_size={self.chunk_size}: need at least one token per chunk")
+        validate_scale_fmt(self.mla_scale_fmt)
+        _ = self.model  # the indexer pattern against the layer count, by name
         self._check_batches()
         self.phases.check_implemented()
         if is_v4(self.model) and (self.batch_sizes is not None or any(r.shares is not None for r in self.requests)):
@@ -287,9 +309,10 @@ class RunConfig:
             hint = f" (e.g. PhaseSet.level({self.phases}))" if isinstance(self.phases, int) else ""
             raise ConfigError(f"phases={self.phases!r}: need a PhaseSet{hint}")
         for name, kind in (("preset", str), ("kv_dtype", str), ("split_mode", str), ("device", str),
-                           ("compute_dtype", str), ("backend", str), ("cp_size", int), ("page_size", int),
+                           ("compute_dtype", str), ("backend", str), ("mla_scale_fmt", str), ("cp_size", int),
+                           ("page_size", int),
                            ("seed", int), ("debug", bool), ("check", bool), ("return_hidden_states", bool),
-                           ("input_logprobs", bool)):
+                           ("input_logprobs", bool), ("cpu_widths", bool)):
             _check_type(name, getattr(self, name), kind)
         if not isinstance(self.timeout_s, (int, float)) or isinstance(self.timeout_s, bool) or not (
             0 < self.timeout_s < float("inf")
@@ -298,6 +321,8 @@ class RunConfig:
         for name in ("n_layers", "chunk_size", "kv_interleave"):
             if getattr(self, name) is not None:
                 _check_type(name, getattr(self, name), int)
+        if self.index_topk_pattern is not None:
+            _check_type("index_topk_pattern", self.index_topk_pattern, str)
 
     def _check_batches(self) -> None:
         """Batch sizes that tile the requests; each shared prefix from an earlier batch, no longer than its source."""
@@ -350,8 +375,14 @@ class RunConfig:
 
     @property
     def model(self) -> ModelConfig:
+        """The preset with this run's layer count, MLA scale format and indexer pattern (and, with
+        ``cpu_widths``, tiny's widths)."""
         cfg = get_preset(self.preset)
-        return cfg.with_layers(self.n_layers) if self.n_layers is not None else cfg
+        cfg = cfg.with_layers(self.n_layers) if self.n_layers is not None else cfg
+        cfg = at_cpu_widths(cfg) if self.cpu_widths else cfg
+        return dataclasses.replace(
+            cfg, mla_scale_fmt=self.mla_scale_fmt, index_topk_pattern=self.index_topk_pattern or cfg.index_topk_pattern
+        )
 
     def replace(self, **changes: object) -> "RunConfig":
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

@@ -87,7 +87,7 @@ class RankResult:
     token_ids: tuple[int, ...] = ()  # run-global ids of this rank's tokens, all chunks, in local order
     local_hidden: torch.Tensor | None = None  # [n_local, dim] rows of token_ids (check runs only)
     local_topk: list[torch.Tensor] = field(default_factory=list)  # per layer [n_local, K], request positions
-    stored: list[dict[int, tuple[torch.Tensor, ...]]] = field(default_factory=list)  # per layer (check runs)
+    stored: list[dict[int, tuple[torch.Tensor | None, ...]]] = field(default_factory=list)  # per layer (check runs)
     store: KVStore | None = None  # the rank's KV store, only with ``run_rank(..., keep_store=True)`` (PD transfer)
     host_sync_audit: str = ""  # how phase 6 counted the layer loop's host syncs ("" without phase 6)
     kernel_fallbacks: dict[str, str] = field(default_factory=dict)  # kernel -> first error, in this rank's process
@@ -305,7 +305,7 @@ def run_rank(
     shares = shares_of(run)
     store: KVStore | None = None
     acc = _Accumulated()
-    stored: dict[int, list[tuple[torch.Tensor, ...]]] = {}  # request -> per layer, its rows (check runs)
+    stored: dict[int, list[tuple[torch.Tensor | None, ...]]] = {}  # request -> per layer, its rows (check runs)
     start = time.perf_counter()
     for index, chunk in enumerate(chunks):
         meta = chunk_metadata(run, chunk)
@@ -394,9 +394,9 @@ def run_rank(
     )
 
 
-def _stored_rows(store: KVStore, locs: torch.Tensor, n_layers: int) -> list[tuple[torch.Tensor, ...]]:
+def _stored_rows(store: KVStore, locs: torch.Tensor, n_layers: int) -> list[tuple[torch.Tensor | None, ...]]:
     """Per layer: what this rank stores of the request at ``locs`` (CPU tensors)."""
-    return [tuple(t.cpu() for t in store.stored_rows(layer, [locs])[0]) for layer in range(n_layers)]
+    return [tuple(None if t is None else t.cpu() for t in store.stored_rows(layer, [locs])[0]) for layer in range(n_layers)]
 
 
 def local_inputs(
@@ -455,6 +455,7 @@ def _run_chunk(
     )
     v4 = V4ChunkRunner.for_run(group, run, store, meta, batch, chunk.requests) if isinstance(store, V4Store) else None
     prefetch = MlaPrefetcher(store, len(model.layers)) if run.phases.prefetch and v4 is None else None
+    last_topk: torch.Tensor | None = None  # IndexShare: a shared layer attends with the last full layer's
     with audit, torch.profiler.record_function(LAYER_LOOP_RANGE):
         clock.mark()
         if prefetch is not None:
@@ -471,7 +472,9 @@ def _run_chunk(
                 prefetch.launch(layer + 1)  # overlaps this layer's compute
             proj = block.attn.project(block.attn_norm(x), positions)
             kv_seq = gather_current(group, index, proj.kv, "kv", fused, group.debug)  # [T, 576] sequence order
-            index_k_seq = gather_current(group, index, proj.index_k, "index_k", fused, group.debug)  # [T, 128]
+            index_k_seq = (  # [T, 128]; none on an IndexShare shared layer (reference_impl.index_share)
+                gather_current(group, index, proj.index_k, "index_k", fused, group.debug) if proj.index_k is not None else None
+            )
             store.store_current(layer, kv_seq, index_k_seq, proj.kv, proj.index_k)
             if on_layer_stored is not None:
                 on_layer_stored.layer_stored(layer)
@@ -480,12 +483,13 @@ def _run_chunk(
             else:
                 view = store.full_view(layer, kv_seq, index_k_seq)
             out, topk = block.attn.attend(
-                proj, view.kv, view.index_k_fp8, view.index_k_scale, key_start, key_end, host_bounds
+                proj, view.kv, view.index_k_fp8, view.index_k_scale, key_start, key_end, host_bounds, last_topk
             )
+            last_topk = topk
             if prefetch is not None:
                 prefetch.release(layer)
             x = x + out
-            gathered_bytes = sum(t.numel() * t.element_size() for t in (kv_seq, index_k_seq))
+            gathered_bytes = sum(t.numel() * t.element_size() for t in (kv_seq, index_k_seq) if t is not None)
             acc.transient_peak = max(acc.transient_peak, gathered_bytes + view.nbytes + store.transient_bytes)
             if run.check:
                 topk_per_layer.append(torch.where(topk >= 0, topk - request_start, topk))  # stays on device

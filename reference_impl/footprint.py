@@ -36,10 +36,11 @@ def _param_count(run: RunConfig) -> int:
         cfg.dim * cfg.q_lora_rank + cfg.q_lora_rank * h * qk  # wq_a, wq_b
         + cfg.dim * (c + r) + c * h * (cfg.qk_nope_head_dim + cfg.v_head_dim)  # wkv_a, wkv_b
         + h * cfg.v_head_dim * cfg.dim  # wo
-        + cfg.q_lora_rank * cfg.index_n_heads * cfg.index_head_dim + cfg.dim * cfg.index_head_dim  # indexer
-        + cfg.dim * cfg.index_n_heads
     )
-    return cfg.n_layers * per_layer + cfg.vocab_size * cfg.dim
+    indexer = (  # IndexShare: full layers only
+        cfg.q_lora_rank * cfg.index_n_heads * cfg.index_head_dim + cfg.dim * cfg.index_head_dim + cfg.dim * cfg.index_n_heads
+    )
+    return cfg.n_layers * per_layer + cfg.index_share.n_full * indexer + cfg.vocab_size * cfg.dim
 
 
 def lower_bound_bytes(run: RunConfig, device_type: str) -> int:
@@ -53,7 +54,7 @@ def lower_bound_bytes(run: RunConfig, device_type: str) -> int:
         return ranks * per_process + (per_process if run.check else 0)
     layout = KVLayout.from_config(cfg, run.kv_dtype, run.page_size)
     pages = sum(-(-r.total // run.page_size) for r in run.requests)
-    page_bytes = cfg.n_layers * (layout.mla_page_bytes + layout.index_page_bytes)
+    page_bytes = cfg.n_layers * layout.mla_page_bytes + cfg.index_share.n_full * layout.index_page_bytes
     per_process = _param_count(run) * dtype_bytes + tokens * cfg.dim * dtype_bytes
     ranks = run.cp_size if device_type == "cpu" else max(1, run.cp_size // max(1, torch.cuda.device_count()))
     if run.phases.sharded_kv:

@@ -266,6 +266,11 @@ def run_prefill_and_decode(run: RunConfig, timeout_s: float = 300, *, transfer: 
                           "rows: use transfer='rows'")
     if not run.phases.sharded_kv:
         raise ConfigError(f"PD transfer of owned pages needs phase 2 (KV sharded at rest); phases are {run.phases}")
+    if run.model.index_share.shares:
+        raise ConfigError(
+            f"the PD transfer moves index K for every layer; IndexShare ({run.preset}, pattern "
+            f"{run.model.index_share.pattern}) keeps it on full layers only, which the transfer does not handle yet"
+        )
     if transfer == "pages" and run.interleave != run.page_size:
         raise ConfigError(
             f"this transfer moves whole owned pages, and kv_interleave={run.interleave} spreads every page over the "

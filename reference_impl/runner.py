@@ -129,7 +129,7 @@ def _oracle_threads(run: RunConfig, device: torch.device) -> int | None:
 
 def _oracle_key(run: RunConfig, device: torch.device) -> tuple[Any, ...]:
     """What the oracle's bits depend on (not the phases, split or debug)."""
-    return (run.preset, run.n_layers, run.requests, run.kv_dtype, run.page_size, run.chunk_size, run.seed,
+    return (run.model, run.requests, run.kv_dtype, run.page_size, run.chunk_size, run.seed,
             compute_dtype(run, device), str(device), _oracle_threads(run, device))
 
 

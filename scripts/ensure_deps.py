@@ -5,7 +5,8 @@ kept; only the missing or unsatisfying ones go to one ``pip install``, so a mach
 everything (a GPU box with its own CUDA torch, offline) installs nothing. torch and triton are
 special: an installed build within the project's range (``pyproject.toml``: ``torch>=2.4,<2.15``,
 ``triton>=3.1``) is kept, whatever the pin, so a CUDA build is never replaced by the pinned CPU
-wheel; the pin applies only where they are missing. Then the package itself, in editable mode,
+wheel; the pin applies only where they are missing. So is an installed ``transformers`` 5.x (an
+offline GPU box cannot fetch the pin; the cross-check tests skip a model its version lacks). Then the package itself, in editable mode,
 unless it is installed already.
 
 Then the Mooncake Transfer Engine (``pd --transport mooncake``), kept apart from the requirements
@@ -36,7 +37,11 @@ except ImportError:  # a fresh environment: pip's own copy
     from pip._vendor.packaging.version import Version  # type: ignore[no-redef]
 
 ROOT = Path(__file__).resolve().parent.parent
-KEEP_IF_IN_RANGE = {"torch": Requirement("torch>=2.4,<2.15"), "triton": Requirement("triton>=3.1")}
+KEEP_IF_IN_RANGE = {
+    "torch": Requirement("torch>=2.4,<2.15"),
+    "triton": Requirement("triton>=3.1"),
+    "transformers": Requirement("transformers>=5,<6"),
+}
 MOONCAKE_PACKAGE = "mooncake-transfer-engine-non-cuda==0.3.13.post1"  # CPU build; GPU boxes bring a CUDA one
 MOONCAKE_BUILDS = ("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine", "mooncake-transfer-engine-cuda13")
 DEBIAN_LIBS = ("libibverbs1", "librdmacm1")  # the engine links libibverbs even without an RDMA device

@@ -60,25 +60,27 @@ def _fill_both(layout: KVLayout, n_view: int, *args: torch.Tensor, **launch: obj
 @given(
     kv_dtype=st.sampled_from(["fp8", "bf16"]),
     scale_fmt=st.sampled_from(["ue8m0", "fp32"]),
+    mla_scale_fmt=st.sampled_from(["ue8m0", "fp32"]),
     dtype=st.sampled_from([torch.bfloat16, torch.float32]),
     n_rows=st.integers(1, 40),
     magnitude=st.sampled_from([1e-3, 2.0, 500.0]),
     seed=st.integers(0, 2**31 - 1),
 )
 def test_fill_current_kernel_writes_the_torch_paths_bytes(
-    kv_dtype: str, scale_fmt: str, dtype: torch.dtype, n_rows: int, magnitude: float, seed: int
+    kv_dtype: str, scale_fmt: str, mla_scale_fmt: str, dtype: torch.dtype, n_rows: int, magnitude: float, seed: int
 ) -> None:
     gen = torch.Generator().manual_seed(seed)
-    layout = KVLayout(128, 64, kv_dtype, 16, index_scale_fmt=scale_fmt)  # type: ignore[arg-type]
+    layout = KVLayout(128, 64, kv_dtype, 16, index_scale_fmt=scale_fmt, mla_scale_fmt=mla_scale_fmt)  # type: ignore[arg-type]
     n_view = n_rows + 9
     got, want = _fill_both(layout, n_view, *_case(gen, layout, n_rows, n_view, dtype, magnitude), block_m=8)
     for g, w in zip(got, want):
         assert torch.equal(as_bytes(g), as_bytes(w))
 
 
-def test_fill_current_at_deepseek_widths_leaves_other_rows_alone() -> None:
+@pytest.mark.parametrize("mla_scale_fmt", ["ue8m0", "fp32"])
+def test_fill_current_at_deepseek_widths_leaves_other_rows_alone(mla_scale_fmt: str) -> None:
     gen = torch.Generator().manual_seed(1)
-    layout = KVLayout(512, 64, "fp8", 64, index_scale_fmt="ue8m0")
+    layout = KVLayout(512, 64, "fp8", 64, index_scale_fmt="ue8m0", mla_scale_fmt=mla_scale_fmt)
     kv, k, view_rows = _case(gen, layout, 21, 50, torch.bfloat16)
     got, want = _fill_both(layout, 50, kv, k, view_rows)
     for g, w in zip(got, want):
@@ -86,6 +88,21 @@ def test_fill_current_at_deepseek_widths_leaves_other_rows_alone() -> None:
     untouched = torch.ones(50, dtype=torch.bool)
     untouched[view_rows] = False
     assert (got[0][untouched] == 3.0).all() and (got[2][untouched] == -1.0).all()
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8", "bf16"])
+def test_fill_current_mla_only_for_a_shared_layer(kv_dtype: str) -> None:
+    """IndexShare's shared layers have no indexer K: both paths fill the MLA rows alone, the same bytes."""
+    gen = torch.Generator().manual_seed(2)
+    layout = KVLayout(128, 64, kv_dtype, 16)  # type: ignore[arg-type]
+    kv, _, view_rows = _case(gen, layout, 13, 20, torch.bfloat16)
+    want, got = _views(layout, 20)[0], _views(layout, 20)[0]
+    fill_rows(kv, None, view_rows, want, None, None, layout)
+    fill_current_triton(kv, None, view_rows, got, None, None, layout, block_m=8)
+    assert torch.equal(as_bytes(got), as_bytes(want))
+    assert not (want[view_rows] == 3.0).all()  # the rows were written
+    with pytest.raises(ConfigError, match="together"):
+        fill_current_triton(kv, None, view_rows, got, torch.zeros(20, 128).to(torch.float8_e4m3fn), None, layout)
 
 
 @triton.jit

@@ -243,12 +243,14 @@ def test_exact_fma_rounds_once() -> None:
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # inf * 0, on purpose
+@pytest.mark.parametrize("mla_scale_fmt", ["fp32", "ue8m0"])
 @pytest.mark.parametrize("one_pass", [False, True])
-def test_fast_division_kernels_give_torch_bytes(fs: object, exact_fma: None, one_pass: bool) -> None:
+def test_fast_division_kernels_give_torch_bytes(fs: object, exact_fma: None, one_pass: bool, mla_scale_fmt: str) -> None:
     """The fast-division code path of the FP8 MLA store and the index store (fp32 scales), with the
     edge rows of ``_kv`` and an inf in one block (its other values become +-0 like torch's
-    ``x / inf``; the inf itself a NaN, whose bit pattern may differ)."""
-    layout = KVLayout(512, 64, "fp8", 4, index_scale_fmt="fp32")
+    ``x / inf``; the inf itself a NaN, whose bit pattern may differ). ``ue8m0`` MLA scales take the
+    power-of-two path instead (an inf scale's reciprocal is 0 there too)."""
+    layout = KVLayout(512, 64, "fp8", 4, index_scale_fmt="fp32", mla_scale_fmt=mla_scale_fmt)
     kv, k = _kv(23, 576, seed=10), _kv(23, 128, seed=11)
     kv[5, 130] = float("inf")
     dst = torch.randperm(24, generator=torch.Generator().manual_seed(12))[:23]

@@ -106,6 +106,7 @@ def _random_kv(gen: torch.Generator, n: int, width: int, dtype: torch.dtype) -> 
 @SETTINGS
 @given(
     kv_dtype=st.sampled_from(["fp8", "bf16"]),
+    mla_scale_fmt=st.sampled_from(["ue8m0", "fp32"]),
     in_dtype=st.sampled_from([torch.bfloat16, torch.float32]),
     dims=st.sampled_from([(128, 64), (256, 32), (128, 0)]),
     page_size=st.sampled_from([4, 16]),
@@ -116,6 +117,7 @@ def _random_kv(gen: torch.Generator, n: int, width: int, dtype: torch.dtype) -> 
 def test_store_mla_bytes_equal_pack_then_write(
     fs: object,
     kv_dtype: str,
+    mla_scale_fmt: str,
     in_dtype: torch.dtype,
     dims: tuple[int, int],
     page_size: int,
@@ -125,7 +127,7 @@ def test_store_mla_bytes_equal_pack_then_write(
 ) -> None:
     gen = torch.Generator().manual_seed(seed)
     kv_lora, rope = dims
-    layout = KVLayout(kv_lora, rope, kv_dtype, page_size)  # type: ignore[arg-type]
+    layout = KVLayout(kv_lora, rope, kv_dtype, page_size, mla_scale_fmt=mla_scale_fmt)  # type: ignore[arg-type]
     n_pages = -(-n // page_size) + 2
     ref = PagedKVPool(2, n_pages, page_size, layout)
     ref.mla.random_(0, 256, generator=gen)  # untouched slots must keep their bytes
@@ -134,9 +136,54 @@ def test_store_mla_bytes_equal_pack_then_write(
     m = n if all_rows else int(torch.randint(1, n + 1, (1,), generator=gen))
     src = None if all_rows else torch.randint(0, n, (m,), generator=gen)  # repeats allowed
     dst = torch.randperm(n_pages * page_size, generator=gen)[:m]  # scattered over partial pages
-    ref.write_mla(1, dst, pack_mla(kv if src is None else kv[src], kv_lora, kv_dtype))
+    ref.write_mla(1, dst, pack_mla(kv if src is None else kv[src], kv_lora, kv_dtype, mla_scale_fmt))
     fs.store_mla_triton(kv, src, dst, pool[1], layout)  # type: ignore[attr-defined]
     assert torch.equal(pool, ref.mla)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # inf * 0, on purpose
+def test_ue8m0_stores_match_torch_at_the_extreme_scales(fs: object) -> None:
+    """Power-of-two scales at the ends of the float32 range: ``2^120`` (float max / 448 rounded up),
+    ``2^-22`` (the amax floor) and an inf block (reciprocal 0, like ``x / inf``)."""
+    kv = torch.randn(4, 576, generator=torch.Generator().manual_seed(3))
+    kv[0, :128] *= 3e38 / kv[0, :128].abs().max()  # amax / 448 rounds up to 2^120
+    kv[1, 128:256] = 0.0  # the 1e-4 floor: 2^-22
+    kv[2, 256:384] *= 1e-3
+    kv[3, 384] = float("inf")
+    k = kv[:, :128].clone()
+    layout = KVLayout(512, 64, "fp8", 4, mla_scale_fmt="ue8m0", index_scale_fmt="ue8m0")
+    dst = torch.arange(4)
+    want_mla, want_index = torch.zeros(4, 656, dtype=torch.uint8), torch.zeros(1, layout.index_page_bytes, dtype=torch.uint8)
+    fused_torch.store_mla_torch(kv, None, dst, want_mla, layout)
+    fused_torch.store_index_torch(k, None, dst, want_index, layout)
+    for one_pass in (True, False):
+        mla, index = torch.zeros_like(want_mla), torch.zeros_like(want_index)
+        fs.store_mla_triton(kv, None, dst, mla, layout, one_pass=one_pass)  # type: ignore[attr-defined]
+        fs.store_index_triton(k, None, dst, index, layout)  # type: ignore[attr-defined]
+        assert int(mla[3, 384]) & 0x7F == 0x7F  # the inf itself: a NaN code (its bit pattern may differ)
+        mla[3, 384] = want_mla[3, 384]
+        assert torch.equal(mla, want_mla) and torch.equal(index, want_index), one_pass
+    assert struct_scales(want_mla[0])[0] == 2.0**120 and struct_scales(want_mla[1])[1] == 2.0**-22
+
+
+def struct_scales(row: torch.Tensor) -> tuple[float, ...]:
+    return tuple(row[512:528].contiguous().view(torch.float32).tolist())
+
+
+@pytest.mark.parametrize("one_pass", [True, False])
+def test_store_mla_both_scale_formats_at_deepseek_widths(fs: object, one_pass: bool) -> None:
+    """The 656-byte rows of both MLA scale formats, from the kernel (both code paths) and from torch."""
+    gen = torch.Generator().manual_seed(5)
+    kv = _random_kv(gen, 24, 576, torch.bfloat16)
+    rows = {}
+    for fmt in ("ue8m0", "fp32"):
+        layout = KVLayout(512, 64, "fp8", 16, mla_scale_fmt=fmt)
+        pool = torch.zeros(32, 656, dtype=torch.uint8)
+        dst = torch.randperm(32, generator=gen)[:24]
+        fs.store_mla_triton(kv, None, dst, pool, layout, one_pass=one_pass)  # type: ignore[attr-defined]
+        assert torch.equal(pool[dst], pack_mla(kv, 512, "fp8", fmt)), fmt
+        rows[fmt] = pool[dst]
+    assert not torch.equal(rows["ue8m0"], rows["fp32"])  # the formats differ, so each assertion can fail
 
 
 @SETTINGS

@@ -59,10 +59,18 @@ def encode_bf16_le(x: np.ndarray) -> bytes:
     return b.tobytes()
 
 
-def expected_fp8_row(row: np.ndarray, kv_lora: int) -> bytes:
+def pow2_at_least(x: np.ndarray) -> np.ndarray:
+    """The smallest power of two >= each positive float32 (by frexp: ``x = m * 2**e``, ``0.5 <= m < 1``)."""
+    mantissa, exponent = np.frexp(x.astype(np.float64))
+    return np.ldexp(1.0, np.where(mantissa == 0.5, exponent - 1, exponent)).astype(np.float32)
+
+
+def expected_fp8_row(row: np.ndarray, kv_lora: int, scale_fmt: str = "fp32") -> bytes:
     latent = row[:kv_lora].astype(np.float32)
     blocks = latent.reshape(-1, 128)
     scales = np.maximum(np.abs(blocks).max(axis=1), np.float32(1e-4)) / np.float32(448)
+    if scale_fmt == "ue8m0":  # DeepSeek's act_quant(kv, 128, "ue8m0"): rounded up to a power of two
+        scales = pow2_at_least(scales)
     codes = encode_e4m3((blocks / scales[:, None]).astype(np.float32).reshape(-1))
     return codes.tobytes() + struct.pack(f"<{len(scales)}f", *scales) + encode_bf16_le(row[kv_lora:])
 
@@ -122,21 +130,42 @@ def test_small_page_message_says_why() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("scale_fmt", ["ue8m0", "fp32"])
 @pytest.mark.parametrize("kv_lora,rope", [(512, 64), (128, 64), (256, 2)])
-def test_fp8_mla_bytes_match_independent_layout(kv_lora: int, rope: int) -> None:
+def test_fp8_mla_bytes_match_independent_layout(kv_lora: int, rope: int, scale_fmt: str) -> None:
     kv = _rand((5, kv_lora + rope), seed=kv_lora + rope)
     kv[1, :128] = 0.0  # an all-zero block takes the amax floor
     kv[2, 128 : 128 + kv_lora - 128] *= 1e4  # large values elsewhere
     kv[3] *= 1e-6  # below the floor everywhere
-    rows = pack_mla(kv, kv_lora, "fp8")
+    kv[4, :128] = 448.0 * 2.0**-3  # amax / 448 exactly a power of two: ue8m0 keeps it
+    rows = pack_mla(kv, kv_lora, "fp8", scale_fmt)
     assert rows.dtype == torch.uint8 and rows.shape == (5, mla_token_bytes((kv_lora, rope), "fp8"))
     for i in range(5):
-        assert rows[i].numpy().tobytes() == expected_fp8_row(kv[i].numpy(), kv_lora), f"token {i}"
+        assert rows[i].numpy().tobytes() == expected_fp8_row(kv[i].numpy(), kv_lora, scale_fmt), f"token {i}"
+
+
+def test_mla_scale_formats_differ_only_in_latent_bytes_and_scales() -> None:
+    """Same 656-byte row; ue8m0 (the default, DeepSeek's) scales are powers of two >= the fp32 ones."""
+    kv = _rand((8, 576), seed=13, scale=3.0)
+    ue8m0, fp32 = pack_mla(kv, 512, "fp8"), pack_mla(kv, 512, "fp8", "fp32")
+    assert ue8m0.shape == fp32.shape == (8, 656)
+    assert torch.equal(ue8m0, pack_mla(kv, 512, "fp8", "ue8m0"))  # the default
+    assert torch.equal(ue8m0[:, 528:], fp32[:, 528:])  # bf16 rope untouched
+    _, s_ue8m0, _ = unpack_mla_fp8(ue8m0, 512, 64)
+    _, s_fp32, _ = unpack_mla_fp8(fp32, 512, 64)
+    assert bool((torch.frexp(s_ue8m0)[0] == 0.5).all()) and bool((s_ue8m0 >= s_fp32).all() and (s_ue8m0 < 2 * s_fp32).all())
+    assert not torch.equal(ue8m0[:, :512], fp32[:, :512])
+    assert KVLayout(512, 64, "fp8", 64).mla_scale_fmt == "ue8m0"
+    assert KVLayout.from_config(get_preset("deepseek-v3.2"), "fp8", 64).mla_scale_fmt == "ue8m0"
+    with pytest.raises(ConfigError, match="mla_scale_fmt"):
+        KVLayout(512, 64, "fp8", 64, mla_scale_fmt="e8m0")
+    with pytest.raises(ConfigError, match="scale_fmt"):
+        pack_mla(kv, 512, "fp8", "")
 
 
 def test_fp8_mla_offsets_deepseek() -> None:
     kv = _rand((3, 576), seed=7, scale=3.0)
-    rows = pack_mla(kv, 512, "fp8").numpy()
+    rows = pack_mla(kv, 512, "fp8", "fp32").numpy()
     for i in range(3):
         raw = rows[i].tobytes()
         scales = struct.unpack("<4f", raw[512:528])
@@ -157,7 +186,7 @@ def test_bf16_mla_bytes_match_independent_layout() -> None:
 
 def test_unpack_mla_fp8_parts() -> None:
     kv = _rand((6, 576), seed=11)
-    latent, scales, rope = unpack_mla_fp8(pack_mla(kv, 512, "fp8"), 512, 64)
+    latent, scales, rope = unpack_mla_fp8(pack_mla(kv, 512, "fp8", "fp32"), 512, 64)
     assert (latent.dtype, tuple(latent.shape)) == (torch.float8_e4m3fn, (6, 512))
     assert (scales.dtype, tuple(scales.shape)) == (torch.float32, (6, 4))
     assert (rope.dtype, tuple(rope.shape)) == (torch.bfloat16, (6, 64))
@@ -173,11 +202,12 @@ def test_unpack_mla_fp8_parts() -> None:
     log_mag=st.integers(-12, 12),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_mla_round_trip(n: int, n_blocks: int, rope: int, log_mag: int, seed: int) -> None:
+@pytest.mark.parametrize("scale_fmt", ["ue8m0", "fp32"])
+def test_mla_round_trip(n: int, n_blocks: int, rope: int, log_mag: int, seed: int, scale_fmt: str) -> None:
     kv_lora = 128 * n_blocks
     kv = _rand((n, kv_lora + rope), seed, scale=2.0**log_mag)
-    # fp8: per block error <= amax / 16 (3 mantissa bits); rope exact to bf16.
-    out = dequantize_mla(pack_mla(kv, kv_lora, "fp8"), kv_lora, rope, "fp8")
+    # fp8: per block error <= amax / 16 (3 mantissa bits; a ue8m0 scale only moves values down a binade); rope exact.
+    out = dequantize_mla(pack_mla(kv, kv_lora, "fp8", scale_fmt), kv_lora, rope, "fp8")
     assert out.dtype == torch.float32 and out.shape == kv.shape
     err = (out[:, :kv_lora] - kv[:, :kv_lora]).abs().reshape(n, n_blocks, 128).amax(-1)
     amax = kv[:, :kv_lora].abs().reshape(n, n_blocks, 128).amax(-1)

@@ -48,27 +48,30 @@ def fill_current(
     batch: BatchLocs,
     layout: KVLayout,
     kv_seq: torch.Tensor,  # [T, 576] gathered, sequence order, pre-quantization
-    index_k_seq: torch.Tensor,  # [T, 128]
+    index_k_seq: torch.Tensor | None,  # [T, 128]; None on an IndexShare shared layer
     kv_view: torch.Tensor,  # [S, 576] bf16, filled in place
-    index_fp8: torch.Tensor,  # [S, 128] fp8, filled in place
-    index_scale: torch.Tensor,  # [S] f32, filled in place
+    index_fp8: torch.Tensor | None,  # [S, 128] fp8, filled in place
+    index_scale: torch.Tensor | None,  # [S] f32, filled in place
 ) -> None:
-    """Write the current rows of the full view from the gathered chunk, with the cache's rounding."""
+    """Write the current rows of the full view from the gathered chunk, with the cache's rounding
+    (the MLA rows alone when the index tensors are ``None``)."""
     fill_rows(kv_seq, index_k_seq, batch.extend_view_rows, kv_view, index_fp8, index_scale, layout)
 
 
 def fill_rows(
     kv_seq: torch.Tensor,  # [T, 576]
-    index_k_seq: torch.Tensor,  # [T, 128]
+    index_k_seq: torch.Tensor | None,  # [T, 128]
     view_rows: torch.Tensor,  # [T] int64: the full-view row of each
     kv_view: torch.Tensor,
-    index_fp8: torch.Tensor,
-    index_scale: torch.Tensor,
+    index_fp8: torch.Tensor | None,
+    index_scale: torch.Tensor | None,
     layout: KVLayout,
 ) -> None:
     """The torch path of :func:`fill_current` for explicit ``view_rows`` (phase 7's fused kernel,
     :mod:`reference_impl.kernels.fused_current`, writes the same bytes)."""
     kv_view[view_rows] = layout.dequantize_mla(layout.pack_mla(kv_seq)).to(kv_view.dtype)
+    if index_k_seq is None or index_fp8 is None or index_scale is None:
+        return  # an IndexShare shared layer: no indexer K
     k_fp8, k_scale = layout.quantize_index_k(index_k_seq)
     index_fp8.view(torch.uint8)[view_rows] = k_fp8.view(torch.uint8)  # fp8 has no index_put on CPU
     index_scale[view_rows] = k_scale

@@ -125,7 +125,7 @@ def fused_store_index(
     locs_checked: bool = False,
 ) -> None:
     """Quantize ``k[src_rows]`` (``k [N, 128]``) and write it at ``dst_locs`` of ``pool_index
-    uint8 [n_pages, P * 132]`` (e.g. ``pool.index[layer]``) in place, as ``write_index`` does."""
+    uint8 [n_pages, P * 132]`` (e.g. ``pool.index_of(layer)``) in place, as ``write_index`` does."""
     fused_torch.check_store_args(
         k, layout.index_head_dim, src_rows, dst_locs, pool_index, layout.index_page_bytes, "store_index"
     )
@@ -208,11 +208,11 @@ def materialize_mla_rows(
 
 def fill_current_rows(
     kv_seq: torch.Tensor,
-    index_k_seq: torch.Tensor,
+    index_k_seq: torch.Tensor | None,
     view_rows: torch.Tensor,
     kv_view: torch.Tensor,
-    index_fp8: torch.Tensor,
-    index_scale: torch.Tensor,
+    index_fp8: torch.Tensor | None,
+    index_scale: torch.Tensor | None,
     layout: KVLayout,
     *,
     debug: bool = False,
@@ -221,7 +221,8 @@ def fill_current_rows(
 ) -> None:
     """Phase 3's current rows of the full view, in one pass: ``kv_view[view_rows] =
     bf16(dequantize(pack_mla(kv_seq)))`` and ``index_fp8 / index_scale[view_rows] =
-    quantize_index_k(index_k_seq)``, in place (:func:`reference_impl.cp.current_reuse.fill_rows`)."""
+    quantize_index_k(index_k_seq)``, in place (:func:`reference_impl.cp.current_reuse.fill_rows`).
+    The index tensors are ``None`` together on an IndexShare shared layer: the MLA rows alone."""
     args = (kv_seq, index_k_seq, view_rows, kv_view, index_fp8, index_scale, layout)
     fused_torch.check_fill_current_args(*args)
     _check("view_rows", view_rows, kv_view.shape[0], debug, locs_checked)
@@ -235,14 +236,16 @@ def fused_store(
     pool: PagedKVPool,
     layer: int,
     kv: torch.Tensor,
-    index_k: torch.Tensor,
+    index_k: torch.Tensor | None,
     src_rows: torch.Tensor | None,
     dst_locs: torch.Tensor,
     debug: bool,
     locs_checked: bool = False,
 ) -> None:
     """Phase 7's store of one layer: MLA rows and indexer K of ``kv[src_rows]`` / ``index_k[src_rows]``
-    at physical locs ``dst_locs`` of ``pool`` (both buffers, one call each)."""
+    at physical locs ``dst_locs`` of ``pool`` (both buffers, one call each; ``index_k=None`` on an
+    IndexShare shared layer, which keeps no index K: the MLA rows alone)."""
     layout = pool.layout
     fused_store_mla(kv, src_rows, dst_locs, pool.mla[layer], layout, debug=debug, locs_checked=locs_checked)
-    fused_store_index(index_k, src_rows, dst_locs, pool.index[layer], layout, debug=debug, locs_checked=locs_checked)
+    if index_k is not None:
+        fused_store_index(index_k, src_rows, dst_locs, pool.index_of(layer), layout, debug=debug, locs_checked=locs_checked)

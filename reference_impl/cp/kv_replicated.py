@@ -14,7 +14,7 @@ import torch
 
 from reference_impl.cp.batch import BatchLocs
 from reference_impl.cp.fused_ops import fused_store
-from reference_impl.cp.kv_store import FullView, StoredRows
+from reference_impl.cp.kv_store import FullView, StoredRows, check_index_input
 from reference_impl.kvcache.layout import KVLayout
 from reference_impl.kvcache.pool import PagedKVPool, check_in_range
 
@@ -59,39 +59,49 @@ class ReplicatedKV:
         """Install a request's already-cached prefix from position ``start`` on (packed rows and quantized index K)."""
         locs = self.batch.prefix_locs(request)[start:]
         self.pool.write_mla(layer, locs, rows)
-        self.pool.write_index(layer, locs, k_fp8, k_scale)
+        if self.pool.has_index(layer):  # IndexShare: a shared layer keeps no index K
+            self.pool.write_index(layer, locs, k_fp8, k_scale)
 
     def store_current(
         self,
         layer: int,
         kv_seq: torch.Tensor,
-        index_k_seq: torch.Tensor,
+        index_k_seq: torch.Tensor | None,
         kv_local: torch.Tensor | None = None,
         index_k_local: torch.Tensor | None = None,
     ) -> None:
-        """Quantize the all-gathered current chunk ``[T, 576]``/``[T, D]`` and write all of it.
+        """Quantize the all-gathered current chunk ``[T, 576]``/``[T, D]`` and write all of it
+        (``index_k_seq`` is ``None`` on an IndexShare shared layer).
 
         (``kv_local``/``index_k_local`` are for phase 5's direct writes; a replica needs the whole chunk.)
         """
+        with_index = check_index_input(self.pool, layer, index_k_seq)
         if self.fused:
             fused_store(self.pool, layer, kv_seq, index_k_seq, None, self.batch.extend_locs, self.debug, locs_checked=True)
             return
         self.pool.write_mla(layer, self.batch.extend_locs, self.layout.pack_mla(kv_seq))
-        k_fp8, k_scale = self.layout.quantize_index_k(index_k_seq)
-        self.pool.write_index(layer, self.batch.extend_locs, k_fp8, k_scale)
+        if with_index:
+            assert index_k_seq is not None
+            k_fp8, k_scale = self.layout.quantize_index_k(index_k_seq)
+            self.pool.write_index(layer, self.batch.extend_locs, k_fp8, k_scale)
 
     def full_view(
-        self, layer: int, kv_seq: torch.Tensor, index_k_seq: torch.Tensor, prefetched_kv: torch.Tensor | None = None
+        self, layer: int, kv_seq: torch.Tensor, index_k_seq: torch.Tensor | None, prefetched_kv: torch.Tensor | None = None
     ) -> FullView:
-        """Read every full-view row back from the local replica and dequantize the MLA part.
+        """Read every full-view row back from the local replica and dequantize the MLA part (and,
+        on a layer that keeps it, read the index K).
 
         (A replica has nothing to prefetch: ``prefetched_kv`` must be ``None``.)"""
         if prefetched_kv is not None:
             raise ValueError("a replicated store has no history to prefetch")
         rows = self.pool.read_mla(layer, self.batch.view_locs)
+        self.materialized_bytes += rows.numel()
+        kv = self.layout.dequantize_mla(rows).to(torch.bfloat16)
+        if not self.pool.has_index(layer):
+            return FullView(kv, None, None)
         k_fp8, k_scale = self.pool.read_index(layer, self.batch.view_locs)
-        self.materialized_bytes += rows.numel() + k_fp8.numel() + k_scale.numel() * 4
-        return FullView(self.layout.dequantize_mla(rows).to(torch.bfloat16), k_fp8, k_scale)
+        self.materialized_bytes += k_fp8.numel() + k_scale.numel() * 4
+        return FullView(kv, k_fp8, k_scale)
 
     def owned_pages(self) -> torch.Tensor:
         """Every logical page of the batch: a replica holds them all."""
@@ -104,9 +114,12 @@ class ReplicatedKV:
         ``positions`` are token positions within the request; the replica holds all of them. The index
         values come as raw bytes (uint8) so they pickle across processes.
         """
-        out = {}
+        out: StoredRows = {}
         for req, locs in enumerate(request_locs if request_locs is not None else self.batch.request_locs):
-            k_fp8, k_scale = self.pool.read_index(layer, locs)
             positions = torch.arange(locs.shape[0], device=locs.device)
+            if not self.pool.has_index(layer):  # IndexShare: no index K on a shared layer
+                out[req] = (positions, self.pool.read_mla(layer, locs), None, None)
+                continue
+            k_fp8, k_scale = self.pool.read_index(layer, locs)
             out[req] = (positions, self.pool.read_mla(layer, locs), k_fp8.view(torch.uint8), k_scale)
         return out

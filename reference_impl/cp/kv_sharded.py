@@ -23,7 +23,7 @@ from reference_impl.cp.comm import CPGroup
 from reference_impl.cp.compute_owner import direct_write_ok
 from reference_impl.cp.current_reuse import BatchKind, classify_batch, fill_current, history_rows
 from reference_impl.cp.fused_ops import fill_current_rows, fused_store, materialize_mla_rows, materialize_rows
-from reference_impl.cp.kv_store import FullView, StoredRows
+from reference_impl.cp.kv_store import FullView, StoredRows, check_index_input
 from reference_impl.cp.ownership import Ownership
 from reference_impl.cp.page_gather import PageGather, gather_page_part, gather_pages, unpack_index_rows
 from reference_impl.cp.split_index import local_index_tensor
@@ -126,33 +126,38 @@ class ShardedKV:
         own = self._owned(locs)
         phys = self.ownership.physical(locs[own])
         self.pool.write_mla(layer, phys, rows[own])
-        self.pool.write_index(layer, phys, k_fp8[own], k_scale[own])
+        if self.pool.has_index(layer):  # IndexShare: a shared layer keeps no index K
+            self.pool.write_index(layer, phys, k_fp8[own], k_scale[own])
 
     def store_current(
         self,
         layer: int,
         kv_seq: torch.Tensor,
-        index_k_seq: torch.Tensor,
+        index_k_seq: torch.Tensor | None,
         kv_local: torch.Tensor | None = None,
         index_k_local: torch.Tensor | None = None,
     ) -> None:
         """Quantize and write the current tokens this rank owns: its own computed rows (phase 5
-        direct write, ``kv_local`` in local order) or its share of the gathered chunk (phase 2)."""
-        if self.direct_write and kv_local is not None and index_k_local is not None:
+        direct write, ``kv_local`` in local order) or its share of the gathered chunk (phase 2).
+        The index K tensors are ``None`` on an IndexShare shared layer: the MLA rows alone."""
+        with_index = check_index_input(self.pool, layer, index_k_seq)
+        if self.direct_write and kv_local is not None and (index_k_local is not None or not with_index):
             if self.fused:
                 fused_store(self.pool, layer, kv_local, index_k_local, None, self._local_locs, self.debug, locs_checked=True)
                 return
             self.pool.write_mla(layer, self._local_locs, self.layout.pack_mla(kv_local))
-            k_fp8, k_scale = self.layout.quantize_index_k(index_k_local)
-            self.pool.write_index(layer, self._local_locs, k_fp8, k_scale)
+            if index_k_local is not None:
+                k_fp8, k_scale = self.layout.quantize_index_k(index_k_local)
+                self.pool.write_index(layer, self._local_locs, k_fp8, k_scale)
             return
         if self.fused:
             fused_store(self.pool, layer, kv_seq, index_k_seq, self._store_rows, self._store_locs, self.debug, locs_checked=True)
             return
         kv = kv_seq.index_select(0, self._store_rows)
         self.pool.write_mla(layer, self._store_locs, self.layout.pack_mla(kv))
-        k_fp8, k_scale = self.layout.quantize_index_k(index_k_seq.index_select(0, self._store_rows))
-        self.pool.write_index(layer, self._store_locs, k_fp8, k_scale)
+        if index_k_seq is not None:
+            k_fp8, k_scale = self.layout.quantize_index_k(index_k_seq.index_select(0, self._store_rows))
+            self.pool.write_index(layer, self._store_locs, k_fp8, k_scale)
 
     def new_view_kv(self) -> torch.Tensor:
         """An uninitialized full-view KV buffer for this batch: bf16 ``[view_len, kv_width]``."""
@@ -175,42 +180,54 @@ class ShardedKV:
         return self._gather
 
     def full_view(
-        self, layer: int, kv_seq: torch.Tensor, index_k_seq: torch.Tensor, prefetched_kv: torch.Tensor | None = None
+        self, layer: int, kv_seq: torch.Tensor, index_k_seq: torch.Tensor | None, prefetched_kv: torch.Tensor | None = None
     ) -> FullView:
         """Materialize what storage must provide, then (phase 3) fill current rows from the chunk.
 
         ``prefetched_kv`` (phase 8) is a full-view KV buffer whose history rows
         :meth:`materialize_history_mla` already wrote for this layer; it becomes the view's ``kv``
-        and only the index pages are gathered here, synchronously.
+        and only the index pages are gathered here, synchronously. On an IndexShare shared layer
+        (no indexer K) nothing of the index moves and the view's index fields are ``None``.
         """
         n, layout, device = self.batch.view_len, self.layout, kv_seq.device
+        with_index = check_index_input(self.pool, layer, index_k_seq)
         kv = prefetched_kv if prefetched_kv is not None else self.new_view_kv()
-        index_fp8 = torch.empty(n, layout.index_head_dim, dtype=torch.float8_e4m3fn, device=device)
-        index_scale = torch.empty(n, dtype=torch.float32, device=device)
+        index_fp8 = torch.empty(n, layout.index_head_dim, dtype=torch.float8_e4m3fn, device=device) if with_index else None
+        index_scale = torch.empty(n, dtype=torch.float32, device=device) if with_index else None
         self.transient_bytes = 0
         if self._gather is not None and prefetched_kv is not None:
-            rows, source = self._gather.view_rows, self._gather.row_source
-            index_pages = gather_page_part(self.group, self.pool, layer, self._gather, "index")
-            k_fp8, k_scale = unpack_index_rows(index_pages, source, layout)
-            index_fp8.view(torch.uint8)[rows] = k_fp8.view(torch.uint8)
-            index_scale[rows] = k_scale
             # the second alternating view buffer, and the gathered MLA pages of the next layer
             next_mla = self._gather.n_pages * self.batch.page_size * layout.mla_bytes
-            self.transient_bytes = index_pages.numel() + kv.numel() * kv.element_size() + next_mla
-            self.materialized_bytes += index_pages.numel()
-        elif self._gather is not None:
-            mla_rows, index_pages = gather_pages(self.group, self.pool, layer, self._gather)
-            rows, source = self._gather.view_rows, self._gather.row_source
-            if self.fused:
-                materialize_rows(
-                    mla_rows, index_pages, source, rows, kv, index_fp8, index_scale, layout, debug=self.debug, locs_checked=True
-                )
-            else:
-                kv[rows] = layout.dequantize_mla(mla_rows.index_select(0, source)).to(torch.bfloat16)
+            self.transient_bytes = kv.numel() * kv.element_size() + next_mla
+            if index_fp8 is not None and index_scale is not None:
+                rows, source = self._gather.view_rows, self._gather.row_source
+                index_pages = gather_page_part(self.group, self.pool, layer, self._gather, "index")
                 k_fp8, k_scale = unpack_index_rows(index_pages, source, layout)
                 index_fp8.view(torch.uint8)[rows] = k_fp8.view(torch.uint8)
                 index_scale[rows] = k_scale
-            self.transient_bytes = mla_rows.numel() + index_pages.numel()
+                self.transient_bytes += index_pages.numel()
+                self.materialized_bytes += index_pages.numel()
+        elif self._gather is not None:
+            mla_rows, index_pages = gather_pages(self.group, self.pool, layer, self._gather)
+            rows, source = self._gather.view_rows, self._gather.row_source
+            if index_pages is None or index_fp8 is None or index_scale is None:  # IndexShare: MLA only
+                if self.fused:
+                    materialize_mla_rows(mla_rows, source, rows, kv, layout, debug=self.debug, locs_checked=True)
+                else:
+                    kv[rows] = layout.dequantize_mla(mla_rows.index_select(0, source)).to(torch.bfloat16)
+                self.transient_bytes = mla_rows.numel()
+            else:
+                if self.fused:
+                    materialize_rows(
+                        mla_rows, index_pages, source, rows, kv, index_fp8, index_scale, layout, debug=self.debug,
+                        locs_checked=True,
+                    )
+                else:
+                    kv[rows] = layout.dequantize_mla(mla_rows.index_select(0, source)).to(torch.bfloat16)
+                    k_fp8, k_scale = unpack_index_rows(index_pages, source, layout)
+                    index_fp8.view(torch.uint8)[rows] = k_fp8.view(torch.uint8)
+                    index_scale[rows] = k_scale
+                self.transient_bytes = mla_rows.numel() + index_pages.numel()
             self.materialized_bytes += self.transient_bytes
         if self.batch_kind != "fallback":
             if self.fused:
@@ -244,9 +261,12 @@ class ShardedKV:
     def stored_rows(self, layer: int, request_locs: list[torch.Tensor] | None = None) -> StoredRows:
         """Per request (``request_locs``, default this batch's), the tokens this rank holds:
         ``(positions, mla rows, index bytes, index scale)``."""
-        out = {}
+        out: StoredRows = {}
         for req, locs in enumerate(request_locs if request_locs is not None else self.batch.request_locs):
             positions, phys = self.owned_rows(locs)
+            if not self.pool.has_index(layer):  # IndexShare: no index K on a shared layer
+                out[req] = (positions, self.pool.read_mla(layer, phys), None, None)
+                continue
             k_fp8, k_scale = self.pool.read_index(layer, phys)
             out[req] = (positions, self.pool.read_mla(layer, phys), k_fp8.view(torch.uint8), k_scale)
         return out

@@ -13,25 +13,31 @@ from typing import Protocol
 
 import torch
 
+from reference_impl.config import ConfigError
 from reference_impl.cp.batch import BatchLocs
 from reference_impl.kvcache.layout import KVLayout
 from reference_impl.kvcache.pool import PagedKVPool
 
-StoredRows = dict[int, tuple[torch.Tensor, ...]]
-"""Per request: ``(positions in the request, mla rows uint8, index fp8 bytes uint8, index scale f32)``."""
+StoredRows = dict[int, tuple[torch.Tensor | None, ...]]
+"""Per request: ``(positions in the request, mla rows uint8, index fp8 bytes uint8, index scale f32)``;
+the two index entries are ``None`` on a layer that keeps no indexer K (IndexShare's shared layers)."""
 
 
 @dataclass
 class FullView:
-    """Dense, sequence-ordered KV of the whole batch, as the attention and top-k code expect."""
+    """Dense, sequence-ordered KV of the whole batch, as the attention and top-k code expect.
+
+    The index K fields are ``None`` on an IndexShare shared layer (it reuses a full layer's top-k).
+    """
 
     kv: torch.Tensor  # [S, kv_lora + rope] bf16 (dequantized cache)
-    index_k_fp8: torch.Tensor  # [S, D] float8_e4m3fn
-    index_k_scale: torch.Tensor  # [S] float32
+    index_k_fp8: torch.Tensor | None  # [S, D] float8_e4m3fn
+    index_k_scale: torch.Tensor | None  # [S] float32
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.kv, self.index_k_fp8, self.index_k_scale))
+        parts = (self.kv, self.index_k_fp8, self.index_k_scale)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
 
 class KVStore(Protocol):
@@ -66,13 +72,14 @@ class KVStore(Protocol):
         """Install the part of a request's already-cached prefix (positions ``start`` on) this rank keeps."""
 
     def store_current(
-        self, layer: int, kv_seq: torch.Tensor, index_k_seq: torch.Tensor,
+        self, layer: int, kv_seq: torch.Tensor, index_k_seq: torch.Tensor | None,
         kv_local: torch.Tensor | None = None, index_k_local: torch.Tensor | None = None,
     ) -> None:
-        """Quantize and write the current tokens this rank keeps (from the gathered chunk or its own rows)."""
+        """Quantize and write the current tokens this rank keeps (from the gathered chunk or its own
+        rows); the index K ones are ``None`` on a layer without indexer K (IndexShare)."""
 
     def full_view(
-        self, layer: int, kv_seq: torch.Tensor, index_k_seq: torch.Tensor, prefetched_kv: torch.Tensor | None = None
+        self, layer: int, kv_seq: torch.Tensor, index_k_seq: torch.Tensor | None, prefetched_kv: torch.Tensor | None = None
     ) -> FullView:
         """The dense full view of ``layer`` (``prefetched_kv``: a view buffer whose history is already written)."""
 
@@ -81,3 +88,16 @@ class KVStore(Protocol):
 
     def stored_rows(self, layer: int, request_locs: list[torch.Tensor] | None = None) -> StoredRows:
         """What this rank holds for ``layer``, per request (default: this batch's requests)."""
+
+
+def check_index_input(pool: PagedKVPool, layer: int, index_k: torch.Tensor | None) -> bool:
+    """Whether ``layer`` keeps indexer K in ``pool``; a :class:`ConfigError` when the caller's index K
+    disagrees (given for a shared layer, missing for a full one): the engine and the layout must
+    follow the same IndexShare pattern."""
+    keeps = pool.has_index(layer)
+    if keeps != (index_k is not None):
+        raise ConfigError(
+            f"layer {layer} {'keeps' if keeps else 'keeps no'} indexer K but the store got "
+            f"{'none' if index_k is None else 'some'} (IndexShare pattern of the model and of the KV layout differ)"
+        )
+    return keeps

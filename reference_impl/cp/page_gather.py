@@ -60,8 +60,16 @@ class PageGather:
 
 def gather_pages(
     group: CPGroup, pool: PagedKVPool, layer: int, gather: PageGather
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One padded all-gather of the needed pages -> ``(mla [n_need * P, mla_bytes], index [n_need, page bytes])``."""
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One padded all-gather of the needed pages -> ``(mla [n_need * P, mla_bytes], index [n_need, page bytes])``.
+
+    On a layer that keeps no indexer K (IndexShare's shared layers) only the MLA pages move, and
+    the index part is ``None``.
+    """
+    if not pool.has_index(layer):
+        mla = pool.read_mla_pages(layer, gather.send_physical)
+        gathered = group.all_gather_padded(mla, gather.counts, tag="materialize")
+        return gathered.reshape(-1, pool.layout.mla_bytes), None
     mla, index = pool.read_pages(layer, gather.send_physical)
     packed = torch.cat([mla, index], dim=1)  # one row per page: MLA page bytes then index page bytes
     gathered = group.all_gather_padded(packed, gather.counts, tag="materialize")  # rank-major = gather.pages
@@ -85,10 +93,10 @@ def gather_page_part(
     ``part="mla"`` -> token rows ``[n_need * P, mla_bytes]``; ``part="index"`` -> ``[n_need, page bytes]``.
     """
     if part == "mla":
-        mla = pool.mla[layer].view(pool.n_pages, pool.layout.mla_page_bytes).index_select(0, gather.send_physical)
+        mla = pool.read_mla_pages(layer, gather.send_physical)
         gathered = group.all_gather_padded(mla, gather.counts, tag="prefetch_mla")
         return gathered.reshape(-1, pool.layout.mla_bytes)
     if part == "index":
-        index = pool.index[layer].index_select(0, gather.send_physical)
+        index = pool.index_of(layer).index_select(0, gather.send_physical)
         return group.all_gather_padded(index, gather.counts, tag="materialize_index")
     raise ValueError(f"unknown page part {part!r}")

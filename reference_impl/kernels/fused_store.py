@@ -4,7 +4,8 @@ Contracts (the torch paths in :mod:`.fused_torch` are the reference, byte for by
 
 * :func:`store_mla_triton`: rows ``kv[src_rows]`` (``kv [N, kv_lora + rope]``, bf16 / fp16 / fp32)
   packed as :func:`reference_impl.kvcache.layout.pack_mla` packs them (FP8: e4m3 latent, one
-  float32 scale ``max(amax, 1e-4) / 448`` per 128 values, bf16 rope; BF16: every value as bf16) and
+  float32 scale ``max(amax, 1e-4) / 448`` per 128 values, rounded up to a power of two with the
+  layout's ``mla_scale_fmt = "ue8m0"``, bf16 rope; BF16: every value as bf16) and
   written to rows ``dst_locs`` of ``pool_mla [n_slots, mla_bytes]`` uint8 (one layer's slice of
   :attr:`PagedKVPool.mla`), the bytes that ``pack_mla`` then :meth:`PagedKVPool.write_mla` write.
 * :func:`store_index_triton`: ``k[src_rows]`` (``k [N, 128]``) quantized as
@@ -44,7 +45,8 @@ byte and the GPU benchmark checks the hardware path (and times ``soft=True`` on 
 integer operations per value, the fallback if a hardware conversion ever differed). NaN inputs give
 NaN outputs, not necessarily torch's NaN bit pattern (torch's own CPU and CUDA patterns differ).
 
-With ``ue8m0`` the kernel rounds the scale up to a power of two exactly (exponent + 1 when the
+With ``ue8m0`` (the index store always follows ``index_scale_fmt``, the FP8 MLA store
+``mla_scale_fmt``) the kernel rounds the scale up to a power of two exactly (exponent + 1 when the
 mantissa is non-zero, as DeepSeek's kernels do), the same rule as the torch path
 (:func:`reference_impl.fp8.round_up_pow2`), so the two agree on every scale.
 """
@@ -94,6 +96,7 @@ def _store_mla_fp8_kernel(
     BLOCK_NB: tl.constexpr,
     BLOCK_M: tl.constexpr,
     HAS_SRC: tl.constexpr,
+    UE8M0: tl.constexpr,
     SOFT: tl.constexpr,
     ONE_PASS: tl.constexpr,
     FAST_DIV: tl.constexpr,
@@ -121,14 +124,14 @@ def _store_mla_fp8_kernel(
         x = tl.load(in_row[:, None, None] + offs * stride_kv_col, mask=mask, other=0.0)
         if R > 0:
             rope = tl.load(rope_in, mask=rmask, other=0.0)
-        q, scale = quantize_block(x.to(tl.float32), 2, False, SOFT, FAST_DIV)
+        q, scale = quantize_block(x.to(tl.float32), 2, UE8M0, SOFT, FAST_DIV)
         tl.store(out_row[:, None, None] + offs, q, mask=mask)
         scales_out = (out_row + L).to(tl.pointer_type(tl.float32))  # the row's L / 128 scales: one vector
         tl.store(scales_out[:, None] + blocks[None, :], scale, mask=scale_mask)
     else:
         for b in tl.static_range(L // 128):
             x = tl.load(in_row[:, None] + (b * 128 + cols)[None, :] * stride_kv_col, mask=ok[:, None], other=0.0)
-            q, scale = quantize_block(x.to(tl.float32), 1, False, SOFT, FAST_DIV)
+            q, scale = quantize_block(x.to(tl.float32), 1, UE8M0, SOFT, FAST_DIV)
             tl.store(out_row[:, None] + (b * 128 + cols)[None, :], q, mask=ok[:, None])
             tl.store((out_row + L + 4 * b).to(tl.pointer_type(tl.float32)), scale, mask=ok)
         if R > 0:
@@ -249,6 +252,7 @@ def store_mla_triton(
             R=layout.rope,
             BLOCK_R=triton.next_power_of_2(max(layout.rope, 1)),
             BLOCK_NB=triton.next_power_of_2(layout.kv_lora // MLA_QUANT_BLOCK),
+            UE8M0=layout.mla_scale_fmt == "ue8m0",
             ONE_PASS=bool(config["one_pass"]),
             FAST_DIV=_fast_div(config, kv),
             **common,

@@ -124,33 +124,44 @@ def check_materialize_args(
 
 def check_fill_current_args(
     kv_seq: torch.Tensor,
-    index_k_seq: torch.Tensor,
+    index_k_seq: torch.Tensor | None,
     view_rows: torch.Tensor,
     kv_view: torch.Tensor,
-    index_fp8: torch.Tensor,
-    index_scale: torch.Tensor,
+    index_fp8: torch.Tensor | None,
+    index_scale: torch.Tensor | None,
     layout: KVLayout,
 ) -> None:
-    """Metadata-only checks of the current-rows fill, shared by its torch path's caller and the kernel."""
+    """Metadata-only checks of the current-rows fill, shared by its torch path's caller and the kernel.
+
+    The three index tensors come together or not at all (``None``: a layer without indexer K).
+    """
     n = view_rows.shape[0]
     if view_rows.dtype != torch.int64 or view_rows.dim() != 1:
         raise ConfigError(f"fill_current: view_rows must be int64 [T], got {view_rows.dtype} {tuple(view_rows.shape)}")
-    if kv_seq.shape != (n, layout.kv_width) or index_k_seq.shape != (n, INDEX_HEAD_DIM):
+    present = [t is not None for t in (index_k_seq, index_fp8, index_scale)]
+    if any(present) and not all(present):
+        raise ConfigError("fill_current: give index_k_seq, index_fp8 and index_scale together, or none of them")
+    if kv_seq.shape != (n, layout.kv_width) or (index_k_seq is not None and index_k_seq.shape != (n, INDEX_HEAD_DIM)):
+        shape = None if index_k_seq is None else tuple(index_k_seq.shape)
         raise ConfigError(
-            f"fill_current: kv_seq {tuple(kv_seq.shape)} and index_k_seq {tuple(index_k_seq.shape)} must be "
+            f"fill_current: kv_seq {tuple(kv_seq.shape)} and index_k_seq {shape} must be "
             f"[{n}, {layout.kv_width}] and [{n}, {INDEX_HEAD_DIM}] (one row per view row)"
         )
     n_view = kv_view.shape[0]
-    if (
-        kv_view.dtype != torch.bfloat16 or kv_view.shape != (n_view, layout.kv_width)
-        or index_fp8.dtype != FP8_DTYPE or index_fp8.shape != (n_view, INDEX_HEAD_DIM)
+    bad_view = kv_view.dtype != torch.bfloat16 or kv_view.shape != (n_view, layout.kv_width) or kv_view.stride(-1) != 1
+    bad_index = index_fp8 is not None and index_scale is not None and (
+        index_fp8.dtype != FP8_DTYPE or index_fp8.shape != (n_view, INDEX_HEAD_DIM)
         or index_scale.dtype != torch.float32 or index_scale.shape != (n_view,)
-        or any(t.stride(-1) != 1 for t in (kv_view, index_fp8, index_scale))
-    ):
+        or index_fp8.stride(-1) != 1 or index_scale.stride(-1) != 1
+    )
+    if bad_view or bad_index:
+        index = "none" if index_fp8 is None or index_scale is None else (
+            f"{index_fp8.dtype} {tuple(index_fp8.shape)}, {index_scale.dtype} {tuple(index_scale.shape)}"
+        )
         raise ConfigError(
             f"fill_current: the full view must be bf16 kv [S, {layout.kv_width}], float8_e4m3fn index K "
             f"[S, {INDEX_HEAD_DIM}] and float32 scales [S], row-contiguous; got {kv_view.dtype} "
-            f"{tuple(kv_view.shape)}, {index_fp8.dtype} {tuple(index_fp8.shape)}, {index_scale.dtype} {tuple(index_scale.shape)}"
+            f"{tuple(kv_view.shape)}, index {index}"
         )
 
 

@@ -122,7 +122,10 @@ def quantize_block(x, AXIS: tl.constexpr, UE8M0: tl.constexpr, SOFT: tl.constexp
         exponent = (sbits >> 23) + ((sbits & 0x7FFFFF) != 0).to(tl.int32)
         scale = (exponent << 23).to(tl.float32, bitcast=True)
         # Dividing by a power of two is multiplying by its exact reciprocal: same rounding, no division.
-        y = x * tl.expand_dims(((254 - exponent) << 23).to(tl.float32, bitcast=True), AXIS)
+        # A finite scale is at most 2^120 (float max / 448), so 2^(127 - e) is normal; an inf scale
+        # (an inf in the block) has reciprocal 0, as x / inf.
+        recip = tl.where(exponent >= 255, 0.0, ((254 - exponent) << 23).to(tl.float32, bitcast=True))
+        y = x * tl.expand_dims(recip, AXIS)
     elif FAST_DIV:
         y = negated_quotient(x, scale, AXIS)
     else:

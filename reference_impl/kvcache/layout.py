@@ -4,11 +4,14 @@ Three buffers (DeepSeek-V3.2 / GLM-5 sizes; ``L = kv_lora_rank``, ``R = qk_rope_
 
 * **MLA latent, BF16 direct**: ``L + R`` bf16 values -> ``(L + R) * 2`` bytes (1152).
 * **MLA latent, packed FP8**: ``L`` e4m3 bytes, then ``L // 128`` float32 scales (one per 128
-  latent values, ``scale = max(amax, 1e-4) / 448``, not rounded to a power of two), then ``R``
-  bf16 rope values -> ``L + 4 * L // 128 + 2 * R`` bytes (512 + 16 + 128 = 656).
+  latent values, ``scale = max(amax, 1e-4) / 448``, rounded up to a power of two with
+  ``mla_scale_fmt="ue8m0"``, DeepSeek's ``act_quant(kv, 128, "ue8m0")``, or kept as it is with
+  ``"fp32"``, SGLang's), then ``R`` bf16 rope values -> ``L + 4 * L // 128 + 2 * R`` bytes
+  (512 + 16 + 128 = 656) in both formats.
 * **Indexer K**: 128 e4m3 bytes + one float32 scale per token (132 bytes). A page of ``P``
   tokens stores the ``P * 128`` fp8 bytes first (token-major), then the ``P`` scales (8448 bytes
-  for ``P = 64``). Quantized as ``act_quant(k, 128, index_scale_fmt)``.
+  for ``P = 64``). Quantized as ``act_quant(k, 128, index_scale_fmt)``. With IndexShare only the
+  model's full layers keep this buffer (:attr:`KVLayout.index_layers`).
 
 Every multi-byte value is little-endian: the bytes are the native ``Tensor.view(torch.uint8)``
 of each part, which is what the CUDA kernels read.
@@ -23,7 +26,7 @@ import torch
 from reference_impl.config import KVDtype, validate_page_size
 from reference_impl.errors import ConfigError
 from reference_impl.fp8 import FP8_DTYPE, act_dequant, act_quant
-from reference_impl.presets import ModelConfig
+from reference_impl.presets import SCALE_FMTS, ModelConfig
 
 MLA_QUANT_BLOCK = 128  # latent values per float32 scale in the packed FP8 layout
 INDEX_HEAD_DIM = 128  # indexer K width; one quantization block, hence one scale per token
@@ -44,6 +47,11 @@ def _check_dims(kv_lora: int, rope: int) -> None:
         )
     if rope < 0 or rope % 2:
         raise ConfigError(f"rope={rope} must be even and >= 0 (bf16 rope keeps rows 4-byte aligned)")
+
+
+def _check_scale_fmt(name: str, scale_fmt: str) -> None:
+    if scale_fmt not in SCALE_FMTS:
+        raise ConfigError(f"{name}={scale_fmt!r}: use 'ue8m0' or 'fp32'")
 
 
 def _check_index_head_dim(index_head_dim: int) -> None:
@@ -92,12 +100,14 @@ def index_page_bytes(page_size: int, index_head_dim: int = INDEX_HEAD_DIM) -> in
 # --------------------------------------------------------------------------------------------
 
 
-def pack_mla(kv: torch.Tensor, kv_lora: int, kv_dtype: str) -> torch.Tensor:
+def pack_mla(kv: torch.Tensor, kv_lora: int, kv_dtype: str, scale_fmt: str = "ue8m0") -> torch.Tensor:
     """Pack ``kv [N, kv_lora + rope]`` (any float dtype) into ``uint8 [N, mla_token_bytes]`` rows.
 
-    bf16: the bf16 bytes of all values. fp8: e4m3 latent, float32 block scales, bf16 rope.
+    bf16: the bf16 bytes of all values. fp8: e4m3 latent, float32 block scales (``scale_fmt``:
+    ``"ue8m0"`` powers of two, ``"fp32"`` ``amax / 448``), bf16 rope.
     """
     _check_kv_dtype(kv_dtype)
+    _check_scale_fmt("mla scale_fmt", scale_fmt)
     if kv.dim() != 2:
         raise ConfigError(f"pack_mla expects kv [N, kv_lora + rope], got shape {tuple(kv.shape)}")
     rope = kv.shape[1] - kv_lora
@@ -107,7 +117,7 @@ def pack_mla(kv: torch.Tensor, kv_lora: int, kv_dtype: str) -> torch.Tensor:
         return torch.empty(0, mla_token_bytes((kv_lora, rope), kv_dtype), dtype=torch.uint8, device=kv.device)
     if kv_dtype == "bf16":
         return kv.to(torch.bfloat16).contiguous().view(torch.uint8).reshape(n, kv.shape[1] * 2)
-    latent_fp8, scales = act_quant(kv[:, :kv_lora], MLA_QUANT_BLOCK, "fp32")
+    latent_fp8, scales = act_quant(kv[:, :kv_lora], MLA_QUANT_BLOCK, scale_fmt)
     rope_bf16 = kv[:, kv_lora:].to(torch.bfloat16).contiguous()
     parts = (latent_fp8.contiguous(), scales.contiguous(), rope_bf16)
     return torch.cat([p.view(torch.uint8).reshape(n, p.shape[1] * p.element_size()) for p in parts], dim=1)
@@ -165,8 +175,7 @@ def quantize_index_k(k: torch.Tensor, scale_fmt: str) -> tuple[torch.Tensor, tor
     if k.dim() != 2:
         raise ConfigError(f"quantize_index_k expects k [N, {INDEX_HEAD_DIM}], got shape {tuple(k.shape)}")
     _check_index_head_dim(k.shape[1])
-    if scale_fmt not in ("ue8m0", "fp32"):
-        raise ConfigError(f"index scale_fmt={scale_fmt!r}: use 'ue8m0' or 'fp32'")
+    _check_scale_fmt("index scale_fmt", scale_fmt)
     k_fp8, scale = act_quant(k, INDEX_HEAD_DIM, scale_fmt)
     return k_fp8, scale.reshape(-1)
 
@@ -224,7 +233,11 @@ def unpack_index_pages(
 
 @dataclass(frozen=True)
 class KVLayout:
-    """The byte layout of one model's KV pools; build it with :meth:`from_config`."""
+    """The byte layout of one model's KV pools; build it with :meth:`from_config`.
+
+    ``index_layers``: the layers that keep an indexer K buffer (IndexShare's full layers,
+    :class:`~reference_impl.index_share.IndexShare`), ascending; ``None``: every layer.
+    """
 
     kv_lora: int
     rope: int
@@ -232,18 +245,25 @@ class KVLayout:
     page_size: int
     index_head_dim: int = INDEX_HEAD_DIM
     index_scale_fmt: str = "ue8m0"
+    mla_scale_fmt: str = "ue8m0"
+    index_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         _check_kv_dtype(self.kv_dtype)
         _check_dims(self.kv_lora, self.rope)
         _check_index_head_dim(self.index_head_dim)
         validate_page_size(self.page_size)
-        if self.index_scale_fmt not in ("ue8m0", "fp32"):
-            raise ConfigError(f"index_scale_fmt={self.index_scale_fmt!r}: use 'ue8m0' or 'fp32'")
+        _check_scale_fmt("index_scale_fmt", self.index_scale_fmt)
+        _check_scale_fmt("mla_scale_fmt", self.mla_scale_fmt)
+        if self.index_layers is not None and (
+            list(self.index_layers) != sorted(set(self.index_layers)) or min(self.index_layers, default=0) < 0
+        ):
+            raise ConfigError(f"index_layers={self.index_layers}: need distinct layer ids >= 0, ascending")
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, kv_dtype: str, page_size: int) -> "KVLayout":
         _check_kv_dtype(kv_dtype)
+        share = cfg.index_share
         return cls(
             kv_lora=cfg.kv_lora_rank,
             rope=cfg.qk_rope_head_dim,
@@ -251,7 +271,13 @@ class KVLayout:
             page_size=page_size,
             index_head_dim=cfg.index_head_dim,
             index_scale_fmt=cfg.index_scale_fmt,
+            mla_scale_fmt=cfg.mla_scale_fmt,
+            index_layers=share.full_layers if share.shares else None,
         )
+
+    def has_index(self, layer: int) -> bool:
+        """Whether ``layer`` keeps indexer K (IndexShare: full layers only)."""
+        return self.index_layers is None or layer in self.index_layers
 
     @property
     def kv_width(self) -> int:
@@ -277,8 +303,8 @@ class KVLayout:
         return index_page_bytes(self.page_size, self.index_head_dim)
 
     def pack_mla(self, kv: torch.Tensor) -> torch.Tensor:
-        """``kv [N, kv_width]`` -> ``uint8 [N, mla_bytes]``."""
-        return pack_mla(kv, self.kv_lora, self.kv_dtype)
+        """``kv [N, kv_width]`` -> ``uint8 [N, mla_bytes]`` (FP8 scales in ``mla_scale_fmt``)."""
+        return pack_mla(kv, self.kv_lora, self.kv_dtype, self.mla_scale_fmt)
 
     def dequantize_mla(self, rows: torch.Tensor) -> torch.Tensor:
         """``uint8 [N, mla_bytes]`` -> ``float32 [N, kv_width]``."""

@@ -4,8 +4,10 @@ Both pools are raw ``torch.uint8`` buffers in the byte layouts of :mod:`.layout`
 
 * ``mla``: ``[n_layers, n_pages * page_size, mla_bytes]``, one row per token slot, addressed by
   loc (``page = loc // page_size``).
-* ``index``: ``[n_layers, n_pages, index_page_bytes]``, one row per page: the page's
-  ``page_size * 128`` fp8 bytes, then its ``page_size`` float32 scales.
+* ``index``: ``[n_index_layers, n_pages, index_page_bytes]``, one row per page: the page's
+  ``page_size * 128`` fp8 bytes, then its ``page_size`` float32 scales. Every layer has one, except
+  with IndexShare, where only the layout's ``index_layers`` do (:meth:`PagedKVPool.index_of` finds a
+  layer's; ``pool.index[layer]`` is the same tensor when every layer has one).
 
 The locs passed in are this pool's slots (physical locs; in the replicated baseline they equal
 the logical locs). Range checks on loc values read them on the host, which syncs a device: they
@@ -63,11 +65,15 @@ class PagedKVPool:
         self.device = torch.device(device)
         self.debug = debug
         self.mla = torch.zeros(n_layers, self.n_slots, layout.mla_bytes, dtype=torch.uint8, device=self.device)
-        self.index = torch.zeros(n_layers, n_pages, layout.index_page_bytes, dtype=torch.uint8, device=self.device)
+        # IndexShare: only the layers that run the indexer keep index K, at consecutive rows.
+        self.index_layers = tuple(layer for layer in range(n_layers) if layout.has_index(layer))
+        self._index_row = {layer: row for row, layer in enumerate(self.index_layers)}
+        n_index = len(self.index_layers)
+        self.index = torch.zeros(n_index, n_pages, layout.index_page_bytes, dtype=torch.uint8, device=self.device)
         # Views of each page's two regions, so a token write is one indexed assignment per region.
         split = page_size * layout.index_head_dim
-        self._index_values = self.index[:, :, :split].view(n_layers, n_pages, page_size, layout.index_head_dim)
-        self._index_scales = self.index[:, :, split:].view(n_layers, n_pages, page_size, SCALE_BYTES)
+        self._index_values = self.index[:, :, :split].view(n_index, n_pages, page_size, layout.index_head_dim)
+        self._index_scales = self.index[:, :, split:].view(n_index, n_pages, page_size, SCALE_BYTES)
 
     # ---------------------------------------------------------------------------------------
     # Sizes
@@ -97,8 +103,8 @@ class PagedKVPool:
         return self.n_layers * n_pages * self.layout.mla_page_bytes
 
     def index_bytes_for_pages(self, n_pages: int) -> int:
-        """Indexer K bytes that ``n_pages`` pages take over all layers of this pool."""
-        return self.n_layers * n_pages * self.layout.index_page_bytes
+        """Indexer K bytes that ``n_pages`` pages take over all layers of this pool (those with index K)."""
+        return len(self.index_layers) * n_pages * self.layout.index_page_bytes
 
     def bytes_for_pages(self, n_pages: int) -> int:
         """MLA + indexer K bytes of ``n_pages`` pages over all layers (``bytes_total`` at ``self.n_pages``)."""
@@ -127,6 +133,23 @@ class PagedKVPool:
     # Indexer K
     # ---------------------------------------------------------------------------------------
 
+    def has_index(self, layer: int) -> bool:
+        """Whether ``layer`` keeps indexer K here (every layer, or IndexShare's full layers)."""
+        return layer in self._index_row
+
+    def index_of(self, layer: int) -> torch.Tensor:
+        """``layer``'s index pages ``uint8 [n_pages, index_page_bytes]`` (a view); a layer without
+        index K (an IndexShare shared layer) is a :class:`ConfigError`."""
+        return self.index[self._index_row_of(layer)]
+
+    def _index_row_of(self, layer: int) -> int:
+        row = self._index_row.get(layer)
+        if row is None:
+            if not 0 <= layer < self.n_layers:
+                raise LocOutOfRangeError(f"layer {layer} is outside this pool's {self.n_layers} layers")
+            raise ConfigError(f"layer {layer} keeps no indexer K (IndexShare: it reuses a full layer's top-k)")
+        return row
+
     def write_index(self, layer: int, locs: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor) -> None:
         """Store ``k_fp8 [N, 128] float8_e4m3fn`` and ``k_scale [N] float32`` of tokens at ``locs [N]``.
 
@@ -134,6 +157,7 @@ class PagedKVPool:
         ``slot * 128`` and its scale at ``page_size * 128 + 4 * slot`` of that page.
         """
         self._check_locs(layer, locs)
+        row = self._index_row_of(layer)
         n, dim = locs.shape[0], self.layout.index_head_dim
         if k_fp8.dtype != FP8_DTYPE or tuple(k_fp8.shape) != (n, dim):
             raise ConfigError(
@@ -141,16 +165,17 @@ class PagedKVPool:
             )
         if k_scale.dtype != torch.float32 or tuple(k_scale.shape) != (n,):
             raise ConfigError(f"write_index expects k_scale float32 [{n}], got {k_scale.dtype} {tuple(k_scale.shape)}")
-        page, slot = locs // self.page_size, locs % self.page_size
-        self._index_values[layer][page, slot] = k_fp8.contiguous().view(torch.uint8)
-        self._index_scales[layer][page, slot] = k_scale.contiguous().view(torch.uint8).reshape(n, SCALE_BYTES)
+        page, in_page = locs // self.page_size, locs % self.page_size
+        self._index_values[row][page, in_page] = k_fp8.contiguous().view(torch.uint8)
+        self._index_scales[row][page, in_page] = k_scale.contiguous().view(torch.uint8).reshape(n, SCALE_BYTES)
 
     def read_index(self, layer: int, locs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Indexer K of tokens at ``locs [N]`` -> ``(k_fp8 [N, 128] float8_e4m3fn, k_scale [N] float32)``."""
         self._check_locs(layer, locs)
-        page, slot = locs // self.page_size, locs % self.page_size
-        values = self._index_values[layer][page, slot]  # advanced indexing: a fresh contiguous copy
-        scales = self._index_scales[layer][page, slot]
+        row = self._index_row_of(layer)
+        page, in_page = locs // self.page_size, locs % self.page_size
+        values = self._index_values[row][page, in_page]  # advanced indexing: a fresh contiguous copy
+        scales = self._index_scales[row][page, in_page]
         return values.view(FP8_DTYPE), scales.view(torch.float32).reshape(-1)
 
     # ---------------------------------------------------------------------------------------
@@ -160,12 +185,16 @@ class PagedKVPool:
     def read_pages(self, layer: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Raw bytes of whole pages ``pages [n] int64`` -> ``(mla uint8 [n, P * mla_bytes], index uint8 [n, index_page_bytes])``."""
         mla = self.mla[layer].view(self.n_pages, self.layout.mla_page_bytes).index_select(0, pages)
-        return mla, self.index[layer].index_select(0, pages)
+        return mla, self.index_of(layer).index_select(0, pages)
+
+    def read_mla_pages(self, layer: int, pages: torch.Tensor) -> torch.Tensor:
+        """The MLA half of :meth:`read_pages`: ``uint8 [n, P * mla_bytes]``."""
+        return self.mla[layer].view(self.n_pages, self.layout.mla_page_bytes).index_select(0, pages)
 
     def write_pages(self, layer: int, pages: torch.Tensor, mla: torch.Tensor, index: torch.Tensor) -> None:
         """Store whole pages' raw bytes (the inverse of :meth:`read_pages`)."""
         self.mla[layer].view(self.n_pages, self.layout.mla_page_bytes).index_copy_(0, pages, mla)
-        self.index[layer].index_copy_(0, pages, index)
+        self.index_of(layer).index_copy_(0, pages, index)
 
     # ---------------------------------------------------------------------------------------
     # Checks

@@ -13,6 +13,10 @@ collective between:
 
 :meth:`DSAAttention.forward` is the single-device call: one request's new tokens at a start
 position, against a dense cache of its earlier tokens (:class:`~reference_impl.model.cache.LayerCache`).
+
+IndexShare (GLM-5.2, :mod:`reference_impl.index_share`): a layer built with ``indexer=False`` has no
+indexer parameters, projects no indexer q / k (those :class:`Projection` fields are ``None``) and
+attends with the top-k of the full layer before it (``attend(..., reuse_topk=...)``).
 """
 
 from __future__ import annotations
@@ -103,19 +107,25 @@ class Indexer(nn.Module):
 
 @dataclass
 class Projection:
-    """Per-token outputs of :meth:`DSAAttention.project` for ``T`` tokens."""
+    """Per-token outputs of :meth:`DSAAttention.project` for ``T`` tokens (the three index fields
+    are ``None`` on an IndexShare shared layer)."""
 
     q: torch.Tensor  # [T, H, kv_lora + rope]: absorbed q_nope then roped q_pe (compute dtype)
     kv: torch.Tensor  # [T, kv_lora + rope]: kv_norm(latent) then roped k_pe (compute dtype)
-    index_q_fp8: torch.Tensor  # [T, Hi, D] float8_e4m3fn
-    index_weights: torch.Tensor  # [T, Hi] float32 (head weights * Hi^-0.5 * D^-0.5 * q_scale)
-    index_k: torch.Tensor  # [T, D] rotated indexer key before quantization (compute dtype)
+    index_q_fp8: torch.Tensor | None  # [T, Hi, D] float8_e4m3fn
+    index_weights: torch.Tensor | None  # [T, Hi] float32 (head weights * Hi^-0.5 * D^-0.5 * q_scale)
+    index_k: torch.Tensor | None  # [T, D] rotated indexer key before quantization (compute dtype)
 
 
 class DSAAttention(nn.Module):
-    """MLA (absorbed) + lightning indexer for one layer; see the module docstring."""
+    """MLA (absorbed) + lightning indexer for one layer; see the module docstring.
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, ops: ComputeOps = TORCH_OPS) -> None:
+    ``indexer=False``: an IndexShare shared layer, without an indexer (``self.indexer is None``).
+    """
+
+    def __init__(
+        self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, ops: ComputeOps = TORCH_OPS, indexer: bool = True
+    ) -> None:
         super().__init__()
         self.cfg = cfg
         self.ops = ops  # the indexer top-k and sparse attention: torch references unless kernels are plugged in
@@ -127,24 +137,26 @@ class DSAAttention(nn.Module):
         self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps, ops)
         self.wkv_b = _linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), dtype)
         self.wo = _linear(h * cfg.v_head_dim, cfg.dim, dtype)
-        self.indexer = Indexer(cfg, dtype)
+        self.indexer = Indexer(cfg, dtype) if indexer else None
         self.register_buffer("rope_freqs", rope_frequencies(cfg), persistent=False)
 
     def forward(
-        self, x: torch.Tensor, start_pos: int = 0, cache: "LayerCache | None" = None
+        self, x: torch.Tensor, start_pos: int = 0, cache: "LayerCache | None" = None, reuse_topk: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One request's new tokens ``x [T, dim]`` at positions ``start_pos ..`` -> ``(out [T, dim], topk [T, K])``.
 
         ``cache`` holds the request's first ``start_pos`` tokens in the KV byte layouts and gets the
         ``T`` new ones appended; ``None`` starts an empty one (FP8 cache, 64-token pages; then
         ``start_pos`` must be 0). ``topk`` lists the selected key positions per query, ``-1`` padded.
+        ``reuse_topk``: on a layer without an indexer (IndexShare), the full layer's top-k to attend with.
         """
         from reference_impl.kvcache.layout import KVLayout
         from reference_impl.model.cache import LayerCache, attention_forward
 
         if cache is None:
-            cache = LayerCache.empty(KVLayout.from_config(self.cfg, "fp8", 64), x.device)
-        out, topk, _ = attention_forward(self, x, start_pos, cache)
+            layout = KVLayout.from_config(self.cfg, "fp8", 64)
+            cache = LayerCache.empty(layout, x.device, with_index=self.indexer is not None)
+        out, topk, _ = attention_forward(self, x, start_pos, cache, reuse_topk=reuse_topk)
         return out, topk
 
     # ---- per-token half -----------------------------------------------------------------------
@@ -175,6 +187,8 @@ class DSAAttention(nn.Module):
         k_pe = apply_rope(k_pe, cos, sin, interleaved=True)
         kv = torch.cat([self.kv_norm(latent), k_pe], dim=-1)
 
+        if self.indexer is None:  # IndexShare: a shared layer projects no indexer q / k
+            return Projection(q_full, kv, None, None, None)
         iq, ik, iw = self._index_qkw(x, qr, cos, sin)
         return Projection(q_full, kv, iq, iw, ik)
 
@@ -183,6 +197,7 @@ class DSAAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The indexer's ``(q_fp8 [T, Hi, D], rotated k [T, D], head weights [T, Hi] f32)``."""
         cfg, idx = self.cfg, self.indexer
+        assert idx is not None
         n_tok, d, r = x.shape[0], cfg.index_head_dim, cfg.qk_rope_head_dim
         inter = cfg.index_rope_interleaved
         q = idx.wq_b(qr).view(n_tok, cfg.index_n_heads, d)  # per head [rope, nope], rope first
@@ -200,21 +215,32 @@ class DSAAttention(nn.Module):
         self,
         proj: Projection,
         kv_view: torch.Tensor,  # [S, kv_lora + rope] bf16 full view (dequantized cache)
-        index_k_fp8: torch.Tensor,  # [S, D] float8_e4m3fn full view
-        index_k_scale: torch.Tensor,  # [S] float32
+        index_k_fp8: torch.Tensor | None,  # [S, D] float8_e4m3fn full view (None on a shared layer)
+        index_k_scale: torch.Tensor | None,  # [S] float32
         key_start: torch.Tensor,  # [T] int64: first full-view row of the query's request
         key_end: torch.Tensor,  # [T] int64: exclusive causal end (request start + prefix + j + 1)
         host_bounds: HostKeyBounds | None = None,  # host copies of key_start / key_end (no host sync)
+        reuse_topk: torch.Tensor | None = None,  # [T, K] the previous full layer's top-k (IndexShare)
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Indexer top-k + sparse MLA for the projected queries -> ``(out [T, dim], topk [T, K] int32)``.
 
         ``topk`` holds full-view rows (``-1`` for unused slots when fewer than K keys are visible).
+        A layer without an indexer (IndexShare) skips the logits and the top-k and attends with
+        ``reuse_topk``, the same queries' selection of the full layer before it, which it returns
+        as its own; a full layer ignores ``reuse_topk``.
         """
         cfg = self.cfg
-        topk = self.ops.indexer_topk(
-            proj.index_q_fp8, proj.index_weights, index_k_fp8, index_k_scale, key_start, key_end, cfg.index_topk,
-            host_bounds=host_bounds,
-        )
+        if self.indexer is None:
+            if reuse_topk is None:
+                raise ValueError("a shared (IndexShare) layer needs the top-k of a full layer before it: pass reuse_topk")
+            topk = reuse_topk
+        else:
+            if proj.index_q_fp8 is None or proj.index_weights is None or index_k_fp8 is None or index_k_scale is None:
+                raise ValueError("a full layer attends with its indexer: the projection and the view need indexer q / K")
+            topk = self.ops.indexer_topk(
+                proj.index_q_fp8, proj.index_weights, index_k_fp8, index_k_scale, key_start, key_end, cfg.index_topk,
+                host_bounds=host_bounds,
+            )
         w_uv = self.wkv_b.weight.view(cfg.n_heads, -1, cfg.kv_lora_rank)[:, cfg.qk_nope_head_dim :]  # [H, v, c]
         o_latent, _ = self.ops.sparse_mla_attention(  # [T, H, c], stored in the weights' dtype (no fp32 buffer)
             proj.q.to(kv_view.dtype), kv_view, topk, cfg.softmax_scale, cfg.kv_lora_rank, out_dtype=w_uv.dtype

@@ -18,32 +18,44 @@ from reference_impl.model.attention import DSAAttention, Projection
 
 @dataclass
 class LayerCache:
-    """Dense cache of one request for one layer, in the KV byte layouts."""
+    """Dense cache of one request for one layer, in the KV byte layouts.
+
+    ``with_index=False`` (an IndexShare shared layer): no indexer K is kept; ``index_fp8`` and
+    ``index_scale`` stay empty.
+    """
 
     layout: KVLayout
     mla_rows: torch.Tensor  # uint8 [N, layout.mla_bytes]
-    index_fp8: torch.Tensor  # float8_e4m3fn [N, D]
+    index_fp8: torch.Tensor  # float8_e4m3fn [N, D] ([0, D] without index K)
     index_scale: torch.Tensor  # float32 [N]
+    with_index: bool = True
 
     @classmethod
-    def empty(cls, layout: KVLayout, device: torch.device | str) -> "LayerCache":
+    def empty(cls, layout: KVLayout, device: torch.device | str, with_index: bool = True) -> "LayerCache":
         d = layout.index_head_dim
         return cls(
             layout,
             torch.empty(0, layout.mla_bytes, dtype=torch.uint8, device=device),
             torch.empty(0, d, dtype=torch.float8_e4m3fn, device=device),
             torch.empty(0, dtype=torch.float32, device=device),
+            with_index,
         )
 
     def __len__(self) -> int:
         return int(self.mla_rows.shape[0])
 
     def append(self, proj: Projection) -> None:
-        """Quantize and append the projected tokens' KV and index K."""
-        k_fp8, k_scale = self.layout.quantize_index_k(proj.index_k)
+        """Quantize and append the projected tokens' KV and (on a layer that keeps it) index K."""
+        if (proj.index_k is not None) != self.with_index:
+            raise ValueError(
+                f"a cache {'with' if self.with_index else 'without'} index K gets a projection "
+                f"{'without' if proj.index_k is None else 'with'} one (IndexShare pattern mismatch)"
+            )
         self.mla_rows = torch.cat([self.mla_rows, self.layout.pack_mla(proj.kv)])
-        self.index_fp8 = torch.cat([self.index_fp8, k_fp8])
-        self.index_scale = torch.cat([self.index_scale, k_scale])
+        if proj.index_k is not None:
+            k_fp8, k_scale = self.layout.quantize_index_k(proj.index_k)
+            self.index_fp8 = torch.cat([self.index_fp8, k_fp8])
+            self.index_scale = torch.cat([self.index_scale, k_scale])
 
     def kv_view(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """The full view of this request: dequantized ``[N, kv_lora + rope]`` in ``dtype`` (bf16, as the engine's)."""
@@ -52,12 +64,14 @@ class LayerCache:
 
 @torch.no_grad()
 def attention_forward(
-    attn: DSAAttention, x: torch.Tensor, start_pos: int, cache: LayerCache, view_dtype: torch.dtype = torch.bfloat16
+    attn: DSAAttention, x: torch.Tensor, start_pos: int, cache: LayerCache, view_dtype: torch.dtype = torch.bfloat16,
+    reuse_topk: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Projection]:
     """The single-device call: one request's tokens ``x [T, dim]`` at ``start_pos`` against ``cache``.
 
     ``cache`` must hold exactly the request's first ``start_pos`` tokens; this call appends the
     ``T`` new ones. Returns ``(out [T, dim], topk [T, K] int32 positions in the request, projection)``.
+    ``reuse_topk``: on an IndexShare shared layer, the same tokens' top-k of the full layer before it.
     """
     if len(cache) != start_pos:
         raise ValueError(f"cache holds {len(cache)} tokens but start_pos is {start_pos}")
@@ -65,5 +79,8 @@ def attention_forward(
     proj = attn.project(x, positions)
     cache.append(proj)
     key_start = torch.zeros_like(positions)
-    out, topk = attn.attend(proj, cache.kv_view(view_dtype), cache.index_fp8, cache.index_scale, key_start, positions + 1)
+    index_fp8, index_scale = (cache.index_fp8, cache.index_scale) if cache.with_index else (None, None)
+    out, topk = attn.attend(
+        proj, cache.kv_view(view_dtype), index_fp8, index_scale, key_start, positions + 1, reuse_topk=reuse_topk
+    )
     return out, topk, proj

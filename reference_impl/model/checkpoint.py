@@ -4,9 +4,19 @@ The model's parameters carry DeepSeek's inference-code names (``wq_a``, ``wkv_a`
 Face checkpoints of both models use the transformers names below, under ``model.layers.{i}.``.
 :func:`load_hf_weights` maps one onto the other, reads only the tensors it needs (one
 ``.safetensors`` file, a sharded checkpoint directory with ``model.safetensors.index.json``, or a
-name -> tensor mapping), dequantizes FP8 weights stored with a ``weight_scale_inv`` companion
-(128 x 128 blocks, DeepSeek's checkpoint format) and copies them into the model. The MoE / MLP half
+name -> tensor mapping), dequantizes FP8 weights and copies them into the model. The MoE / MLP half
 of a block is not part of this model and is ignored.
+
+FP8 weights. The shipped FP8 checkpoints store an e4m3 weight ``<name>.weight`` with its inverse
+block scales ``<name>.weight_scale_inv`` (one float32 per 128 x 128 block): DeepSeek-V3.2
+(``inference/convert.py`` and ``model.py``'s ``Linear.scale``), GLM-5-FP8 and GLM-5.2-FP8
+(``quantization_config = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}``,
+the format transformers' fine-grained FP8 loader reads as ``weight_scale_inv``). An FP8 tensor
+without that companion is refused by name, never taken unscaled; so is a scale beside a tensor that
+is not FP8.
+
+IndexShare: a shared layer has no indexer (:mod:`reference_impl.index_share`), so neither the model
+nor the checkpoint holds its ``indexer.*`` tensors; only the parameters the model has are read.
 """
 
 from __future__ import annotations
@@ -38,7 +48,8 @@ HF_LAYER_NAMES: dict[str, str] = {
 # The final norm and the LM head, loaded with ``head=True``.
 HF_HEAD_NAMES: dict[str, str] = {"norm.weight": "model.norm.weight", "head.weight": "lm_head.weight"}
 FP8_BLOCK = 128  # DeepSeek's FP8 weights: one float32 inverse scale per 128 x 128 block
-SCALE_SUFFIX = "_scale_inv"
+SCALE_SUFFIX = "_scale_inv"  # ``<name>.weight`` -> ``<name>.weight_scale_inv``
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 
 
 def hf_names(n_layers: int, first_layer: int = 0, head: bool = False) -> dict[str, str]:
@@ -113,19 +124,33 @@ def load_hf_weights(
     ``lm_head``). Returns our name -> the checkpoint name each parameter was loaded from.
     ``names`` replaces the DSA name map (another model's: :mod:`reference_impl.model.v4.checkpoint`).
 
-    Raises :class:`~reference_impl.errors.ConfigError` naming the first missing tensor or the first
-    shape that does not fit, before any parameter is changed.
+    Raises :class:`~reference_impl.errors.ConfigError` naming the first missing tensor, the first
+    FP8 tensor without its ``weight_scale_inv`` (or scale without an FP8 tensor), or the first shape
+    that does not fit, before any parameter is changed.
     """
     get, where = _reader(source)
     params = dict(model.named_parameters())
     n_layers = len(getattr(model, "layers"))
-    names = dict(names) if names is not None else hf_names(n_layers, first_layer, head)
+    # IndexShare's shared layers have no indexer parameters (and their checkpoints no such tensors).
+    names = dict(names) if names is not None else {
+        ours: theirs for ours, theirs in hf_names(n_layers, first_layer, head).items() if ours in params
+    }
     loaded: dict[str, torch.Tensor] = {}
     for ours, theirs in names.items():
         tensor = get(theirs)
         if tensor is None:
             raise ConfigError(f"{where} has no tensor {theirs!r} (for {ours})")
         scale = get(theirs + SCALE_SUFFIX) if theirs.endswith(".weight") else None  # e.g. q_a_proj.weight_scale_inv
+        if tensor.dtype in FP8_DTYPES and scale is None:
+            raise ConfigError(
+                f"{where}: {theirs} is {str(tensor.dtype).removeprefix('torch.')} but has no scale "
+                f"{theirs + SCALE_SUFFIX!r}: an FP8 weight is not loaded unscaled"
+            )
+        if scale is not None and tensor.dtype not in FP8_DTYPES:
+            raise ConfigError(
+                f"{where}: {theirs} is {str(tensor.dtype).removeprefix('torch.')}, not FP8, yet has a scale "
+                f"{theirs + SCALE_SUFFIX!r}: which one is meant?"
+            )
         if scale is not None:
             tensor = dequantize_fp8_weight(tensor, scale)
         if tuple(tensor.shape) != tuple(params[ours].shape):

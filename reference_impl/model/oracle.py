@@ -27,12 +27,13 @@ from reference_impl.presets import ModelConfig
 
 
 class DSABlock(nn.Module):
-    """``h + attn(attn_norm(h))``; the attention's parameters sit under ``attn.``."""
+    """``h + attn(attn_norm(h))``; the attention's parameters sit under ``attn.``
+    (``indexer=False``: an IndexShare shared layer, with no indexer)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, ops: ComputeOps = TORCH_OPS) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, ops: ComputeOps = TORCH_OPS, indexer: bool = True) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, ops)
-        self.attn = DSAAttention(cfg, dtype, ops)
+        self.attn = DSAAttention(cfg, dtype, ops, indexer=indexer)
 
 
 class DSAModel(nn.Module):
@@ -40,13 +41,15 @@ class DSAModel(nn.Module):
 
     ``ops`` computes the indexer top-k and the sparse attention: the torch references by default
     (:data:`~reference_impl.model.sparse_attention.TORCH_OPS`), the kernels with
-    :data:`~reference_impl.kernels.dispatch.KERNEL_OPS`.
+    :data:`~reference_impl.kernels.dispatch.KERNEL_OPS`. The layers that IndexShare marks shared
+    (``cfg.index_share``) have no indexer and reuse the top-k of the full layer before them.
     """
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, ops: ComputeOps = TORCH_OPS) -> None:
         super().__init__()
         self.cfg = cfg
-        self.layers = nn.ModuleList(DSABlock(cfg, dtype, ops) for _ in range(cfg.n_layers))
+        share = cfg.index_share
+        self.layers = nn.ModuleList(DSABlock(cfg, dtype, ops, share.is_full(i)) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, ops)
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False, dtype=dtype)
 
@@ -87,11 +90,16 @@ class OracleResult:
     caches: list[list[LayerCache]]  # [layer][request]: dense cache of prefix + extend tokens
     projections: list[list[Projection]] = field(default_factory=list)  # [layer][request], extend part
 
+    index_source: list[int] = field(default_factory=list)  # [layer]: the full layer whose top-k it uses
+
     def index_scores(self, layer: int, request: int, row: int) -> torch.Tensor:
-        """Index scores of extend row ``row`` of ``request`` at ``layer`` over its visible keys."""
+        """Index scores of extend row ``row`` of ``request`` at ``layer`` over its visible keys
+        (an IndexShare shared layer's are those of the full layer whose top-k it reuses)."""
         from reference_impl.model.sparse_attention import indexer_scores
 
+        layer = self.index_source[layer] if self.index_source else layer
         proj, cache = self.projections[layer][request], self.caches[layer][request]
+        assert proj.index_q_fp8 is not None and proj.index_weights is not None
         return indexer_scores(
             proj.index_q_fp8[row : row + 1], proj.index_weights[row : row + 1], cache.index_fp8, cache.index_scale
         )[0]
@@ -120,7 +128,8 @@ def run_oracle(
     cfg = model.cfg
     layout = KVLayout.from_config(cfg, kv_dtype, page_size)
     device = inputs[0].device
-    caches = [[LayerCache.empty(layout, device) for _ in inputs] for _ in model.layers]
+    share = cfg.index_share  # IndexShare: shared layers keep no index K and reuse a full layer's top-k
+    caches = [[LayerCache.empty(layout, device, share.is_full(layer)) for _ in inputs] for layer in range(len(model.layers))]
     hidden, topks, projs = [], [[] for _ in model.layers], [[] for _ in model.layers]
     for req, (x_all, prefix) in enumerate(zip(inputs, prefix_lens)):
         spans = chunk_spans(prefix, x_all.shape[0], chunk_size)
@@ -131,8 +140,11 @@ def run_oracle(
             if stop == start:
                 continue
             h = x_all[start:stop]
+            topk = None
             for layer, block in enumerate(model.layers):
-                out, topk, proj = attention_forward(block.attn, block.attn_norm(h), start, caches[layer][req], view_dtype)
+                out, topk, proj = attention_forward(
+                    block.attn, block.attn_norm(h), start, caches[layer][req], view_dtype, reuse_topk=topk
+                )
                 h = h + out
                 if start >= prefix:
                     outs[layer].append(topk)
@@ -143,7 +155,7 @@ def run_oracle(
             topks[layer].append(torch.cat([_pad_topk(t, model.cfg.index_topk) for t in outs[layer]]))
             projs[layer].append(_cat_projections(proj_parts[layer]))
         hidden.append(torch.cat(hs))
-    return OracleResult(hidden, topks, caches, projs)
+    return OracleResult(hidden, topks, caches, projs, [share.source(layer) for layer in range(len(model.layers))])
 
 
 def chunk_spans(prefix: int, total: int, chunk_size: int | None) -> list[tuple[int, int]]:
@@ -163,4 +175,9 @@ def _pad_topk(topk: torch.Tensor, k: int) -> torch.Tensor:
 def _cat_projections(parts: list[Projection]) -> Projection:
     if len(parts) == 1:
         return parts[0]
-    return Projection(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "kv", "index_q_fp8", "index_weights", "index_k")))
+
+    def cat(name: str) -> torch.Tensor | None:
+        values = [getattr(p, name) for p in parts]
+        return None if values[0] is None else torch.cat(values)
+
+    return Projection(*(cat(f) for f in ("q", "kv", "index_q_fp8", "index_weights", "index_k")))  # type: ignore[arg-type]

@@ -120,14 +120,15 @@ def topk_ms(rates: PlannerRates, t_local: int, context: int) -> float:
     return rates.topk_ms * (t_local * context) / (rates.topk_ref_queries * rates.topk_ref_keys)
 
 
-def projection_macs(cfg: ModelConfig) -> dict[str, int]:
+def projection_macs(cfg: ModelConfig, indexer: bool = True) -> dict[str, int]:
     """Multiply-adds per token of each linear map of the attention slice (DeepSeek-V3.2 names).
 
     ``wkv_b`` runs absorbed: ``q_nope`` (``H x nope``) into the latent (``H x nope x kv_lora``) and
     the attention output back (``H x kv_lora x v``). V3.2 sums to 201,064,448 per token.
+    ``indexer=False``: an IndexShare shared layer, without the indexer's three maps.
     """
     h, c = cfg.n_heads, cfg.kv_lora_rank
-    return {
+    macs = {
         "wq_a": cfg.dim * cfg.q_lora_rank,
         "wq_b": cfg.q_lora_rank * h * cfg.qk_head_dim,
         "wkv_a": cfg.dim * cfg.kv_width,
@@ -138,11 +139,12 @@ def projection_macs(cfg: ModelConfig) -> dict[str, int]:
         "indexer.wk": cfg.dim * cfg.index_head_dim,
         "indexer.weights_proj": cfg.dim * cfg.index_n_heads,
     }
+    return macs if indexer else {k: v for k, v in macs.items() if not k.startswith("indexer.")}
 
 
-def projection_flops(cfg: ModelConfig, t_local: int) -> float:
+def projection_flops(cfg: ModelConfig, t_local: int, indexer: bool = True) -> float:
     """GEMM FLOPs for ``T_local`` tokens: ``2 x T_local x sum(projection_macs)``."""
-    return 2.0 * t_local * sum(projection_macs(cfg).values())
+    return 2.0 * t_local * sum(projection_macs(cfg, indexer).values())
 
 
 # --------------------------------------------------------------------------------------------
@@ -150,14 +152,15 @@ def projection_flops(cfg: ModelConfig, t_local: int) -> float:
 # --------------------------------------------------------------------------------------------
 
 
-def gather_row_bytes(cfg: ModelConfig) -> int:
-    """Bytes of one token in all-gather #1: ``(576 + 128) x 2 = 1408`` (bf16)."""
-    return (cfg.kv_width + cfg.index_head_dim) * ACT_BYTES
+def gather_row_bytes(cfg: ModelConfig, indexer: bool = True) -> int:
+    """Bytes of one token in all-gather #1: ``(576 + 128) x 2 = 1408`` (bf16); ``576 x 2`` on an
+    IndexShare shared layer (``indexer=False``), which gathers no index K."""
+    return (cfg.kv_width + (cfg.index_head_dim if indexer else 0)) * ACT_BYTES
 
 
-def allgather1_bytes(cfg: ModelConfig, cp_size: int, t_pad: int) -> int:
+def allgather1_bytes(cfg: ModelConfig, cp_size: int, t_pad: int, indexer: bool = True) -> int:
     """Bytes one rank receives in all-gather #1: ``(C - 1) x T_pad x 1408`` (every slot padded to ``T_pad``)."""
-    return (cp_size - 1) * t_pad * gather_row_bytes(cfg)
+    return (cp_size - 1) * t_pad * gather_row_bytes(cfg, indexer)
 
 
 def rerange_bytes(cfg: ModelConfig, tokens: int) -> tuple[int, int]:
@@ -173,16 +176,20 @@ def store_bytes(cfg: ModelConfig, layout: KVLayout, rows: int) -> tuple[int, int
     return rows * (cfg.kv_width * ACT_BYTES + layout.mla_bytes), rows * (cfg.index_head_dim * ACT_BYTES + layout.index_bytes)
 
 
-def fill_bytes(cfg: ModelConfig, layout: KVLayout, rows: int) -> int:
+def fill_bytes(cfg: ModelConfig, layout: KVLayout, rows: int, indexer: bool = True) -> int:
     """Bytes of phase 7's fused current-rows fill of ``rows`` view rows, as ``bench.glue`` counts them:
-    the gathered bf16 row and index K and the row id read, the bf16 view row, FP8 index K and scale written."""
-    return rows * (cfg.kv_width * 2 + 128 * 2 + 8 + cfg.kv_width * 2 + layout.index_bytes)
+    the gathered bf16 row and index K and the row id read, the bf16 view row, FP8 index K and scale
+    written (the index K parts not on an IndexShare shared layer)."""
+    index = 128 * 2 + layout.index_bytes if indexer else 0
+    return rows * (cfg.kv_width * 2 + 8 + cfg.kv_width * 2 + index)
 
 
-def view_bytes(cfg: ModelConfig, layout: KVLayout, rows: int) -> int:
+def view_bytes(cfg: ModelConfig, layout: KVLayout, rows: int, indexer: bool = True) -> int:
     """Bytes of building ``rows`` full-view rows from cache bytes: ``rows x (656 + 132 + 1152 + 132)`` in FP8
-    (packed MLA and index read, bf16 view and index written), as ``materialize_fp8`` is benchmarked."""
-    return rows * (layout.mla_bytes + layout.index_bytes + cfg.kv_width * 2 + layout.index_bytes)
+    (packed MLA and index read, bf16 view and index written), as ``materialize_fp8`` is benchmarked
+    (without the index K parts on an IndexShare shared layer)."""
+    index = 2 * layout.index_bytes if indexer else 0
+    return rows * (layout.mla_bytes + cfg.kv_width * 2 + index)
 
 
 def materialize_comm_bytes(
@@ -261,13 +268,15 @@ def compute_terms(cfg: ModelConfig, rates: PlannerRates, t_local: int, context: 
 
 def layer_terms(
     cfg: ModelConfig, rates: PlannerRates, cp_size: int, context: int, level: int, rank: int,
-    kv_dtype: KVDtype = "fp8", page_size: int = 64, split_mode: str = "in-seq",
+    kv_dtype: KVDtype = "fp8", page_size: int = 64, split_mode: str = "in-seq", indexer: bool = True,
 ) -> dict[str, float]:
     """Milliseconds of each part of one layer on ``rank`` at phase ``level`` (see the module docstring).
 
     ``split_mode="round-robin"``: rank ``r`` computes positions ``t = r (mod C)`` and, with the KV
     sharded at interleave 1 (level >= 2), writes them directly; its level ``k`` runs phases
-    ``1..k`` without 4 and 5.
+    ``1..k`` without 4 and 5. ``indexer=False``: an IndexShare shared layer, which projects,
+    gathers, stores and materializes no indexer K and computes no logits or top-k (its elementwise
+    term keeps the full layer's rate: an overestimate).
     """
     layout = KVLayout.from_config(cfg, kv_dtype, page_size)
     round_robin = split_mode == "round-robin"
@@ -284,10 +293,11 @@ def layer_terms(
     fused, sharded = level >= 7, level >= 2
     direct = sharded and (round_robin or level >= 5)
     terms = {
-        **compute_terms(cfg, rates, t_local, context, n_visible),
-        "allgather1": ms_for_bytes(allgather1_bytes(cfg, cp_size, t_pad), rates.interconnect_gbps),
+        **compute_terms(cfg, rates, t_local, context, n_visible, indexer),
+        "allgather1": ms_for_bytes(allgather1_bytes(cfg, cp_size, t_pad, indexer), rates.interconnect_gbps),
     }
     kv_b, index_b = rerange_bytes(cfg, context)
+    index_b = index_b if indexer else 0
     terms["rerange"] = ms_for_bytes(kv_b, rates.gbps("rerange_kv", fused)) + ms_for_bytes(
         index_b, rates.gbps("rerange_index", fused)
     )
@@ -296,7 +306,8 @@ def layer_terms(
     # >= 5, round-robin level >= 2).
     rows = context if not sharded else t_local if direct else owned_tokens(context, rank, cp_size, page_size)
     mla_b, index_b = store_bytes(cfg, layout, rows)
-    terms["select"] = ms_for_bytes(rows * gather_row_bytes(cfg) * 2, rates.copy_gbps) if sharded and not direct else 0.0
+    index_b = index_b if indexer else 0
+    terms["select"] = ms_for_bytes(rows * gather_row_bytes(cfg, indexer) * 2, rates.copy_gbps) if sharded and not direct else 0.0
     terms["store"] = ms_for_bytes(mla_b, rates.gbps(f"store_mla_{kv_dtype}", fused)) + ms_for_bytes(
         index_b, rates.gbps("store_index", fused)
     )
@@ -307,27 +318,43 @@ def layer_terms(
         terms["remap"] = 2 * rates.remap_sort_ms * remap_scale
     else:
         terms["remap"] = rates.remap_page_inverse_ms * remap_scale / cfg.n_layers
-    one_page = page_bytes(cfg, kv_dtype, page_size)
+    one_page = page_bytes(cfg, kv_dtype, page_size, index=indexer)
     comm = materialize_comm_bytes(context, cp_size, page_size, one_page, 1 if round_robin else None) if level == 2 else 0
     terms["materialize_comm"] = ms_for_bytes(comm, rates.interconnect_gbps)
     # The view's S rows come from the local replica (levels 0-1), gathered pages (level 2) or the
     # gathered chunk (level >= 3, fill_current), on the torch path below level 7; from level 7 phase
     # 7's fused current-rows fill writes them (a current-only batch has no history pages).
     if fused:
-        terms["full_view"] = ms_for_bytes(fill_bytes(cfg, layout, context), rates.fill_current_fused_gbps)
+        terms["full_view"] = ms_for_bytes(fill_bytes(cfg, layout, context, indexer), rates.fill_current_fused_gbps)
     else:
-        terms["full_view"] = ms_for_bytes(view_bytes(cfg, layout, context), rates.gbps("materialize", fused=False))
+        terms["full_view"] = ms_for_bytes(view_bytes(cfg, layout, context, indexer), rates.gbps("materialize", fused=False))
     return terms
+
+
+def mean_layer_terms(
+    cfg: ModelConfig, rates: PlannerRates, cp_size: int, context: int, level: int, rank: int,
+    kv_dtype: KVDtype = "fp8", page_size: int = 64, split_mode: str = "in-seq",
+) -> dict[str, float]:
+    """:func:`layer_terms` averaged over the model's layers: IndexShare's full and shared layers
+    weighted by their counts (every layer full: the full layer's terms)."""
+    share = cfg.index_share
+    full = layer_terms(cfg, rates, cp_size, context, level, rank, kv_dtype, page_size, split_mode)
+    if not share.shares:
+        return full
+    shared = layer_terms(cfg, rates, cp_size, context, level, rank, kv_dtype, page_size, split_mode, indexer=False)
+    n_full, n = share.n_full, share.n_layers
+    return {k: (n_full * full[k] + (n - n_full) * shared[k]) / n for k in full}
 
 
 def slowest_rank(
     cfg: ModelConfig, rates: PlannerRates, cp_size: int, context: int, level: int, kv_dtype: KVDtype = "fp8", page_size: int = 64,
     split_mode: str = "in-seq",
 ) -> tuple[int, dict[str, float]]:
-    """The rank with the longest layer and its terms (ties: the lowest rank)."""
+    """The rank with the longest layer (averaged over the model's layers, :func:`mean_layer_terms`)
+    and its terms (ties: the lowest rank)."""
     best: tuple[int, dict[str, float]] | None = None
     for rank in range(cp_size):
-        terms = layer_terms(cfg, rates, cp_size, context, level, rank, kv_dtype, page_size, split_mode)
+        terms = mean_layer_terms(cfg, rates, cp_size, context, level, rank, kv_dtype, page_size, split_mode)
         if best is None or sum(terms.values()) > sum(best[1].values()) + 1e-12:
             best = (rank, terms)
     assert best is not None

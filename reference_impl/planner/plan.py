@@ -12,10 +12,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from reference_impl.config import ConfigError, KVDtype, validate_page_size
-from reference_impl.cp.capacity import kv_bytes_per_rank, max_context_per_rank, page_bytes
+from reference_impl.cp.capacity import index_bytes_per_rank, kv_bytes_per_rank, max_context_per_rank, page_bytes
 from reference_impl.phases import IMPLEMENTED_PHASES, IN_SEQ_ONLY, PHASE_NAMES
 from reference_impl.planner.model import (
     activation_bytes,
+    layer_terms,
     local_queries,
     projection_macs,
     slowest_rank,
@@ -78,10 +79,13 @@ class PlannerConfig:
     kv_dtype: KVDtype = "fp8"
     page_size: int = 64
     split_mode: str = "in-seq"  # round-robin: KV sharded at interleave 1, no phases 4 and 5
+    # IndexShare: F / S per layer (reference_impl.index_share); None: the preset's pattern
+    index_topk_pattern: str | None = None
 
     def __post_init__(self) -> None:
         if is_v4(get_preset(self.preset)):
             raise ConfigError(f"{self.preset}: DeepSeek-V4's terms are in `python -m reference_impl.planner.v4 --preset {self.preset}`")
+        _ = self.model  # the pattern against the preset's layer count, by name
         if self.split_mode not in ("in-seq", "round-robin"):
             raise ConfigError(f"split_mode={self.split_mode!r}: use 'in-seq' or 'round-robin'")
         if self.cp_size < 1:
@@ -105,6 +109,12 @@ class PlannerConfig:
         small = [c for c in self.contexts if c < 2 * self.cp_size]
         if not self.contexts or small:
             raise ConfigError(f"contexts {small or '()'}: each needs at least 2C = {2 * self.cp_size} tokens")
+
+    @property
+    def model(self) -> ModelConfig:
+        """The preset, with ``index_topk_pattern`` when given."""
+        cfg = get_preset(self.preset)
+        return dataclasses.replace(cfg, index_topk_pattern=self.index_topk_pattern) if self.index_topk_pattern else cfg
 
     @property
     def reserved(self) -> float:
@@ -132,7 +142,8 @@ def plan_capacity(config: PlannerConfig, rates: PlannerRates) -> dict[str, Any]:
     within the budget), ``layer_ms`` with its ``terms_ms`` on ``slowest_rank``, and
     ``tail_ms_per_forward``.
     """
-    cfg, c, dt, ps = get_preset(config.preset), config.cp_size, config.kv_dtype, config.page_size
+    cfg, c, dt, ps = config.model, config.cp_size, config.kv_dtype, config.page_size
+    share = cfg.index_share
     mode = config.split_mode
     interleave = 1 if mode == "round-robin" else None  # round-robin shards at interleave 1
     budget = config.kv_budget_bytes
@@ -145,14 +156,21 @@ def plan_capacity(config: PlannerConfig, rates: PlannerRates) -> dict[str, Any]:
         for ctx in config.contexts:
             rank, terms = slowest_rank(cfg, rates, c, ctx, level, dt, ps, mode)
             kv = kv_bytes_per_rank(cfg, ctx, c, sharded, dt, ps, interleave=interleave)
+            index = index_bytes_per_rank(cfg, ctx, c, sharded, dt, ps, interleave=interleave)
             transient = transient_bytes(cfg, ctx, level, dt, ps, cp_size=c, interleave=interleave if sharded else None)
             t_local = local_queries(ctx, c, ps, level, rank, mode)
             points.append({
-                "context": ctx, "kv_bytes_per_rank": kv, "transient_bytes_per_layer": transient,
+                "context": ctx, "kv_bytes_per_rank": kv, "index_bytes_per_rank": index,
+                "transient_bytes_per_layer": transient,
                 "activation_bytes_per_layer": activation_bytes(cfg, t_local, ctx),
                 "fits": kv + transient <= budget, "layer_ms": sum(terms.values()), "slowest_rank": rank,
                 "terms_ms": terms, "tail_ms_per_forward": tail_ms(cfg, rates, c, ctx, level, ps),
             })
+            if share.shares:  # IndexShare: layer_ms is the mean over the layers; each kind apart
+                points[-1]["layer_ms_by_kind"] = {
+                    kind: sum(layer_terms(cfg, rates, c, ctx, level, rank, dt, ps, mode, indexer=full).values())
+                    for kind, full in (("full", True), ("shared", False))
+                }
         levels.append({
             "level": level, "adds": PHASE_NAMES.get(level, "baseline"), "status": level_status(level),
             "kv_at_rest": "sharded" if sharded else "replicated",
@@ -161,6 +179,7 @@ def plan_capacity(config: PlannerConfig, rates: PlannerRates) -> dict[str, Any]:
     return {
         "inputs": {**dataclasses.asdict(config), "reserved_gib": None if config.kv_budget_fraction else config.reserved,
                    "kv_budget_bytes": budget, "budget_rule": config.budget_rule, "n_layers": cfg.n_layers,
+                   "index_layers": share.n_full, "index_pattern": share.pattern,
                    "page_bytes": page_bytes(cfg, dt, ps), "max_seq_len": cfg.max_seq_len},
         "rates": {k: {"value": v, "source": rates.sources[k]} for k, v in rates.values().items()},
         "scenario": f"one request of S tokens prefilled in one chunk (no prefix), {mode} split; slowest rank",

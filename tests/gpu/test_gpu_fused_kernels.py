@@ -86,11 +86,11 @@ def test_rerange_equals_torch(width: int) -> None:
     assert torch.equal(as_bytes(got), as_bytes(want)) and got.shape == (TOKENS, width)
 
 
-@pytest.mark.parametrize("kv_dtype", ["fp8", "bf16"])
-def test_materialize_equals_torch(kv_dtype: str) -> None:
+@pytest.mark.parametrize(("kv_dtype", "mla_scale_fmt"), [("fp8", "ue8m0"), ("fp8", "fp32"), ("bf16", "ue8m0")])
+def test_materialize_equals_torch(kv_dtype: str, mla_scale_fmt: str) -> None:
     from reference_impl.kernels.fused_materialize import materialize_mla_rows_triton, materialize_rows_triton
 
-    layout = KVLayout(512, 64, kv_dtype, PAGE)
+    layout = KVLayout(512, 64, kv_dtype, PAGE, mla_scale_fmt=mla_scale_fmt)
     n_pages = -(-TOKENS // PAGE)
     mla = torch.zeros(n_pages * PAGE, layout.mla_bytes, dtype=torch.uint8, device=DEVICE)
     index = torch.zeros(n_pages, layout.index_page_bytes, dtype=torch.uint8, device=DEVICE)
