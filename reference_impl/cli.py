@@ -90,7 +90,7 @@ def _choice_arg(validate: Callable[[str], str]) -> Callable[[str], str]:
         try:
             return validate(text)
         except ConfigError as exc:
-            raise argparse.ArgumentTypeError(str(exc).partition(": ")[2] or str(exc)) from None
+            raise argparse.ArgumentTypeError(f"{text!r}: {str(exc).partition(': ')[2] or exc}") from None
 
     return parse
 

@@ -269,6 +269,7 @@ class RunConfig:
         if self.chunk_size is not None and self.chunk_size < 1:
             raise ConfigError(f"chunk_size={self.chunk_size}: need at least one token per chunk")
         validate_scale_fmt(self.mla_scale_fmt)
+        self._check_v4_knobs()
         _ = self.model  # the indexer pattern against the layer count, by name
         self._check_batches()
         self.phases.check_implemented()
@@ -276,6 +277,19 @@ class RunConfig:
             raise ConfigError(
                 f"{self.preset}: several batches and shared prefixes (rN:P+E) are not wired to DeepSeek-V4's cache; run one batch"
             )
+
+    def _check_v4_knobs(self) -> None:
+        """The DSA-cache knobs a DeepSeek-V4 preset has no use for are refused by name, not ignored."""
+        if not is_v4(get_preset(self.preset)):
+            return
+        if self.mla_scale_fmt != "ue8m0":
+            raise ConfigError(f"mla_scale_fmt={self.mla_scale_fmt}: {self.preset}'s FP8 entries keep power-of-two "
+                              "scales (ue8m0) as FlashMLA stores them; drop the flag")
+        if self.index_topk_pattern is not None:
+            raise ConfigError(f"index_topk_pattern: {self.preset} has no IndexShare (its layer types are set by "
+                              "compress_ratios); drop the flag")
+        if self.cpu_widths:
+            raise ConfigError(f"cpu_widths: {self.preset} has no CPU-width variant; use the tiny-v4 preset")
 
     def _check_design(self) -> None:
         """A competing KV design runs only beside the phases it does not replace (:data:`DESIGN_PHASES`)."""
@@ -379,6 +393,8 @@ class RunConfig:
         ``cpu_widths``, tiny's widths)."""
         cfg = get_preset(self.preset)
         cfg = cfg.with_layers(self.n_layers) if self.n_layers is not None else cfg
+        if is_v4(cfg):  # its own cache format and no IndexShare (refused by name in _check_v4_knobs)
+            return cfg
         cfg = at_cpu_widths(cfg) if self.cpu_widths else cfg
         return dataclasses.replace(
             cfg, mla_scale_fmt=self.mla_scale_fmt, index_topk_pattern=self.index_topk_pattern or cfg.index_topk_pattern

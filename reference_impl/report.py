@@ -98,7 +98,7 @@ def build_report(
             "compute_dtype": str(compute_dtype(run, device)).removeprefix("torch."),
             "seed": run.seed,
             "mla_scale_fmt": run.mla_scale_fmt,
-            "index_topk_pattern": run.model.index_share.pattern,
+            "index_topk_pattern": None if is_v4(run.model) else run.model.index_share.pattern,
             "cpu_widths": run.cpu_widths,
             "chunk_size": run.chunk_size,
             "chunks": results[0].timings.get("chunks", 1),

@@ -4,6 +4,7 @@ CPU-sized real presets; one name each across config field, flag and ``DSACP_*`` 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -14,9 +15,9 @@ from reference_impl.config import knob_names
 KNOBS = ("mla_scale_fmt", "index_topk_pattern", "cpu_widths")
 
 BAD_INPUT = [
-    (["run", "--mla-scale-fmt", "e8m0"], {}, "--mla-scale-fmt: 'e8m0': use ue8m0 or fp32"),
-    (["run"], {"DSACP_MLA_SCALE_FMT": ""}, "DSACP_MLA_SCALE_FMT: '': use ue8m0 or fp32"),
-    (["run"], {"DSACP_MLA_SCALE_FMT": "UE8M0"}, "DSACP_MLA_SCALE_FMT: 'UE8M0': use ue8m0 or fp32"),
+    (["run", "--mla-scale-fmt", "e8m0"], {}, "--mla-scale-fmt: 'e8m0': use one of ue8m0, fp32"),
+    (["run"], {"DSACP_MLA_SCALE_FMT": ""}, "DSACP_MLA_SCALE_FMT: '': use one of ue8m0, fp32"),
+    (["run"], {"DSACP_MLA_SCALE_FMT": "UE8M0"}, "DSACP_MLA_SCALE_FMT: 'UE8M0': use one of ue8m0, fp32"),
     (["run", "--index-topk-pattern", "SF"], {}, "layer 0 is shared"),
     (["run", "--n-layers", "3", "--index-topk-pattern", "FS"], {}, "has 2 letters for 3 layers"),
     (["run"], {"DSACP_INDEX_TOPK_PATTERN": "FQ"}, "found 'Q'"),
@@ -70,3 +71,15 @@ def test_setup_installs_the_pinned_transformers_and_keeps_an_installed_5x(monkey
     for installed, kept in (("5.17.0", True), ("5.25.0", True), ("4.57.1", False), (None, False)):
         monkeypatch.setattr(ensure_deps, "installed_version", lambda name, v=installed: None if v is None else Version(v))
         assert ensure_deps.satisfied(Requirement(pin)) is kept, installed
+
+
+@pytest.mark.parametrize(("change", "words"), [
+    ({"mla_scale_fmt": "fp32"}, "mla_scale_fmt=fp32: tiny-v4's FP8 entries keep power-of-two scales"),
+    ({"index_topk_pattern": "FS"}, "index_topk_pattern: tiny-v4 has no IndexShare"),
+    ({"cpu_widths": True}, "cpu_widths: tiny-v4 has no CPU-width variant"),
+])
+def test_deepseek_v4_refuses_the_dsa_cache_knobs_by_name(change: dict, words: str) -> None:
+    from reference_impl.config import ConfigError, Request, RunConfig
+
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        RunConfig(requests=(Request(0, 40),), cp_size=2, preset="tiny-v4", **change)

@@ -253,13 +253,16 @@ def activation_bytes(cfg: ModelConfig, t_local: int, context: int, act_bytes: in
 # --------------------------------------------------------------------------------------------
 
 
-def compute_terms(cfg: ModelConfig, rates: PlannerRates, t_local: int, context: int, n_visible: int) -> dict[str, float]:
+def compute_terms(
+    cfg: ModelConfig, rates: PlannerRates, t_local: int, context: int, n_visible: int, indexer: bool = True
+) -> dict[str, float]:
     """Milliseconds of a layer's compute on a rank: ``t_local`` queries over ``context`` keys, ``n_visible``
-    causal (query, key) pairs for the indexer; what every phase level and KV design shares."""
+    causal (query, key) pairs for the indexer; what every phase level and KV design shares. An IndexShare
+    shared layer (``indexer=False``) projects no indexer query or key and runs no logits or top-k."""
     return {
-        "projections": ms_for_flops(projection_flops(cfg, t_local), rates.matmul_tflops),
-        "indexer_logits": ms_for_flops(indexer_flops(cfg, n_visible), rates.indexer_logits_tflops),
-        "indexer_topk": topk_ms(rates, t_local, context),
+        "projections": ms_for_flops(projection_flops(cfg, t_local, indexer), rates.matmul_tflops),
+        "indexer_logits": ms_for_flops(indexer_flops(cfg, n_visible), rates.indexer_logits_tflops) if indexer else 0.0,
+        "indexer_topk": topk_ms(rates, t_local, context) if indexer else 0.0,
         "attention": ms_for_flops(attention_flops(cfg, t_local, context), rates.attention_tflops),
         # Norms, RoPE, casts, quantization, copies of the rank's tokens (planner.elementwise).
         "elementwise": rates.elementwise_us_per_token * t_local / 1e3,
