@@ -222,21 +222,21 @@ def activation_bytes(cfg: ModelConfig, t_local: int, context: int, act_bytes: in
 
     Live through the layer: the residual ``x``, the projections (``q [T, H, 576]``, ``kv``, index
     K, FP8 index q and head weights) and the top-k result ``[T, K]`` int32. Then the larger of two
-    phases: the indexer's fp32 logits of one row chunk ``[rows, S]`` (rows sized to stay under
-    1 GiB, as ``indexer_topk_triton`` does) with the selection kernel's candidate slots
-    (:func:`reference_impl.kernels.topk_select.workspace_bytes`), or the attention's output
-    ``[T, H, 512]``, the ``[T, H, 128]`` value product and the output projection's ``[T, dim]``.
-    ``scripts/memory_peak.py`` lists what is alive at the measured peak: these tensors.
+    phases: the indexer's tile (:func:`reference_impl.kernels.indexer_triton.indexer_tile_bytes`:
+    one row chunk's fp32 logits buffer under 1 GiB, at most ``131072 + K`` columns however long the
+    context, the selection kernel's candidate slots and, past one tile, the running top-k), or the
+    attention's output ``[T, H, 512]``, the ``[T, H, 128]`` value product and the output
+    projection's ``[T, dim]``. ``scripts/memory_peak.py`` lists what is alive at the measured peak:
+    these tensors.
     """
-    from reference_impl.kernels.topk_select import workspace_bytes
+    from reference_impl.kernels.indexer_triton import indexer_tile_bytes
 
     h, hi, k = cfg.n_heads, cfg.index_n_heads, cfg.index_topk
     live = t_local * (
         cfg.dim * act_bytes + h * cfg.kv_width * act_bytes + (cfg.kv_width + cfg.index_head_dim) * act_bytes
         + hi * cfg.index_head_dim + hi * 4 + k * 4
     )
-    rows = min(t_local, max(1, (1 << 30) // (max(context, 1) * 4)))
-    indexer = rows * context * 4 + workspace_bytes(rows, context, k)
+    indexer = indexer_tile_bytes(t_local, context, k)
     attention = t_local * (h * cfg.kv_lora_rank + h * cfg.v_head_dim + cfg.dim) * act_bytes
     return live + max(indexer, attention)
 
