@@ -173,7 +173,7 @@ def test_streamed_indexer_topk_selects_what_one_pass_selects() -> None:
     """Keys streamed in tiles (the running top-k in the selection's buffer, right to left) give the
     one-pass selection's keys exactly, at DeepSeek widths over 300K keys, with and without ties; the
     streamed buffer is the tile's, not the context's."""
-    from reference_impl.kernels.indexer_triton import indexer_topk_triton, indexer_tile_bytes
+    from reference_impl.kernels.indexer_triton import indexer_logits_triton, indexer_tile_bytes, indexer_topk_triton
     from reference_impl.kernels.topk_select import topk_select_reference
 
     q, w, k, ks, start, end = _indexer_case(128, 300_000, 4)
@@ -185,8 +185,9 @@ def test_streamed_indexer_topk_selects_what_one_pass_selects() -> None:
     ties = q.clone()
     ties[:, :, 1:] = 0  # scores from one coordinate: many keys tie
     rows = slice(60, 68)
-    logits = ref.indexer_scores(ties[rows], w[rows], k, ks)
-    want = topk_select_reference(logits, start[rows], end[rows], 2048)
+    logits = indexer_logits_triton(ties[rows], w[rows], k, ks, start[rows], end[rows], 0, 300_000)
+    assert logits[0].isfinite().sum() > logits[0][logits[0].isfinite()].unique().numel()  # ties
+    want = topk_select_reference(logits, start[rows], end[rows], 2048)  # the kernel's own scores, one pass
     got = indexer_topk_triton(ties[rows], w[rows], k, ks, start[rows], end[rows], 2048, selector="triton", key_tile=32768)
     assert torch.equal(got, want)
     assert indexer_tile_bytes(16384, 1 << 20, 2048) == indexer_tile_bytes(16384, 1 << 22, 2048)
