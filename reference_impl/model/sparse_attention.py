@@ -26,7 +26,7 @@ from reference_impl.model.streaming_topk import NEG_INF, RunningTopK, key_tiles,
 
 
 def indexer_scores(
-    q_fp8: torch.Tensor,  # [T, Hi, D] float8_e4m3fn (Hadamard-rotated, quantized)
+    q_fp8: torch.Tensor,  # [T, Hi, D] float8_e4m3fn (Hadamard-rotated, quantized), or its float32 copy
     weights: torch.Tensor,  # [T, Hi] float32: weights_proj(x) * Hi^-0.5 * D^-0.5 * q_scale
     k_fp8: torch.Tensor,  # [S, D] float8_e4m3fn
     k_scale: torch.Tensor,  # [S] float32
@@ -69,7 +69,7 @@ def indexer_topk(
     rows_per_chunk: int = 0,
     host_bounds: HostKeyBounds | None = None,
     *,
-    key_tile: int = TORCH_KEY_TILE,
+    key_tile: int | None = None,
 ) -> torch.Tensor:
     """Top-``min(topk, visible)`` full-view rows per query by index score -> [T, topk] int32, -1 padded.
 
@@ -79,21 +79,24 @@ def indexer_topk(
     range without a device read, i.e. without a host sync; see :func:`chunk_key_range`.
 
     Memory is bounded by a tile, not by the context: the scores of ``rows_per_chunk`` rows over
-    ``key_tile`` keys at a time (``[rows, Hi, keys]`` fp32 under :data:`TORCH_TILE_BYTES` when
-    ``rows_per_chunk <= 0``), merged into a running top-k per row, exactly.
+    ``key_tile`` keys at a time (default :data:`TORCH_KEY_TILE`, read at the call; ``[rows, Hi, keys]``
+    fp32 under :data:`TORCH_TILE_BYTES` when ``rows_per_chunk <= 0``), merged into a running top-k
+    per row, exactly.
     """
     n_rows = q_fp8.shape[0]
     out = torch.full((n_rows, topk), -1, dtype=torch.int32, device=q_fp8.device)
     if n_rows == 0 or topk <= 0:
         return out
+    key_tile = TORCH_KEY_TILE if key_tile is None else key_tile
     tile_rows, key_tile = row_tile(int(k_fp8.shape[0]), q_fp8.shape[1] * 4, TORCH_TILE_BYTES, key_tile)
     rows_per_chunk = rows_per_chunk if rows_per_chunk > 0 else tile_rows
     for r0 in range(0, n_rows, rows_per_chunk):
         r1 = min(n_rows, r0 + rows_per_chunk)
         lo, hi = chunk_key_range(key_start, key_end, r0, r1, host_bounds)
         best = RunningTopK.empty(r1 - r0, topk, q_fp8.device)
+        q_rows = q_fp8[r0:r1].float()  # once per row chunk, not per tile
         for t0, t1 in key_tiles(lo, hi, key_tile):
-            scores = indexer_scores(q_fp8[r0:r1], weights[r0:r1], k_fp8[t0:t1], k_scale[t0:t1])
+            scores = indexer_scores(q_rows, weights[r0:r1], k_fp8[t0:t1], k_scale[t0:t1])
             cols = torch.arange(t0, t1, device=scores.device)
             visible = (cols >= key_start[r0:r1, None]) & (cols < key_end[r0:r1, None])
             best = best.merge(scores.masked_fill_(~visible, NEG_INF), t0)

@@ -35,12 +35,14 @@ def exact_topk_positions(values: torch.Tensor, k: int) -> torch.Tensor:
     k-th value broken by the lowest position, in ascending position order -> ``[R, min(k, N)]`` int64.
 
     ``torch.topk`` finds the k-th value (its choice among ties does not matter here); the keys
-    strictly above it are taken, then the first ``k - above`` keys equal to it by position.
+    strictly above it are taken, then the first ``k - above`` keys equal to it by position. A NaN
+    (a broken model's score) ranks as ``+inf``, so that every row still yields ``min(k, N)`` positions.
     """
     n_rows, n = values.shape
     kk = min(k, n)
     if kk == 0:
         return torch.empty(n_rows, 0, dtype=torch.long, device=values.device)
+    values = values.nan_to_num(nan=float("inf"), posinf=float("inf"), neginf=NEG_INF)
     kth = values.topk(kk, dim=1).values[:, -1:]  # [R, 1]
     above = values > kth
     tie = values == kth
