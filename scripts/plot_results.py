@@ -9,7 +9,11 @@ present) and writes two SVGs next to them:
   current-only size; and per-rank memory by level at the largest size (KV at rest, measured peak,
   planner peak);
 * ``prefetch.svg``: level 7 against level 8 per-layer time and the payload, for every prefix-heavy
-  run, with the hidden share by both measures.
+  run, with the hidden share by both measures;
+* ``long_context.svg``: one rank's layer time (the last chunk of a chunked prefill) and its
+  transient memory against the context, per level, measured beside the planner, from
+  ``long_context_h200.json``; the planner alone, labelled modeled, from ``long_context_modeled.json``
+  while no GPU run exists.
 
 The SVGs carry no date and fixed element ids, so an unchanged input rewrites identical files.
 """
@@ -101,6 +105,37 @@ def plot_prefetch(docs: list[dict[str, Any]], out: Path) -> None:
     plt.close(fig)
 
 
+def plot_long_context(doc: dict[str, Any], out: Path) -> None:
+    """Layer time and transient memory against the context, one line per level (dashed: planner)."""
+    measured = not doc.get("modeled")
+    contexts = [r["context"] for r in doc["runs"]]
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(9, 3.6))
+    for i, level in enumerate(doc["levels"]):
+        points = [next(p for p in r["levels"] if p["level"] == level) for r in doc["runs"]]
+        color = f"C{i}"
+        if measured:
+            ax_t.plot(contexts, [p["last_chunk_layer_ms"] for p in points], "o-", color=color, label=f"level {level}")
+            ax_m.plot(contexts, [p["measured_peak_bytes"] / 2**30 for p in points], "o-", color=color,
+                      label=f"level {level} transient")
+        ax_t.plot(contexts, [p["planner"]["last_chunk_layer_ms"] for p in points], "s--", color=color,
+                  label=f"level {level} planner" if measured else f"level {level} (modeled)")
+        ax_m.plot(contexts, [p["planner"]["peak_bytes"] / 2**30 for p in points], "s--", color=color,
+                  label=f"level {level} planner" if measured else f"level {level} transient (modeled)")
+    for ax in (ax_t, ax_m):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(contexts, [f"{c // 1024}K" for c in contexts])
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=7)
+    ax_t.set_ylabel(f"ms per layer, last chunk, rank {doc['rank']} of C={doc['cp_size']}")
+    ax_m.set_ylabel("GiB above the pools, weights and inputs")
+    kind = "measured" if measured else "modeled (planner)"
+    fig.suptitle(f"Chunked prefill, {doc['chunk_tokens']:,}-token chunks, {doc['preset']}: {kind}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, metadata={"Date": None})
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", default="docs/results")
@@ -117,7 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     prefetch = [d for d in (_load(p) for p in sorted(results.glob("prefetch_bench_*gbps.json"))) if d]
     plot_layers([main_doc, *extra], out / "layer_bench.svg")
     plot_prefetch([main_doc, *prefetch], out / "prefetch.svg")
-    print(f"wrote {out / 'layer_bench.svg'} and {out / 'prefetch.svg'}")
+    long_context = _load(results / "long_context_h200.json") or _load(results / "long_context_modeled.json")
+    if long_context is not None:
+        plot_long_context(long_context, out / "long_context.svg")
+    print(f"wrote {out / 'layer_bench.svg'}, {out / 'prefetch.svg'} and {out / 'long_context.svg'}")
     return 0
 
 
