@@ -59,6 +59,13 @@ from reference_impl.model.streaming_topk import RunningTopK, key_tiles
 GPU_DEFAULT_CONFIG: tuple[int, int, int, int, str] = (64, 128, 4, 3, "fp8")
 # The interpreter's: small row tiles; one 128-column span per tile, as the group maxima need.
 CPU_DEFAULT_CONFIG: tuple[int, int, int, int, str] = (16, 128, 4, 1, "fp8")
+GPU_BLOCK_POINTERS = False
+"""Whether the logits kernel loads its q and key tiles through block pointers. Built for sm_90
+(``scripts/inspect_logits_kernel.py``), the default config with per-element address tensors uses
+255 registers and spills 256 bytes per thread: the ``[64, 128]`` q tile's 64-bit addresses stay
+live across the head loop. Through block pointers it uses 242 registers and spills nothing (so does
+the address-tensor kernel at 8 warps: 238). Off until timed on the H200
+(``python -m reference_impl.bench.compute_h200`` times both)."""
 
 
 @triton.jit
@@ -89,6 +96,7 @@ def _indexer_logits_kernel(
     DOT_BF16: tl.constexpr,
     UPCAST: tl.constexpr,
     WRITE_MAXIMA: tl.constexpr,
+    BLOCK_PTRS: tl.constexpr = False,
 ):
     pid_t = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -109,11 +117,18 @@ def _indexer_logits_kernel(
     # Skip the products for a key tile outside every row's causal range (about half the tiles
     # of a causal prefill); it still gets its -inf fill below.
     if (tile_lo < tl.max(key_end)) & (tile_hi > tl.min(key_start)):
-        k = tl.load(
-            k_ptr + abs_cols.to(tl.int64)[:, None] * stride_k + offs_d[None, :],
-            mask=col_mask[:, None] & d_mask[None, :],
-            other=0.0,
-        )
+        if BLOCK_PTRS:  # no [BLOCK_S, BLOCK_D] tensor of 64-bit addresses (registers, see the docstring)
+            k_block = tl.make_block_ptr(
+                k_ptr + col0.to(tl.int64) * stride_k, (n_cols, D), (stride_k, 1), (pid_s * BLOCK_S, 0),
+                (BLOCK_S, BLOCK_D), (1, 0),
+            )
+            k = tl.load(k_block, boundary_check=(0, 1), padding_option="zero")
+        else:
+            k = tl.load(
+                k_ptr + abs_cols.to(tl.int64)[:, None] * stride_k + offs_d[None, :],
+                mask=col_mask[:, None] & d_mask[None, :],
+                other=0.0,
+            )
         if UPCAST:
             k = k.to(tl.float32)
         elif DOT_BF16:
@@ -122,7 +137,13 @@ def _indexer_logits_kernel(
         q_rows = q_ptr + rows[:, None] * stride_qt + offs_d[None, :]
         qd_mask = row_mask[:, None] & d_mask[None, :]
         for h in range(n_heads):
-            q = tl.load(q_rows + h * stride_qh, mask=qd_mask, other=0.0)
+            if BLOCK_PTRS:
+                q_block = tl.make_block_ptr(
+                    q_ptr + h * stride_qh, (n_rows, D), (stride_qt, 1), (pid_t * BLOCK_T, 0), (BLOCK_T, BLOCK_D), (1, 0)
+                )
+                q = tl.load(q_block, boundary_check=(0, 1), padding_option="zero")
+            else:
+                q = tl.load(q_rows + h * stride_qh, mask=qd_mask, other=0.0)
             w = tl.load(w_ptr + rows * stride_wt + h * stride_wh, mask=row_mask, other=0.0)
             if UPCAST:
                 q = q.to(tl.float32)
@@ -167,6 +188,7 @@ def indexer_logits_triton(
     dot_dtype: str | None = None,
     maxima: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    block_pointers: bool | None = None,
 ) -> torch.Tensor:
     """Masked index logits of all rows of ``q_fp8`` against keys ``[col_lo, col_hi)`` -> [T, col_hi-col_lo] f32.
 
@@ -177,7 +199,9 @@ def indexer_logits_triton(
     ``[T, maxima_width(col_hi - col_lo)]`` uint32 tensor that receives the rows' group maxima for
     the fused bound (:func:`~reference_impl.kernels.topk_select.span_maxima`; ``block_s`` a
     multiple of 128). ``out``: an ``[T, col_hi - col_lo]`` f32 view to write into, contiguous along
-    the keys (e.g. the first columns of a wider buffer); a new tensor otherwise.
+    the keys (e.g. the first columns of a wider buffer); a new tensor otherwise. ``block_pointers``
+    (default :data:`GPU_BLOCK_POINTERS` on a GPU): load the q and key tiles through block pointers
+    instead of a tensor of per-element addresses (the same values; see :data:`GPU_BLOCK_POINTERS`).
     """
     n_rows, n_heads, d = q_fp8.shape
     n_cols = col_hi - col_lo
@@ -232,6 +256,7 @@ def indexer_logits_triton(
         DOT_BF16=dot_dtype == "bf16" or q_fp8.dtype != k_fp8.dtype,
         UPCAST=not on_gpu,
         WRITE_MAXIMA=maxima is not None,
+        BLOCK_PTRS=GPU_BLOCK_POINTERS if block_pointers is None else block_pointers,
         num_warps=num_warps or dflt_warps,
         num_stages=num_stages or dflt_stages,
     )
