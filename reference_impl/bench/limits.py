@@ -162,6 +162,30 @@ def fp8_projections(device: str, tokens: int, slow_ms: float) -> dict[str, Any]:
     return out
 
 
+def emulated_errors(rows: int = 64, seed: int = 0) -> dict[str, Any]:
+    """The FP8 projections' error against bf16 at DeepSeek-V3.2's widths, from the torch emulation of
+    the FP8 math on a CPU (no device: the GPU GEMMs differ from it only in the order of fp32 sums,
+    which section 3 measures): ``rows`` unit-normal activations, ``N(0, 1/K)`` weights, both bf16."""
+    from reference_impl.model.fp8_linear import Fp8BlockLinear
+
+    gen = torch.Generator().manual_seed(seed)
+    out: dict[str, Any] = {"rows": rows, "seed": seed, "what": "relative Frobenius error of the FP8 projection "
+                           "(1x128 ue8m0 activation scales, 128x128 float32 weight scales) against the float32 product "
+                           "of the same bf16 operands; and of bf16 output rounding alone", "projections": {}}
+    for name, (k, n) in DEEPSEEK_PROJECTIONS.items():
+        linear = torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16)
+        with torch.no_grad():
+            linear.weight.copy_(torch.randn(n, k, generator=gen) / k**0.5)
+        x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+        with torch.no_grad():
+            want = x.float() @ linear.weight.float().t()
+            fp8 = Fp8BlockLinear(linear, "ue8m0")(x)
+        out["projections"][name] = {"K": k, "N": n, "fp8_rel_err": _rel(fp8, want), "bf16_rounding_rel_err": _rel(want.bfloat16(), want)}
+    errs = [v["fp8_rel_err"] for v in out["projections"].values()]
+    out["fp8_rel_err_range"] = [min(errs), max(errs)]
+    return out
+
+
 def layer_128k(device: str, layers: int, level_repeats: int, wire_gbps: float | None) -> dict[str, Any]:
     """One rank's level-8 layer at 128K current-only, per variant of the kernels."""
     from reference_impl.bench.layer import Workload, measure
@@ -198,7 +222,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wire-gbps", type=float, default=450.0, help="the layer's modeled interconnect")
     parser.add_argument("--slow-ms", type=float, default=250.0)
     parser.add_argument("--skip-compute", action="store_true", help="skip section 1 (the compute benchmark)")
+    parser.add_argument("--emulated-errors", action="store_true",
+                        help="only write the FP8 projections' error against bf16 from the CPU emulation (no device)")
     args = parser.parse_args(argv)
+    if args.emulated_errors:
+        doc = emulated_errors()
+        doc["command"] = "python -m reference_impl.bench.limits --emulated-errors --out " + args.out
+        Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+        return 0
     from reference_impl.bench import compute
     from reference_impl.bench.timing import ready_for
 

@@ -165,6 +165,13 @@ def modeled_doc(preset: str, contexts: list[int], chunk: int, levels: list[int],
         runs.append(entry)
     peaks = {str(level): [next(p for p in r["levels"] if p["level"] == level)["planner"]["peak_bytes"] for r in runs]
              for level in levels}
+    table = [  # one row per context, for the docs: the last chunk's layer per level, the prefill, the peak
+        {"context": r["context"], "chunks": len(chunk_contexts(r["context"], chunk)),
+         **{f"level_{p['level']}_ms": p["planner"]["last_chunk_layer_ms"] for p in r["levels"]},
+         "prefill_ms_per_layer": r["levels"][-1]["planner"]["prefill_ms_per_layer"],
+         "peak_gib": r["levels"][-1]["planner"]["peak_bytes"] / 2**30}
+        for r in runs
+    ]
     return {
         "modeled": True,
         "what": "the planner's prediction (no measurement): rates measured on an H200 (docs/results), loopback "
@@ -174,6 +181,7 @@ def modeled_doc(preset: str, contexts: list[int], chunk: int, levels: list[int],
         f"--layers {n_layers} --cp-size {cp_size} --rank {rank} --preset {preset}",
         "preset": preset, "cp_size": cp_size, "rank": rank, "n_layers": n_layers, "chunk_tokens": chunk,
         "local_queries_per_chunk": chunk // cp_size, "levels": levels, "contexts": contexts, "runs": runs,
+        "table": table, "table_level": levels[-1],
         "planner_peak_ratio_longest_over_shortest": {k: v[-1] / v[0] for k, v in peaks.items()},
         "planner_current_only_ms": {  # the whole context in one chunk, for comparison
             str(context): planner_point(_run_config(preset, context, context, max(levels), cp_size, n_layers, "cpu"),
