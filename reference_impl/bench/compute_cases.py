@@ -269,7 +269,7 @@ def bench_indexer(
     full = (q_fp8, weights, k_fp8, k_scale, key_start, key_end)
 
     def logits_only() -> None:  # the same row chunks and key tiles as the top-k call
-        indexer_logits_pass(*full, args.topk, **config)
+        indexer_logits_pass(*full, topk=args.topk, **config)
 
     ms_by_selector = {
         selector: _time(lambda s=selector: indexer_topk_triton(*full, args.topk, selector=s, **config), args.slow_ms)

@@ -84,7 +84,7 @@ def logits_variants(device: str, cp_context: int, cp_size: int, slow_ms: float) 
         for block_pointers in (False, True):
             launch = dict(base, num_warps=n_warps, block_pointers=block_pointers)
             logits = indexer_triton.indexer_logits_triton(*check_args, lo, hi, **launch)
-            ms, timer = _time(lambda launch=launch: indexer_triton.indexer_logits_pass(*iq, 2048, **launch), slow_ms)
+            ms, timer = _time(lambda launch=launch: indexer_triton.indexer_logits_pass(*iq, topk=2048, **launch), slow_ms)
             out["rows"].append({
                 "num_warps": n_warps, "block_pointers": block_pointers, "ms": ms, "tflops": flops / ms / 1e9,
                 "timer": timer, "bitwise_equal_to_default": bool(torch.equal(logits, reference)),

@@ -357,30 +357,20 @@ def indexer_topk_triton(
 
 
 def indexer_logits_pass(
-    q_fp8: torch.Tensor,
-    weights: torch.Tensor,
-    k_fp8: torch.Tensor,
-    k_scale: torch.Tensor,
-    key_start: torch.Tensor,
-    key_end: torch.Tensor,
-    topk: int,
-    *,
-    max_chunk_bytes: int = MAX_TILE_BYTES,
-    key_tile: int = KEY_TILE,
-    **launch: object,
+    *inputs: torch.Tensor, topk: int, max_chunk_bytes: int = MAX_TILE_BYTES, key_tile: int = KEY_TILE, **launch: object
 ) -> None:
-    """The logits :func:`indexer_topk_triton` computes, tile for tile into a buffer of the same
+    """The logits :func:`indexer_topk_triton` computes for ``inputs`` (its first six arguments:
+    ``q_fp8, weights, k_fp8, k_scale, key_start, key_end``), tile for tile into a buffer of the same
     shape, without the selection: the logits' share of its time (benchmarks)."""
+    q_fp8, weights, k_fp8, k_scale, key_start, key_end = inputs
     rows_per_chunk, cols = logits_tile_shape(int(k_fp8.shape[0]), topk, max_chunk_bytes, key_tile)
     buf = torch.empty(min(rows_per_chunk, q_fp8.shape[0]), cols, dtype=torch.float32, device=q_fp8.device)
     for r0 in range(0, q_fp8.shape[0], rows_per_chunk):
         r1 = min(q_fp8.shape[0], r0 + rows_per_chunk)
         lo, hi = chunk_key_range(key_start, key_end, r0, r1, None)
+        rows = (q_fp8[r0:r1], weights[r0:r1], k_fp8, k_scale, key_start[r0:r1], key_end[r0:r1])
         for t0, t1 in key_tiles(lo, hi, key_tile):
-            indexer_logits_triton(
-                q_fp8[r0:r1], weights[r0:r1], k_fp8, k_scale, key_start[r0:r1], key_end[r0:r1], t0, t1,
-                out=buf[: r1 - r0, : t1 - t0], **launch,  # type: ignore[arg-type]
-            )
+            indexer_logits_triton(*rows, t0, t1, out=buf[: r1 - r0, : t1 - t0], **launch)  # type: ignore[arg-type]
 
 
 def _select_streamed(
