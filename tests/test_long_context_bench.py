@@ -57,6 +57,8 @@ def test_the_long_context_bench_runs_dry_on_cpu(tmp_path) -> None:
         assert point["kv_bytes"] > 0 and point["planner"]["terms_ms"]["indexer_logits"] > 0
         assert "other_ms" in point
     assert set(doc["transient_ratio_longest_over_shortest"]) == {"0", "8"}
+    assert [row["context"] for row in doc["table"]] == [256, 512] and doc["table_level"] == 8
+    assert {"level_0_ms", "level_8_ms", "planner_level_8_ms", "prefill_ms_per_layer", "peak_gib", "attention_ms"} <= set(doc["table"][1])
 
 
 def test_bench_layer_warms_every_level_before_timing_it(monkeypatch: pytest.MonkeyPatch) -> None:

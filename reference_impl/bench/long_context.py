@@ -228,6 +228,25 @@ def components(cfg: Any, positions: torch.Tensor, context: int, device: torch.de
     }
 
 
+def measured_table(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per context, the keys of the modeled document's ``table`` (measured: the last chunk's
+    layer per level, the prefill per layer and the transient at the highest level) plus the
+    planner's figures beside them (``planner_`` prefix) and the components at the last chunk."""
+    table = []
+    for r in runs:
+        top = r["levels"][-1]
+        row = {"context": r["context"], "chunks": len(top["chunk_contexts"]),
+               **{f"level_{p['level']}_ms": p["last_chunk_layer_ms"] for p in r["levels"]},
+               **{f"planner_level_{p['level']}_ms": p["planner"]["last_chunk_layer_ms"] for p in r["levels"]},
+               "prefill_ms_per_layer": top["prefill_ms_per_layer"],
+               "planner_prefill_ms_per_layer": top["planner"]["prefill_ms_per_layer"],
+               "peak_gib": (top["measured_peak_bytes"] or 0) / 2**30, "planner_peak_gib": top["planner"]["peak_bytes"] / 2**30,
+               "kv_gib": top["kv_bytes"] / 2**30}
+        row.update({k: v for k, v in r.get("components", {}).items() if k.endswith("_ms")})
+        table.append(row)
+    return table
+
+
 def transient_ratio(runs: list[dict[str, Any]], level: int) -> float | None:
     """``measured_peak_bytes`` of the longest context over that of the shortest, at ``level``."""
     peaks = [next(p["measured_peak_bytes"] for p in r["levels"] if p["level"] == level) for r in runs]
@@ -306,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
                 point["other_ms"] = point["last_chunk_layer_ms"] - parts
         out.write_text(json.dumps(doc, indent=1))
     doc["transient_ratio_longest_over_shortest"] = {str(level): transient_ratio(runs, level) for level in levels}
+    doc["table"], doc["table_level"] = measured_table(runs), levels[-1]
     doc["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     out.write_text(json.dumps(doc, indent=1))
     print(format_table(doc))
