@@ -89,7 +89,9 @@ class Fp8BlockLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x_fp8, x_scale = act_quant(x.reshape(-1, self.in_features), BLOCK, self.scale_fmt)
         out = self.gemm(x_fp8, x_scale, self.weight, self.weight_scale, self.out_dtype)
-        return out[:, : self.out_features].reshape(*x.shape[:-1], self.out_features)
+        if out.shape[1] != self.out_features:  # the padded rows of the weight (wkv_a: 576 of 640)
+            out = out[:, : self.out_features].contiguous()
+        return out.reshape(*x.shape[:-1], self.out_features)
 
 
 def quantize_projections(model: nn.Module, scale_fmt: str, gemm: BlockGemm = emulated_block_fp8_gemm) -> int:
