@@ -48,7 +48,7 @@ from reference_impl.cp.v4.store import V4Store, install_v4_prefixes
 from reference_impl.kernels import fallback
 from reference_impl.kvcache.allocator import RequestPageTable, page_locs
 from reference_impl.kvcache.layout import KVLayout
-from reference_impl.model.oracle import run_oracle
+from reference_impl.model.prefix_prefill import prefill_prefix
 from reference_impl.model.sparse_attention import HostKeyBounds
 from reference_impl.presets_v4 import is_v4
 from reference_impl.schedule import Chunk, chunk_schedule, frees_after_batch
@@ -141,27 +141,30 @@ def install_prefixes(
     """Fill the pools with the prefixes of ``chunk``'s requests (default: the run's first chunk),
     computed the way an earlier prefill would have.
 
-    Each rank runs the single-device oracle over the prefix tokens (deterministic, so every rank
-    gets identical bytes) and hands the store what it must keep. ``shared_tokens[req]``: leading
-    tokens already in the pool by reference (a shared prefix's whole pages); only the rest is written.
+    Each rank runs the single-device model over the prefix tokens, chunk by chunk
+    (:func:`~reference_impl.model.prefix_prefill.prefill_prefix`; deterministic, so every rank gets
+    identical bytes, those of the oracle), and hands the store each chunk's rows as a layer makes
+    them: memory is the prefix's KV plus one chunk, not the whole prefix's activations.
+    ``shared_tokens[req]``: leading tokens already in the pool by reference (a shared prefix's
+    whole pages); only the rest is written.
     """
     chunk = chunk if chunk is not None else chunk_schedule(run)[0]
     if is_v4(run.model):
         install_v4_prefixes(run, model, inputs, store, chunk)  # type: ignore[arg-type]
         return
     shared_tokens = shared_tokens or {}
-    todo = [(i, req) for i, req in enumerate(chunk.requests)
-            if run.requests[req].prefix > shared_tokens.get(req, 0)]
-    if not todo:
-        return
-    result = run_oracle(
-        model, [0] * len(todo), [inputs[req][: run.requests[req].prefix] for _, req in todo],
-        run.kv_dtype, run.page_size,
-    )
-    for layer, caches in enumerate(result.caches):
-        for (i, req), cache in zip(todo, caches):
-            start = shared_tokens.get(req, 0)
-            store.write_prefix(layer, i, cache.mla_rows[start:], cache.index_fp8[start:], cache.index_scale[start:], start)
+    layout = KVLayout.from_config(run.model, run.kv_dtype, run.page_size)
+    for i, req in enumerate(chunk.requests):
+        shared, prefix = shared_tokens.get(req, 0), run.requests[req].prefix
+        if prefix <= shared:
+            continue
+
+        def write(layer: int, start: int, stop: int, cache: Any, i: int = i, shared: int = shared) -> None:
+            lo = max(start, shared)
+            if lo < stop:
+                store.write_prefix(layer, i, cache.mla_rows[lo:stop], cache.index_fp8[lo:stop], cache.index_scale[lo:stop], lo)
+
+        prefill_prefix(model, inputs[req][:prefix], layout, write)
 
 
 class _LayerClock:

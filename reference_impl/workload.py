@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from reference_impl.config import RunConfig
+from reference_impl.config import RunConfig, env_flag
 from reference_impl.kernels.dispatch import KERNEL_OPS
 from reference_impl.model.oracle import DSAModel, init_weights
 from reference_impl.model.v4.oracle import build_v4_model
@@ -35,12 +35,23 @@ def compute_dtype(run: RunConfig, device: torch.device) -> torch.dtype:
 def build_model(run: RunConfig, device: torch.device) -> DSAModel:
     """The run's model with deterministic weights from ``run.seed``; its indexer top-k and sparse
     attention go through the kernel dispatch (:data:`~reference_impl.kernels.dispatch.KERNEL_OPS`).
-    A DeepSeek-V4 preset gives a :class:`~reference_impl.model.v4.oracle.V4Model`."""
+    A DeepSeek-V4 preset gives a :class:`~reference_impl.model.v4.oracle.V4Model`.
+
+    With ``DSACP_FP8_PROJECTIONS=1`` the attention's projections become FP8 with 128-block scales
+    (:func:`~reference_impl.model.fp8_linear.quantize_projections`, the GEMM of
+    :mod:`reference_impl.kernels.fp8_gemm`), as DeepSeek runs its checkpoints; every rank and the
+    oracle build the same model, so they still agree. Off by default: bf16 is the reference."""
     if is_v4(run.model):
         return build_v4_model(run.model, compute_dtype(run, device), run.seed, device, build_v4_ops(device))  # type: ignore[return-value]
     with torch.device(device):
         model = DSAModel(run.model, compute_dtype(run, device), ops=KERNEL_OPS)
-    return init_weights(model, run.seed).eval()
+    model = init_weights(model, run.seed).eval()
+    if env_flag("fp8_projections"):
+        from reference_impl.kernels.fp8_gemm import block_fp8_gemm
+        from reference_impl.model.fp8_linear import quantize_projections
+
+        quantize_projections(model, run.model.index_scale_fmt, block_fp8_gemm)
+    return model
 
 
 def build_inputs(run: RunConfig, device: torch.device) -> list[torch.Tensor]:

@@ -14,9 +14,14 @@ Reads ``layer_bench.json`` (and ``layer_bench_8k.json``, ``prefetch_bench_*gbps.
 * ``kv_designs.svg``: the competing KV designs per workload (layer time, bytes moved per layer) and
   their KV at rest per rank, from ``kv_designs_h200.json`` (measured) or, until it exists,
   ``kv_designs_modeled.json`` (the planner's).
+* ``long_context.svg``: one rank's layer time (the last chunk of a chunked prefill) and its
+  transient memory against the context, per level, measured beside the planner, from
+  ``long_context_h200.json``; the planner alone, labelled modeled, from ``long_context_modeled.json``
+  while no GPU run exists.
 
 Each figure is drawn from a data object computed from the results (:func:`layer_data`,
-:func:`prefetch_data`, :func:`designs_data`) and carries it (:mod:`reference_impl.figures`), so ``--check`` and the test command
+:func:`prefetch_data`, :func:`designs_data`,
+:func:`long_context_data`) and carries it (:mod:`reference_impl.figures`), so ``--check`` and the test command
 find a plot that was not redrawn after its results changed. The SVGs carry no date and fixed
 element ids, so an unchanged input rewrites identical files.
 """
@@ -49,7 +54,9 @@ def inputs(results: Path) -> dict[str, list[dict[str, Any]]]:
     extra = [d for d in (_load(results / "layer_bench_8k.json"),) if d]
     prefetch = [d for d in (_load(p) for p in sorted(results.glob("prefetch_bench_*gbps.json"))) if d]
     designs = _load(results / "kv_designs_h200.json") or _load(results / "kv_designs_modeled.json")
-    return {"layer": [main_doc, *extra], "prefetch": [main_doc, *prefetch], "designs": [designs] if designs else []}
+    long_context = _load(results / "long_context_h200.json") or _load(results / "long_context_modeled.json")
+    return {"layer": [main_doc, *extra], "prefetch": [main_doc, *prefetch], "designs": [designs] if designs else [],
+            "long_context": [long_context] if long_context else []}
 
 
 def current_only(docs: list[dict[str, Any]]) -> list[tuple[int, list[dict[str, Any]]]]:
@@ -191,11 +198,66 @@ def draw_designs(data: dict[str, Any], out: Path) -> None:
     plt.close(fig)
 
 
+def long_context_data(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """What ``long_context.svg`` draws: per level, the last chunk's layer time and the peak against the
+    context, measured (where a GPU run exists) beside the planner."""
+    doc = docs[0]
+    measured = not doc.get("modeled")
+    contexts = [r["context"] for r in doc["runs"]]
+    levels = []
+    for level in doc["levels"]:
+        points = [next(p for p in r["levels"] if p["level"] == level) for r in doc["runs"]]
+        levels.append({
+            "level": level,
+            "measured_ms": [p["last_chunk_layer_ms"] for p in points] if measured else None,
+            "measured_peak_gib": [p["measured_peak_bytes"] / 2**30 for p in points] if measured else None,
+            "planner_ms": [p["planner"]["last_chunk_layer_ms"] for p in points],
+            "planner_peak_gib": [p["planner"]["peak_bytes"] / 2**30 for p in points],
+        })
+    kind = "measured" if measured else "modeled (planner)"
+    return {
+        "contexts": contexts, "levels": levels, "measured": measured,
+        "ylabel": f"ms per layer, last chunk, rank {doc['rank']} of C={doc['cp_size']}",
+        "title": f"Chunked prefill, {doc['chunk_tokens']:,}-token chunks, {doc['preset']}: {kind}",
+    }
+
+
+def draw_long_context(data: dict[str, Any], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    contexts, measured = data["contexts"], data["measured"]
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(9, 3.6))
+    for i, level in enumerate(data["levels"]):
+        color, name = f"C{i}", f"level {level['level']}"
+        if measured:
+            ax_t.plot(contexts, level["measured_ms"], "o-", color=color, label=name)
+            ax_m.plot(contexts, level["measured_peak_gib"], "o-", color=color, label=f"{name} measured")
+        planner = f"{name} planner" if measured else f"{name} (modeled)"
+        ax_t.plot(contexts, level["planner_ms"], "s--", color=color, label=planner)
+        ax_m.plot(contexts, level["planner_peak_gib"], "s--", color=color, label=planner)
+    for ax in (ax_t, ax_m):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(contexts, [f"{c // 1024}K" for c in contexts])
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=7)
+    ax_t.set_ylabel(data["ylabel"])
+    ax_m.set_ylabel("peak memory per rank, GiB")
+    fig.suptitle(data["title"], fontsize=9)
+    fig.tight_layout()
+    figure_data.save(fig, out, data)
+    plt.close(fig)
+
+
 #: file name -> (which inputs, data function, drawing function)
 FIGURES: dict[str, tuple[str, Callable[[list[dict[str, Any]]], dict[str, Any]], Callable[[dict[str, Any], Path], None]]] = {
     "layer_bench.svg": ("layer", layer_data, draw_layers),
     "prefetch.svg": ("prefetch", prefetch_data, draw_prefetch),
     "kv_designs.svg": ("designs", designs_data, draw_designs),
+    "long_context.svg": ("long_context", long_context_data, draw_long_context),
 }
 
 

@@ -8,7 +8,7 @@ from reference_impl.planner.rates import RESULTS_DIR
 
 
 def test_results_plots_render_from_the_committed_json_and_repeat_byte_for_byte(tmp_path: Path) -> None:
-    """``scripts/plot_results.py`` draws the benchmarks page's two SVGs from ``docs/results`` and
+    """``scripts/plot_results.py`` draws the benchmarks page's SVGs from ``docs/results`` and
     writes identical bytes when run twice (no date, fixed ids), so a rerun only shows real changes."""
     import subprocess
     import sys
@@ -19,7 +19,7 @@ def test_results_plots_render_from_the_committed_json_and_repeat_byte_for_byte(t
         out = tmp_path / run
         subprocess.run([sys.executable, str(script), "--results", str(RESULTS_DIR), "--out", str(out)], check=True,
                        capture_output=True)
-        outputs.append({name: (out / name).read_bytes() for name in ("layer_bench.svg", "prefetch.svg", "kv_designs.svg")})
+        outputs.append({name: (out / name).read_bytes() for name in ("layer_bench.svg", "prefetch.svg", "kv_designs.svg", "long_context.svg")})
     assert outputs[0] == outputs[1]
     assert all(svg.startswith(b"<?xml") and b"<svg" in svg for svg in outputs[0].values())
 

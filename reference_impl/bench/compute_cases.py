@@ -215,7 +215,7 @@ def bench_indexer(
     positions: torch.Tensor, n_kv: int, args: argparse.Namespace, config: dict[str, Any], gen: torch.Generator
 ) -> dict[str, Any]:
     from reference_impl.kernels.dispatch import topk_selector
-    from reference_impl.kernels.indexer_triton import indexer_logits_triton, indexer_topk_triton
+    from reference_impl.kernels.indexer_triton import indexer_logits_pass, indexer_logits_triton, indexer_topk_triton
     from reference_impl.kernels.topk_select import selected_scores
 
     device = torch.device(args.device)
@@ -266,16 +266,11 @@ def bench_indexer(
     visible_keys = float((key_end - key_start).sum())
     flops = 2.0 * args.index_heads * args.index_dim * visible_keys
 
-    def logits_only() -> None:
-        chunk = max(1, (1 << 30) // (n_kv * 4))
-        for r0 in range(0, n_tokens, chunk):
-            r1 = min(n_tokens, r0 + chunk)
-            indexer_logits_triton(
-                q_fp8[r0:r1], weights[r0:r1], k_fp8, k_scale, key_start[r0:r1], key_end[r0:r1],
-                int(key_start[r0:r1].min()), int(key_end[r0:r1].max()), **config,
-            )
-
     full = (q_fp8, weights, k_fp8, k_scale, key_start, key_end)
+
+    def logits_only() -> None:  # the same row chunks and key tiles as the top-k call
+        indexer_logits_pass(*full, topk=args.topk, **config)
+
     ms_by_selector = {
         selector: _time(lambda s=selector: indexer_topk_triton(*full, args.topk, selector=s, **config), args.slow_ms)
         for selector in ("torch", "triton")

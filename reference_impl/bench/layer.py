@@ -18,8 +18,7 @@ rank's. The figures are those of one rank of a CP group **modeled on one GPU**.
 
 Per workload (one request ``prefix + extend`` tokens, DeepSeek-V3.2 dims, ``--layers`` layers) and
 level 0..8: the per-layer times (CUDA events around each layer, the median over the layers of one
-run, or of ``--level-repeats`` runs, after one warm-up run per workload that compiles the
-kernels), KV at rest per rank (the pools' bytes), the engine's transient count and the measured
+run, or of ``--level-repeats`` runs, after a warm-up run of that level, :func:`warm_up`), KV at rest per rank (the pools' bytes), the engine's transient count and the measured
 peak of ``torch.cuda.max_memory_allocated`` during the prefill, the data-movement byte counts, and the planner's prediction for the same
 rank, level and context (current-only workloads: the planner's scenario) with the relative error.
 
@@ -119,20 +118,34 @@ def payload_ms(store: ShardedKV, n_layers: int, device: torch.device) -> float |
     return statistics.median(times)
 
 
-def planner_point(run: RunConfig, rank: int, level: int, wire_gbps: float | None) -> dict[str, Any]:
-    """The planner's per-layer terms and memory for this rank (its scenario: no prefix)."""
+def warm_up(run: RunConfig, group: LoopbackGroup) -> None:
+    """One untimed run of ``run``'s level before it is timed: each level runs kernels of its own
+    (level 7 materializes the history in the layer, level 8 on a side stream), and a level timed
+    without its own warm-up records its first layers with the compiler's time in them (721 ms
+    beside 5.6 ms layers, once). At most two layers (enough for the prefetch's alternation); the
+    allocator keeps the blocks for the timed run that follows."""
+    _run(run.replace(n_layers=min(run.model.n_layers, 2)), group)
+
+
+def planner_point(
+    run: RunConfig, rank: int, level: int, wire_gbps: float | None, prefix: int = 0, context: int | None = None
+) -> dict[str, Any]:
+    """The planner's per-layer terms and memory for this rank: its scenario (one request in one
+    chunk, no prefix) by default; with ``prefix`` and ``context``, the chunk of ``context - prefix``
+    tokens after ``prefix`` cached ones (a chunked prefill's later chunk)."""
     cfg = run.model
     rates = load_rates()
     if wire_gbps is not None:
         rates = rates.override({"interconnect_gbps": wire_gbps}, "bench --wire-gbps")
-    context = run.requests[0].total
+    context = run.requests[0].total if context is None else context
     terms = layer_terms(get_preset(run.preset), rates, run.cp_size, context, level, rank, run.kv_dtype, run.page_size,
-                        run.split_mode)
+                        run.split_mode, prefix)
     if wire_gbps is None:  # no modeled wire: the loopback copy is all that runs
         terms = {**terms, "allgather1": 0.0, "materialize_comm": 0.0}
-    t_local = local_queries(context, run.cp_size, run.page_size, level, rank, run.split_mode)
+    t_local = local_queries(context, run.cp_size, run.page_size, level, rank, run.split_mode, prefix)
     interleave = run.interleave if level >= 2 else None
-    transient = transient_bytes(cfg, context, level, run.kv_dtype, run.page_size, cp_size=run.cp_size, interleave=interleave)
+    transient = transient_bytes(cfg, context, level, run.kv_dtype, run.page_size, cp_size=run.cp_size,
+                                interleave=interleave, prefix=prefix)
     return {
         "layer_ms": sum(terms.values()),
         "terms_ms": terms,
@@ -195,11 +208,11 @@ def measure(
     group_of = lambda: LoopbackGroup(rank, cp_size, dev, wire_gbps)  # noqa: E731 (fresh stats per run)
     base = RunConfig(preset=preset, n_layers=n_layers, cp_size=cp_size, requests=(Request(workload.prefix, workload.extend),),
                      check=False, device=dev.type, split_mode=split_mode)
-    _run(base.replace(phases=phases_at(max(levels), split_mode)), group_of())  # warm-up: compiles the kernels
     points = []
     for level in levels:
         run = base.replace(phases=phases_at(level, split_mode))
-        result = _run(run, group_of(), keep_store=level == 8)
+        warm_up(run, group_of())
+        result = _run(run, group_of(), keep_store=level == 8, empty_cache=False)
         stats, layer_ms = result.stats, list(result.timings["layer_ms"])
         for _ in range(level_repeats - 1):
             layer_ms += _run(run, group_of(), empty_cache=False).timings["layer_ms"]
@@ -298,8 +311,10 @@ def main(argv: list[str] | None = None) -> int:
         "how_cp_runs": f"rank {args.rank} of C={args.cp_size} alone in one process (LoopbackGroup): all-gathers are "
         + (f"local copies plus a modeled wire of {args.wire_gbps:g} GB/s" if args.wire_gbps else "local copies (no wire time)"),
         "timing": (
-            "CUDA events per layer, median over the layers of one run after a warm-up run" if args.level_repeats == 1
-            else f"CUDA events per layer, median over the layers of {args.level_repeats} runs per level after a warm-up run"
+            "CUDA events per layer, median over the layers of one run after a warm-up run of the level"
+            if args.level_repeats == 1
+            else f"CUDA events per layer, median over the layers of {args.level_repeats} runs per level after a "
+            "warm-up run of the level"
         ) if args.device == "cuda" else "perf_counter per layer (CPU dry run: the numbers mean nothing)",
         "level_repeats": args.level_repeats,
         "preset": args.preset, "cp_size": args.cp_size, "rank": args.rank, "n_layers": args.layers,

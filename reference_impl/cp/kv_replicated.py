@@ -56,8 +56,8 @@ class ReplicatedKV:
     def write_prefix(
         self, layer: int, request: int, rows: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor, start: int = 0
     ) -> None:
-        """Install a request's already-cached prefix from position ``start`` on (packed rows and quantized index K)."""
-        locs = self.batch.prefix_locs(request)[start:]
+        """Install a request's already-cached prefix tokens ``[start, start + len(rows))`` (packed rows and quantized index K)."""
+        locs = self.batch.prefix_locs(request)[start : start + rows.shape[0]]
         self.pool.write_mla(layer, locs, rows)
         if self.pool.has_index(layer):  # IndexShare: a shared layer keeps no index K
             self.pool.write_index(layer, locs, k_fp8, k_scale)

@@ -121,8 +121,8 @@ class ShardedKV:
     def write_prefix(
         self, layer: int, request: int, rows: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor, start: int = 0
     ) -> None:
-        """Install the owned part of a request's already-cached prefix, positions ``start`` on."""
-        locs = self.batch.prefix_locs(request)[start:]
+        """Install the owned part of a request's already-cached prefix tokens ``[start, start + len(rows))``."""
+        locs = self.batch.prefix_locs(request)[start : start + rows.shape[0]]
         own = self._owned(locs)
         phys = self.ownership.physical(locs[own])
         self.pool.write_mla(layer, phys, rows[own])

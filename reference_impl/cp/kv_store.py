@@ -69,7 +69,8 @@ class KVStore(Protocol):
     def write_prefix(
         self, layer: int, request: int, rows: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor, start: int = 0
     ) -> None:
-        """Install the part of a request's already-cached prefix (positions ``start`` on) this rank keeps."""
+        """Install the part of a request's already-cached prefix tokens ``[start, start + len(rows))`` this
+        rank keeps (a prefix is installed in chunks, :mod:`reference_impl.model.prefix_prefill`)."""
 
     def store_current(
         self, layer: int, kv_seq: torch.Tensor, index_k_seq: torch.Tensor | None,

@@ -32,13 +32,16 @@ class PageAllocator:
             raise ConfigError(f"PageAllocator needs n_pages >= 0 and page_size >= 1, got {n_pages} and {page_size}")
         self.n_pages = n_pages
         self.page_size = page_size
+        # The free pages are _free_set; _free_heap holds them too, plus stale ids a lane allocation
+        # took (dropped when popped), so that neither path re-sorts the free list per page.
         self._free_heap: list[int] = list(range(n_pages))  # sorted, hence already a heap
         self._free_set: set[int] = set(self._free_heap)
+        self._lane_floor: dict[tuple[int, int], int] = {}  # (lane, n_lanes) -> no free page of the lane below it
         self.high_water = 0  # highest page id ever handed out + 1 (what a pool must cover)
 
     @property
     def n_free(self) -> int:
-        return len(self._free_heap)
+        return len(self._free_set)
 
     @property
     def n_used(self) -> int:
@@ -53,7 +56,11 @@ class PageAllocator:
                 f"out of KV pages: asked for {n} pages of {self.page_size} tokens, {self.n_free} of "
                 f"{self.n_pages} are free; free finished requests or give the pool more pages"
             )
-        pages = [heapq.heappop(self._free_heap) for _ in range(n)]
+        pages = []
+        while len(pages) < n:
+            page = heapq.heappop(self._free_heap)
+            if page in self._free_set and (not pages or page != pages[-1]):  # skip stale and repeated ids
+                pages.append(page)
         self._free_set.difference_update(pages)
         self.high_water = max([self.high_water, *(p + 1 for p in pages)])
         return pages
@@ -64,17 +71,23 @@ class PageAllocator:
         A lane that cannot satisfy the request is a :class:`ConfigError`: the caller must not fall
         back to a page of another lane, which would give the page the wrong owner.
         """
-        lane_free = sorted(p for p in self._free_set if p % n_lanes == lane)
-        if n > len(lane_free):
+        # Walk the lane upward from its floor (every lane page below it is taken): amortized O(n).
+        floor = self._lane_floor.get((lane, n_lanes), lane)
+        pages, page = [], floor + (lane - floor) % n_lanes
+        while len(pages) < n and page < self.n_pages:
+            if page in self._free_set:
+                pages.append(page)
+            page += n_lanes
+        if len(pages) < n:
+            lane_free = sum(1 for p in self._free_set if p % n_lanes == lane)
             raise ConfigError(
-                f"out of KV pages in lane {lane} of {n_lanes}: asked for {n}, {len(lane_free)} free in the lane "
+                f"out of KV pages in lane {lane} of {n_lanes}: asked for {n}, {lane_free} free in the lane "
                 f"({self.n_free} free overall, fragmented across lanes); free requests whose pages sit in lane "
                 f"{lane}, give the pool more pages, or run the batch without phase 5 (lowest-free ids, the "
                 "phase-2 store path)"
             )
-        pages = lane_free[:n]
-        self._free_set.difference_update(pages)
-        self._free_heap = sorted(self._free_set)
+        self._lane_floor[(lane, n_lanes)] = pages[-1] + n_lanes if pages else floor
+        self._free_set.difference_update(pages)  # their heap entries go stale
         self.high_water = max([self.high_water, *(p + 1 for p in pages)])
         return pages
 
@@ -97,6 +110,9 @@ class PageAllocator:
             raise ConfigError(f"pages {pages} free the same page twice")
         for page in pages:
             heapq.heappush(self._free_heap, page)
+            for (lane, n_lanes), floor in self._lane_floor.items():
+                if page % n_lanes == lane and page < floor:
+                    self._lane_floor[(lane, n_lanes)] = page
         self._free_set.update(pages)
 
 

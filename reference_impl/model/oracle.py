@@ -22,6 +22,7 @@ from reference_impl.config import KVDtype
 from reference_impl.kvcache.layout import KVLayout
 from reference_impl.model.attention import DSAAttention, Projection, RMSNorm
 from reference_impl.model.cache import LayerCache, attention_forward
+from reference_impl.model.prefix_prefill import prefix_spans
 from reference_impl.model.sparse_attention import TORCH_OPS, ComputeOps
 from reference_impl.presets import ModelConfig
 
@@ -123,7 +124,9 @@ def run_oracle(
 
     ``chunk_size`` runs each extend in chunks (chunked prefill), the way a CP run with the same
     ``chunk_size`` does; the math is the same causal function either way, and matching chunk
-    boundaries also makes the floating-point reductions, hence the cache bytes, match.
+    boundaries also makes the floating-point reductions, hence the cache bytes, match. The prefix
+    runs in the chunks a CP run installs it in
+    (:func:`~reference_impl.model.prefix_prefill.prefix_spans`).
     """
     cfg = model.cfg
     layout = KVLayout.from_config(cfg, kv_dtype, page_size)
@@ -132,7 +135,9 @@ def run_oracle(
     caches = [[LayerCache.empty(layout, device, share.is_full(layer)) for _ in inputs] for layer in range(len(model.layers))]
     hidden, topks, projs = [], [[] for _ in model.layers], [[] for _ in model.layers]
     for req, (x_all, prefix) in enumerate(zip(inputs, prefix_lens)):
-        spans = chunk_spans(prefix, x_all.shape[0], chunk_size)
+        total = x_all.shape[0]
+        step = chunk_size or max(total - prefix, 1)
+        spans = prefix_spans(prefix) + [(s, min(s + step, total)) for s in range(prefix, total, step)]
         outs: list[list[torch.Tensor]] = [[] for _ in model.layers]
         proj_parts: list[list[Projection]] = [[] for _ in model.layers]
         hs = []

@@ -22,10 +22,11 @@ from dataclasses import dataclass
 import torch
 
 from reference_impl.model import norm, query_prep
+from reference_impl.model.streaming_topk import NEG_INF, RunningTopK, key_tiles, row_tile
 
 
 def indexer_scores(
-    q_fp8: torch.Tensor,  # [T, Hi, D] float8_e4m3fn (Hadamard-rotated, quantized)
+    q_fp8: torch.Tensor,  # [T, Hi, D] float8_e4m3fn (Hadamard-rotated, quantized), or its float32 copy
     weights: torch.Tensor,  # [T, Hi] float32: weights_proj(x) * Hi^-0.5 * D^-0.5 * q_scale
     k_fp8: torch.Tensor,  # [S, D] float8_e4m3fn
     k_scale: torch.Tensor,  # [S] float32
@@ -51,6 +52,12 @@ def chunk_key_range(
     return int(key_start[r0:r1].min()), int(key_end[r0:r1].max())
 
 
+TORCH_TILE_BYTES = 512 << 20
+"""Budget of the torch reference's ``[rows, Hi, keys]`` fp32 logits tile (the scores before the head sum)."""
+TORCH_KEY_TILE = 16384
+"""Keys per tile of the torch reference (fewer where a row chunk sees fewer)."""
+
+
 def indexer_topk(
     q_fp8: torch.Tensor,
     weights: torch.Tensor,
@@ -61,32 +68,39 @@ def indexer_topk(
     topk: int,
     rows_per_chunk: int = 0,
     host_bounds: HostKeyBounds | None = None,
+    *,
+    key_tile: int | None = None,
 ) -> torch.Tensor:
     """Top-``min(topk, visible)`` full-view rows per query by index score -> [T, topk] int32, -1 padded.
 
-    Indices within a row are ordered by descending score (``torch.topk`` order). ``host_bounds``
-    (host copies of ``key_start`` / ``key_end``) give each chunk of rows its key range without a
-    device read, i.e. without a host sync; see :func:`chunk_key_range`.
+    Indices within a row are ordered by descending score (``torch.topk`` order); of keys tied at
+    the k-th score the lower ones are kept and listed first (:mod:`~reference_impl.model.streaming_topk`).
+    ``host_bounds`` (host copies of ``key_start`` / ``key_end``) give each chunk of rows its key
+    range without a device read, i.e. without a host sync; see :func:`chunk_key_range`.
+
+    Memory is bounded by a tile, not by the context: the scores of ``rows_per_chunk`` rows over
+    ``key_tile`` keys at a time (default :data:`TORCH_KEY_TILE`, read at the call; ``[rows, Hi, keys]``
+    fp32 under :data:`TORCH_TILE_BYTES` when ``rows_per_chunk <= 0``), merged into a running top-k
+    per row, exactly.
     """
     n_rows = q_fp8.shape[0]
     out = torch.full((n_rows, topk), -1, dtype=torch.int32, device=q_fp8.device)
-    if n_rows == 0:
+    if n_rows == 0 or topk <= 0:
         return out
-    if rows_per_chunk <= 0:
-        # Keep the [rows, Hi, keys] fp32 logits under ~512 MiB.
-        per_row = q_fp8.shape[1] * max(int(k_fp8.shape[0]), 1) * 4
-        rows_per_chunk = max(1, (512 << 20) // per_row)
+    key_tile = TORCH_KEY_TILE if key_tile is None else key_tile
+    tile_rows, key_tile = row_tile(int(k_fp8.shape[0]), q_fp8.shape[1] * 4, TORCH_TILE_BYTES, key_tile)
+    rows_per_chunk = rows_per_chunk if rows_per_chunk > 0 else tile_rows
     for r0 in range(0, n_rows, rows_per_chunk):
         r1 = min(n_rows, r0 + rows_per_chunk)
         lo, hi = chunk_key_range(key_start, key_end, r0, r1, host_bounds)
-        scores = indexer_scores(q_fp8[r0:r1], weights[r0:r1], k_fp8[lo:hi], k_scale[lo:hi])
-        cols = torch.arange(lo, hi, device=scores.device)
-        visible = (cols >= key_start[r0:r1, None]) & (cols < key_end[r0:r1, None])
-        scores = scores.masked_fill(~visible, float("-inf"))
-        k = min(topk, hi - lo)
-        vals, idx = scores.topk(k, dim=-1)
-        idx = torch.where(torch.isinf(vals), torch.full_like(idx, -1 - lo), idx) + lo
-        out[r0:r1, :k] = idx.to(torch.int32)
+        best = RunningTopK.empty(r1 - r0, topk, q_fp8.device)
+        q_rows = q_fp8[r0:r1].float()  # once per row chunk, not per tile
+        for t0, t1 in key_tiles(lo, hi, key_tile):
+            scores = indexer_scores(q_rows, weights[r0:r1], k_fp8[t0:t1], k_scale[t0:t1])
+            cols = torch.arange(t0, t1, device=scores.device)
+            visible = (cols >= key_start[r0:r1, None]) & (cols < key_end[r0:r1, None])
+            best = best.merge(scores.masked_fill_(~visible, NEG_INF), t0)
+        out[r0:r1] = best.by_score()
     return out
 
 

@@ -26,7 +26,8 @@ blocks from level 4. Times are those of the slowest rank.
   level 2 the gathered pages ``pages x page_bytes``. From level 3 a current-only batch gathers no page.
 * Activations per layer (:func:`activation_bytes`, JSON ``activation_bytes_per_layer``): the
   projections of the ``T_local`` queries and their top-k, and the larger of the indexer's logits
-  chunk with the selection's workspace and the attention output with the products after it.
+  tile with the selection's workspace (flat in the context: keys stream through an exact running
+  top-k in tiles of 131,072) and the attention output with the products after it.
   Transient + activations is the predicted peak above the pools, which ``bench/layer.py`` compares
   with ``torch.cuda.max_memory_allocated`` (``scripts/memory_peak.py`` lists what is alive there).
 

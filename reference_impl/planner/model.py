@@ -29,16 +29,18 @@ ACT_BYTES = 2  # bf16 activations on the GPU
 
 
 @functools.lru_cache(maxsize=256)
-def zigzag_blocks(context: int, cp_size: int, page_size: int, page_aligned: bool) -> tuple[int, ...]:
-    """The ``2C`` block sizes of one request of ``context`` tokens (no prefix).
+def zigzag_blocks(context: int, cp_size: int, page_size: int, page_aligned: bool, prefix: int = 0) -> tuple[int, ...]:
+    """The ``2C`` block sizes of the ``context - prefix`` extend tokens of one request whose first
+    ``prefix`` tokens are cached (a later chunk of a chunked prefill; 0: the whole request).
 
-    Page-aligned (level >= 4) where the request has at least ``2C`` pages, else token-balanced.
+    Page-aligned on absolute positions (level >= 4) where the extend spans at least ``2C`` pages,
+    else token-balanced.
     """
     if page_aligned:
-        sizes = page_aligned_block_sizes(0, context, cp_size, page_size)
+        sizes = page_aligned_block_sizes(prefix, context - prefix, cp_size, page_size)
         if sizes is not None:
             return sizes
-    return in_seq_block_sizes(context, cp_size)
+    return in_seq_block_sizes(context - prefix, cp_size)
 
 
 def rank_ranges(blocks: tuple[int, ...], rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -48,12 +50,14 @@ def rank_ranges(blocks: tuple[int, ...], rank: int) -> tuple[tuple[int, int], tu
     return (starts[rank], starts[rank] + blocks[rank]), (starts[other], starts[other] + blocks[other])
 
 
-def local_queries(context: int, cp_size: int, page_size: int, level: int, rank: int, split_mode: str = "in-seq") -> int:
-    """Tokens ``rank`` computes at phase ``level``: its two zigzag blocks (page-aligned from level
-    4), or round-robin's positions ``rank (mod C)``."""
+def local_queries(
+    context: int, cp_size: int, page_size: int, level: int, rank: int, split_mode: str = "in-seq", prefix: int = 0
+) -> int:
+    """Tokens ``rank`` computes at phase ``level``: its two zigzag blocks of the extend (page-aligned
+    from level 4), or round-robin's positions ``rank (mod C)``."""
     if split_mode == "round-robin":
-        return round_robin_queries(context, cp_size, rank)
-    blocks = zigzag_blocks(context, cp_size, page_size, page_aligned=level >= 4)
+        return round_robin_queries(context - prefix, cp_size, rank)
+    blocks = zigzag_blocks(context, cp_size, page_size, level >= 4, prefix)
     return sum(b - a for a, b in rank_ranges(blocks, rank))
 
 
@@ -205,22 +209,30 @@ def materialize_comm_bytes(
 
 def transient_bytes(
     cfg: ModelConfig, context: int, level: int, kv_dtype: KVDtype = "fp8", page_size: int = 64, act_bytes: int = ACT_BYTES,
-    cp_size: int = 1, interleave: int | None = None,
+    cp_size: int = 1, interleave: int | None = None, prefix: int = 0,
 ) -> int:
-    """Transient bytes of one layer, as the engine's ``transient_peak_bytes`` counts them.
+    """Transient bytes of one layer, as the engine's ``transient_peak_bytes`` counts them, for a
+    chunk of ``context - prefix`` tokens after ``prefix`` cached ones (0: current-only).
 
-    ``T x (576 + 128) x act_bytes`` (gathered chunk) + ``S x (576 x 2 + 132)`` (bf16 full view and
-    FP8 index) + at level 2 ``pages x page_bytes`` (every page gathered; none from level 3 when the
-    batch is current-only; at a finer ``interleave``, every rank's physical pages: up to one more
-    per rank).
+    ``T x (576 + 128) x act_bytes`` (gathered chunk, ``T = context - prefix``) + ``S x (576 x 2 +
+    132)`` (bf16 full view and FP8 index, ``S = context``) + the gathered pages: at level 2 every
+    page (at a finer ``interleave``, every rank's physical pages: up to one more per rank); from
+    level 3 the history pages (those holding the prefix; none for a current-only batch), and at
+    level 8 also the second alternating view buffer of the prefetch (``S x 576 x 2``).
     """
-    gathered = context * (cfg.kv_width + cfg.index_head_dim) * act_bytes
+    gathered = (context - prefix) * (cfg.kv_width + cfg.index_head_dim) * act_bytes
     view = context * (cfg.kv_width * 2 + cfg.index_head_dim + 4)
-    n_pages = -(-context // page_size)
-    if interleave not in (None, page_size):
-        n_pages = sum(Ownership(cp_size, interleave, page_size).pages_held(n_pages, r) for r in range(cp_size))
-    pages = n_pages * page_bytes(cfg, kv_dtype, page_size) if level == 2 else 0
-    return gathered + view + pages
+    one_page = page_bytes(cfg, kv_dtype, page_size)
+    if level == 2:
+        n_pages = -(-context // page_size)
+        if interleave not in (None, page_size):
+            n_pages = sum(Ownership(cp_size, interleave, page_size).pages_held(n_pages, r) for r in range(cp_size))
+        return gathered + view + n_pages * one_page
+    if level < 3 or prefix == 0:
+        return gathered + view
+    history = -(-prefix // page_size) * one_page
+    second_view = context * cfg.kv_width * 2 if level >= 8 else 0
+    return gathered + view + history + second_view
 
 
 def activation_bytes(cfg: ModelConfig, t_local: int, context: int, act_bytes: int = ACT_BYTES) -> int:
@@ -229,21 +241,21 @@ def activation_bytes(cfg: ModelConfig, t_local: int, context: int, act_bytes: in
 
     Live through the layer: the residual ``x``, the projections (``q [T, H, 576]``, ``kv``, index
     K, FP8 index q and head weights) and the top-k result ``[T, K]`` int32. Then the larger of two
-    phases: the indexer's fp32 logits of one row chunk ``[rows, S]`` (rows sized to stay under
-    1 GiB, as ``indexer_topk_triton`` does) with the selection kernel's candidate slots
-    (:func:`reference_impl.kernels.topk_select.workspace_bytes`), or the attention's output
-    ``[T, H, 512]``, the ``[T, H, 128]`` value product and the output projection's ``[T, dim]``.
-    ``scripts/memory_peak.py`` lists what is alive at the measured peak: these tensors.
+    phases: the indexer's tile (:func:`reference_impl.kernels.indexer_triton.indexer_tile_bytes`:
+    one row chunk's fp32 logits buffer under 1 GiB, at most ``131072 + K`` columns however long the
+    context, the selection kernel's candidate slots and, past one tile, the running top-k), or the
+    attention's output ``[T, H, 512]``, the ``[T, H, 128]`` value product and the output
+    projection's ``[T, dim]``. ``scripts/memory_peak.py`` lists what is alive at the measured peak:
+    these tensors.
     """
-    from reference_impl.kernels.topk_select import workspace_bytes
+    from reference_impl.kernels.indexer_triton import indexer_tile_bytes
 
     h, hi, k = cfg.n_heads, cfg.index_n_heads, cfg.index_topk
     live = t_local * (
         cfg.dim * act_bytes + h * cfg.kv_width * act_bytes + (cfg.kv_width + cfg.index_head_dim) * act_bytes
         + hi * cfg.index_head_dim + hi * 4 + k * 4
     )
-    rows = min(t_local, max(1, (1 << 30) // (max(context, 1) * 4)))
-    indexer = rows * context * 4 + workspace_bytes(rows, context, k)
+    indexer = indexer_tile_bytes(t_local, context, k)
     attention = t_local * (h * cfg.kv_lora_rank + h * cfg.v_head_dim + cfg.dim) * act_bytes
     return live + max(indexer, attention)
 
@@ -271,7 +283,7 @@ def compute_terms(
 
 def layer_terms(
     cfg: ModelConfig, rates: PlannerRates, cp_size: int, context: int, level: int, rank: int,
-    kv_dtype: KVDtype = "fp8", page_size: int = 64, split_mode: str = "in-seq", indexer: bool = True,
+    kv_dtype: KVDtype = "fp8", page_size: int = 64, split_mode: str = "in-seq", indexer: bool = True, prefix: int = 0,
 ) -> dict[str, float]:
     """Milliseconds of each part of one layer on ``rank`` at phase ``level`` (see the module docstring).
 
@@ -280,26 +292,35 @@ def layer_terms(
     ``1..k`` without 4 and 5. ``indexer=False``: an IndexShare shared layer, which projects,
     gathers, stores and materializes no indexer K and computes no logits or top-k (its elementwise
     term keeps the full layer's rate: an overestimate).
+
+    ``prefix > 0``: a later chunk of a chunked prefill (in-seq), ``context - prefix`` new tokens
+    after ``prefix`` cached ones. Its queries see the prefix too; from level 3 the history (the
+    prefix's pages) is materialized into the view (levels 3-6 at the torch rate, 7 by the fused
+    kernel; at level 8 the prefetch hides its MLA part behind the layer before, counted as fully
+    hidden) and, on a real group, its pages cross the interconnect.
     """
     layout = KVLayout.from_config(cfg, kv_dtype, page_size)
     round_robin = split_mode == "round-robin"
+    extend = context - prefix
     if round_robin:
+        if prefix:
+            raise ValueError("the planner models a prefix for the in-seq split only")
         t_local = round_robin_queries(context, cp_size, rank)
         t_pad = round_robin_queries(context, cp_size, 0)
         n_visible = round_robin_visible_keys(context, cp_size, rank)
     else:
-        blocks = zigzag_blocks(context, cp_size, page_size, page_aligned=level >= 4)
+        blocks = zigzag_blocks(context, cp_size, page_size, level >= 4, prefix)
         ranges = rank_ranges(blocks, rank)
         t_local = sum(b - a for a, b in ranges)
         t_pad = max(blocks[r] + blocks[len(blocks) - 1 - r] for r in range(cp_size))
-        n_visible = visible_keys(ranges)
+        n_visible = visible_keys(ranges) + prefix * t_local  # extend position j sees prefix + j + 1 keys
     fused, sharded = level >= 7, level >= 2
     direct = sharded and (round_robin or level >= 5)
     terms = {
         **compute_terms(cfg, rates, t_local, context, n_visible, indexer),
         "allgather1": ms_for_bytes(allgather1_bytes(cfg, cp_size, t_pad, indexer), rates.interconnect_gbps),
     }
-    kv_b, index_b = rerange_bytes(cfg, context)
+    kv_b, index_b = rerange_bytes(cfg, extend)
     index_b = index_b if indexer else 0
     terms["rerange"] = ms_for_bytes(kv_b, rates.gbps("rerange_kv", fused)) + ms_for_bytes(
         index_b, rates.gbps("rerange_index", fused)
@@ -307,14 +328,15 @@ def layer_terms(
     # Rows this rank writes: the whole chunk (replica), its owned pages' tokens picked from the
     # gathered chunk (in-seq levels 2-4), or the rows it computed, written directly (in-seq level
     # >= 5, round-robin level >= 2).
-    rows = context if not sharded else t_local if direct else owned_tokens(context, rank, cp_size, page_size)
+    owned_new = owned_tokens(context, rank, cp_size, page_size) - owned_tokens(prefix, rank, cp_size, page_size)
+    rows = extend if not sharded else t_local if direct else owned_new
     mla_b, index_b = store_bytes(cfg, layout, rows)
     index_b = index_b if indexer else 0
     terms["select"] = ms_for_bytes(rows * gather_row_bytes(cfg, indexer) * 2, rates.copy_gbps) if sharded and not direct else 0.0
     terms["store"] = ms_for_bytes(mla_b, rates.gbps(f"store_mla_{kv_dtype}", fused)) + ms_for_bytes(
         index_b, rates.gbps("store_index", fused)
     )
-    remap_scale = context / rates.remap_ref_tokens
+    remap_scale = extend / rates.remap_ref_tokens
     if not sharded:
         terms["remap"] = 0.0  # physical == logical
     elif level < 6:
@@ -322,13 +344,23 @@ def layer_terms(
     else:
         terms["remap"] = rates.remap_page_inverse_ms * remap_scale / cfg.n_layers
     one_page = page_bytes(cfg, kv_dtype, page_size, index=indexer)
-    comm = materialize_comm_bytes(context, cp_size, page_size, one_page, 1 if round_robin else None) if level == 2 else 0
+    index_page = layout.index_bytes * page_size if indexer else 0
+    if level == 2:
+        comm = materialize_comm_bytes(context, cp_size, page_size, one_page, 1 if round_robin else None)
+    elif sharded and prefix:  # the history pages; at level 8 their MLA part is prefetched (hidden)
+        comm = materialize_comm_bytes(prefix, cp_size, page_size, one_page if level < 8 else index_page)
+    else:
+        comm = 0
     terms["materialize_comm"] = ms_for_bytes(comm, rates.interconnect_gbps)
     # The view's S rows come from the local replica (levels 0-1), gathered pages (level 2) or the
-    # gathered chunk (level >= 3, fill_current), on the torch path below level 7; from level 7 phase
-    # 7's fused current-rows fill writes them (a current-only batch has no history pages).
+    # gathered chunk and the history pages (level >= 3), on the torch path below level 7; from
+    # level 7 phase 7's fused current-rows fill writes the chunk's rows and the fused materialize
+    # the history's (at level 8 only its index part: the prefetch wrote the MLA rows).
     if fused:
-        terms["full_view"] = ms_for_bytes(fill_bytes(cfg, layout, context, indexer), rates.fill_current_fused_gbps)
+        history = view_bytes(cfg, layout, prefix, indexer) if level < 8 else prefix * 2 * (layout.index_bytes if indexer else 0)
+        terms["full_view"] = ms_for_bytes(fill_bytes(cfg, layout, extend, indexer), rates.fill_current_fused_gbps) + ms_for_bytes(
+            history, rates.gbps("materialize", fused=True)
+        )
     else:
         terms["full_view"] = ms_for_bytes(view_bytes(cfg, layout, context, indexer), rates.gbps("materialize", fused=False))
     return terms

@@ -167,3 +167,27 @@ def test_the_fused_bound_on_the_gpu_writes_the_reference_maxima_and_selects_exac
     plain = indexer_topk_triton(q, w, k, ks, start, end, 2048, selector="triton")
     assert torch.equal(indexer_topk_triton(q, w, k, ks, start, end, 2048, selector="triton", fused_bound=True), plain)
     assert torch.equal(plain, fused)
+
+
+def test_streamed_indexer_topk_selects_what_one_pass_selects() -> None:
+    """Keys streamed in tiles (the running top-k in the selection's buffer, right to left) give the
+    one-pass selection's keys exactly, at DeepSeek widths over 300K keys, with and without ties; the
+    streamed buffer is the tile's, not the context's."""
+    from reference_impl.kernels.indexer_triton import indexer_logits_triton, indexer_tile_bytes, indexer_topk_triton
+    from reference_impl.kernels.topk_select import topk_select_reference
+
+    q, w, k, ks, start, end = _indexer_case(128, 300_000, 4)
+    fallback.reset_fallbacks()
+    one_pass = indexer_topk_triton(q, w, k, ks, start, end, 2048, selector="triton", key_tile=1 << 20)
+    streamed = indexer_topk_triton(q, w, k, ks, start, end, 2048, selector="triton", key_tile=32768)
+    assert fallback.fallbacks_taken() == {}
+    assert torch.equal(streamed, one_pass)
+    ties = q.clone()
+    ties[:, :, 1:] = 0  # scores from one coordinate: many keys tie
+    rows = slice(60, 68)
+    logits = indexer_logits_triton(ties[rows], w[rows], k, ks, start[rows], end[rows], 0, 300_000)
+    assert logits[0].isfinite().sum() > logits[0][logits[0].isfinite()].unique().numel()  # ties
+    want = topk_select_reference(logits, start[rows], end[rows], 2048)  # the kernel's own scores, one pass
+    got = indexer_topk_triton(ties[rows], w[rows], k, ks, start[rows], end[rows], 2048, selector="triton", key_tile=32768)
+    assert torch.equal(got, want)
+    assert indexer_tile_bytes(16384, 1 << 20, 2048) == indexer_tile_bytes(16384, 1 << 22, 2048)
