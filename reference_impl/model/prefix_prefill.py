@@ -47,23 +47,32 @@ class GrowingCache(LayerCache):
     chunk writes into them instead of concatenating (which would hold the old and the new cache at
     once). ``mla_rows`` / ``index_fp8`` / ``index_scale`` are views of the filled part."""
 
-    def __init__(self, layout: KVLayout, capacity: int, device: torch.device | str) -> None:
+    def __init__(self, layout: KVLayout, capacity: int, device: torch.device | str, with_index: bool = True) -> None:
         d = layout.index_head_dim
+        index_rows = capacity if with_index else 0  # an IndexShare shared layer keeps no index K
         self._mla = torch.empty(capacity, layout.mla_bytes, dtype=torch.uint8, device=device)
-        self._index = torch.empty(capacity, d, dtype=torch.float8_e4m3fn, device=device)
-        self._scale = torch.empty(capacity, dtype=torch.float32, device=device)
-        super().__init__(layout, self._mla[:0], self._index[:0], self._scale[:0])
+        self._index = torch.empty(index_rows, d, dtype=torch.float8_e4m3fn, device=device)
+        self._scale = torch.empty(index_rows, dtype=torch.float32, device=device)
+        super().__init__(layout, self._mla[:0], self._index[:0], self._scale[:0], with_index)
 
     def append(self, proj: Projection) -> None:
-        """Quantize and write the projected tokens' KV and index K after the filled part."""
+        """Quantize and write the projected tokens' KV and (on a layer that keeps it) index K after
+        the filled part."""
         start, stop = len(self), len(self) + proj.kv.shape[0]
         if stop > self._mla.shape[0]:
             raise ValueError(f"cache of {self._mla.shape[0]} tokens cannot take tokens up to {stop}")
-        k_fp8, k_scale = self.layout.quantize_index_k(proj.index_k)
+        if (proj.index_k is not None) != self.with_index:
+            raise ValueError(
+                f"a cache {'with' if self.with_index else 'without'} index K gets a projection "
+                f"{'without' if proj.index_k is None else 'with'} one (IndexShare pattern mismatch)"
+            )
         self._mla[start:stop] = self.layout.pack_mla(proj.kv)
-        self._index[start:stop] = k_fp8
-        self._scale[start:stop] = k_scale
-        self.mla_rows, self.index_fp8, self.index_scale = self._mla[:stop], self._index[:stop], self._scale[:stop]
+        self.mla_rows = self._mla[:stop]
+        if proj.index_k is not None:
+            k_fp8, k_scale = self.layout.quantize_index_k(proj.index_k)
+            self._index[start:stop] = k_fp8
+            self._scale[start:stop] = k_scale
+            self.index_fp8, self.index_scale = self._index[:stop], self._scale[:stop]
 
 
 @torch.no_grad()
@@ -81,11 +90,14 @@ def prefill_prefix(
     Returns the per-layer dense caches (drop them to free the KV copy). The bytes are those of
     :func:`~reference_impl.model.oracle.run_oracle` for the same prefix.
     """
-    caches = [GrowingCache(layout, x.shape[0], x.device) for _ in model.layers]
+    share = model.cfg.index_share  # IndexShare: a shared layer keeps no index K, reuses the top-k before it
+    caches = [GrowingCache(layout, x.shape[0], x.device, share.is_full(layer)) for layer in range(len(model.layers))]
     for start, stop in prefix_spans(x.shape[0], chunk_tokens):
         h = x[start:stop]
+        topk = None
         for layer, block in enumerate(model.layers):
-            out, _, _ = attention_forward(block.attn, block.attn_norm(h), start, caches[layer], view_dtype)
+            out, topk, _ = attention_forward(block.attn, block.attn_norm(h), start, caches[layer], view_dtype,
+                                             reuse_topk=topk)
             h = h + out
             del out
             on_rows(layer, start, stop, caches[layer])
