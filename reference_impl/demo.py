@@ -63,10 +63,12 @@ def fallbacks(report: dict[str, Any], run: RunConfig, cuda: bool) -> list[str]:
     phases = run.phases
     if phases.narrow_output and report["tail_mode"] != "narrow":
         out.append(f"phase 1: {report['tail_mode']} tail gather")
-    if phases.page_aligned and not build_metadata(run).page_aligned:
+    aligned = build_metadata(run).page_aligned if phases.page_aligned else False
+    if phases.page_aligned and not aligned:
         out.append("phase 4: token-balanced split (a request has fewer than 2C pages)")
     if phases.compute_owner and report["store_path"] != "direct":
-        out.append(f"phase 5: {report['store_path']} store (a prefix ends mid-page)")
+        why = "a prefix ends mid-page" if aligned else "the split is not page-aligned"
+        out.append(f"phase 5: {report['store_path']} store ({why})")
     if phases.fused_kernels and not cuda:
         out.append("phase 7: torch paths (no CUDA)")
     if phases.prefetch and not cuda:

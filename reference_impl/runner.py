@@ -150,6 +150,8 @@ def _run_all(
             on_steps = lambda done, total=total: progress("ranks", done, total)  # noqa: E731
         per_rank = launch(_run_each, cp_size, batch, device=device, backend=backend, timeout_s=limit, debug=False,
                           on_steps=on_steps)
+        if on_steps is not None:
+            on_steps(total)  # every rank is done
         if per_rank is None:  # under torchrun, on a rank other than 0: rank 0 runs the oracle and reports
             continue
         launch_backend, shared_gpu = _launch_plan_line(batch[0])

@@ -47,3 +47,26 @@ def test_split_shows_the_page_aligned_split(capsys) -> None:
     assert main(["split", "--cp", "2", "--extend", "100", "--prefix", "13", "--page-size", "16", "--page-aligned"]) == 0
     out = capsys.readouterr().out
     assert "page-aligned: True" in out and "[[19, 32, 32, 17]]" in out
+
+
+def test_run_progress_is_drawn_on_stderr_by_the_cli() -> None:
+    """The library reports how far a run is; the CLI's bar draws it (on a terminal; forced here)."""
+    import io
+
+    from reference_impl.cli import _ProgressBar
+    from reference_impl.config import Request, RunConfig
+    from reference_impl.runner import run_prefill
+
+    seen: list[tuple[str, int, int]] = []
+    out = io.StringIO()
+    with _ProgressBar(enabled=True, file=out) as bar:
+        def progress(stage: str, done: int, total: int) -> None:
+            seen.append((stage, done, total))
+            bar.update(stage, done, total)
+
+        run_prefill(RunConfig(cp_size=2, requests=(Request(0, 40),), device="cpu"), progress=progress)
+    ranks = [s for s in seen if s[0] == "ranks"]
+    assert ranks[0] == ("ranks", 0, 3) and ranks[-1] == ("ranks", 3, 3)  # the model, then 2 layers x 1 chunk
+    assert [d for _, d, _ in ranks] == sorted(d for _, d, _ in ranks) and seen[-1][0] == "oracle"
+    assert "ranks (model, then layers)" in out.getvalue() and "oracle" in out.getvalue()
+    assert _ProgressBar(file=io.StringIO()).enabled is False  # not a terminal: no bar

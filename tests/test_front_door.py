@@ -282,3 +282,24 @@ def test_load_rates_takes_a_path_or_a_list(tmp_path) -> None:
     path.write_text(json.dumps({"interconnect_gbps": -1}))
     with pytest.raises(ri.ConfigError, match="must be positive, finite numbers"):
         ri.load_rates(path)
+
+
+# ---- ranks the machine cannot run --------------------------------------------------------------
+
+
+def test_the_machine_rules_name_cores_and_file_descriptors() -> None:
+    from reference_impl.config import ConfigError
+    from reference_impl.launch import FDS_BASE, FDS_PER_PEER, check_machine, choose_backend
+
+    def plan(cp_size: int):  # noqa: ANN202
+        return choose_backend(cp_size, "cpu", "auto", 0)
+
+    check_machine(plan(32), 1, cores=2, fd_limit=1024)  # 16 rank threads per core: the most
+    with pytest.raises(ConfigError, match=r"cp_size=33: 33 ranks on 2 cores; this machine runs at most 32"):
+        check_machine(plan(33), 1, cores=2, fd_limit=1024)
+    with pytest.raises(ConfigError, match=r"cp_size=16: 16 ranks x 4 threads on 2 cores; this machine runs at most 8"):
+        check_machine(plan(16), 4, cores=2, fd_limit=1024)
+    too_many = (1024 - FDS_BASE) // FDS_PER_PEER + 1
+    with pytest.raises(ConfigError, match=r"file descriptors .* over this process's limit of 1024 \(ulimit -n\)"):
+        check_machine(plan(too_many), 1, cores=1024, fd_limit=1024)
+    check_machine(plan(1), 99, cores=1, fd_limit=1)  # one rank runs in this process: no rule applies
