@@ -455,6 +455,8 @@ class EnvKnob:
 
 
 LIBRARY_ENV: dict[str, EnvKnob] = {}
+"""Every knob the library reads from its environment variable, by field name (:class:`EnvKnob`);
+:func:`check_environment` checks each one that is set."""
 
 
 def env_knob(field_name: str) -> bool | str | int | None:
