@@ -236,7 +236,8 @@ def estimate(
     logits = len(run.requests) * cfg.vocab_size * 4 * 2
     outputs = (t_local * cfg.dim * 4 + layers * t_local * cfg.index_topk * 4 * 2) if run.check else 0
     metadata = sum(totals) * METADATA_PER_TOKEN  # the chunk schedule and split metadata: Python ints
-    base = PROCESS_BASE[start_method if c > 1 else "inline"] + (CUDA_CONTEXT if device_type == "cuda" else 0) + metadata
+    # On CUDA a process's interpreter and metadata live on the host (counted in ``host``); its device holds a context.
+    base = CUDA_CONTEXT if device_type == "cuda" else PROCESS_BASE[start_method if c > 1 else "inline"] + metadata
     rank_terms: list[dict[str, int]] = []
     results = []
     for r in range(c):
@@ -268,10 +269,18 @@ def estimate(
     )))
     host = sum(ranks) + during
     if device_type == "cuda":  # the host side of CUDA processes: the interpreter, results on their way back
-        host = (c + 1) * PROCESS_BASE["spawn"] + int(SAFETY * 2 * received) + extra_process
+        host = (c + 1) * (PROCESS_BASE["spawn"] + metadata) + int(SAFETY * 2 * received) + extra_process
     ranks_per_device = -(-c // max(1, cuda_devices)) if device_type == "cuda" else c
     terms = {f"rank 0 {k}": v for k, v in rank_terms[0].items()} | {f"parent {k}": v for k, v in parent_terms.items()}
     return Footprint(ranks, during, after, host, device_type, ranks_per_device, terms)
+
+
+def decode_bytes(run: RunConfig) -> int:
+    """A PD decode process beside the ranks (:mod:`reference_impl.prefill_decode`): its own cache of
+    every request's tokens in every layer, as it receives them (twice: the rows and their pages)."""
+    layout = KVLayout.from_config(run.model, run.kv_dtype, run.page_size)
+    tokens = sum(r.total for r in run.requests)
+    return int(SAFETY * (PROCESS_BASE["spawn"] + 2 * run.model.n_layers * tokens * _row_bytes(layout)))
 
 
 def free_bytes(device_type: str) -> int | None:

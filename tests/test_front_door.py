@@ -39,6 +39,8 @@ BAD_INPUT: list[tuple[list[str], dict[str, str], str]] = [
     (["run", "--requests", "0+2000000000,0+2000000000"], {}, "the requests hold 4,000,000,000 tokens"),
     (["run", "--batches", "0+64;0+99999999999"], {}, "batch 1's requests hold"),
     (["run", "--requests", "0+1000000", "--chunk-size", "8"], {}, "chunk_size=8 cuts the run into 125,000 chunks"),
+    (["pd", "--requests", "0+100000000"], {}, "needs up to"),
+    (["pd", "--requests", "0+99999999999"], {}, "at most 2,147,483,647"),
     (["split", "--cp", "4", "--extend", "99999999999999"], {}, "--extend: 99,999,999,999,999 tokens"),
     (["split", "--cp", "4", "--extend", "5000000000"], {}, "--extend: 5,000,000,000 tokens"),
     (["split", "--cp", "4", "--extend", "100000000"], {}, "split prints every token's rank, at most 1,048,576"),
