@@ -172,7 +172,7 @@ FDS_BASE = 64  # and besides (libraries, pipes, the rendezvous store)
 def check_machine(plan: LaunchSpec, rank_threads: int, cores: int | None = None, fd_limit: int | None = None) -> None:
     """Refuse, before any starts, ranks this machine cannot run (a :class:`ConfigError` naming the rule).
 
-    The rules, from the machine's facts (``cores``: ``os.cpu_count()``; ``fd_limit``: the soft
+    The rules, from the machine's facts (``cores``: :func:`~reference_impl.machine.cpu_cores`; ``fd_limit``: the soft
     ``RLIMIT_NOFILE`` every rank inherits):
 
     * **threads**: ranks x their intra-op threads at most :data:`THREADS_PER_CORE` per core; ranks
