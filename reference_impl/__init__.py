@@ -14,7 +14,7 @@ The package is the architecture, bottom to top (an import never runs upward; ``t
    ``schedule`` (chunked prefill), ``workload``, ``check``, ``report``, ``footprint``,
    ``prefill_decode``;
 7. the face -- ``api`` (this package's exports), ``cli``, ``demo`` (the main job), ``tables``,
-   ``bench/``, ``planner/``.
+   ``figures`` (plots that carry the data they draw), ``bench/``, ``planner/``.
 
 Where each phase lives (one module each; the phase set asks for them by name,
 ``run.phases.sharded_kv``):
@@ -27,7 +27,7 @@ Where each phase lives (one module each; the phase set asks for them by name,
 | 3 | current-chunk reuse | `cp/current_reuse.py` |
 | 4 | page-aligned split | `cp/page_aligned.py` |
 | 5 | compute-owner layout | `cp/compute_owner.py` |
-| 6 | no host sync in the layer loop, sort-free remap | `sync_audit.py`, `cp/split_index.py`, `cp/remap.py` |
+| 6 | sync-free layer loop: no host sync, store locs once per batch, page-inverse remap | `sync_audit.py`, `cp/split_index.py`, `cp/remap.py` |
 | 7 | fused Triton kernels | `cp/fused_ops.py`, `kernels/fused_*.py` |
 | 8 | one-layer-ahead prefix prefetch | `cp/prefetch.py` |
 

@@ -21,13 +21,18 @@ from pathlib import Path
 
 import torch
 
-from reference_impl.config import KV_DTYPES, MAX_SEED, PRESETS, ConfigError, Request, check_choice, validate_page_size
+from reference_impl.config import KV_DTYPES, MAX_SEED, ConfigError, Request, check_choice, validate_page_size
 from reference_impl.footprint import GIB, SAFETY, free_bytes, weight_bytes
 from reference_impl.kernels.dispatch import KERNEL_OPS
+from reference_impl.kernels.v4_dispatch import V4_KERNEL_OPS
 from reference_impl.model.checkpoint import load_hf_weights
 from reference_impl.model.oracle import DSAModel, OracleResult, init_weights, run_oracle
 from reference_impl.model.sparse_attention import TORCH_OPS
-from reference_impl.presets import ModelConfig, get_preset
+from reference_impl.model.v4.checkpoint import load_v4_hf_weights
+from reference_impl.model.v4.oracle import build_v4_model, run_v4_oracle
+from reference_impl.model.v4.sparse import V4_TORCH_OPS
+from reference_impl.presets import ModelConfig, get_preset, preset_names
+from reference_impl.presets_v4 import is_v4
 
 
 def make_model(
@@ -66,6 +71,11 @@ def make_model(
         raise ConfigError(f"checkpoint={checkpoint!r}: need a path or a mapping of tensors, got {type(checkpoint).__name__}")
     params, draw = weight_bytes(cfg, dtype.itemsize)
     _check_fits(f"make_model({cfg.name!r}, n_layers={cfg.n_layers}, dtype={dtype})", int(SAFETY * (params + draw)), device)
+    if is_v4(cfg):  # DeepSeek-V4: a V4Model (reference_impl.model.v4), its weights by Hugging Face names
+        v4 = build_v4_model(cfg, dtype, seed, device, V4_KERNEL_OPS if kernels else V4_TORCH_OPS)  # type: ignore[arg-type]
+        if checkpoint is not None:
+            load_v4_hf_weights(v4, checkpoint, first_layer=first_layer, head=head)
+        return v4  # type: ignore[return-value]
     with torch.device(device):
         model = DSAModel(cfg, dtype, ops=KERNEL_OPS if kernels else TORCH_OPS)
     init_weights(model, seed)
@@ -80,7 +90,7 @@ def make_inputs(
 ) -> list[torch.Tensor]:
     """Layer-0 hidden states per request, ``[prefix + extend, dim]`` ~ N(0, 1): the inputs a
     ``RunConfig`` with this ``seed`` builds (``seed + 1`` seeds the generator)."""
-    if not isinstance(cfg, ModelConfig):
+    if not (isinstance(cfg, ModelConfig) or is_v4(cfg)):
         raise ConfigError(f"cfg={cfg!r}: need a ModelConfig (e.g. get_preset('tiny') or model.cfg), got {type(cfg).__name__}")
     requests = _check_requests(requests)
     _check_int("seed", seed, 0, MAX_SEED)
@@ -110,8 +120,8 @@ def oracle(
     computed first, as an earlier prefill would have). ``fp32=True`` reads the KV in float32 for
     attention (with a float32 model: float32 end to end; the engine's full view is bf16).
     """
-    if not isinstance(model, DSAModel):
-        raise ConfigError(f"model={model!r}: need a DSAModel (make_model), got {type(model).__name__}")
+    if not (isinstance(model, DSAModel) or is_v4(getattr(model, "cfg", None))):
+        raise ConfigError(f"model={model!r}: need a model from make_model, got {type(model).__name__}")
     requests = _check_requests(requests)
     if isinstance(inputs, torch.Tensor) or not isinstance(inputs, Sequence) or not all(
             isinstance(x, torch.Tensor) for x in inputs):
@@ -127,6 +137,8 @@ def oracle(
         if tuple(x.shape) != (r.total, model.cfg.dim):
             raise ConfigError(f"inputs[{i}] is {tuple(x.shape)}, request {i} needs ({r.total}, {model.cfg.dim})")
     view = torch.float32 if fp32 else torch.bfloat16
+    if is_v4(model.cfg):  # DeepSeek-V4's oracle: caches in reference_impl.kvcache.v4_layout (no pages)
+        return run_v4_oracle(model, [r.prefix for r in requests], list(inputs), kv_dtype, chunk_size, view)  # type: ignore[arg-type,return-value]
     return run_oracle(model, [r.prefix for r in requests], list(inputs), kv_dtype, page_size, chunk_size, view)  # type: ignore[arg-type]
 
 
@@ -143,11 +155,11 @@ def _check_int(name: str, value: object, minimum: int, maximum: int | None = Non
 
 
 def _model_config(preset: object) -> ModelConfig:
-    if isinstance(preset, ModelConfig):
-        return preset
+    if isinstance(preset, ModelConfig) or is_v4(preset):
+        return preset  # type: ignore[return-value]
     if isinstance(preset, str):
         return get_preset(preset)
-    raise ConfigError(f"preset={preset!r}: need a preset name ({', '.join(PRESETS)}) or a ModelConfig, "
+    raise ConfigError(f"preset={preset!r}: need a preset name ({', '.join(preset_names())}) or a ModelConfig, "
                       f"got {type(preset).__name__}")
 
 

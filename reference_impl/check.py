@@ -93,6 +93,33 @@ def _topk_rows_agree(got: torch.Tensor, ref: torch.Tensor, scores: torch.Tensor 
     return bool(((rank[diff] >= k - band) & (rank[diff] < k + band)).all())
 
 
+def compare_outputs(
+    meta: SplitMetadata, model: torch.nn.Module, ref_hidden: torch.Tensor, results: list[RankResult], tol: float,
+    problems: list[str],
+) -> tuple[float, float]:
+    """Every token's final hidden state and every rank's output rows and logits against the oracle's
+    ``ref_hidden`` (float32, run-global token order); appends to ``problems``, returns
+    ``(max abs err, logits max abs err)``. Shared by the DSA and the V4 checks."""
+    hidden = _assemble(results, [r.local_hidden for r in results if r.local_hidden is not None], meta.total_tokens)
+    err, scale = _scaled_err(hidden, ref_hidden)
+    if not err <= tol * scale:  # NaN fails too
+        problems.append(f"hidden states differ: max abs err {err:.3g} > {tol * scale:.3g}")
+
+    logits_err = 0.0
+    for r in results:
+        ref_rows = ref_hidden[list(r.row_ids)]
+        row_err, row_scale = _scaled_err(r.rows, ref_rows)
+        ref_logits = model.logits(ref_rows.to(model.head.weight)).cpu()  # type: ignore[operator]
+        l_err, l_scale = _scaled_err(r.logits, ref_logits)
+        logits_err = max(logits_err, l_err)
+        err = max(err, row_err)
+        if not row_err <= tol * row_scale:
+            problems.append(f"rank {r.rank}: output rows differ (max abs err {row_err:.3g})")
+        if not l_err <= tol * l_scale:
+            problems.append(f"rank {r.rank}: logits differ (max abs err {l_err:.3g})")
+    return err, logits_err
+
+
 def compare(
     run: RunConfig,
     meta: SplitMetadata,
@@ -107,23 +134,7 @@ def compare(
     problems: list[str] = []
 
     ref_hidden = torch.cat(oracle.hidden).float().cpu()
-    hidden = _assemble(results, [r.local_hidden for r in results if r.local_hidden is not None], meta.total_tokens)
-    err, scale = _scaled_err(hidden, ref_hidden)
-    if not err <= tol * scale:  # NaN fails too
-        problems.append(f"hidden states differ: max abs err {err:.3g} > {tol * scale:.3g}")
-
-    logits_err = 0.0
-    for r in results:
-        ref_rows = ref_hidden[list(r.row_ids)]
-        row_err, row_scale = _scaled_err(r.rows, ref_rows)
-        ref_logits = model.logits(ref_rows.to(model.head.weight)).cpu()
-        l_err, l_scale = _scaled_err(r.logits, ref_logits)
-        logits_err = max(logits_err, l_err)
-        err = max(err, row_err)
-        if not row_err <= tol * row_scale:
-            problems.append(f"rank {r.rank}: output rows differ (max abs err {row_err:.3g})")
-        if not l_err <= tol * l_scale:
-            problems.append(f"rank {r.rank}: logits differ (max abs err {l_err:.3g})")
+    err, logits_err = compare_outputs(meta, model, ref_hidden, results, tol, problems)
 
     rows_total = rows_equal = ties = 0
     n_layers = len(oracle.topk)

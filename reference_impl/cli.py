@@ -29,8 +29,8 @@ from reference_impl.config import (
     MAX_HBM_GIB,
     MAX_PLAN_CP,
     MAX_SEED,
-    PRESETS,
     SPLIT_MODES,
+    KV_DESIGNS,
     ConfigError,
     PhaseSet,
     RunConfig,
@@ -42,9 +42,11 @@ from reference_impl.config import (
     parse_batches,
     parse_int_list,
     parse_requests,
+    validate_kv_design,
     validate_page_size,
 )
 from reference_impl.errors import RankFailedError, RunStopped
+from reference_impl.presets import preset_names
 
 EXIT_OK = 0
 EXIT_DISAGREES = 1
@@ -107,6 +109,18 @@ def _float_arg(positive: bool = True, maximum: float | None = None, why: str = "
     return parse
 
 
+def _validated_arg(validate: Callable[[str], str]) -> Callable[[str], str]:
+    """A flag value checked by ``validate`` (which raises :class:`ConfigError` outside its set, empty included)."""
+
+    def parse(text: str) -> str:
+        try:
+            return validate(text)
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc).partition(": ")[2] or str(exc)) from None
+
+    return parse
+
+
 def _flag(field: str) -> str:
     return knob_names(field)[1]
 
@@ -115,7 +129,7 @@ def _flag(field: str) -> str:
 
 # field -> (parse, help); defaults come from RunConfig, then DSACP_<FIELD> overrides them.
 _RUN_KNOBS: dict[str, tuple[Callable[[str], Any], str]] = {
-    "preset": (_choice_arg(tuple(PRESETS), "preset"), " | ".join(PRESETS)),
+    "preset": (_choice_arg(preset_names(), "preset"), " | ".join(preset_names())),
     "cp_size": (_int_arg(1), "CP ranks C"),
     "requests": (str, "comma-separated PREFIX+EXTEND pairs (or EXTEND), e.g. 0+96,40+70"),
     "kv_dtype": (_choice_arg(KV_DTYPES, "kv dtype"), " | ".join(KV_DTYPES)),
@@ -124,6 +138,8 @@ _RUN_KNOBS: dict[str, tuple[Callable[[str], Any], str]] = {
     "page_size": (_int_arg(1), "tokens per KV page (a power of two, 4..4096)"),
     "kv_interleave": (_int_arg(1), "KV sharded at rest: consecutive tokens per rank (a power of two dividing the page "
                       "size; default: the page size in-seq, 1 round-robin)"),
+    "kv_design": (_validated_arg(validate_kv_design), f"how the KV is kept and gathered: {' | '.join(KV_DESIGNS)} "
+                  "(default phases; a design replaces phases 2, 3, 5, 6 and 8: run it with --phases 1,7 or fewer)"),
     "n_layers": (_int_arg(1), "layers (default: the preset's)"),
     "chunk_size": (_int_arg(1), "chunked prefill: extend tokens per request per chunk"),
     "seed": (_int_arg(0, MAX_SEED, "2**63 - 2"), "weights and inputs"),
@@ -225,15 +241,29 @@ def _cmd_run(args: argparse.Namespace) -> int:
 # ---- demo --------------------------------------------------------------------------------------
 
 
+def _enumerated(args: argparse.Namespace, field: str, choices: Sequence[str], default: str) -> str:
+    """An enumerated knob: the flag if given, else ``DSACP_<FIELD>``, else ``default``; a value
+    outside ``choices`` (the empty one too) is refused, naming the flag or the variable."""
+    value, name = getattr(args, field), knob_names(field)[1]
+    if value is None:
+        value, name = env_value(field), knob_names(field)[2]
+    if value is None:
+        return default
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r}: use {', '.join(choices)}")
+    return value
+
+
 def _cmd_pd(args: argparse.Namespace) -> int:
-    from reference_impl.prefill_decode import format_pd, pd_report, run_prefill_and_decode
+    from reference_impl.prefill_decode import TRANSPORTS, format_pd, pd_report, run_prefill_and_decode
 
     run = _run_config(args, phases="2")
     args.debug = run.debug
     if run.backend not in ("auto", "gloo"):
         raise ConfigError(f"pd: {_source(args, 'backend')} {run.backend}: the prefill ranks and the decode talk over gloo "
                           "(point-to-point sends); leave the backend out or use gloo")
-    result = run_prefill_and_decode(run, timeout_s=run.timeout_s, transfer=args.transfer)
+    transport = _enumerated(args, "transport", TRANSPORTS, "torch")
+    result = run_prefill_and_decode(run, timeout_s=run.timeout_s, transfer=args.transfer, transport=transport)
     doc = pd_report(run, result)
     print(json.dumps(doc, indent=2) if args.json else format_pd(doc))
     return EXIT_DISAGREES if False in (doc["decode_matches_oracle"], doc["decode_matches_prefill"]) else EXIT_OK
@@ -304,7 +334,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             raise ConfigError(f"{knob_names(field)[2]}: {exc}") from None
 
     config = PlannerConfig(
-        preset=knob("preset", _choice_arg(tuple(PRESETS), "preset"), "deepseek-v3.2"),
+        preset=knob("preset", _choice_arg(preset_names(), "preset"), "deepseek-v3.2"),
         cp_size=knob("cp_size", _int_arg(1, MAX_PLAN_CP), 8),
         hbm_gib=knob("hbm_gib", _float_arg(maximum=MAX_HBM_GIB, why="1 PiB"), 141.0),
         reserved_gib=knob("reserved_gib", _float_arg(positive=False, maximum=MAX_HBM_GIB, why="1 PiB"), None),
@@ -329,8 +359,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def _add_plan_flags(p: argparse.ArgumentParser) -> None:
     env = lambda field: knob_names(field)[2]  # noqa: E731
-    p.add_argument(_flag("preset"), type=_choice_arg(tuple(PRESETS), "preset"), default=None,
-                   help=f"{' | '.join(PRESETS)} (env {env('preset')})")
+    p.add_argument(_flag("preset"), type=_choice_arg(preset_names(), "preset"), default=None,
+                   help=f"{' | '.join(preset_names())} (env {env('preset')})")
     p.add_argument(_flag("cp_size"), "--cp", dest="cp_size", type=_int_arg(1, MAX_PLAN_CP), default=None,
                    help=f"CP ranks C (env {env('cp_size')})")
     p.add_argument(_flag("hbm_gib"), type=_float_arg(maximum=MAX_HBM_GIB, why="1 PiB"), default=None,
@@ -362,6 +392,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_flags(pd)
     pd.add_argument("--transfer", default="rows", choices=["rows", "pages"],
                     help="rows: the decode allocates its own pages (default); pages: it mirrors the prefill's page ids")
+    pd.add_argument(_flag("transport"), default=None,
+                    help="torch (default): gloo point-to-point; mooncake: one-sided writes into the decode's "
+                         "registered pool through the Mooncake Transfer Engine, rows only "
+                         f"(env {knob_names('transport')[2]})")
     demo = sub.add_parser("demo", help="the main job: every phase level, what each buys (memory, time), one folder")
     demo.add_argument("--device", type=_choice_arg(DEVICES, "device"), default=None, help="auto | cpu | cuda (env DSACP_DEVICE)")
     demo.add_argument("--out", default=None, help="results folder (default results/demo-<device>-<time>)")

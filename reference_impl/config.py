@@ -20,18 +20,28 @@ from reference_impl.errors import ConfigError
 from reference_impl.machine import cpu_cores
 from reference_impl.phases import PhaseSet, available_levels
 from reference_impl.presets import PRESETS, ModelConfig, get_preset
+from reference_impl.presets_v4 import is_v4
 
 __all__ = [
-    "BACKENDS", "COMPUTE_DTYPES", "DEVICES", "KV_DTYPES", "LIBRARY_ENV", "MAX_BATCH_TOKENS", "MAX_CHUNKS", "MAX_HBM_GIB",
-    "MAX_PLAN_CP", "MAX_SEED",
-    "PRESETS", "SPLIT_MODES", "ConfigError", "EnvKnob", "KVDtype", "ModelConfig", "PhaseSet", "Request", "RunConfig",
-    "SplitMode", "available_levels", "check_choice", "check_environment", "env_choice", "env_flag", "env_int",
-    "env_knob", "env_value", "get_preset", "knob_names", "parse_batches", "parse_int_list", "parse_requests",
-    "validate_interleave", "validate_page_size",
+    "BACKENDS", "COMPUTE_DTYPES", "DESIGN_PHASES", "DEVICES", "KV_DESIGNS", "KV_DTYPES", "LIBRARY_ENV",
+    "MAX_BATCH_TOKENS", "MAX_CHUNKS", "MAX_HBM_GIB", "MAX_PLAN_CP", "MAX_SEED", "PRESETS", "SPLIT_MODES", "ConfigError",
+    "EnvKnob", "KVDesign", "KVDtype", "ModelConfig", "PhaseSet", "Request", "RunConfig", "SplitMode", "available_levels",
+    "check_choice", "check_environment", "env_choice", "env_flag", "env_int", "env_knob", "env_value", "get_preset",
+    "knob_names", "parse_batches", "parse_int_list", "parse_requests", "validate_interleave", "validate_kv_design",
+    "validate_page_size",
 ]
 
 KVDtype = Literal["bf16", "fp8"]
 SplitMode = Literal["in-seq", "round-robin"]
+KVDesign = Literal["phases", "layer-split", "rotated-shard", "dcp-gather"]
+
+# How the KV of a CP prefill is kept and gathered (``reference_impl.cp.designs``): this package's
+# phases, or one of the engines' competing designs, each with its own store, gather and materialization.
+KV_DESIGNS: tuple[str, ...] = ("phases", "layer-split", "rotated-shard", "dcp-gather")
+# The phases a competing design runs beside it: narrow output (1), the page-aligned split (4) and the
+# fused rerange / store kernels (7). The design replaces the KV path of phases 2, 3, 5, 6 and 8 (it
+# shards, reuses, plans once per batch and prefetches in its own way).
+DESIGN_PHASES: frozenset[int] = frozenset({1, 4, 7})
 
 # The enumerated knobs' values: RunConfig, the CLI's flags and the environment variables all check
 # against these tuples (a new value is added here, once).
@@ -75,6 +85,14 @@ def validate_page_size(page_size: int) -> None:
         )
     if page_size > MAX_PAGE_SIZE:
         raise ConfigError(f"page_size={page_size} exceeds {MAX_PAGE_SIZE} tokens")
+
+
+def validate_kv_design(value: object) -> str:
+    """``value`` if it names a KV design (:data:`KV_DESIGNS`), else a :class:`ConfigError` listing them
+    (an empty value too)."""
+    if not isinstance(value, str) or value not in KV_DESIGNS:
+        raise ConfigError(f"kv_design={value!r}: use one of {', '.join(KV_DESIGNS)}")
+    return value
 
 
 def validate_interleave(interleave: int, page_size: int) -> None:
@@ -204,6 +222,9 @@ class RunConfig:
     # KV sharded at rest (phase 2): consecutive slots per ownership run (token t of a request on
     # rank (t // I) % C). None: the page size with the in-seq split, 1 with round-robin.
     kv_interleave: int | None = None
+    # The KV design: "phases" (this package's phase set) or an engine's competing design, which
+    # replaces the KV path of phases 2, 3, 5, 6 and 8 (reference_impl.cp.designs).
+    kv_design: KVDesign = "phases"
     n_layers: int | None = None  # None: the preset's layer count
     chunk_size: int | None = None  # chunked prefill: extend tokens per request per chunk (None: one chunk)
     # Several batches in sequence on one pool per rank: requests per batch, in order (None: one
@@ -235,9 +256,13 @@ class RunConfig:
             raise ConfigError("a batch needs at least one request")
         if self.split_mode == "round-robin" and self.phases.page_aligned:
             raise ConfigError("round-robin split cannot run phase 4 (page-aligned split): it is an in-seq split; use --split-mode in-seq")
+        validate_kv_design(self.kv_design)
+        self._check_design()
         if self.kv_interleave is not None:
-            if not self.phases.sharded_kv:
-                raise ConfigError("kv_interleave shapes KV sharded at rest: it needs phase 2 (e.g. --phases 2)")
+            if not (self.phases.sharded_kv or self.kv_design == "dcp-gather"):
+                raise ConfigError(
+                    "kv_interleave shapes KV sharded at rest: it needs phase 2 (e.g. --phases 2) or kv_design=dcp-gather"
+                )
             validate_interleave(self.kv_interleave, self.page_size)
         if self.phases.compute_owner and self.interleave != self.page_size:
             raise ConfigError(
@@ -254,6 +279,27 @@ class RunConfig:
         self._check_batches()
         self._check_sizes()
         self.phases.check_implemented()
+        if is_v4(self.model) and (self.batch_sizes is not None or any(r.shares is not None for r in self.requests)):
+            raise ConfigError(
+                f"{self.preset}: several batches and shared prefixes (rN:P+E) are not wired to DeepSeek-V4's cache; run one batch"
+            )
+
+    def _check_design(self) -> None:
+        """A competing KV design runs only beside the phases it does not replace (:data:`DESIGN_PHASES`)."""
+        if self.kv_design == "phases":
+            return
+        if is_v4(self.model):
+            raise ConfigError(
+                f"kv_design={self.kv_design} is built for the DSA cache (MLA latent + indexer K); {self.preset}'s "
+                "compressed caches run under the phases only (kv_design=phases)"
+            )
+        clash = sorted(self.phases.enabled - DESIGN_PHASES)
+        if clash:
+            raise ConfigError(
+                f"kv_design={self.kv_design} replaces the KV path of phases 2, 3, 5, 6 and 8 (it shards, reuses the "
+                f"current chunk, plans once per batch and prefetches its own way); phase(s) {clash} cannot run with it: "
+                f"use phases from {sorted(DESIGN_PHASES)} (e.g. --phases 1,7)"
+            )
 
     def _check_types(self) -> None:
         """Wrong types fail here, by name, not later inside a rank."""
@@ -351,6 +397,8 @@ class RunConfig:
         or 1 (round-robin: every rank stores the tokens it computes)."""
         if self.kv_interleave is not None:
             return self.kv_interleave
+        if self.kv_design == "dcp-gather":
+            return 1  # vLLM's default --cp-kv-cache-interleave-size
         return 1 if self.split_mode == "round-robin" else self.page_size
 
     @property

@@ -184,34 +184,52 @@ def run_demo(device: str = "auto", out_dir: str | Path | None = None, progress: 
     return result
 
 
+def demo_figure_data(result: dict[str, Any]) -> dict[str, Any]:
+    """What :func:`plot_demo` draws: per level, KV at rest, the peak and the layer time, and the labels."""
+    gpu = result["per_rank"] is not None
+    kv_key = "kv_at_rest_bytes" if gpu else "check_kv_at_rest_bytes"
+    peak_key = "measured_peak_bytes" if gpu else "check_transient_peak_bytes"
+    time_key = "layer_ms" if gpu else "check_layer_ms"
+    rows = result["levels"]
+    return {
+        "levels": [row["level"] for row in rows],
+        "kv_mib": [row[kv_key] / MIB for row in rows],
+        "peak_mib": [(row.get(peak_key) or 0) / MIB for row in rows],
+        "layer_ms": [row[time_key] for row in rows],
+        "peak_label": "measured peak during the prefill" if gpu else "transient peak (gather + view buffers)",
+        "memory_title": "rank 0 of C=8, 4 layers" if gpu else f"{result['check']['preset']} preset, rank 0 of C={result['check']['cp_size']}",
+        "time_title": "warm, rank 0 of C=8, modeled 450 GB/s wire" if gpu else "CPU, cold: not a GPU figure",
+        "title": f"{result['device']}: what each phase level buys",
+    }
+
+
 def plot_demo(result: dict[str, Any], path: Path) -> Path:
-    """Memory per rank and time per layer, by level (two panels)."""
+    """Memory per rank and time per layer, by level (two panels), drawn from :func:`demo_figure_data`,
+    which the file carries (:mod:`reference_impl.figures`)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    levels = [row["level"] for row in result["levels"]]
-    gpu = result["per_rank"] is not None
+    from reference_impl.figures import save
+
+    data = demo_figure_data(result)
+    levels = data["levels"]
     fig, (mem, time) = plt.subplots(1, 2, figsize=(11, 3.8))
-    kv_key = "kv_at_rest_bytes" if gpu else "check_kv_at_rest_bytes"
-    mem.bar([lv - 0.2 for lv in levels], [row[kv_key] / MIB for row in result["levels"]], width=0.4, label="KV at rest")
-    peak_key = "measured_peak_bytes" if gpu else "check_transient_peak_bytes"
-    mem.bar([lv + 0.2 for lv in levels], [(row.get(peak_key) or 0) / MIB for row in result["levels"]], width=0.4,
-            label="measured peak during the prefill" if gpu else "transient peak (gather + view buffers)")
+    mem.bar([lv - 0.2 for lv in levels], data["kv_mib"], width=0.4, label="KV at rest")
+    mem.bar([lv + 0.2 for lv in levels], data["peak_mib"], width=0.4, label=data["peak_label"])
     mem.set_xlabel("phase level")
     mem.set_ylabel("MiB per rank")
-    mem.set_title("rank 0 of C=8, 4 layers" if gpu else f"{result['check']['preset']} preset, rank 0 of C={result['check']['cp_size']}")
+    mem.set_title(data["memory_title"])
     mem.legend(fontsize=8, loc="lower right")
-    time_key = "layer_ms" if gpu else "check_layer_ms"
-    time.plot(levels, [row[time_key] for row in result["levels"]], "o-")
+    time.plot(levels, data["layer_ms"], "o-")
     time.set_xlabel("phase level")
     time.set_ylabel("ms per layer")
     time.set_ylim(bottom=0)  # level-to-level differences at their true scale
-    time.set_title("warm, rank 0 of C=8, modeled 450 GB/s wire" if gpu else "CPU, cold: not a GPU figure")
-    fig.suptitle(f"{result['device']}: what each phase level buys", fontsize=10)
+    time.set_title(data["time_title"])
+    fig.suptitle(data["title"], fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save(fig, path, data, dpi=110)
     plt.close(fig)
     return path
 

@@ -32,6 +32,7 @@ import torch
 from reference_impl.config import RunConfig
 from reference_impl.cp.batch import BatchLocs, new_page_table
 from reference_impl.cp.comm import CPGroup, note_step
+from reference_impl.cp.designs import audits_layer_loop, design_page_lanes, make_design_store
 from reference_impl.cp.kv_replicated import ReplicatedKV
 from reference_impl.cp.kv_sharded import ShardedKV
 from reference_impl.cp.kv_store import KVStore
@@ -42,18 +43,21 @@ from reference_impl.cp.rerange import gather_current
 from reference_impl.cp.split import SplitMetadata, build_split
 from reference_impl.cp.split_index import SplitIndex
 from reference_impl.cp.tail import OutputSpec, collect_full
+from reference_impl.cp.v4.layer import PER_LAYER_TAGS_V4, V4ChunkRunner
+from reference_impl.cp.v4.store import V4Store, install_v4_prefixes
 from reference_impl.kernels import fallback
 from reference_impl.kvcache.allocator import RequestPageTable, page_locs
 from reference_impl.kvcache.layout import KVLayout
 from reference_impl.model.oracle import run_oracle
 from reference_impl.model.sparse_attention import HostKeyBounds
+from reference_impl.presets_v4 import is_v4
 from reference_impl.schedule import Chunk, chunk_schedule, frees_after_batch
 from reference_impl.sync_audit import HostSyncAudit
 from reference_impl.workload import build_inputs, build_model
 
 logger = logging.getLogger(__name__)
 
-PER_LAYER_TAGS = ("kv", "index_k", "materialize", "prefetch_mla", "materialize_index")
+PER_LAYER_TAGS = ("kv", "index_k", "materialize", "prefetch_mla", "materialize_index", *PER_LAYER_TAGS_V4)
 
 
 def build_metadata(run: RunConfig) -> SplitMetadata:
@@ -112,7 +116,12 @@ class LayerStoredHook(Protocol):
 
 def make_kv_store(run: RunConfig, batch: BatchLocs, layout: KVLayout, group: CPGroup) -> KVStore:
     """The KV store the phase set asks for: a replica per rank (baseline) or sharded at the run's
-    interleave (phases 2, 3, 5)."""
+    interleave (phases 2, 3, 5), the compressed-entry store of a DeepSeek-V4 model
+    (:mod:`reference_impl.cp.v4.store`), or the store of a competing KV design (:mod:`reference_impl.cp.designs`)."""
+    if is_v4(run.model):  # DeepSeek-V4: compressed entries (reference_impl.cp.v4.store)
+        return V4Store.for_run(run, batch, group)  # type: ignore[return-value]
+    if run.kv_design != "phases":
+        return make_design_store(run, batch, layout, group)
     if run.phases.sharded_kv:
         # Round-robin computes token t on rank t % C: at interleave 1 that is its owner, with no lanes.
         direct = run.phases.compute_owner or run.split_mode == "round-robin"
@@ -137,6 +146,9 @@ def install_prefixes(
     tokens already in the pool by reference (a shared prefix's whole pages); only the rest is written.
     """
     chunk = chunk if chunk is not None else chunk_schedule(run)[0]
+    if is_v4(run.model):
+        install_v4_prefixes(run, model, inputs, store, chunk)  # type: ignore[arg-type]
+        return
     shared_tokens = shared_tokens or {}
     todo = [(i, req) for i, req in enumerate(chunk.requests)
             if run.requests[req].prefix > shared_tokens.get(req, 0)]
@@ -230,6 +242,12 @@ def requests_to_free(run: RunConfig, chunk: Chunk) -> list[int]:
     return frees_after_batch(run).get(chunk.batch, [])
 
 
+def new_run_page_table(run: RunConfig) -> RequestPageTable:
+    """The run's empty page table, with lane slack where an allocator hands out pages by lanes (phase 5, a design's)."""
+    lanes = run.phases.compute_owner or design_page_lanes(run) is not None
+    return new_page_table([r.total for r in run.requests], run.page_size, run.cp_size, lanes)
+
+
 def replay_page_table(run: RunConfig, last_pages: dict[int, list[int]] | None = None) -> RequestPageTable:
     """The logical page table a run ends with, rebuilt without running it (pure metadata): every
     allocation, share and free between batches, in order.
@@ -239,11 +257,11 @@ def replay_page_table(run: RunConfig, last_pages: dict[int, list[int]] | None = 
     filled with every request's pages as they were when it finished: before its free, for a request
     an earlier batch let go (:func:`request_locs`).
     """
-    table = new_page_table([r.total for r in run.requests], run.page_size, run.cp_size, run.phases.compute_owner)
+    table = new_run_page_table(run)
     shares = shares_of(run)
     for chunk in chunk_schedule(run):
         BatchLocs.build(chunk_metadata(run, chunk), "cpu", run.phases.compute_owner, table=table, request_ids=chunk.requests,
-                        id_space=table.allocator.n_pages, shares=shares)
+                        id_space=table.allocator.n_pages, shares=shares, page_lanes=design_page_lanes(run))
         for req in requests_to_free(run, chunk):
             if last_pages is not None:
                 last_pages[req] = table.pages(req)
@@ -278,13 +296,13 @@ def run_rank(
     ``on_layer_stored`` hears of every layer stored (:class:`LayerStoredHook`: a layer-wise PD send).
     """
     device = group.device
-    layout = KVLayout.from_config(run.model, run.kv_dtype, run.page_size)
+    layout = None if is_v4(run.model) else KVLayout.from_config(run.model, run.kv_dtype, run.page_size)
     model = build_model(run, device)
     inputs = build_inputs(run, device)
     note_step()  # progress: the model and the inputs are built
     chunks = chunk_schedule(run)
     id_space = run_id_space(replay_page_table(run))  # pure metadata: same on every rank
-    table = new_page_table([r.total for r in run.requests], run.page_size, run.cp_size, run.phases.compute_owner)
+    table = new_run_page_table(run)
     shares = shares_of(run)
     store: KVStore | None = None
     acc = _Accumulated()
@@ -294,11 +312,11 @@ def run_rank(
         meta = chunk_metadata(run, chunk)
         first_of_batch = index == 0 or chunks[index - 1].batch != chunk.batch
         batch = BatchLocs.build(meta, device, run.phases.compute_owner, table=table, request_ids=chunk.requests,
-                                id_space=id_space, shares=shares)
+                                id_space=id_space, shares=shares, page_lanes=design_page_lanes(run))
         # Tokens a new request found in the pool by reference (the whole pages of a shared prefix).
         shared_tokens = {req: table.shared_tokens(req) for req in chunk.requests} if first_of_batch else {}
         if store is None:
-            store = make_kv_store(run, batch, layout, group)
+            store = make_kv_store(run, batch, layout, group)  # type: ignore[arg-type]
             install_prefixes(run, model, inputs, store, chunk, shared_tokens)
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -342,7 +360,9 @@ def run_rank(
         "output_gather_bytes": sum(s.buffer_bytes for s in group.stats if s.tag == "tail"),
         "collectives": len(group.stats),
     }
-    if run.phases.sort_free_remap:
+    if isinstance(store, V4Store):
+        stats.update(store.breakdown())
+    if audits_layer_loop(run):
         stats["host_syncs_in_layer_loop"] = acc.host_syncs
         stats["transport_syncs_in_layer_loop"] = acc.transport_syncs
     if device.type == "cuda":
@@ -424,22 +444,30 @@ def _run_chunk(
     # Top-k rows relative to the request's first full-view row, i.e. token positions in the request.
     request_start = key_start[:, None].int()
 
-    host_bounds = _host_key_bounds(meta, batch, group.rank) if run.phases.sort_free_remap else None
+    host_bounds = _host_key_bounds(meta, batch, group.rank) if audits_layer_loop(run) else None
     fused = run.phases.fused_kernels  # phase 7: one-pass rerange of the per-layer all-gathers
 
     clock = _LayerClock(device)
     topk_per_layer: list[torch.Tensor] = []
     audit = (
         HostSyncAudit(api=group.debug or device.type != "cuda", cuda=device.type == "cuda")
-        if run.phases.sort_free_remap
+        if audits_layer_loop(run)
         else contextlib.nullcontext()
     )
-    prefetch = MlaPrefetcher(store, len(model.layers)) if run.phases.prefetch else None
+    v4 = V4ChunkRunner.for_run(group, run, store, meta, batch, chunk.requests) if isinstance(store, V4Store) else None
+    prefetch = MlaPrefetcher(store, len(model.layers)) if run.phases.prefetch and v4 is None else None
     with audit, torch.profiler.record_function(LAYER_LOOP_RANGE):
         clock.mark()
         if prefetch is not None:
             prefetch.launch(0)
         for layer, block in enumerate(model.layers):
+            if v4 is not None:  # DeepSeek-V4: halos, compressed entries, sharded CSA (reference_impl.cp.v4.layer)
+                x, topk = v4.step(layer, block, x)
+                acc.transient_peak = max(acc.transient_peak, v4.transient_bytes + store.transient_bytes)
+                if run.check:
+                    topk_per_layer.append(topk)
+                clock.mark()
+                continue
             if prefetch is not None:
                 prefetch.launch(layer + 1)  # overlaps this layer's compute
             proj = block.attn.project(block.attn_norm(x), positions)

@@ -57,6 +57,7 @@ from reference_impl.cp.ownership import Ownership
 from reference_impl.kvcache.layout import KVLayout
 from reference_impl.machine import available_host_bytes
 from reference_impl.presets import ModelConfig
+from reference_impl.presets_v4 import is_v4
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -70,8 +71,19 @@ METADATA_PER_TOKEN = 160  # host bytes per token of the chunk schedule and split
 CHUNK_CAP = 512 * MIB  # the torch references' chunk budget (model/sparse_attention.py)
 
 
+def _v4_params(cfg: ModelConfig) -> tuple[int, int]:
+    """DeepSeek-V4's ``(parameters, the largest one)``, counted on the meta device (no memory)."""
+    from reference_impl.model.v4.oracle import V4Model
+
+    with torch.device("meta"):
+        sizes = [p.numel() for p in V4Model(cfg).parameters()]  # type: ignore[arg-type]
+    return sum(sizes), max(sizes)
+
+
 def param_count(cfg: ModelConfig) -> int:
     """Parameters of ``cfg``'s model: ``n_layers`` DSA layers (MLA + indexer), the norms, the LM head."""
+    if is_v4(cfg):
+        return _v4_params(cfg)[0]
     h, qk, c, r = cfg.n_heads, cfg.qk_head_dim, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     per_layer = (
         cfg.dim * cfg.q_lora_rank + cfg.q_lora_rank * h * qk  # wq_a, wq_b
@@ -86,6 +98,9 @@ def param_count(cfg: ModelConfig) -> int:
 def weight_bytes(cfg: ModelConfig, dtype_bytes: int) -> tuple[int, int]:
     """``(the parameters in the compute dtype, the transient of their initialization)``: each
     parameter is drawn in float32 and cast (:func:`~reference_impl.model.oracle.init_weights`)."""
+    if is_v4(cfg):
+        count, biggest = _v4_params(cfg)
+        return count * dtype_bytes, biggest * (4 + (dtype_bytes if dtype_bytes != 4 else 0))
     largest = max(cfg.vocab_size * cfg.dim, cfg.n_heads * cfg.v_head_dim * cfg.dim,
                   cfg.q_lora_rank * cfg.n_heads * cfg.qk_head_dim, cfg.kv_lora_rank * cfg.n_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim))
     return param_count(cfg) * dtype_bytes, largest * (4 + (dtype_bytes if dtype_bytes != 4 else 0))
@@ -210,6 +225,8 @@ def estimate(
     """
     cfg, c, layers = run.model, run.cp_size, run.model.n_layers
     b = 2 if run.compute_dtype == "bf16" or (run.compute_dtype == "auto" and device_type == "cuda") else 4
+    if is_v4(cfg):
+        return _v4_estimate(run, device_type, start_method, cuda_devices, extra_process, b)
     layout = KVLayout.from_config(cfg, run.kv_dtype, run.page_size)
     row = _row_bytes(layout)
     totals = [r.total for r in run.requests]
@@ -275,9 +292,31 @@ def estimate(
     return Footprint(ranks, during, after, host, device_type, ranks_per_device, terms)
 
 
+def _v4_estimate(
+    run: RunConfig, device_type: str, start_method: str, cuda_devices: int, extra_process: int, b: int,
+) -> Footprint:
+    """DeepSeek-V4 (compressed caches, :mod:`reference_impl.model.v4`): each process's weights, their
+    initialization and the inputs, four times over for its activations; its caches are small beside
+    them. A coarser model than the DSA one above, not checked against measured peaks."""
+    cfg, c = run.model, run.cp_size
+    weights, draw = weight_bytes(cfg, b)
+    tokens = sum(r.total for r in run.requests)
+    inputs = tokens * cfg.dim * b
+    base = CUDA_CONTEXT if device_type == "cuda" else PROCESS_BASE[start_method if c > 1 else "inline"]
+    rank = int(SAFETY * (base + weights + max(draw, 4 * inputs)))
+    parent = int(SAFETY * (PROCESS_BASE["parent"] + (weights + max(draw, 4 * inputs) if run.check else 0)))
+    terms = {"rank 0 weights": weights, "rank 0 weight init": draw, "rank 0 inputs": inputs}
+    host = (c + 1) * PROCESS_BASE["spawn"] + extra_process if device_type == "cuda" else c * rank + parent
+    ranks_per_device = -(-c // max(1, cuda_devices)) if device_type == "cuda" else c
+    return Footprint((rank,) * c, int(SAFETY * PROCESS_BASE["parent"]) + extra_process, parent, host, device_type,
+                     ranks_per_device, terms)
+
+
 def decode_bytes(run: RunConfig) -> int:
     """A PD decode process beside the ranks (:mod:`reference_impl.prefill_decode`): its own cache of
     every request's tokens in every layer, as it receives them (twice: the rows and their pages)."""
+    if is_v4(run.model):
+        return int(SAFETY * PROCESS_BASE["spawn"])
     layout = KVLayout.from_config(run.model, run.kv_dtype, run.page_size)
     tokens = sum(r.total for r in run.requests)
     return int(SAFETY * (PROCESS_BASE["spawn"] + 2 * run.model.n_layers * tokens * _row_bytes(layout)))

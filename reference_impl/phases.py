@@ -32,7 +32,7 @@ PHASE_NAMES: dict[int, str] = {
     3: "current-chunk reuse",
     4: "page-aligned split",
     5: "compute-owner layout",
-    6: "sort-free remap",
+    6: "sync-free layer loop",
     7: "fused Triton kernels",
     8: "one-layer-ahead prefix prefetch",
 }

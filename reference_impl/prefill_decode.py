@@ -11,9 +11,13 @@ sharded at rest (phase 2), and rank ``C`` decodes. Two transfers:
   prefill, one completion wait per request. The decode allocates its own pages per request from
   its own allocator (:class:`~reference_impl.pd.dcp.DcpDecodeShard`, one rank) and never sees a prefill page id.
   Bytes sent equal the rows each rank holds at rest: no empty slot of a partial page travels.
-  The transport is gloo: on CUDA (``run.device == "cuda"``, processes sharing the GPUs) the rows
-  are read and copied to pinned host memory on a side stream (:mod:`reference_impl.pd.staging`)
-  and a sender thread puts them on the wire when they are there.
+  The transport (``transport=``) is ``"torch"``, gloo point-to-point: on CUDA (``run.device ==
+  "cuda"``, processes sharing the GPUs) the rows are read and copied to pinned host memory on a
+  side stream (:mod:`reference_impl.pd.staging`) and a sender thread puts them on the wire when
+  they are there; or ``"mooncake"``, the Mooncake Transfer Engine (:mod:`reference_impl.pd.mooncake`):
+  the decode registers its pool and publishes each request's slots over a torch.distributed
+  broadcast, each prefill rank writes its rows into them with one-sided writes, and the decode
+  waits for one completion notice per (request, prefill rank).
 * ``transfer="pages"``: each prefill rank sends its owned pages with their logical ids
   (:mod:`reference_impl.pd.manifest`), and the decode mirrors the prefill's page-id space by
   replaying its allocator (page interleave only).
@@ -42,12 +46,17 @@ from reference_impl.launch import launch, plan_launch, rank_cpu_threads
 from reference_impl.model.oracle import OracleResult, run_oracle
 from reference_impl.pd.dcp import DcpDecodeShard, DcpLayout
 from reference_impl.pd.manifest import TransferManifest, build_manifest
+from reference_impl.pd.mooncake import MooncakeReceiver, MooncakeTransport
+from reference_impl.pd.mooncake_engine import MooncakeEngine, mooncake_unavailable
 from reference_impl.pd.stream import LayerStreamer
 from reference_impl.pd.transfer import DecodeCache, RequestRows, receive_pages, send_owned_pages
 from reference_impl.pd.transport import TorchDistributedTransport
+from reference_impl.presets_v4 import is_v4
 from reference_impl.workload import build_inputs, build_model
 
 logger = logging.getLogger(__name__)
+
+TRANSPORTS = ("torch", "mooncake")  # the ``transport`` knob's values (``--transport``, ``DSACP_TRANSPORT``)
 
 
 @dataclass(frozen=True)
@@ -64,6 +73,8 @@ class RankTransfer:
     staging_ms: float | None = None  # CUDA: side-stream time of every block (pool read + copy to pinned host)
     staging_hidden_fraction: float | None = None  # CUDA: the part of it before the layer loop's end
     staging_exposed_ms: float | None = None  # CUDA: how long the last block landed after the loop's end
+    transport: str = "torch"
+    protocol: str = "gloo"  # what carried the bytes: gloo, or the protocol Mooncake installed (tcp, rdma)
 
 
 @dataclass
@@ -79,6 +90,8 @@ class PDResult:
     sent: tuple[RankTransfer, ...] = ()  # per prefill rank (``transfer="rows"``)
     decode_pages: tuple[tuple[int, ...], ...] = ()  # per request: the decode's own page ids (``transfer="rows"``)
     oracle_checked: bool = True  # False on CUDA: the rows at rest are the reference there
+    transport: str = "torch"
+    protocol: str = "gloo"  # the decode side's: gloo, or the protocol Mooncake installed (tcp, rdma)
 
     @property
     def matches_oracle(self) -> bool:
@@ -96,6 +109,7 @@ class _RoleResult:
     bytes_received: int = 0
     sent: RankTransfer | None = None
     decode_pages: tuple[tuple[int, ...], ...] = ()
+    protocol: str = "gloo"
 
 
 def _bytes_at_rest(run: RunConfig, store: ShardedKV, rank: int) -> int:
@@ -106,32 +120,53 @@ def _bytes_at_rest(run: RunConfig, store: ShardedKV, rank: int) -> int:
     return owned * (layout.mla_bytes + layout.index_head_dim + 4) * run.model.n_layers
 
 
-def _receive_rows(run: RunConfig, device: torch.device) -> _RoleResult:
-    """The decode rank: its own pages per request, filled from every prefill rank's row blocks."""
-    transport = TorchDistributedTransport("cpu")
+def _receive_rows(run: RunConfig, device: torch.device, transport: str, deadline_s: float) -> _RoleResult:
+    """The decode rank: its own pages per request, filled from every prefill rank's row blocks
+    (``torch``: it receives them; ``mooncake``: the prefill ranks write them into its registered pool)."""
     layout = KVLayout.from_config(run.model, run.kv_dtype, run.page_size)
     n_layers, totals = run.model.n_layers, [r.total for r in run.requests]
     shard = DcpDecodeShard(0, DcpLayout(1, 1), layout, n_layers, sum(-(-n // run.page_size) for n in totals), device)
     for req, n_tokens in enumerate(totals):
         shard.admit(req, n_tokens)
-    for src in range(run.cp_size):
-        for _ in range(n_layers * len(totals)):
-            shard.receive(transport.recv(src))
+    protocol = "gloo"
+    if transport == "mooncake":
+        engine = MooncakeEngine.start()
+        receiver = MooncakeReceiver(shard, engine, range(len(totals)))
+        dist.broadcast_object_list([receiver.target], src=run.cp_size)  # where each request's rows go
+        receiver.wait(range(len(totals)), range(run.cp_size), n_layers, deadline_s)
+        receiver.close()
+        protocol = engine.protocol
+    else:
+        wire = TorchDistributedTransport("cpu")
+        for src in range(run.cp_size):
+            for _ in range(n_layers * len(totals)):
+                shard.receive(wire.recv(src))
     shard.check_complete(n_layers)
     rows = [{req: tuple(t.cpu() for t in shard.rows(layer, req)) for req in range(len(totals))} for layer in range(n_layers)]
     pages = tuple(tuple(shard.table.pages(req)) for req in range(len(totals)))
-    return _RoleResult([], rows=rows, bytes_received=shard.bytes_received, decode_pages=pages)
+    return _RoleResult([], rows=rows, bytes_received=shard.bytes_received, decode_pages=pages, protocol=protocol)
 
 
-def _pd_rank(world: CPGroup, job: tuple[RunConfig, str]) -> _RoleResult:
+def _prefill_transport(transport: str, cp_size: int,
+                       rank: int) -> tuple[TorchDistributedTransport | MooncakeTransport, str]:
+    """A prefill rank's end of the row transfer, and the protocol that carries it."""
+    if transport == "mooncake":
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=cp_size)  # the decode's DecodeTarget
+        engine = MooncakeEngine.start()
+        return MooncakeTransport(engine, box[0], rank), engine.protocol
+    return TorchDistributedTransport("cpu"), "gloo"  # a CUDA rank's blocks are staged to pinned host
+
+
+def _pd_rank(world: CPGroup, job: tuple[RunConfig, str, str, float]) -> _RoleResult:
     """One process of the ``C + 1`` world: prefill (CP rank) when ``rank < C``, else decode."""
-    run, transfer = job
+    run, transfer, transport_name, deadline_s = job
     cp_size = run.cp_size
     subgroup = dist.new_group(list(range(cp_size)))  # collective over the world: every rank calls it
     if world.rank < cp_size:
         cp_group = CPGroup(process_group=subgroup, device=world.device, debug=world.debug)
         if transfer == "rows":
-            transport = TorchDistributedTransport("cpu")  # gloo: a CUDA rank's blocks are staged to pinned host
+            transport, protocol = _prefill_transport(transport_name, cp_size, cp_group.rank)
             streamer = LayerStreamer(transport, decode_rank=cp_size)
             result = run_rank(cp_group, run, keep_store=True, on_layer_stored=streamer)
             waits = streamer.wait_all()
@@ -143,7 +178,8 @@ def _pd_rank(world: CPGroup, job: tuple[RunConfig, str]) -> _RoleResult:
                                 streamer.rows_sent, streamer.blocks_sent, streamer.blocks_sent, tuple(waits),
                                 staging_ms=o.staging_ms if o else None,
                                 staging_hidden_fraction=o.hidden_fraction if o else None,
-                                staging_exposed_ms=o.exposed_after_loop_ms if o else None)
+                                staging_exposed_ms=o.exposed_after_loop_ms if o else None,
+                                transport=transport_name, protocol=protocol)
             return _RoleResult([], prefill=result, sent=sent)
         result = run_rank(cp_group, run, keep_store=True)
         store, result.store = result.store, None  # the store stays in this process
@@ -152,7 +188,7 @@ def _pd_rank(world: CPGroup, job: tuple[RunConfig, str]) -> _RoleResult:
         send_owned_pages(manifest, store.pool, decode_rank=cp_size)
         return _RoleResult([manifest], prefill=result)
     if transfer == "rows":
-        return _receive_rows(run, world.device)
+        return _receive_rows(run, world.device, transport_name, deadline_s)
     table = replay_page_table(run)  # the logical locs every prefill rank allocated
     request_locs = [table.locs(req, world.device) for req in range(len(run.requests))]
     layout = KVLayout.from_config(run.model, run.kv_dtype, run.page_size)
@@ -202,17 +238,30 @@ def store_mismatches(rows: list[dict[int, RequestRows]], ranks_stored: list[list
     return problems
 
 
-def run_prefill_and_decode(run: RunConfig, timeout_s: float = 300, *, transfer: str = "pages") -> PDResult:
+def run_prefill_and_decode(run: RunConfig, timeout_s: float = 300, *, transfer: str = "pages",
+                           transport: str = "torch") -> PDResult:
     """Prefill ``run`` on ``run.cp_size`` CP ranks (phase 2), transfer the KV to a decode process.
 
     Launches ``C + 1`` processes over gloo (see the module docstring), on the GPUs when
     ``run.device == "cuda"`` (``transfer="rows"`` only); ``transfer`` is ``"rows"`` (the decode
-    allocates its own pages) or ``"pages"`` (it mirrors the prefill's page ids). With ``run.check``
+    allocates its own pages) or ``"pages"`` (it mirrors the prefill's page ids); ``transport`` is
+    ``"torch"`` (gloo point-to-point) or ``"mooncake"`` (one-sided writes into the decode's
+    registered pool; rows only). With ``run.check``
     the decode cache is compared byte for byte with the rows the prefill ranks held at rest and, on
     CPU, with the single-device oracle (``PDResult.problems``).
     """
     if transfer not in ("rows", "pages"):
         raise ConfigError(f"transfer={transfer!r}: use 'rows' or 'pages'")
+    if is_v4(run.model):
+        raise ConfigError(f"{run.preset}: the PD transfer moves DeepSeek-V3.2's KV layout; DeepSeek-V4's entries are not wired to it")
+    if transport not in TRANSPORTS:
+        raise ConfigError(f"transport={transport!r}: use {' or '.join(map(repr, TRANSPORTS))}")
+    if transport == "mooncake":
+        if transfer != "rows":
+            raise ConfigError("the mooncake transport writes row blocks into the decode's pool: use transfer='rows'")
+        reason = mooncake_unavailable()  # here, before any rank starts
+        if reason is not None:
+            raise ConfigError(f"transport='mooncake': {reason}")
     if transfer == "pages" and run.batch_sizes is not None and len(run.batch_sizes) > 1:
         raise ConfigError("the page transfer mirrors one batch's page ids; a run of several batches (--batches) sends "
                           "rows: use transfer='rows'")
@@ -237,8 +286,9 @@ def run_prefill_and_decode(run: RunConfig, timeout_s: float = 300, *, transfer: 
     build_metadata(run)
     # On CUDA every process shares the GPUs over gloo (NCCL refuses two ranks on one device); the
     # row blocks travel from pinned host memory (pd/staging.py).
-    results = launch(_pd_rank, world, (run, transfer), device=run.device, backend="gloo", timeout_s=timeout_s,
-                     debug=run.debug)
+    # The decode gives up on missing completions before the launcher stops the ranks, naming them.
+    results = launch(_pd_rank, world, (run, transfer, transport, 0.9 * timeout_s), device=run.device, backend="gloo",
+                     timeout_s=timeout_s, debug=run.debug)
     prefill, decode = results[: run.cp_size], results[run.cp_size]
     rows = decode.rows
     problems: list[str] = []
@@ -264,7 +314,7 @@ def run_prefill_and_decode(run: RunConfig, timeout_s: float = 300, *, transfer: 
     ranks = tuple(r.prefill for r in prefill if r.prefill is not None)
     sent = tuple(r.sent for r in prefill if r.sent is not None)
     return PDResult(manifests, ranks, rows, decode.bytes_received, problems, transfer, sent, decode.decode_pages,
-                    oracle_checked=not on_cuda)
+                    oracle_checked=not on_cuda, transport=transport, protocol=decode.protocol)
 
 
 def pd_report(run: RunConfig, result: PDResult) -> dict[str, Any]:
@@ -274,7 +324,8 @@ def pd_report(run: RunConfig, result: PDResult) -> dict[str, Any]:
             {"rank": s.rank, "bytes_sent": s.bytes_sent, "bytes_at_rest": s.bytes_at_rest, "rows_sent": s.rows_sent,
              "blocks_sent": s.blocks_sent, "blocks_sent_in_layer_loop": s.blocks_sent_in_layer_loop,
              "wait_ms_after_prefill": list(s.wait_ms_after_prefill), "staging_ms": s.staging_ms,
-             "staging_hidden_fraction": s.staging_hidden_fraction, "staging_exposed_ms": s.staging_exposed_ms}
+             "staging_hidden_fraction": s.staging_hidden_fraction, "staging_exposed_ms": s.staging_exposed_ms,
+             "protocol": s.protocol}
             for s in result.sent
         ]
     else:
@@ -283,6 +334,8 @@ def pd_report(run: RunConfig, result: PDResult) -> dict[str, Any]:
     replay_page_table(run, prefill_pages)
     return {
         "transfer": result.transfer,
+        "transport": result.transport,
+        "protocol": result.protocol,
         "cp_size": run.cp_size, "split_mode": run.split_mode, "phases": str(run.phases), "preset": run.preset,
         "requests": [[r.prefix, r.extend] for r in run.requests],
         "device": run.device,
@@ -301,6 +354,8 @@ def format_pd(doc: dict[str, Any]) -> str:
     verdict = {True: "MATCHES the oracle byte for byte", False: "DIFFERS from the oracle", None: "not checked"}
     how = ("rows: the decode allocates its own pages" if doc["transfer"] == "rows"
            else "pages: the decode mirrors the prefill's page ids")
+    if doc["transport"] != "torch":  # the default (gloo) line stays as it was; the JSON names both always
+        how += f"; transport {doc['transport']} ({doc['protocol']})"
     lines = [
         f"PD | prefill on C={doc['cp_size']} ranks ({doc['split_mode']}, phases {doc['phases']}), decode on one process "
         f"| {doc['preset']} | requests {doc['requests']} | transfer {how}",

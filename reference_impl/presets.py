@@ -143,9 +143,25 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
+def preset_names() -> tuple[str, ...]:
+    """Every preset's name: :data:`PRESETS`, then DeepSeek-V4's (:data:`reference_impl.presets_v4.V4_PRESETS`)."""
+    from reference_impl.presets_v4 import V4_PRESETS
+
+    return (*PRESETS, *V4_PRESETS)
+
+
 def get_preset(name: str) -> ModelConfig:
-    """Look a preset up by name; an unknown name is a :class:`ConfigError` listing the known ones."""
+    """Look a preset up by name; an unknown name is a :class:`ConfigError` listing the known ones.
+
+    DeepSeek-V4's presets (:data:`reference_impl.presets_v4.V4_PRESETS`) answer too, with a
+    :class:`~reference_impl.presets_v4.V4ModelConfig` (``is_v4`` tells them apart).
+    """
+    from reference_impl.presets_v4 import V4_PRESETS
+
+    if name in V4_PRESETS:
+        return V4_PRESETS[name]  # type: ignore[return-value]
     try:
         return PRESETS[name]
     except KeyError:
-        raise ConfigError(f"unknown preset {name!r}; known presets: {', '.join(sorted(PRESETS))}") from None
+        known = ", ".join(sorted([*PRESETS, *V4_PRESETS]))
+        raise ConfigError(f"unknown preset {name!r}; known presets: {known}") from None

@@ -17,8 +17,11 @@ from reference_impl.check import Agreement
 from reference_impl.config import RunConfig
 from reference_impl.cp.split import SplitMetadata
 from reference_impl.engine import RankResult
+from reference_impl.presets_v4 import is_v4
 from reference_impl.workload import compute_dtype, resolve_device
 
+# DeepSeek-V4's bytes at rest by part (reference_impl.cp.v4.store.V4Store.breakdown).
+V4_FIELDS = ("csa_bytes", "hca_bytes", "window_bytes", "compressor_state_bytes")
 PER_RANK_FIELDS = (
     "kv_bytes",
     "index_bytes",
@@ -41,6 +44,10 @@ def attention_kernel(run: RunConfig, device: torch.device) -> str:
     or ``"torch"``."""
     from reference_impl.kernels.dispatch import sparse_mla_kernel
 
+    if is_v4(run.model):  # DeepSeek-V4's sparse attention with sinks
+        from reference_impl.kernels.v4_dispatch import attention_kernel_name
+
+        return "v4-" + attention_kernel_name(device)
     d_v, d_qk = run.model.kv_lora_rank, run.model.kv_lora_rank + run.model.qk_rope_head_dim
     probe = torch.empty(0, 1, d_qk, device=device, dtype=compute_dtype(run, device))  # allocates nothing
     return sparse_mla_kernel(probe, probe[:, 0], d_v)
@@ -69,7 +76,7 @@ def build_report(
     per_rank = []
     for r in results:
         entry: dict[str, Any] = {"rank": r.rank, **{k: r.stats[k] for k in PER_RANK_FIELDS}}
-        for optional in ("measured_peak_bytes", "host_syncs_in_layer_loop", "transport_syncs_in_layer_loop"):
+        for optional in ("measured_peak_bytes", "host_syncs_in_layer_loop", "transport_syncs_in_layer_loop", *V4_FIELDS):
             if optional in r.stats:
                 entry[optional] = r.stats[optional]
         entry["tokens"] = len(r.token_ids)
@@ -85,7 +92,8 @@ def build_report(
             "split_mode": run.split_mode,
             "page_size": run.page_size,
             "batch_sizes": list(run.batch_sizes) if run.batch_sizes else None,
-            "kv_interleave": run.interleave if run.phases.sharded_kv else None,
+            "kv_interleave": run.interleave if run.phases.sharded_kv or run.kv_design == "dcp-gather" else None,
+            "kv_design": run.kv_design,
             "n_layers": run.model.n_layers,
             "compute_dtype": str(compute_dtype(run, device)).removeprefix("torch."),
             "seed": run.seed,

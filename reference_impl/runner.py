@@ -19,12 +19,15 @@ from typing import Any, Literal, overload
 import torch
 
 from reference_impl.check import compare
+from reference_impl.check_v4 import compare_v4
 from reference_impl.config import ConfigError, RunConfig, check_environment
 from reference_impl.cp.comm import CPGroup
 from reference_impl.engine import RankResult, build_metadata, chunk_metadata, run_rank
 from reference_impl.footprint import check_fits
 from reference_impl.launch import choose_backend, launch, plan_launch, rank_cpu_threads, under_torchrun
 from reference_impl.model.oracle import DSAModel, OracleResult, run_oracle
+from reference_impl.model.v4.oracle import run_v4_oracle
+from reference_impl.presets_v4 import is_v4
 from reference_impl.report import build_report
 from reference_impl.schedule import chunk_schedule
 from reference_impl.workload import build_inputs, build_model, compute_dtype, resolve_device
@@ -202,13 +205,18 @@ def _report(
             try:
                 model = build_model(run, device)
                 prefixes = [r.prefix for r in run.requests]
-                oracles[key] = (model, run_oracle(
-                    model, prefixes, build_inputs(run, device), run.kv_dtype, run.page_size, chunk_size=run.chunk_size
-                ))
+                if is_v4(run.model):  # DeepSeek-V4's oracle
+                    result = run_v4_oracle(model, prefixes, build_inputs(run, device), run.kv_dtype, chunk_size=run.chunk_size)
+                else:
+                    result = run_oracle(
+                        model, prefixes, build_inputs(run, device), run.kv_dtype, run.page_size, chunk_size=run.chunk_size
+                    )
+                oracles[key] = (model, result)
             finally:
                 torch.set_num_threads(threads)
         model, oracle = oracles[key]
-        agreement = compare(run, meta, model, oracle, results, compute_dtype(run, device))
+        check = compare_v4 if is_v4(run.model) else compare
+        agreement = check(run, meta, model, oracle, results, compute_dtype(run, device))
         if not agreement.matches_oracle:
             logger.error("CP run disagrees with the oracle: %s", "; ".join(agreement.problems))
     return build_report(run, meta, results, agreement, backend=backend, shared_gpu=shared_gpu), oracle

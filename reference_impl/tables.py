@@ -21,7 +21,8 @@ def format_table(reports: list[dict[str, Any]]) -> str:
         cfg = rep["config"]
         verdict = {True: "MATCHES oracle", False: "DIFFERS from oracle", None: "not checked"}[rep["matches_oracle"]]
         lines.append(
-            f"phases {rep['phases'] or '[0]'} | cp={rep['cp_size']} {cfg['split_mode']} | store {rep['store_path']}"
+            (f"kv design {cfg['kv_design']} | " if cfg.get("kv_design", "phases") != "phases" else "")
+            + f"phases {rep['phases'] or '[0]'} | cp={rep['cp_size']} {cfg['split_mode']} | store {rep['store_path']}"
             + (f" (KV interleave {cfg['kv_interleave']})" if cfg.get("kv_interleave") else "")
             + f" | {cfg['preset']} "
             f"{cfg['kv_dtype']} | requests {cfg['requests']} | {rep['device']} / {rep['backend']}"

@@ -11,6 +11,10 @@ import torch
 from reference_impl.config import RunConfig
 from reference_impl.kernels.dispatch import KERNEL_OPS
 from reference_impl.model.oracle import DSAModel, init_weights
+from reference_impl.model.v4.oracle import build_v4_model
+from reference_impl.kernels.v4_dispatch import V4_KERNEL_OPS
+from reference_impl.model.v4.sparse import V4Ops
+from reference_impl.presets_v4 import is_v4
 
 
 def resolve_device(run: RunConfig) -> torch.device:
@@ -30,7 +34,10 @@ def compute_dtype(run: RunConfig, device: torch.device) -> torch.dtype:
 @torch.no_grad()
 def build_model(run: RunConfig, device: torch.device) -> DSAModel:
     """The run's model with deterministic weights from ``run.seed``; its indexer top-k and sparse
-    attention go through the kernel dispatch (:data:`~reference_impl.kernels.dispatch.KERNEL_OPS`)."""
+    attention go through the kernel dispatch (:data:`~reference_impl.kernels.dispatch.KERNEL_OPS`).
+    A DeepSeek-V4 preset gives a :class:`~reference_impl.model.v4.oracle.V4Model`."""
+    if is_v4(run.model):
+        return build_v4_model(run.model, compute_dtype(run, device), run.seed, device, build_v4_ops(device))  # type: ignore[return-value]
     with torch.device(device):
         model = DSAModel(run.model, compute_dtype(run, device), ops=KERNEL_OPS)
     return init_weights(model, run.seed).eval()
@@ -46,3 +53,9 @@ def build_inputs(run: RunConfig, device: torch.device) -> list[torch.Tensor]:
         if r.shares is not None:  # ``rN:P+E``: the same first P tokens as request N
             x[: r.prefix] = inputs[r.shares][: r.prefix]
     return inputs
+
+
+def build_v4_ops(device: torch.device) -> V4Ops:
+    """The V4 layer's compute cores: the kernel dispatch (:data:`~reference_impl.kernels.v4_dispatch.V4_KERNEL_OPS`,
+    which takes the torch references off CUDA)."""
+    return V4_KERNEL_OPS

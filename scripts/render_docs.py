@@ -3,13 +3,18 @@
 A figure on a page is never typed: it sits between two HTML comments (invisible on the site and on
 GitHub) that name where it comes from, and this script rewrites the text between them.
 
-* ``<!-- fig EXPR | FORMAT -->text<!-- /fig -->``: ``EXPR`` is a Python expression over the results
-  (the names below), ``FORMAT`` a format spec (``.2f``, ``,``, ``.0%``; none for a string). A value
-  may span lines: ``table(...)`` renders a whole markdown table.
-* Two things markdown sees inside the comments: a `` | `` splits a table cell (in a table, format with
-  ``"{:.1f}".format(...)`` instead), and ``][`` reads as a reference link to mkdocs-autorefs (use
-  attribute access: ``w.levels[4]``, not ``w["levels"][4]``). An inline marker may not start a line:
-  markdown would read the comment as an HTML block and cut the paragraph (refused here).
+* ``<!-- fig EXPR -->text<!-- /fig -->``: ``EXPR`` is a Python expression over the results (the
+  names below), its value shown with ``str``; ``<!-- fig:FORMAT EXPR -->`` formats it with a format
+  spec first (``fig:.2f``, ``fig:,``, ``fig:.0%``). The format sits in the marker's keyword, so no
+  character of it can collide with the markdown around the marker. A value may span lines:
+  ``table(...)`` renders a whole markdown table.
+* Markdown sees two things inside the comments: a ``|`` splits a table cell, and ``][`` reads as
+  a reference link to mkdocs-autorefs. So a marker inside a table row may not contain a ``|``
+  (refused here: format with ``fig:FORMAT``, build strings with ``"...".format``), and an
+  expression uses attribute access (``w.levels[4]``, not ``w["levels"][4]``). An inline marker may
+  not start a line: markdown would read the comment as an HTML block and cut the paragraph
+  (refused here). The old filter syntax, ``<!-- fig EXPR | FORMAT -->``, is refused everywhere
+  (``--upgrade`` rewrites it).
 * ``<!-- console: ARGS -->`` on the line before a ````text```` block: the block is what
   ``python -m reference_impl ARGS`` prints on a CPU (``ARGS`` may end in a shell filter,
   ``| grep ...``). Wall-clock columns and the machine's architecture are compared as patterns.
@@ -33,6 +38,7 @@ Usage::
     python3 scripts/render_docs.py --write    # rewrite the pages from the results
     python3 scripts/render_docs.py --no-console  # figures only (the console examples take a minute)
     python3 scripts/render_docs.py --write docs/phases/phase3-current-reuse.md   # one page
+    python3 scripts/render_docs.py --upgrade  # rewrite old ``EXPR | FORMAT`` markers as ``fig:FORMAT EXPR``
 """
 
 from __future__ import annotations
@@ -57,7 +63,7 @@ sys.path.insert(0, str(ROOT))
 import results_tables  # noqa: E402
 
 PAGES = ("README.md", "docs")
-FIG = re.compile(r"<!-- fig (?P<spec>.+?) -->(?P<text>.*?)<!-- /fig -->", re.S)
+FIG = re.compile(r"<!-- fig(?::(?P<fmt>\S*))? (?P<spec>.+?) -->(?P<text>.*?)<!-- /fig -->", re.S)
 CONSOLE = re.compile(r"^<!-- console: (?P<args>.+?) -->\n```text\n(?P<text>.*?)```$", re.S | re.M)
 
 
@@ -179,13 +185,31 @@ class Sources:
 _FORMAT_SPEC = re.compile(r"[<>^=]?[+\- ]?#?0?\d*[,_]?(\.\d+)?[bcdeEfFgGnosxX%]?")
 
 
-def render_figure(spec: str, names: dict[str, Any]) -> str:
-    """Evaluate ``EXPR | FORMAT`` (the format is the text after the last `` | `` if it reads as one)."""
+def old_filter(spec: str) -> tuple[str, str] | None:
+    """``(EXPR, FORMAT)`` where ``spec`` uses the old filter syntax ``EXPR | FORMAT``, else None."""
     expr, _, fmt = spec.rpartition(" | ")
-    if not expr or not _FORMAT_SPEC.fullmatch(fmt.strip()):
-        expr, fmt = spec, ""
-    value = eval(expr, {"__builtins__": {}, **names})  # noqa: S307 - our own pages, our own results
-    return format(value, fmt.strip())
+    return (expr, fmt.strip()) if expr and fmt.strip() and _FORMAT_SPEC.fullmatch(fmt.strip()) else None
+
+
+def render_figure(spec: str, names: dict[str, Any], fmt: str = "") -> str:
+    """Evaluate ``spec`` over ``names`` and format the value with ``fmt`` (a format spec)."""
+    if old_filter(spec):
+        raise ValueError("the old filter syntax `EXPR | FORMAT` (a table reads its pipe as a cell border): "
+                         "write `<!-- fig:FORMAT EXPR -->`; `python3 scripts/render_docs.py --upgrade` rewrites it")
+    if fmt and not _FORMAT_SPEC.fullmatch(fmt):
+        raise ValueError(f"`fig:{fmt}`: not a format spec")
+    value = eval(spec, {"__builtins__": {}, **names})  # noqa: S307 - our own pages, our own results
+    return format(value, fmt)
+
+
+def upgrade_markers(text: str) -> str:
+    """``text`` with every old-syntax marker ``<!-- fig EXPR | FORMAT -->`` written ``<!-- fig:FORMAT EXPR -->``."""
+    def one(m: re.Match[str]) -> str:
+        old = None if m["fmt"] is not None else old_filter(m["spec"])
+        if old is None:
+            return m.group(0)
+        return f"<!-- fig:{old[1]} {old[0]} -->{m['text']}<!-- /fig -->"
+    return FIG.sub(one, text)
 
 
 def _indent_like(text: str, start: int, value: str) -> str:
@@ -309,17 +333,22 @@ def render_page(text: str, names: dict[str, Any], console: Callable[[str], str] 
 
     def figure(m: re.Match[str]) -> str:
         line = text.count("\n", 0, m.start()) + 1
+        line_start = text.rfind("\n", 0, m.start()) + 1
+        if text[line_start:m.start()].lstrip().startswith("|") and "|" in m["spec"]:
+            raise ValueError(f"line {line}: `{m['spec'][:80]}` sits in a table row and contains a `|`, which the "
+                             "table reads as a cell border: format with `fig:FORMAT`, build strings with \"...\".format")
         try:
-            rendered = _indent_like(text, m.start(), render_figure(m["spec"], names))
+            rendered = _indent_like(text, m.start(), render_figure(m["spec"], names, m["fmt"] or ""))
         except Exception as e:
             raise ValueError(f"line {line}: `{m['spec']}` does not render: {type(e).__name__}: {e}") from e
-        starts_line = not text[text.rfind("\n", 0, m.start()) + 1:m.start()].strip()
+        starts_line = not text[line_start:m.start()].strip()
         if starts_line and "\n" not in rendered:
             raise ValueError(f"line {line}: an inline figure starts the line, where markdown reads the comment as "
                              "an HTML block and cuts the paragraph: move a word in front of it")
         if rendered != m["text"]:
             changes.append((line, m["spec"], m["text"], rendered))
-        return f"<!-- fig {m['spec']} -->{rendered}<!-- /fig -->"
+        keyword = "fig" if m["fmt"] is None else f"fig:{m['fmt']}"
+        return f"<!-- {keyword} {m['spec']} -->{rendered}<!-- /fig -->"
 
     text = FIG.sub(figure, text)
     if console is None:
@@ -361,8 +390,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--write", action="store_true", help="rewrite the pages from the results")
     parser.add_argument("--no-console", action="store_true", help="skip the console examples")
+    parser.add_argument("--upgrade", action="store_true",
+                        help="rewrite old `<!-- fig EXPR | FORMAT -->` markers as `<!-- fig:FORMAT EXPR -->`, then exit")
     parser.add_argument("pages", nargs="*", type=Path, help="only these pages (default: README.md and docs/)")
     args = parser.parse_args(argv)
+    if args.upgrade:
+        for path in page_paths(args.pages):
+            text = path.read_text()
+            if (new := upgrade_markers(text)) != text:
+                path.write_text(new)
+                print(f"upgraded {path.relative_to(ROOT)}")
+        return 0
     differences = render_all(Sources(), console=not args.no_console, write=args.write, only=args.pages)
     for d in differences:
         print(("rewrote " if args.write else "") + str(d))

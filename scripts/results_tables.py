@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 
 from reference_impl.bench.compute_sweep import ATTENTION_KEYS, GLUON_KEYS
@@ -184,8 +185,9 @@ def layer(doc: dict) -> str:
             lines.append(row)
         if "prefetch" in w:
             pf = w["prefetch"]
-            lines += ["", f"Phase 8 at {doc['wire_gbps']:g} GB/s ({pf['repeats']} alternating runs per level, median of "
-                      f"{pf['samples_per_level']} layers each): level 7 {pf['level7_ms']:.3f} ms, "
+            lines += ["", f"Phase 8 at {doc['wire_gbps']:g} GB/s, measured apart from the rows above (which are one run "
+                      f"per level): {pf['repeats']} alternating runs per level, median of "
+                      f"{pf['samples_per_level']} layers each: level 7 {pf['level7_ms']:.3f} ms, "
                       f"level 8 {pf['level8_ms']:.3f} ms per layer; prefetch payload alone {pf['payload_ms']:.3f} ms; hidden by layer difference: "
                       f"**{pf['hidden_fraction']:.0%}**" + (
                           f" (paired per repeat: {pf['hidden_fraction_paired']:.0%}); hidden by the stall at the wait "
@@ -222,6 +224,78 @@ def demo(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def _level_noise(level: dict) -> float:
+    """The spread (max - min) of a level's per-layer times, the first layer left out (it often carries warm-up)."""
+    samples = level["layer_ms"][1:] or level["layer_ms"]
+    return max(samples) - min(samples)
+
+
+def run_to_run_spread(doc: dict) -> float:
+    """The typical run-to-run spread of a ``bench.layer`` file run with ``--level-repeats``: per level, the
+    range of the runs' median layer times over their median; the median of that over the levels."""
+    spreads = []
+    for w in doc["workloads"]:
+        for level in w["levels"]:
+            runs = [statistics.median(level["layer_ms"][i:i + doc["n_layers"]])
+                    for i in range(0, len(level["layer_ms"]), doc["n_layers"])]
+            spreads.append((max(runs) - min(runs)) / statistics.median(runs))
+    return statistics.median(spreads)
+
+
+def level_change(levels: list[dict], k: int, run_spread: float) -> str:
+    """Level ``k`` against level ``k - 1``: the difference of their median layer times, called noise when it
+    is smaller than the layer-to-layer spread of either level or than ``run_spread`` (a fraction) of the
+    time: with one run per level, the run-to-run spread is taken from a run that repeated each level."""
+    if k == 0:
+        return "-"
+    a, b = levels[k - 1], levels[k]
+    delta = b["layer_ms_median"] - a["layer_ms_median"]
+    noise = max(_level_noise(a), _level_noise(b), run_spread * a["layer_ms_median"])
+    verdict = "noise" if abs(delta) < noise else ("slower" if delta > 0 else "faster")
+    return f"{delta:+.1f} ({delta / a['layer_ms_median']:+.0%}, {verdict})"
+
+
+def phases(doc: dict) -> str:
+    """What each phase level buys: the planner's capacity per rank (``doc["capacity"]``, a
+    ``scripts/capacity_plan.py`` file) beside one rank's measured layer (``doc["layer"]``, a ``bench.layer``
+    file) at the largest current-only workload; ``doc["repeats"]``: a ``bench.layer`` file with several runs per
+    level, for the run-to-run noise."""
+    plan, bench = doc["capacity"]["plan"], doc["layer"]
+    run_spread = run_to_run_spread(doc["repeats"])
+    work = max((w for w in bench["workloads"] if not w["workload"]["prefix"]), key=lambda w: w["workload"]["extend"])
+    tokens, n_layers = work["workload"]["extend"], bench["n_layers"]
+    levels = work["levels"]
+    inputs = plan["inputs"]
+    lines = [
+        "| level | adds | KV at rest, GiB | max context, tokens | moved, MiB per layer | materialized, MiB per layer "
+        "| tail, ms | layer, ms | change, ms |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for k, (row, planned) in enumerate(zip(levels, plan["levels"])):
+        at = next(c for c in planned["contexts"] if c["context"] == tokens)
+        lines.append(
+            f"| {row['level']} | {planned['adds']} | {at['kv_bytes_per_rank'] / 2**30:.2f} | {planned['max_context']:,} "
+            f"| {row['gather_bytes'] / n_layers / 2**20:,.1f} | {row['materialized_bytes'] / n_layers / 2**20:,.1f} "
+            f"| {row['tail_ms']:.1f} | {row['layer_ms_median']:.1f} | {level_change(levels, k, run_spread)} |"
+        )
+    beyond = [f"level {k} ({level_change(levels, k, run_spread).split(' ')[0]} ms)" for k in range(1, len(levels))
+              if not level_change(levels, k, run_spread).endswith("noise)")]
+    repeats = len(doc["repeats"]["workloads"][0]["levels"][0]["layer_ms"]) // doc["repeats"]["n_layers"]
+    lines += [
+        "",
+        "Layer time changes beyond noise: " + (", ".join(beyond) if beyond else "none") + ".",
+        "",
+        f"Per rank, {bench['preset']}, one request of {tokens:,} new tokens. KV at rest and max context: the "
+        f"planner's arithmetic for all {inputs['n_layers']} layers, KV budget {inputs['budget_rule']}. Moved (all-gather "
+        f"#1 and materialize), materialized, tail (once per forward) and layer time: rank {bench['rank']} of "
+        f"C={bench['cp_size']} on an {bench['device']} alone in one process with a modeled {bench['wire_gbps']:g} GB/s "
+        f"wire, {n_layers} layers, one run per level. Change: against the level before; noise when smaller than "
+        f"the spread between either level's layers or than {run_spread:.0%} of the layer, the median spread between "
+        f"runs of a run that repeated every level {repeats} times.",
+    ]
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     kind, path = sys.argv[1], sys.argv[2]
     print({"compute": compute, "kernels": kernels, "layer": layer, "demo": demo, "fused_profile": fused_profile}[kind](json.load(open(path))))
@@ -250,4 +324,41 @@ def pd_stream(doc: dict) -> str:
             f"| {w['layer_ms_added_paired']:+.3f} | {w['bytes_sent_per_layer'] / 2**20:.1f} | {staging} | {hidden} | {exposed} "
             f"| {w['completion_wait_ms']:.3f} | {w['received_equal_rows_at_rest']} |"
         )
+    return "\n".join(lines)
+
+
+def kv_designs(doc: dict) -> str:
+    """``bench/designs.py`` (measured) or ``planner/designs.py`` (modeled): one row per workload and design."""
+    measured = doc.get("kind") == "measured"
+    if measured:
+        head = (f"Measured on {doc['device']}, torch {doc['torch']}; {doc['preset']}, {doc['n_layers']} layers run; "
+                f"how CP runs: {doc['how_cp_runs']}; timer: {doc['timing']}. Command: `{doc['command']}`. "
+                "Shared VMM is the planner's row (modeled).")
+    else:
+        head = (f"**Modeled** by the planner, nothing ran: {doc['preset']}, rank {doc['rank']} of C={doc['cp_size']}, "
+                f"{doc['n_layers']} layers, wire {doc['wire_gbps']:g} GB/s (assumed), shared VMM peer reads "
+                f"{doc['peer_gbps']:g} GB/s (assumed), kernel rates from `docs/results`. Command: `{doc['source']}`.")
+    lines = [head, "",
+             "| workload | design | layer ms | KV at rest per rank, GiB (whole model) | moved MiB / layer | of it history "
+             "| materialized MiB / layer | collectives / layer | host syncs / layer | peak MiB |" + (" planner ms |" if measured else ""),
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if measured else "")]
+    for w in doc["workloads"]:
+        for r in w["designs"]:
+            modeled = "" if r["status"] == "measured" or not measured else " (modeled)"
+            peak = "-" if r.get("peak_bytes") is None else _mib(r["peak_bytes"])
+            row = (f"| {w['name']} {w['prefix']:,}+{w['extend']:,} | {r['design']}{modeled} | {r['layer_ms']:.2f} "
+                   f"| {r['kv_bytes_at_rest'] / 2**30:.2f} | {_mib(r['bytes_moved_per_layer'])} "
+                   f"| {_mib(r['history_bytes_moved_per_layer'])} | {_mib(r['bytes_materialized_per_layer'])} "
+                   f"| {r['collectives_per_layer']:g} | {r['host_syncs_per_layer']:g} | {peak} |")
+            if measured:
+                row += f" {r['planner']['layer_ms']:.2f} |" if "planner" in r else " - |"
+            lines.append(row)
+    return "\n".join(lines)
+
+
+def kv_capacity(doc: dict) -> str:
+    """The longest request each design's KV fits in the planner's budget (``capacity`` of the modeled results)."""
+    lines = [f"| design | max context per request, {doc['kv_budget_gib']:g} GiB of KV per GPU, C={doc['cp_size']} |",
+             "| --- | --- |"]
+    lines += [f"| {c['design']} | {c['max_context']:,} |" for c in doc["capacity"]]
     return "\n".join(lines)

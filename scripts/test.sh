@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Every test: the CPU tier (pytest: unit, multi-process, Triton under the interpreter, CUDA hidden),
-# the walkthrough notebooks under nbval, and the strict docs build. On a machine with a CUDA device,
-# also the GPU tier (pytest --gpu: compiled kernels, DeepSeek-V3.2 dims), and the notebooks run on
-# the GPU instead of the CPU, beside the GPU tier. Each stage prints a heading and its summary line.
-# DSACP_TEST_LOG_DIR (default: a temp folder) keeps every job's log and the docs build's, and on a
-# CUDA machine summary.json (scripts/summarize_test_run.py). DSACP_TEST_WORKERS overrides the CPU
-# tier's pytest-xdist workers (1: one process).
+# Every test: the strict docs build, the CPU tier (pytest: unit, multi-process, Triton under the
+# interpreter, CUDA hidden; the site tests read the build), the walkthrough notebooks under nbval.
+# On a machine with a CUDA device, also the GPU tier (pytest --gpu: compiled kernels, DeepSeek-V3.2
+# dims), and the notebooks run on the GPU instead of the CPU, beside the GPU tier. Each stage prints
+# a heading and its summary line. DSACP_TEST_LOG_DIR (default: a temp folder) keeps every job's log
+# and the docs build's, and on a CUDA machine summary.json (scripts/summarize_test_run.py).
+# DSACP_TEST_WORKERS overrides the CPU tier's pytest-xdist workers (1: one process).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$SECONDS
@@ -29,6 +29,16 @@ workers=${DSACP_TEST_WORKERS:-$(( workers > 8 ? 8 : workers < 1 ? 1 : workers ))
 cpu_tier=(python3 -m pytest -q --durations=8 tests)
 if [ "$xdist" = 1 ] && [ "$workers" -gt 1 ]; then cpu_tier+=(-n "$workers" --dist loadfile); else workers=1; fi
 echo "$cores cores, CUDA: $([ "$cuda" = 1 ] && echo yes || echo no), CPU tier: $workers worker(s)$([ "$xdist" = 1 ] || echo ' (pytest-xdist not installed)'), logs: $logs"
+
+# The site first: the strict build, then the CPU tier's site tests read the pages it wrote
+# (DSACP_SITE_DIR). --strict aborts on most warnings but not on unresolved cross-references
+# (mkdocs-autorefs), so any WARNING line fails the build here too.
+stage "docs: mkdocs build --strict"
+docs_log="$logs/mkdocs.log"
+export DSACP_SITE_DIR="$(mktemp -d)/site"
+NO_MKDOCS_2_WARNING=1 python3 -m mkdocs build --strict -d "$DSACP_SITE_DIR" > "$docs_log" 2>&1 || { cat "$docs_log"; exit 1; }
+if grep "WARNING" "$docs_log"; then echo "mkdocs printed warnings: fix them" >&2; exit 1; fi
+echo "docs built clean ($(grep -c . "$docs_log") log lines, no warning)"
 
 if [ "$cuda" = 1 ]; then
   # Three jobs side by side, each writing its own log: the CPU tier (it hides CUDA itself), the
@@ -62,13 +72,6 @@ else
   TRITON_INTERPRET=1 "${notebooks[@]}" 2>&1 | tee "$logs/notebooks.log"
   notebooks_on="the CPU"
 fi
-stage "docs: mkdocs build --strict"
-# --strict aborts on most warnings but not on unresolved cross-references (mkdocs-autorefs), so
-# any WARNING line fails the build here too.
-docs_log="$logs/mkdocs.log"
-NO_MKDOCS_2_WARNING=1 python3 -m mkdocs build --strict -d "$(mktemp -d)/site" > "$docs_log" 2>&1 || { cat "$docs_log"; exit 1; }
-if grep "WARNING" "$docs_log"; then echo "mkdocs printed warnings: fix them" >&2; exit 1; fi
-echo "docs built clean ($(grep -c . "$docs_log") log lines, no warning)"
 if [ "$cuda" = 1 ]; then  # what each job reported, as JSON (the README's GPU-tier row cites one such run)
   python3 scripts/summarize_test_run.py "$logs" --seconds $((SECONDS - start)) --out "$logs/summary.json"
 fi

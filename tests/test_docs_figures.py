@@ -67,12 +67,12 @@ def test_editing_a_result_makes_the_pages_disagree(tmp_path: Path) -> None:
 def test_render_fills_a_figure_and_keeps_a_table_in_its_list_item() -> None:
     names = {**Sources().namespace(), "r": render_docs.wrap({"xs": [{"a": 1.234, "b": 5000}, {"a": 2.5, "b": 7}]})}
     page = (
-        "Took <!-- fig r.xs[0].a | .2f -->9<!-- /fig --> ms, span <!-- fig span((x.a for x in r.xs), '.1f') -->?<!-- /fig -->.\n"
+        "Took <!-- fig:.2f r.xs[0].a -->9<!-- /fig --> ms, span <!-- fig span((x.a for x in r.xs), '.1f') -->?<!-- /fig -->.\n"
         "1. item\n\n"
         '    <!-- fig rows(r.xs, "| a | b |", "| {a:.1f} | {b:,} |") --><!-- /fig -->\n'
     )
     text, changes = render_page(page, names, console=None)
-    assert "Took <!-- fig r.xs[0].a | .2f -->1.23<!-- /fig --> ms" in text
+    assert "Took <!-- fig:.2f r.xs[0].a -->1.23<!-- /fig --> ms" in text
     assert "-->1.2-2.5<!-- /fig -->" in text
     assert "\n    | a | b |\n    | --- | --- |\n    | 1.2 | 5,000 |\n    | 2.5 | 7 |\n\n    <!-- /fig -->" in text
     assert len(changes) == 3
@@ -84,6 +84,23 @@ def test_an_inline_figure_may_not_start_a_line() -> None:
     """Markdown reads a line that starts with a comment as an HTML block and cuts the paragraph."""
     with pytest.raises(ValueError, match="starts the line"):
         render_page("Some words\n<!-- fig 1 + 1 -->2<!-- /fig --> more.\n", {}, console=None)
+
+
+def test_a_pipe_inside_a_marker_in_a_table_row_is_refused() -> None:
+    """A table reads every ``|`` of its row as a cell border, the ones inside an HTML comment too: the
+    cell would end in visible marker source."""
+    with pytest.raises(ValueError, match=r"line 3: .* table row and contains a `\|`"):
+        render_page("| a | b |\n| --- | --- |\n| x | <!-- fig 1 | 2 -->3<!-- /fig --> |\n", {}, console=None)
+    text, _ = render_page("| a | b |\n| --- | --- |\n| x | <!-- fig:.1f 1 / 4 -->?<!-- /fig --> |\n", {}, console=None)
+    assert "<!-- fig:.1f 1 / 4 -->0.2<!-- /fig -->" in text
+
+
+def test_the_old_filter_syntax_is_refused_and_upgraded() -> None:
+    old = "Took <!-- fig r.a | .2f -->1.23<!-- /fig --> ms; <!-- fig rows(r, 'a | b', 'c') -->x<!-- /fig -->\n"
+    with pytest.raises(ValueError, match=r"old filter syntax"):
+        render_page(old, {"r": render_docs.wrap({"a": 1.234})}, console=None)
+    assert render_docs.upgrade_markers(old) == (
+        "Took <!-- fig:.2f r.a -->1.23<!-- /fig --> ms; <!-- fig rows(r, 'a | b', 'c') -->x<!-- /fig -->\n")
 
 
 def test_a_figure_that_cannot_render_names_its_line() -> None:

@@ -234,7 +234,7 @@ def test_replicated_store_is_refused() -> None:
         (3, "bf16", 3, MIXED),
         # Rank 2 owns no page and sends only the header. Level 3 with no prefix materializes nothing:
         # a phase-2 materialization on a rank that owns no page trips PagedKVPool.read_pages (a pool of
-        # 0 pages), reported to the lead.
+        # 0 pages), so this case runs at level 3.
         (3, "fp8", 3, (Request(0, 20),)),
     ],
 )

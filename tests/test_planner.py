@@ -358,7 +358,7 @@ def test_the_plan_for_round_robin(capsys) -> None:
 @pytest.mark.parametrize("name", ["layer_bench.json", "layer_bench_8k.json"])
 def test_the_planned_peak_is_within_its_bar_of_every_committed_h200_peak(name: str) -> None:
     """The planner's peak (transient + :func:`activation_bytes`), recomputed now, against every
-    current-only peak measured on the H200 (``docs/results``): within the brief's 15% bar. The
+    current-only peak measured on the H200 (``docs/results``): within the 15% bar of the benchmarks page. The
     activation model counts what ``scripts/memory_peak.py`` found alive at the peak."""
     import copy
 

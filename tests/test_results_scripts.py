@@ -19,7 +19,7 @@ def test_results_plots_render_from_the_committed_json_and_repeat_byte_for_byte(t
         out = tmp_path / run
         subprocess.run([sys.executable, str(script), "--results", str(RESULTS_DIR), "--out", str(out)], check=True,
                        capture_output=True)
-        outputs.append({name: (out / name).read_bytes() for name in ("layer_bench.svg", "prefetch.svg")})
+        outputs.append({name: (out / name).read_bytes() for name in ("layer_bench.svg", "prefetch.svg", "kv_designs.svg")})
     assert outputs[0] == outputs[1]
     assert all(svg.startswith(b"<?xml") and b"<svg" in svg for svg in outputs[0].values())
 

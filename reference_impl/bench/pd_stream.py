@@ -46,7 +46,8 @@ from reference_impl.pd.transport import InProcessTransport
 DECODE_RANK = -1  # the in-process decode's mailbox key
 
 
-def _streamed(run: RunConfig, group: LoopbackGroup) -> tuple[Any, LayerStreamer, InProcessTransport, list[float]]:
+def streamed_prefill(run: RunConfig,
+                     group: LoopbackGroup) -> tuple[Any, LayerStreamer, InProcessTransport, list[float]]:
     transport = InProcessTransport(sender_rank=group.rank)
     streamer = LayerStreamer(transport, DECODE_RANK)
     result = run_rank(group, run, keep_store=True, on_layer_stored=streamer)
@@ -72,7 +73,7 @@ def measure(preset: str, workload: Workload, cp_size: int, rank: int, level: int
     run = RunConfig(preset=preset, n_layers=n_layers, cp_size=cp_size, requests=(Request(workload.prefix, workload.extend),),
                     check=False, device=device, phases=PhaseSet.level(level))
     group_of = lambda: LoopbackGroup(rank, cp_size, device, wire_gbps)  # noqa: E731 (fresh stats per run)
-    _streamed(run, group_of())  # warm-up: kernels compiled, pinned host blocks cached
+    streamed_prefill(run, group_of())  # warm-up: kernels compiled, pinned host blocks cached
     plain: list[float] = []
     streamed: list[float] = []
     paired: list[float] = []
@@ -81,7 +82,7 @@ def measure(preset: str, workload: Workload, cp_size: int, rank: int, level: int
     bytes_per_layer = 0
     for repeat in range(repeats):
         base = run_rank(group_of(), run).timings["layer_ms"][1:]
-        result, streamer, transport, wait = _streamed(run, group_of())
+        result, streamer, transport, wait = streamed_prefill(run, group_of())
         with_send = result.timings["layer_ms"][1:]
         plain += base
         streamed += with_send
@@ -109,8 +110,9 @@ def measure(preset: str, workload: Workload, cp_size: int, rank: int, level: int
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def stream_parser(description: str) -> argparse.ArgumentParser:
+    """The arguments of a layer-wise send benchmark (this one and :mod:`reference_impl.bench.pd_mooncake`)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--out", required=True)
     parser.add_argument("--preset", default="deepseek-v3.2")
     parser.add_argument("--cp-size", type=int, default=8)
@@ -121,6 +123,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--wire-gbps", type=float, default=None, help="model the CP all-gathers' interconnect (CUDA only)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    return parser
+
+
+def parse_stream_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse, refusing a level without KV sharded at rest, fewer than 2 layers or no repeat."""
     args = parser.parse_args(argv)
     if args.level < 2 or args.level > 8:
         parser.error(f"--level {args.level}: the layer-wise send needs KV sharded at rest, levels 2-8")
@@ -128,6 +135,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--layers {args.layers}: at least 2 (each run's first layer is left out of the medians)")
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_stream_args(stream_parser(__doc__.split("\n\n")[0]), argv)
     results: list[dict[str, Any]] = []
     on_cuda = args.device == "cuda"
     doc = {

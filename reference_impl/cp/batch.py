@@ -8,7 +8,7 @@ concatenates the requests' whole sequences (prefix + extend) in request order.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +16,11 @@ import torch
 from reference_impl.config import ConfigError
 from reference_impl.cp.split import SplitMetadata
 from reference_impl.kvcache.allocator import PageAllocator, RequestPageTable
+
+
+PageLanes = Callable[[RequestPageTable, Hashable, int, int], list[int]]
+"""An allocation policy by lanes: ``(table, request, new tokens, C) -> the lane (``page % C``) of each page
+the request's next ``new tokens`` open`` (a KV design's allocator contract, e.g. rotated page ownership)."""
 
 
 def new_page_table(final_lens: list[int], page_size: int, cp_size: int, compute_owner: bool) -> RequestPageTable:
@@ -56,6 +61,7 @@ class BatchLocs:
         request_ids: tuple[int, ...] | None = None,
         id_space: int | None = None,
         shares: Mapping[int, int] | None = None,
+        page_lanes: PageLanes | None = None,
     ) -> "BatchLocs":
         """Allocate this batch's logical locs and derive the full-view coordinates.
 
@@ -67,6 +73,8 @@ class BatchLocs:
         New pages come from the lowest free ids, or (phase 5) from each page's compute-owner lane.
         ``shares`` maps a new request to the earlier one whose prefix it starts with: it takes that
         request's whole prefix pages by reference (:meth:`RequestPageTable.share`).
+        ``page_lanes`` (a KV design's allocator, instead of the lowest free ids or phase 5's lanes)
+        picks the lane of every page a request opens, its prefix and shared partial page included.
         """
         page_size = meta.page_size
         totals = [p + e for p, e in zip(meta.prefix_lens, meta.extend_lens)]
@@ -75,13 +83,23 @@ class BatchLocs:
         ids = request_ids if request_ids is not None else tuple(range(len(totals)))
         for i, (req, prefix, extend) in enumerate(zip(ids, meta.prefix_lens, meta.extend_lens)):
             if req not in table:
-                if shares and req in shares:
+                if page_lanes is not None:
+                    # Whole shared pages by reference, every page opened after them in its lane.
+                    whole = 0
+                    if shares and req in shares:
+                        whole = prefix // page_size * page_size
+                        table.share(req, shares[req], whole)
+                    rest = prefix - whole
+                    table.extend(req, rest, lanes=page_lanes(table, req, rest, meta.cp_size), n_lanes=meta.cp_size)
+                elif shares and req in shares:
                     table.share(req, shares[req], prefix)
                 else:
                     table.extend(req, prefix)
             elif table.n_tokens(req) != prefix:
                 raise ConfigError(f"request {req}: the page table holds {table.n_tokens(req)} tokens, the batch says {prefix}")
-            if compute_owner:
+            if page_lanes is not None:
+                table.extend(req, extend, lanes=page_lanes(table, req, extend, meta.cp_size), n_lanes=meta.cp_size)
+            elif compute_owner:
                 from reference_impl.cp.compute_owner import new_page_lanes
 
                 table.extend(req, extend, lanes=new_page_lanes(meta, i, table.n_tokens(req)), n_lanes=meta.cp_size)

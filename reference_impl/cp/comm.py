@@ -281,6 +281,41 @@ class CPGroup:
             return raw.reshape(self._size * max_len, *raw.shape[2:])  # no padding: a view
         return torch.cat([raw[r, :n] for r, n in enumerate(lengths)])
 
+    def broadcast_rows(self, rows: torch.Tensor, src: int, tag: str) -> torch.Tensor:
+        """Rank ``src``'s ``rows [n, ...]`` on every rank: one broadcast, written into ``rows`` in place.
+
+        Every rank passes a tensor of the same shape and dtype (on the others its contents are
+        overwritten); ``rows`` must be contiguous. Any dtype: the bytes move as ``uint8``. Recorded
+        like the all-gathers: ``bytes_received`` is ``n`` row bytes on every rank but ``src``.
+        """
+        if not 0 <= src < self._size:
+            raise ConfigError(f"broadcast: source rank {src} is not in a CP group of {self._size} ranks")
+        if not rows.is_contiguous():
+            raise ConfigError(f"broadcast: rows {tuple(rows.shape)} must be contiguous (they are written in place)")
+        shape = tuple(rows.shape)
+        if self.is_trivial:
+            self._record_debug("broadcast", tag, shape, rows.dtype)
+            return rows
+        nbytes = rows.numel() * rows.element_size()
+        if nbytes == 0:
+            return rows  # nothing to move; every rank takes this branch (same shapes)
+        self._before_collective("broadcast", tag, shape, rows.dtype)
+        staged = self.backend == "gloo" and rows.is_cuda
+        with transport(stages_through_host=staged), _in_collective("broadcast", tag):
+            self._broadcast_exchange(rows.view(-1).view(torch.uint8), src)
+        mine = self._rank == src
+        self.stats.append(
+            CollectiveRecord(
+                op="broadcast", tag=tag, shape=shape, dtype=str(rows.dtype).removeprefix("torch."),
+                bytes_sent=nbytes if mine else 0, bytes_received=0 if mine else nbytes, buffer_bytes=nbytes,
+            )
+        )
+        return rows
+
+    def _broadcast_exchange(self, data: torch.Tensor, src: int) -> None:
+        """The wire of :meth:`broadcast_rows`: ``data`` (uint8, flat) of group rank ``src`` into every rank's ``data``."""
+        dist.broadcast(data, src=dist.get_global_rank(self._pg, src), group=self._pg)
+
     def _exchange(self, out_bytes: torch.Tensor, send_bytes: torch.Tensor) -> None:
         """The wire: ``send_bytes [max_len, row_bytes]`` of every rank into ``out_bytes [C, max_len, row_bytes]``."""
         if self._fused_gather:

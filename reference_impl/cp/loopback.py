@@ -84,5 +84,15 @@ class LoopbackGroup(CPGroup):
             ms = received / self.wire_gbps / 1e6
             torch.cuda._sleep(int(ms * self._cycles_per_ms))
 
+    def _broadcast_exchange(self, data: torch.Tensor, src: int) -> None:
+        # A receiver writes the n bytes it receives (zeros here: the values are meaningless anyway)
+        # and, with a modeled wire, waits n / wire_gbps; the source sends and writes nothing.
+        if src == self._rank:
+            return
+        data.zero_()
+        if self.wire_gbps is not None:
+            ms = data.numel() / self.wire_gbps / 1e6
+            torch.cuda._sleep(int(ms * self._cycles_per_ms))
+
     def barrier(self, tag: str = "barrier") -> None:
         """Nothing to wait for: the other ranks do not exist."""

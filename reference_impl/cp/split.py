@@ -1,6 +1,6 @@
 """CP split metadata: which extend tokens each rank computes, in which order, and the rerange.
 
-Two split modes (BRIEF section 3), both reproducing SGLang's published semantics:
+Two split modes, both reproducing SGLang's published semantics:
 
 * ``in-seq`` (zigzag): each request's ``L`` extend tokens are cut into ``2C`` contiguous blocks of
   ``L // 2C`` tokens, the ``L % 2C`` remainder going one token each to the *first* blocks. Rank

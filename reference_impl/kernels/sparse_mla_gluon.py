@@ -35,7 +35,7 @@ Two switches, both off by the same benchmark's ``--sweep`` (:data:`GPU_DEFAULT_C
 * ``EVICT_LAST`` gathers the KV rows with an L2 ``evict_last`` policy (FlashMLA's): 312 TFLOPS, within noise.
 
 Gluon has no CPU interpreter: this kernel is checked against the torch reference on a GPU
-(``tests/test_sparse_mla_gluon.py`` runs there and skips elsewhere); the Triton kernel remains the
+(``tests/gpu/test_gpu_sparse_mla_gluon.py`` runs there and skips elsewhere); the Triton kernel remains the
 path on other GPUs and the one the CPU suite checks.
 """
 

@@ -106,10 +106,12 @@ def load_hf_weights(
     *,
     first_layer: int = 0,
     head: bool = False,
+    names: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """Copy the attention weights of checkpoint layers ``first_layer ..`` into ``model`` (a
     :class:`~reference_impl.model.oracle.DSAModel`; ``head=True`` also loads ``model.norm`` and
     ``lm_head``). Returns our name -> the checkpoint name each parameter was loaded from.
+    ``names`` replaces the DSA name map (another model's: :mod:`reference_impl.model.v4.checkpoint`).
 
     Raises :class:`~reference_impl.errors.ConfigError` naming the first missing tensor or the first
     shape that does not fit, before any parameter is changed.
@@ -117,7 +119,7 @@ def load_hf_weights(
     get, where = _reader(source)
     params = dict(model.named_parameters())
     n_layers = len(getattr(model, "layers"))
-    names = hf_names(n_layers, first_layer, head)
+    names = dict(names) if names is not None else hf_names(n_layers, first_layer, head)
     loaded: dict[str, torch.Tensor] = {}
     for ours, theirs in names.items():
         tensor = get(theirs)

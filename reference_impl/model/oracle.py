@@ -123,9 +123,7 @@ def run_oracle(
     caches = [[LayerCache.empty(layout, device) for _ in inputs] for _ in model.layers]
     hidden, topks, projs = [], [[] for _ in model.layers], [[] for _ in model.layers]
     for req, (x_all, prefix) in enumerate(zip(inputs, prefix_lens)):
-        total = x_all.shape[0]
-        step = chunk_size or max(total - prefix, 1)
-        spans = [(0, prefix)] + [(s, min(s + step, total)) for s in range(prefix, total, step)]
+        spans = chunk_spans(prefix, x_all.shape[0], chunk_size)
         outs: list[list[torch.Tensor]] = [[] for _ in model.layers]
         proj_parts: list[list[Projection]] = [[] for _ in model.layers]
         hs = []
@@ -146,6 +144,13 @@ def run_oracle(
             projs[layer].append(_cat_projections(proj_parts[layer]))
         hidden.append(torch.cat(hs))
     return OracleResult(hidden, topks, caches, projs)
+
+
+def chunk_spans(prefix: int, total: int, chunk_size: int | None) -> list[tuple[int, int]]:
+    """A request's prefill spans ``[(start, stop)]``: the earlier prefill of its ``prefix`` tokens,
+    then this run's chunks of ``chunk_size`` (one chunk when ``None``) up to ``total``."""
+    step = chunk_size or max(total - prefix, 1)
+    return [(0, prefix)] + [(s, min(s + step, total)) for s in range(prefix, total, step)]
 
 
 def _pad_topk(topk: torch.Tensor, k: int) -> torch.Tensor:

@@ -19,21 +19,34 @@ def rope_frequencies(cfg: ModelConfig, device: torch.device | str | None = None)
 
     ``device=None`` allocates on the current default device (e.g. inside ``with torch.device(...)``).
     """
-    dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
+    yarn = cfg.max_seq_len > cfg.original_seq_len and cfg.rope_factor > 1.0
+    freqs = yarn_frequencies(
+        cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_factor, cfg.original_seq_len if yarn else 0,
+        cfg.beta_fast, cfg.beta_slow,
+    )
+    return freqs if device is None else freqs.to(device)
+
+
+def yarn_frequencies(
+    dim: int, base: float, factor: float, original_seq_len: int, beta_fast: float, beta_slow: float
+) -> torch.Tensor:
+    """``base^(-2i/dim)`` per pair ``[dim // 2]`` float32; with ``original_seq_len > 0``, DeepSeek's
+    YaRN correction: frequencies below the ``beta_slow`` rotation count divided by ``factor``, a
+    linear ramp up to ``beta_fast`` (no attention scale: that is the caller's business)."""
     freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-    if cfg.max_seq_len > cfg.original_seq_len and cfg.rope_factor > 1.0:
+    if original_seq_len > 0:
 
         def correction_dim(num_rotations: float) -> float:
-            return dim * math.log(cfg.original_seq_len / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
+            return dim * math.log(original_seq_len / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
 
-        low = max(math.floor(correction_dim(cfg.beta_fast)), 0)
-        high = min(math.ceil(correction_dim(cfg.beta_slow)), dim - 1)
+        low = max(math.floor(correction_dim(beta_fast)), 0)
+        high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
         if low == high:
             high += 0.001
         ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
         smooth = 1 - ramp
-        freqs = freqs / cfg.rope_factor * (1 - smooth) + freqs * smooth
-    return freqs if device is None else freqs.to(device)
+        freqs = freqs / factor * (1 - smooth) + freqs * smooth
+    return freqs
 
 
 def rope_cos_sin(freqs: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -83,22 +83,36 @@ class DcpDecodeShard:
         self.table.extend(request, self.layout.share(n_tokens, self.rank))
         self.requests.append(request)
 
-    def receive(self, block: RowBlock) -> None:
-        """Install a row block at its positions' local rows (every position must be this rank's)."""
-        positions = block.positions.cpu()
+    def locs(self, request: int, positions: torch.Tensor) -> torch.Tensor:
+        """This rank's slots (``int64 [n]``, host) of a request's ``positions`` (every one must be this rank's)."""
+        positions = positions.cpu()
         if bool((self.layout.rank_of(positions) != self.rank).any()):
-            raise ConfigError(f"decode rank {self.rank} request {block.request}: a row block holds another rank's positions")
-        local_rows = self.layout.local_row(positions)
-        layer, request = block.layer, block.request
-        locs = self.table.locs(request).index_select(0, local_rows)
+            raise ConfigError(f"decode rank {self.rank} request {request}: a row block holds another rank's positions")
+        return self.table.locs(request).index_select(0, self.layout.local_row(positions))
+
+    def _count(self, layer: int, request: int, locs: torch.Tensor) -> None:
         if bool((self._written[layer, locs] > 0).any()):
             raise ConfigError(f"decode rank {self.rank} layer {layer} request {request}: a row arrived twice")
         self._written[layer, locs] += 1
+
+    def receive(self, block: RowBlock) -> None:
+        """Install a row block at its positions' local rows (every position must be this rank's)."""
+        layer, request = block.layer, block.request
+        locs = self.locs(request, block.positions)
+        self._count(layer, request, locs)
         device = self.pool.device
         locs = locs.to(device)
         self.pool.write_mla(layer, locs, block.mla.to(device))
         self.pool.write_index(layer, locs, block.index.to(device).view(torch.float8_e4m3fn), block.scale.to(device))
         self.bytes_received += block.payload_bytes
+
+    def landed(self, request: int, positions: torch.Tensor, layers: Sequence[int], nbytes: int) -> None:
+        """Account for rows that a one-sided transport wrote into this pool itself (every layer of
+        ``layers`` at ``positions``): the same exactly-once bookkeeping as :meth:`receive`."""
+        locs = self.locs(request, positions)
+        for layer in layers:
+            self._count(layer, request, locs)
+        self.bytes_received += nbytes
 
     def rows(self, layer: int, request: int) -> RequestRows:
         """The request's rows on this rank, in local order: ``(mla uint8, index fp8 bytes uint8, scale f32)``."""

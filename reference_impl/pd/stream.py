@@ -4,8 +4,9 @@
 chunk's layer loop it plans, per request that the chunk finishes, the rows this rank holds
 (request positions, physical rows) and the blocks' headers; inside the loop, right after layer
 ``l`` is stored, it posts one non-blocking send per finished request, so the send overlaps the
-rest of layer ``l`` and layer ``l + 1``; after the prefill, :meth:`LayerStreamer.wait_all` makes
-one completion wait per request.
+rest of layer ``l`` and layer ``l + 1``; after its last layer, the request's ``transport.complete``
+(the notice a one-sided transport sends the decode); after the prefill,
+:meth:`LayerStreamer.wait_all` makes one completion wait per request.
 
 On CUDA the reads and the device-to-host copy run on a side stream
 (:class:`~reference_impl.pd.staging.SideStreamStaging`) and the transport sends the staged bytes
@@ -72,6 +73,8 @@ class LayerStreamer:
             self.bytes_sent += block.payload_bytes  # from shapes: no device read
             self.rows_sent += block.n_rows
             self.blocks_sent += 1
+            if layer == pool.n_layers - 1:  # the request's last block is posted
+                self.pending[req].append(self.transport.complete(req, self.decode_rank))
 
     def loop_done(self) -> None:
         if self.staging is not None:

@@ -12,8 +12,9 @@ A CUDA prefill rank on gloo hands over blocks already staged in pinned host memo
 (:mod:`reference_impl.pd.staging`) with the event that says when their bytes are there; the
 transport sends them from one ordered sender thread once that event completes, so the layer loop
 never waits. :class:`InProcessTransport` is the same interface inside one process (the benchmark's
-decode side, and tests). A Mooncake or NIXL backend would implement the same methods with its own
-registration and RDMA writes; nothing else changes.
+decode side, and tests). :class:`~reference_impl.pd.mooncake.MooncakeTransport` implements it with
+one-sided writes into the decode's registered pool: its ``complete`` is the notice the decode waits
+for, where the two-sided transports have nothing to add.
 
 On torch.distributed a block travels as a header ``int64 [6]`` (request, layer, rows, MLA row
 bytes, index row bytes, 0) and then, if it has rows, four tensors: positions ``int64 [n]``, MLA
@@ -79,6 +80,11 @@ class BlockTransport(Protocol):
     def isend(self, block: RowBlock, dst: int, header: torch.Tensor | None = None,
               ready: torch.cuda.Event | None = None) -> Pending: ...
 
+    def complete(self, request: int, dst: int) -> Pending:
+        """Every block of ``request`` has been posted: a one-sided transport tells ``dst`` that its
+        rows are all there once they are; a two-sided one has nothing to add (the receiver counts)."""
+        ...
+
     def recv(self, src: int) -> RowBlock: ...
 
 
@@ -128,6 +134,9 @@ class TorchDistributedTransport:
 
         return _Future(self._sender.submit(send_when_staged))
 
+    def complete(self, request: int, dst: int) -> Pending:
+        return _Event(None)  # the decode counts the blocks it receives
+
     def close(self) -> None:
         """Stop the sender thread (after every pending send was waited for)."""
         if self._sender is not None:
@@ -166,6 +175,9 @@ class InProcessTransport:
               ready: torch.cuda.Event | None = None) -> Pending:
         self._mail.setdefault((self.rank, dst), deque()).append((block, ready))
         return _Event(ready)
+
+    def complete(self, request: int, dst: int) -> Pending:
+        return _Event(None)
 
     def recv(self, src: int, dst: int = 0) -> RowBlock:
         mailbox = self._mail.get((src, dst))

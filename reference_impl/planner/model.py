@@ -255,6 +255,19 @@ def activation_bytes(cfg: ModelConfig, t_local: int, context: int, act_bytes: in
 # --------------------------------------------------------------------------------------------
 
 
+def compute_terms(cfg: ModelConfig, rates: PlannerRates, t_local: int, context: int, n_visible: int) -> dict[str, float]:
+    """Milliseconds of a layer's compute on a rank: ``t_local`` queries over ``context`` keys, ``n_visible``
+    causal (query, key) pairs for the indexer; what every phase level and KV design shares."""
+    return {
+        "projections": ms_for_flops(projection_flops(cfg, t_local), rates.matmul_tflops),
+        "indexer_logits": ms_for_flops(indexer_flops(cfg, n_visible), rates.indexer_logits_tflops),
+        "indexer_topk": topk_ms(rates, t_local, context),
+        "attention": ms_for_flops(attention_flops(cfg, t_local, context), rates.attention_tflops),
+        # Norms, RoPE, casts, quantization, copies of the rank's tokens (planner.elementwise).
+        "elementwise": rates.elementwise_us_per_token * t_local / 1e3,
+    }
+
+
 def layer_terms(
     cfg: ModelConfig, rates: PlannerRates, cp_size: int, context: int, level: int, rank: int,
     kv_dtype: KVDtype = "fp8", page_size: int = 64, split_mode: str = "in-seq",
@@ -280,12 +293,7 @@ def layer_terms(
     fused, sharded = level >= 7, level >= 2
     direct = sharded and (round_robin or level >= 5)
     terms = {
-        "projections": ms_for_flops(projection_flops(cfg, t_local), rates.matmul_tflops),
-        "indexer_logits": ms_for_flops(indexer_flops(cfg, n_visible), rates.indexer_logits_tflops),
-        "indexer_topk": topk_ms(rates, t_local, context),
-        "attention": ms_for_flops(attention_flops(cfg, t_local, context), rates.attention_tflops),
-        # Norms, RoPE, casts, quantization, copies of the rank's tokens (planner.elementwise).
-        "elementwise": rates.elementwise_us_per_token * t_local / 1e3,
+        **compute_terms(cfg, rates, t_local, context, n_visible),
         "allgather1": ms_for_bytes(allgather1_bytes(cfg, cp_size, t_pad), rates.interconnect_gbps),
     }
     kv_b, index_b = rerange_bytes(cfg, context)

@@ -25,6 +25,7 @@ from reference_impl.planner.model import (
 )
 from reference_impl.planner.rates import PlannerRates
 from reference_impl.presets import ModelConfig, get_preset
+from reference_impl.presets_v4 import is_v4
 
 GIB = 2**30
 DEFAULT_RESERVED_GIB = 93.0
@@ -82,7 +83,8 @@ class PlannerConfig:
 
     def __post_init__(self) -> None:
         self._check_types()
-        get_preset(self.preset)
+        if is_v4(get_preset(self.preset)):
+            raise ConfigError(f"{self.preset}: DeepSeek-V4's terms are in `python -m reference_impl.planner.v4 --preset {self.preset}`")
         check_choice("split_mode", self.split_mode, SPLIT_MODES)
         check_choice("kv_dtype", self.kv_dtype, KV_DTYPES)
         if not 1 <= self.cp_size <= MAX_PLAN_CP:

@@ -1,0 +1,212 @@
+"""The competing KV designs measured the same way: one rank of ``C`` per design and workload.
+
+Usage::
+
+    python -m reference_impl.bench.designs --out docs/results/kv_designs_h200.json --wire-gbps 450
+        [--cp-size 8] [--rank 0] [--layers 4] [--repeats 2]
+        [--workloads current-only:0+32768,current-only:0+131072,prefix-heavy:24576+8192,prefix-heavy:122880+8192]
+        [--designs phases,layer-split,rotated-shard,dcp-gather]
+    python -m reference_impl.bench.designs --out dry.json --device cpu --preset tiny \\
+        --workloads current-only:0+96,prefix-heavy:80+48 --cp-size 4 --layers 2    # CPU dry run
+
+**How CP runs here**: as in :mod:`reference_impl.bench.layer` -- rank ``--rank`` of ``--cp-size``
+alone in one process (:class:`~reference_impl.cp.loopback.LoopbackGroup`): the rank issues exactly
+the collectives it issues in a real group, each a local copy (a broadcast: the receiver writes the
+bytes) plus, with ``--wire-gbps``, a stream-held delay of ``bytes received / wire_gbps``. Values
+gathered from the "other ranks" are copies, so nothing is checked against the oracle here (the CPU
+and GPU test tiers do that); times and memory are the rank's.
+
+Per workload (one request of ``prefix + extend`` tokens) and design (``phases`` at level 8; each
+competing design beside phases 1 and 7, the fused kernels): ``1 + --repeats`` runs, the first a
+warm-up; from the last one, per layer: bytes at rest (the pools, and scaled to the preset's whole
+model), bytes moved (received by the rank's collectives), bytes materialized (read from gathered
+storage to build the views), collectives, host syncs in the layer loop, the measured peak above the
+pools, and the layer time (CUDA events; median over the layers of every repeat). The planner's
+prediction for the same rank sits beside each (:mod:`reference_impl.planner.designs`), and the
+design that cannot run on one GPU (a shared CUDA VMM view) is the planner's row, marked modeled.
+The estimated device time is printed before anything runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from reference_impl.bench.layer import Workload
+from reference_impl.config import ConfigError, PhaseSet, Request, RunConfig, get_preset
+from reference_impl.cp.designs import layer_shard_range
+from reference_impl.cp.loopback import LoopbackGroup
+from reference_impl.engine import PER_LAYER_TAGS, run_rank
+from reference_impl.planner.designs import design_layer, kv_bytes_at_rest, one_rank_parser
+from reference_impl.planner.rates import PlannerRates, load_rates
+
+MEASURED_DESIGNS = ("phases", "layer-split", "rotated-shard", "dcp-gather")
+DEFAULT_WORKLOADS = "current-only:0+32768,current-only:0+131072,prefix-heavy:24576+8192,prefix-heavy:122880+8192"
+DESIGN_PHASES = PhaseSet(frozenset({1, 7}))  # beside a competing design: narrow output, fused kernels
+SETUP_S = 2.0  # per run: weights, inputs, pools, allocator warm-up (an H200 estimate)
+
+
+def run_config(preset: str, design: str, workload: Workload, cp_size: int, n_layers: int, device: str) -> RunConfig:
+    """The run of ``design`` on ``workload``: level 8 for the phases, phases 1 and 7 beside a design."""
+    return RunConfig(
+        preset=preset, n_layers=n_layers, cp_size=cp_size, requests=(Request(workload.prefix, workload.extend),),
+        check=False, device=device, kv_design=design,
+        phases=PhaseSet.level(8) if design == "phases" else DESIGN_PHASES,
+    )
+
+
+def _rates(wire_gbps: float | None) -> PlannerRates:
+    rates = load_rates()
+    return rates.override({"interconnect_gbps": wire_gbps}, "bench --wire-gbps") if wire_gbps else rates
+
+
+def estimate_s(preset: str, workloads: list[Workload], designs: list[str], cp_size: int, rank: int, n_layers: int,
+               repeats: int, wire_gbps: float | None) -> float:
+    """Seconds of device time the benchmark should take on an H200: per run, a setup, the prefix's
+    installation (the single-device oracle over the prefix: one rank of C = 1) and the layers."""
+    cfg = get_preset(preset).with_layers(n_layers)
+    rates = _rates(wire_gbps)
+    total = 0.0
+    for w in workloads:
+        install = design_layer(cfg, rates, "phases", 1, 0, w.prefix)["layer_ms"] * n_layers / 1e3 if w.prefix else 0.0
+        for design in designs:
+            layer = design_layer(cfg, rates, design, cp_size, w.prefix, w.extend, rank)["layer_ms"]
+            total += (1 + repeats) * (SETUP_S + install + 2 * n_layers * layer / 1e3)  # 2x: launch overheads
+    return total
+
+
+def _per_layer_moved(group: LoopbackGroup, n_layers: int) -> tuple[float, float, float]:
+    """``(bytes received, of them history / design gathers, collectives)`` per layer of one run."""
+    layer = [s for s in group.stats if s.tag in PER_LAYER_TAGS]
+    history = [s for s in layer if s.tag not in ("kv", "index_k")]
+    return (sum(s.bytes_received for s in layer) / n_layers, sum(s.bytes_received for s in history) / n_layers,
+            len(layer) / n_layers)
+
+
+def measure_design(preset: str, design: str, workload: Workload, cp_size: int, rank: int, n_layers: int, device: str,
+                   wire_gbps: float | None, repeats: int) -> dict[str, Any]:
+    """``1 + repeats`` runs of one design on one workload (the first a warm-up) -> its JSON row."""
+    dev = torch.device(device)
+    run = run_config(preset, design, workload, cp_size, n_layers, dev.type)
+    layer_ms: list[float] = []
+    result, group = None, None
+    for attempt in range(1 + repeats):
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        group = LoopbackGroup(rank, cp_size, dev, wire_gbps)
+        result = run_rank(group, run)
+        if attempt:
+            layer_ms += result.timings["layer_ms"]
+    assert result is not None and group is not None
+    stats = result.stats
+    moved, history, collectives = _per_layer_moved(group, n_layers)
+    pool = stats["kv_bytes"] + stats["index_bytes"]
+    cfg = get_preset(preset)
+    held, model_held = (  # layers whose KV this rank keeps: here, and in the preset's whole model
+        (len(range(*layer_shard_range(rank, cp_size, n_layers))), len(range(*layer_shard_range(rank, cp_size, cfg.n_layers))))
+        if design == "layer-split" else (n_layers, cfg.n_layers)
+    )
+    return {
+        "design": design,
+        "status": "measured",
+        "phases": sorted(run.phases.enabled),
+        "layer_ms": statistics.median(layer_ms or result.timings["layer_ms"]),
+        "layer_ms_all": layer_ms,
+        "kv_bytes_pools": pool,
+        "layers_held": held,
+        # the pools scaled to the preset's whole model: bytes per layer held x the layers held there
+        "kv_bytes_at_rest": pool // held * model_held if held else kv_bytes_at_rest(
+            cfg, design, workload.prefix + workload.extend, cp_size, rank),
+        "bytes_moved_per_layer": moved,
+        "history_bytes_moved_per_layer": history,
+        "bytes_materialized_per_layer": stats["materialized_bytes"] / n_layers,
+        "collectives_per_layer": collectives,
+        "host_syncs_per_layer": stats.get("host_syncs_in_layer_loop", 0) / n_layers,
+        "host_sync_audit": result.host_sync_audit,
+        "transient_bytes": stats["transient_peak_bytes"],
+        "peak_bytes": stats.get("measured_peak_bytes"),
+        "store_path": result.store_path,
+        "tail_ms": result.timings["tail_ms"],
+    }
+
+
+def measure(preset: str, workloads: list[Workload], designs: list[str], cp_size: int, rank: int, n_layers: int,
+            device: str, wire_gbps: float | None, repeats: int, out: Path | None = None,
+            doc: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Every design at every workload -> the results document (rewritten to ``out`` after each workload)."""
+    doc = doc if doc is not None else {}
+    doc["workloads"] = []
+    cfg = get_preset(preset).with_layers(n_layers)
+    rates = _rates(wire_gbps)
+    for w in workloads:
+        print(f"{w.name} {w.prefix}+{w.extend}: {', '.join(designs)}", file=sys.stderr, flush=True)
+        rows = []
+        for design in designs:
+            row = measure_design(preset, design, w, cp_size, rank, n_layers, device, wire_gbps, repeats)
+            row["planner"] = design_layer(cfg, rates, design, cp_size, w.prefix, w.extend, rank)
+            rows.append(row)
+        rows.append(design_layer(cfg, rates, "shared-vmm", cp_size, w.prefix, w.extend, rank))  # modeled
+        doc["workloads"].append({"name": w.name, "prefix": w.prefix, "extend": w.extend, "designs": rows})
+        if out is not None:
+            out.write_text(json.dumps(doc, indent=1) + "\n")
+    return doc
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = one_rank_parser(__doc__.split("\n\n")[0], 4, "layers run (the layer bench's slice)")
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs per design after a warm-up run")
+    parser.add_argument("--workloads", default=DEFAULT_WORKLOADS)
+    parser.add_argument("--designs", default=",".join(MEASURED_DESIGNS))
+    parser.add_argument("--wire-gbps", type=float, default=None, help="model the interconnect (CUDA only)")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    args = parser.parse_args(argv)
+    try:
+        workloads = [Workload.parse(w) for w in args.workloads.split(",")]
+        designs = [d.strip() for d in args.designs.split(",")]
+        bad = [d for d in designs if d not in MEASURED_DESIGNS]
+        if bad or not designs:
+            raise ConfigError(f"--designs {args.designs!r}: measure from {', '.join(MEASURED_DESIGNS)}")
+        if args.repeats < 1 or args.layers < 1:
+            raise ConfigError("--repeats and --layers must be at least 1")
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("this benchmark needs a CUDA device (--device cpu: a dry run)")
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    estimate = estimate_s(args.preset, workloads, designs, args.cp_size, args.rank, args.layers, args.repeats,
+                          args.wire_gbps)
+    print(f"estimated device time on an H200: {estimate:.0f} s", file=sys.stderr, flush=True)
+    doc: dict[str, Any] = {
+        "kind": "measured",
+        "device": torch.cuda.get_device_name(0) if args.device == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "command": "python -m reference_impl.bench.designs " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        "env": {name: value for name, value in sorted(os.environ.items()) if name.startswith("DSACP_")},
+        "how_cp_runs": f"rank {args.rank} of C={args.cp_size} alone in one process (LoopbackGroup): collectives are "
+        + (f"local copies plus a modeled wire of {args.wire_gbps:g} GB/s" if args.wire_gbps else "local copies (no wire time)"),
+        "timing": (f"CUDA events per layer, median over the layers of {args.repeats} run(s) after a warm-up run"
+                   if args.device == "cuda" else "perf_counter per layer (CPU dry run: the numbers mean nothing)"),
+        "preset": args.preset, "model_layers": get_preset(args.preset).n_layers, "n_layers": args.layers,
+        "cp_size": args.cp_size, "rank": args.rank, "wire_gbps": args.wire_gbps, "repeats": args.repeats,
+        "estimated_s": estimate,
+    }
+    start = time.perf_counter()
+    measure(args.preset, workloads, designs, args.cp_size, args.rank, args.layers, args.device, args.wire_gbps,
+            args.repeats, Path(args.out), doc)
+    doc["wall_s"] = time.perf_counter() - start
+    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {args.out} in {doc['wall_s']:.0f} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

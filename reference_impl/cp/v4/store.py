@@ -1,0 +1,346 @@
+"""A rank's V4 cache for one run: what is sharded at rest, what stays replicated, and the full view.
+
+Per layer and request the store holds:
+
+* **CSA entries and their indexer keys** -- the part that grows with the context (one 584 + 68
+  byte pair per 4 tokens, 167 MB per layer at 1M tokens). Replicated at the baseline; **sharded at
+  rest** with phase 2: entry ``w`` of a request is owned by the owner of the logical slot of its
+  token ``4 w`` (:class:`~reference_impl.cp.ownership.Ownership`: the page interleave of the
+  in-seq split, so an entry lives with the page of its tokens, or interleave 1 for round-robin);
+* **HCA entries** -- one per 128 tokens (4.8 MB per layer at 1M): replicated, so HCA layers never
+  materialize;
+* the **window tail** (the last ``window - 1`` raw entries) and the **compressor state** (the
+  pre-pool rows of the incomplete windows: at most 7 tokens on CSA, 127 on HCA): replicated, small
+  and needed by whichever rank computes the next tokens.
+
+The **entry view** of a layer is every chunk request's entries in entry order, concatenated: with
+sharded entries it is materialized by one all-gather of the owned entries (all of them with phase
+2, only the history with phase 3, the current chunk's coming from the entry all-gather).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from reference_impl.config import RunConfig
+from reference_impl.cp.batch import BatchLocs
+from reference_impl.cp.comm import CPGroup
+from reference_impl.cp.ownership import Ownership
+from reference_impl.kvcache.v4_layout import index_entry_bytes, main_entry_bytes
+from reference_impl.model.v4.cache import V4LayerCache
+from reference_impl.model.v4.compressor import state_start
+from reference_impl.presets_v4 import V4ModelConfig
+
+
+@dataclass
+class RequestState:
+    """One request's cache of one layer on this rank."""
+
+    n_tokens: int
+    window: torch.Tensor  # uint8 [<= W - 1, main bytes]: raw entries of its last tokens
+    pool: torch.Tensor  # float32 [rows, width]: packed pre-pool rows (kv | score [| index kv | index score])
+    ids: torch.Tensor  # int64 [n] entry indices stored here (all of them unless sharded)
+    main: torch.Tensor  # uint8 [n, main bytes]
+    index: torch.Tensor  # uint8 [n, index bytes] (CSA)
+
+
+@dataclass
+class Materialization:
+    """The all-gather that rebuilds sharded CSA entries ``[0, count[i])`` of each chunk request."""
+
+    counts: list[int]  # per chunk request: entries to rebuild
+    send: list[int]  # per chunk request: this rank's stored entries among them (a prefix of its ids)
+    lengths: list[int]  # per rank: rows it sends
+    rows: torch.Tensor | None  # [sum(counts)] int64 padded-gather row of each rebuilt entry, dense order
+
+
+@dataclass
+class V4Store:
+    """The V4 cache of one rank (see the module docstring); ``ownership`` set means sharded CSA entries."""
+
+    cfg: V4ModelConfig
+    codec: str
+    group: CPGroup
+    ownership: Ownership | None = None
+    reuse_current: bool = False
+    layers: list[dict[int, RequestState]] = field(default_factory=list)
+    requests: list[int] = field(default_factory=list)  # run-global ids of the chunk's requests
+    locs: dict[int, torch.Tensor] = field(default_factory=dict)  # run-global id -> its logical locs (host)
+    materialized_bytes: int = 0
+    transient_bytes: int = 0
+    paths: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.layers = [{} for _ in range(self.cfg.n_layers)]
+        self.main_bytes = main_entry_bytes(self.codec)
+        self.index_bytes_per = index_entry_bytes(self.codec, self.cfg.index_head_dim)
+
+    name = "v4"
+
+    @classmethod
+    def for_run(cls, run: RunConfig, batch: BatchLocs, group: CPGroup) -> "V4Store":
+        """The store a run's phases ask for: CSA entries sharded at the run's interleave with phase 2."""
+        cfg = run.model
+        assert isinstance(cfg, V4ModelConfig)
+        ownership = Ownership(run.cp_size, run.interleave, run.page_size) if run.phases.sharded_kv else None
+        store = cls(cfg, run.kv_dtype, group, ownership, reuse_current=run.phases.current_reuse)
+        store.bind(batch)
+        return store
+
+    def bind(self, batch: BatchLocs) -> None:
+        """Serve the next chunk's batch (its logical locs name the requests' token slots)."""
+        self.batch = batch
+
+    @property
+    def sharded(self) -> bool:
+        return self.ownership is not None
+
+    @property
+    def store_path(self) -> str:
+        return "+".join(sorted(self.paths)) or ("gathered" if self.sharded else "replicated")
+
+    # ---- the chunk's requests -----------------------------------------------------------------
+
+    def begin_chunk(self, request_ids: list[int], request_locs: list[torch.Tensor]) -> None:
+        """Serve a chunk of requests ``request_ids`` (run-global) with logical locs ``request_locs`` (host)."""
+        self.requests = list(request_ids)
+        for req, locs in zip(request_ids, request_locs):
+            self.locs[req] = locs.cpu()
+
+    def entry_owner(self, req: int, entries: range | list[int]) -> list[int]:
+        """Rank storing each CSA entry of run-global request ``req`` (sharded stores).
+
+        Entry ``w`` takes **entry slot** ``loc(4 w) / 4`` (its tokens' slots, divided by the ratio;
+        requests start on a page, so 4 divides it) and the ownership's interleave divided by 4:
+        with the page interleave an entry lives with the page of its tokens; with interleave 1
+        (round-robin) entries go round the ranks one by one (token ``4 w`` alone would put every
+        entry on rank 0 when ``C`` divides 4).
+        """
+        own = self.ownership
+        assert own is not None
+        locs = self.locs[req]
+        slots = [int(locs[w * 4]) // 4 for w in entries]
+        per_run = max(1, own.interleave // 4)
+        return [(e // per_run) % own.cp_size for e in slots]
+
+    def owns(self, layer: int) -> bool:
+        """Whether ``layer``'s entries are sharded (CSA layers of a sharded store)."""
+        return self.sharded and self.cfg.ratio(layer) == 4
+
+    # ---- prefixes -----------------------------------------------------------------------------
+
+    def install(self, layer: int, req: int, cache: V4LayerCache) -> None:
+        """Take what this rank keeps of an already-computed request prefix (the oracle's cache)."""
+        w = self.cfg.window_size
+        ids = torch.arange(cache.entries.shape[0])
+        main, index = cache.entries, cache.index_keys
+        if self.owns(layer):
+            mine = torch.tensor(self.entry_owner(req, range(len(ids))), dtype=torch.long) == self.group.rank
+            ids, main, index = ids[mine], main[mine], index[mine]
+        self.layers[layer][req] = RequestState(
+            cache.n_tokens, cache.window_tail(w).clone(), pack_pool(cache), ids, main.clone(), index.clone()
+        )
+
+    def state(self, layer: int, req: int) -> RequestState:
+        """The request's state (an empty one for a request without prefix)."""
+        if req not in self.layers[layer]:
+            device = self.group.device
+            ratio = self.cfg.ratio(layer)
+            self.layers[layer][req] = RequestState(
+                0, torch.empty(0, self.main_bytes, dtype=torch.uint8, device=device),
+                torch.empty(0, pool_width(self.cfg, ratio), dtype=torch.float32, device=device),
+                torch.empty(0, dtype=torch.long),
+                torch.empty(0, self.main_bytes, dtype=torch.uint8, device=device),
+                torch.empty(0, self.index_bytes_per if ratio == 4 else 0, dtype=torch.uint8, device=device),
+            )
+        return self.layers[layer][req]
+
+    # ---- per layer ----------------------------------------------------------------------------
+
+    def set_state(self, layer: int, windows: list[torch.Tensor], pools: list[torch.Tensor | None], n_tokens: list[int]) -> None:
+        """The chunk requests' new window tails and compressor states (replicated)."""
+        for req, window, pool, n in zip(self.requests, windows, pools, n_tokens):
+            st = self.state(layer, req)
+            st.window, st.n_tokens = window, n
+            if pool is not None:
+                st.pool = pool
+
+    def prepare(self, new_spans: list[range]) -> None:
+        """Before a chunk's layer loop: which of each request's new CSA entries ``new_spans[i]`` this rank
+        keeps (host work done once, so the loop reads only device indices)."""
+        self.keep: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        for req, span in zip(self.requests, new_spans):
+            if not self.sharded:
+                self.keep.append(None)
+                continue
+            mine = [k for k, r in enumerate(self.entry_owner(req, span)) if r == self.group.rank]
+            self.keep.append((torch.tensor(mine, dtype=torch.long, device=self.group.device),
+                              torch.tensor([span.start + k for k in mine], dtype=torch.long)))
+
+    def add_entries(self, layer: int, new: list[tuple[range, torch.Tensor, torch.Tensor]], selected: bool = False) -> None:
+        """Append each chunk request's new entries ``(entry ids, main rows, index rows)`` this rank keeps
+        (:meth:`prepare` said which, for sharded CSA layers); ``selected``: the rows are already exactly
+        the kept ones (phase 5's direct write of the rank's own entries)."""
+        for i, (req, (span, main, index)) in enumerate(zip(self.requests, new)):
+            st = self.state(layer, req)
+            keep = self.keep[i] if self.owns(layer) else None
+            if keep is None:
+                ids = torch.arange(span.start, span.stop)
+            else:
+                rows, ids = keep
+                if not selected:
+                    main, index = main.index_select(0, rows), index.index_select(0, rows)
+            st.ids = torch.cat([st.ids, ids])
+            st.main = torch.cat([st.main, main])
+            st.index = torch.cat([st.index, index])
+
+    def history(self, layer: int, counts: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per chunk request, its stored entries ``[0, counts[i])`` (replicated layers: every rank has them)."""
+        mains, indexes = [], []
+        for req, n in zip(self.requests, counts):
+            st = self.state(layer, req)
+            mains.append(st.main[:n])
+            indexes.append(st.index[:n])
+        return mains, indexes
+
+    def materialization(self, counts: list[int]) -> Materialization:
+        """The gather plan rebuilding sharded CSA entries ``[0, counts[i])`` (host; once per chunk)."""
+        c, rank = self.group.size, self.group.rank
+        owners = [self.entry_owner(req, range(n)) for req, n in zip(self.requests, counts)]
+        lengths = [sum(o.count(r) for o in owners) for r in range(c)]
+        width = max(1, max(lengths))
+        seen = [0] * c
+        rows = []
+        for o in owners:
+            for r in o:
+                rows.append(r * width + seen[r])
+                seen[r] += 1
+        send = [o.count(rank) for o in owners]
+        return Materialization(counts, send, lengths, torch.tensor(rows, dtype=torch.long, device=self.group.device))
+
+    def materialize(self, layer: int, plan: Materialization, tag: str = "materialize") -> tuple[torch.Tensor, torch.Tensor]:
+        """All-gather the owned entries of ``plan`` -> dense ``(main [sum counts, B], index [sum counts, Bi])``."""
+        mains, indexes = [], []
+        for req, n in zip(self.requests, plan.send):
+            st = self.state(layer, req)
+            mains.append(st.main[:n])
+            indexes.append(st.index[:n])
+        packed = torch.cat([torch.cat(mains), torch.cat(indexes)], dim=1)
+        raw = self.group.all_gather_rows_padded_raw(packed, plan.lengths, tag)
+        flat = raw.reshape(-1, packed.shape[1])
+        dense = flat.index_select(0, plan.rows) if plan.rows is not None and plan.rows.numel() else flat[:0]
+        self.materialized_bytes += dense.numel()
+        self.transient_bytes = max(self.transient_bytes, raw.numel())
+        return dense[:, : self.main_bytes], dense[:, self.main_bytes :]
+
+    # ---- accounting ---------------------------------------------------------------------------
+
+    def _sum(self, what: str, kinds: tuple[int, ...]) -> int:
+        total = 0
+        for layer, states in enumerate(self.layers):
+            if self.cfg.ratio(layer) in kinds:
+                total += sum(getattr(st, what).numel() * getattr(st, what).element_size() for st in states.values())
+        return total
+
+    @property
+    def kv_bytes(self) -> int:
+        """CSA and HCA entries at rest (the sharded CSA part is ~1/C per rank from phase 2)."""
+        return self._sum("main", (4, 128))
+
+    @property
+    def index_bytes(self) -> int:
+        """CSA indexer keys at rest."""
+        return self._sum("index", (4,))
+
+    def breakdown(self) -> dict[str, int]:
+        """Bytes at rest by part: CSA entries and keys, HCA entries, window tails, compressor states."""
+        return {
+            "csa_bytes": self._sum("main", (4,)) + self._sum("index", (4,)),
+            "hca_bytes": self._sum("main", (128,)),
+            "window_bytes": self._sum("window", (0, 4, 128)),
+            "compressor_state_bytes": self._sum("pool", (4, 128)),
+        }
+
+    def stored_rows(self, layer: int, request_locs: list[torch.Tensor] | None = None) -> dict[int, tuple[torch.Tensor, ...]]:
+        """What this rank holds for ``layer`` per request (run-global id, matched by logical locs):
+        ``(n_tokens, window tail, compressor state, entry ids, entries, indexer keys)``."""
+        out: dict[int, tuple[torch.Tensor, ...]] = {}
+        wanted = request_locs if request_locs is not None else [self.locs[r] for r in self.requests]
+        for k, locs in enumerate(wanted):
+            req = next(r for r, l in self.locs.items() if l.numel() == locs.numel() and torch.equal(l, locs.cpu()))
+            st = self.state(layer, req)
+            out[k] = (torch.tensor(st.n_tokens), st.window, st.pool, st.ids, st.main, st.index)
+        return out
+
+
+def pool_width(cfg: V4ModelConfig, ratio: int) -> int:
+    """Float32 values per packed pre-pool row: kv and score (``2 D`` each on CSA, ``D`` on HCA), plus the
+    indexer's (``2 Di`` each) on CSA; 0 on sliding layers."""
+    if ratio == 0:
+        return 0
+    if ratio == 4:
+        return 4 * cfg.head_dim + 4 * cfg.index_head_dim
+    return 2 * cfg.head_dim
+
+
+def pack_pool(cache: V4LayerCache) -> torch.Tensor:
+    """A cache's compressor state as packed rows ``[kv | score [| index kv | index score]]``."""
+    parts = [cache.pool_kv, cache.pool_score]
+    if cache.ratio == 4:
+        parts += [cache.index_pool_kv, cache.index_pool_score]
+    return torch.cat(parts, dim=1).clone()
+
+
+@torch.no_grad()
+def install_v4_prefixes(run: RunConfig, model: torch.nn.Module, inputs: list[torch.Tensor], store: V4Store, chunk: object) -> None:
+    """Fill the store with the prefixes of ``chunk``'s requests, computed as an earlier prefill did:
+    every rank runs the single-device oracle over the prefix tokens (identical bytes everywhere)
+    and keeps its share."""
+    from reference_impl.model.v4.oracle import run_v4_oracle
+
+    requests = list(getattr(chunk, "requests"))
+    store.begin_chunk(requests, list(store.batch.request_locs))
+    todo = [req for req in requests if run.requests[req].prefix > 0]
+    if not todo:
+        return
+    result = run_v4_oracle(model, [0] * len(todo), [inputs[req][: run.requests[req].prefix] for req in todo], run.kv_dtype)  # type: ignore[arg-type]
+    for layer, caches in enumerate(result.caches):
+        for req, cache in zip(todo, caches):
+            store.install(layer, req, cache)
+
+
+@torch.no_grad()
+def install_synthetic_prefixes(run: RunConfig, store: V4Store, chunk: object, seed: int = 0) -> None:
+    """Fill the store with what ``chunk``'s prefixes would leave, from random values of the right
+    shapes and codecs (for benchmarks: computing a 1M-token prefix with the oracle takes hours, and
+    no timing or byte count depends on the values)."""
+    from reference_impl.kvcache.v4_layout import encode_index, encode_main
+
+    cfg, device = store.cfg, store.group.device
+    requests = list(getattr(chunk, "requests"))
+    store.begin_chunk(requests, list(store.batch.request_locs))
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(rows: int, width: int) -> torch.Tensor:
+        return torch.randn(rows, width, generator=gen, device=device)
+
+    for req in requests:
+        n = run.requests[req].prefix
+        if n == 0:
+            continue
+        for layer in range(cfg.n_layers):
+            m = cfg.ratio(layer)
+            entries = n // m if m else 0
+            ids = torch.arange(entries)
+            main = encode_main(randn(entries, cfg.head_dim), store.codec)
+            index = encode_index(randn(entries, cfg.index_head_dim), store.codec) if m == 4 else main[:, :0]
+            if store.owns(layer):
+                mine = torch.tensor(store.entry_owner(req, range(entries)), dtype=torch.long) == store.group.rank
+                ids, main, index = ids[mine], main[mine.to(device)], index[mine.to(device)]
+            state_rows = n - state_start(n, m) if m else 0
+            store.layers[layer][req] = RequestState(
+                n, encode_main(randn(min(n, cfg.window_size - 1), cfg.head_dim), store.codec),
+                randn(state_rows, pool_width(cfg, m)), ids, main, index,
+            )

@@ -1,0 +1,54 @@
+"""The capacity planner's prediction that the site quotes, as a results JSON.
+
+    python3 scripts/capacity_plan.py            # write docs/results/capacity_deepseek_v32_c8.json
+    python3 scripts/capacity_plan.py --check    # exit 1 when the committed file is not what the planner says now
+
+The file is ``python -m reference_impl plan ... --json`` (arithmetic on the KV layouts plus the
+planner's rates; nothing runs on a device) with the command that produced it. The test command runs
+``--check``, so a change to the planner or its rates shows up as a stale file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "docs" / "results" / "capacity_deepseek_v32_c8.json"
+#: DeepSeek-V3.2 at C = 8 on an H200 (141 GiB), the planner's default reservation for weights and activations.
+ARGS = ("plan", "--preset", "deepseek-v3.2", "--cp-size", "8", "--hbm-gib", "141", "--json")
+
+
+def planned() -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run([sys.executable, "-m", "reference_impl", *ARGS], check=True, capture_output=True,
+                         text=True, env=env, cwd=ROOT).stdout
+    return {"command": "python -m reference_impl " + " ".join(ARGS),
+            "what": "capacity planner prediction (KV layout arithmetic and planner rates; nothing measured)",
+            "plan": json.loads(out)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="compare with the committed file instead of writing it")
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args(argv)
+    doc = planned()
+    if args.check:
+        committed = json.loads(args.out.read_text()) if args.out.is_file() else None
+        if committed != doc:
+            print(f"{args.out.relative_to(ROOT)} is not what the planner says now: python3 scripts/capacity_plan.py")
+            return 1
+        return 0
+    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {args.out.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
