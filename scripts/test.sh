@@ -67,7 +67,6 @@ if [ "$cuda" = 1 ]; then
 else
   stage "CPU tier ($workers worker(s)): pytest tests"
   "${cpu_tier[@]}" 2>&1 | tee "$logs/cpu-tier.log"
-  [ "$xdist" = 1 ] && [ "$workers" -gt 1 ] && notebooks+=(-n "$workers" --dist loadfile)
   stage "notebooks on the CPU (Triton under the interpreter)"
   TRITON_INTERPRET=1 "${notebooks[@]}" 2>&1 | tee "$logs/notebooks.log"
   notebooks_on="the CPU"
