@@ -5,6 +5,7 @@ The package is the architecture, bottom to top (an import never runs upward; ``t
 0. ``config``, ``presets``, ``phases``, ``errors`` -- the knobs, the models, the phase set;
    ``fp8`` -- FP8 quantization and the Hadamard rotation; ``sync_audit`` -- host-sync counting;
    ``index_share`` -- which layers run the indexer (GLM-5.2's IndexShare);
+   ``machine`` -- the machine's free memory, cores and file limit (what refusals are decided from);
 1. ``kvcache/`` -- byte layouts, paged pools, page allocator;
 2. ``model/`` -- the DSA layer (MLA + lightning indexer), the single-device oracle, checkpoints;
 3. ``kernels/`` -- Triton / Gluon kernels, one dispatch, one fallback rule;
@@ -60,6 +61,7 @@ _EXPORTS: dict[str, str] = {
     "PrefillResult": "reference_impl.runner",
     # the planner and the main job
     "plan_capacity": "reference_impl.planner", "PlannerConfig": "reference_impl.planner",
+    "load_rates": "reference_impl.planner",
     "run_demo": "reference_impl.demo",
 }
 

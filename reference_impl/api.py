@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from reference_impl.config import ConfigError, Request
+from reference_impl.config import KV_DTYPES, MAX_SEED, ConfigError, Request, check_choice, validate_page_size
+from reference_impl.footprint import GIB, SAFETY, free_bytes, weight_bytes
 from reference_impl.kernels.dispatch import KERNEL_OPS
 from reference_impl.kernels.v4_dispatch import V4_KERNEL_OPS
 from reference_impl.model.checkpoint import load_hf_weights
@@ -30,7 +31,7 @@ from reference_impl.model.sparse_attention import TORCH_OPS
 from reference_impl.model.v4.checkpoint import load_v4_hf_weights
 from reference_impl.model.v4.oracle import build_v4_model, run_v4_oracle
 from reference_impl.model.v4.sparse import V4_TORCH_OPS
-from reference_impl.presets import ModelConfig, get_preset
+from reference_impl.presets import ModelConfig, get_preset, preset_names
 from reference_impl.presets_v4 import is_v4
 
 
@@ -55,11 +56,21 @@ def make_model(
     final norm and the LM head too). ``kernels=False`` keeps the torch references for the indexer
     top-k and the sparse attention (the kernels run only on CUDA anyway).
     """
-    cfg = get_preset(preset) if isinstance(preset, str) else preset
+    cfg = _model_config(preset)
     if n_layers is not None:
-        if n_layers < 1:
-            raise ConfigError(f"n_layers={n_layers}: need at least one layer")
+        _check_int("n_layers", n_layers, 1)
         cfg = cfg.with_layers(n_layers)
+    device = _check_device(device)
+    dtype = _check_dtype(dtype)
+    _check_int("seed", seed, 0, MAX_SEED)
+    _check_int("first_layer", first_layer, 0)
+    for name, flag in (("head", head), ("kernels", kernels)):
+        if not isinstance(flag, bool):
+            raise ConfigError(f"{name}={flag!r}: need a bool, got {type(flag).__name__}")
+    if checkpoint is not None and not isinstance(checkpoint, (str, Path, Mapping)):
+        raise ConfigError(f"checkpoint={checkpoint!r}: need a path or a mapping of tensors, got {type(checkpoint).__name__}")
+    params, draw = weight_bytes(cfg, dtype.itemsize)
+    _check_fits(f"make_model({cfg.name!r}, n_layers={cfg.n_layers}, dtype={dtype})", int(SAFETY * (params + draw)), device)
     if is_v4(cfg):  # DeepSeek-V4: a V4Model (reference_impl.model.v4), its weights by Hugging Face names
         v4 = build_v4_model(cfg, dtype, seed, device, V4_KERNEL_OPS if kernels else V4_TORCH_OPS)  # type: ignore[arg-type]
         if checkpoint is not None:
@@ -79,6 +90,15 @@ def make_inputs(
 ) -> list[torch.Tensor]:
     """Layer-0 hidden states per request, ``[prefix + extend, dim]`` ~ N(0, 1): the inputs a
     ``RunConfig`` with this ``seed`` builds (``seed + 1`` seeds the generator)."""
+    if not (isinstance(cfg, ModelConfig) or is_v4(cfg)):
+        raise ConfigError(f"cfg={cfg!r}: need a ModelConfig (e.g. get_preset('tiny') or model.cfg), got {type(cfg).__name__}")
+    requests = _check_requests(requests)
+    _check_int("seed", seed, 0, MAX_SEED)
+    device = _check_device(device)
+    dtype = _check_dtype(dtype)
+    tokens = sum(r.total for r in requests)
+    _check_fits(f"make_inputs of {tokens:,} tokens", int(SAFETY * (tokens * cfg.dim * dtype.itemsize
+                                                                   + max(r.total for r in requests) * cfg.dim * 4)), device)
     gen = torch.Generator(device=device).manual_seed(seed + 1)
     return [torch.randn(r.total, cfg.dim, generator=gen, device=device).to(dtype) for r in requests]
 
@@ -100,6 +120,17 @@ def oracle(
     computed first, as an earlier prefill would have). ``fp32=True`` reads the KV in float32 for
     attention (with a float32 model: float32 end to end; the engine's full view is bf16).
     """
+    if not (isinstance(model, DSAModel) or is_v4(getattr(model, "cfg", None))):
+        raise ConfigError(f"model={model!r}: need a model from make_model, got {type(model).__name__}")
+    requests = _check_requests(requests)
+    if isinstance(inputs, torch.Tensor) or not isinstance(inputs, Sequence) or not all(
+            isinstance(x, torch.Tensor) for x in inputs):
+        raise ConfigError("inputs: need a list of tensors, one [prefix + extend, dim] per request (make_inputs)")
+    check_choice("kv_dtype", kv_dtype, KV_DTYPES)
+    _check_int("page_size", page_size, 1)
+    validate_page_size(page_size)
+    if chunk_size is not None:
+        _check_int("chunk_size", chunk_size, 1)
     if len(inputs) != len(requests):
         raise ConfigError(f"{len(inputs)} inputs for {len(requests)} requests")
     for i, (x, r) in enumerate(zip(inputs, requests)):
@@ -109,3 +140,68 @@ def oracle(
     if is_v4(model.cfg):  # DeepSeek-V4's oracle: caches in reference_impl.kvcache.v4_layout (no pages)
         return run_v4_oracle(model, [r.prefix for r in requests], list(inputs), kv_dtype, chunk_size, view)  # type: ignore[arg-type,return-value]
     return run_oracle(model, [r.prefix for r in requests], list(inputs), kv_dtype, page_size, chunk_size, view)  # type: ignore[arg-type]
+
+
+# ---- argument checks: a wrong type or size is a ConfigError naming the argument ----------------
+
+
+def _check_int(name: str, value: object, minimum: int, maximum: int | None = None) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ConfigError(f"{name}={value!r}: need an int, got {type(value).__name__}")
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f"{minimum} <= {name} <= {maximum}" if maximum is not None else f"{name} >= {minimum}"
+        raise ConfigError(f"{name}={value}: need {bound}")
+    return value
+
+
+def _model_config(preset: object) -> ModelConfig:
+    if isinstance(preset, ModelConfig) or is_v4(preset):
+        return preset  # type: ignore[return-value]
+    if isinstance(preset, str):
+        return get_preset(preset)
+    raise ConfigError(f"preset={preset!r}: need a preset name ({', '.join(preset_names())}) or a ModelConfig, "
+                      f"got {type(preset).__name__}")
+
+
+def _check_device(device: object) -> torch.device:
+    """``device`` as a ``torch.device`` of a kind this package runs on (cpu, cuda, meta), CUDA only where visible."""
+    if not isinstance(device, (str, torch.device)):
+        raise ConfigError(f"device={device!r}: need 'cpu', 'cuda' or a torch.device, got {type(device).__name__}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ConfigError(f"device={device!r}: not a device; use 'cpu' or 'cuda'") from None
+    if dev.type not in ("cpu", "cuda", "meta"):
+        raise ConfigError(f"device={device!r}: use 'cpu' or 'cuda'")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device={device!r}: no CUDA device is visible; use 'cpu'")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"device={device!r}: {torch.cuda.device_count()} CUDA device(s) are visible")
+    return dev
+
+
+def _check_dtype(dtype: object) -> torch.dtype:
+    floating = (torch.float32, torch.bfloat16, torch.float16)
+    if not isinstance(dtype, torch.dtype) or dtype not in floating:
+        hint = f" (torch.{dtype} rather than the string)" if isinstance(dtype, str) else ""
+        raise ConfigError(f"dtype={dtype!r}: need torch.float32, torch.bfloat16 or torch.float16{hint}")
+    return dtype
+
+
+def _check_requests(requests: object) -> list[Request]:
+    if isinstance(requests, str):
+        raise ConfigError(f"requests={requests!r}: need a list of Request (from a spec string: parse_requests({requests!r}))")
+    if not isinstance(requests, Sequence) or not requests or not all(isinstance(r, Request) for r in requests):
+        raise ConfigError(f"requests={requests!r}: need a non-empty list of Request")
+    return list(requests)
+
+
+def _check_fits(what: str, need: int, device: torch.device) -> None:
+    """Refuse ``what`` before allocating when its ``need`` bytes exceed the device's free memory."""
+    if device.type == "meta":
+        return
+    free = free_bytes(device.type)
+    if free is not None and need > free:
+        raise ConfigError(f"{what} needs about {need / GIB:,.1f} GiB on {device.type}, which has {free / GIB:,.1f} GiB "
+                          "free: use fewer layers, tokens or a smaller dtype")

@@ -17,14 +17,26 @@ import math
 import os
 import signal
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from reference_impl.config import (
+    BACKENDS,
+    COMPUTE_DTYPES,
+    DEVICES,
+    KV_DTYPES,
+    MAX_HBM_GIB,
+    MAX_PLAN_CP,
+    MAX_SEED,
     KV_DESIGNS,
+    SCALE_FMTS,
+    SPLIT_MODES,
     ConfigError,
     PhaseSet,
     RunConfig,
+    check_environment,
+    env_choice,
     env_flag,
     env_value,
     knob_names,
@@ -32,10 +44,10 @@ from reference_impl.config import (
     parse_int_list,
     parse_requests,
     validate_kv_design,
-    validate_scale_fmt,
     validate_page_size,
 )
 from reference_impl.errors import RankFailedError, RunStopped
+from reference_impl.presets import preset_names
 
 EXIT_OK = 0
 EXIT_DISAGREES = 1
@@ -53,7 +65,7 @@ class _Parser(argparse.ArgumentParser):
 # ---- typed flag values: each refuses what it cannot use, naming the flag ----------------------
 
 
-def _int_arg(minimum: int | None = None) -> Callable[[str], int]:
+def _int_arg(minimum: int | None = None, maximum: int | None = None, why: str = "") -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -61,12 +73,25 @@ def _int_arg(minimum: int | None = None) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
         if minimum is not None and value < minimum:
             raise argparse.ArgumentTypeError(f"{value} is below {minimum}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"{value} is above {maximum}{f' ({why})' if why else ''}")
         return value
 
     return parse
 
 
-def _float_arg(positive: bool = True) -> Callable[[str], float]:
+def _choice_arg(choices: Sequence[str], what: str) -> Callable[[str], str]:
+    """One of ``choices`` exactly; anything else (the empty string included) is refused with the choices."""
+
+    def parse(text: str) -> str:
+        if text.strip() not in choices:
+            raise argparse.ArgumentTypeError(f"unknown {what} {text!r}: use {', '.join(choices)}")
+        return text.strip()
+
+    return parse
+
+
+def _float_arg(positive: bool = True, maximum: float | None = None, why: str = "") -> Callable[[str], float]:
     def parse(text: str) -> float:
         try:
             value = float(text)
@@ -78,12 +103,14 @@ def _float_arg(positive: bool = True) -> Callable[[str], float]:
             raise argparse.ArgumentTypeError(f"{value:g} is not positive")
         if value < 0:
             raise argparse.ArgumentTypeError(f"{value:g} is negative")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"{value:g} is above {maximum:,g}{f' ({why})' if why else ''}")
         return value
 
     return parse
 
 
-def _choice_arg(validate: Callable[[str], str]) -> Callable[[str], str]:
+def _validated_arg(validate: Callable[[str], str]) -> Callable[[str], str]:
     """A flag value checked by ``validate`` (which raises :class:`ConfigError` outside its set, empty included)."""
 
     def parse(text: str) -> str:
@@ -103,25 +130,25 @@ def _flag(field: str) -> str:
 
 # field -> (parse, help); defaults come from RunConfig, then DSACP_<FIELD> overrides them.
 _RUN_KNOBS: dict[str, tuple[Callable[[str], Any], str]] = {
-    "preset": (str, "deepseek-v3.2 | glm-5 | glm-5.2 | tiny | deepseek-v4-flash | deepseek-v4-pro | tiny-v4"),
+    "preset": (_choice_arg(preset_names(), "preset"), " | ".join(preset_names())),
     "cp_size": (_int_arg(1), "CP ranks C"),
     "requests": (str, "comma-separated PREFIX+EXTEND pairs (or EXTEND), e.g. 0+96,40+70"),
-    "kv_dtype": (str, "fp8 | bf16"),
+    "kv_dtype": (_choice_arg(KV_DTYPES, "kv dtype"), " | ".join(KV_DTYPES)),
     "phases": (str, "a cumulative level 0..8 (e.g. 1) or an explicit list (e.g. 1,2)"),
-    "split_mode": (str, "in-seq | round-robin"),
+    "split_mode": (_choice_arg(SPLIT_MODES, "split mode"), " | ".join(SPLIT_MODES)),
     "page_size": (_int_arg(1), "tokens per KV page (a power of two, 4..4096)"),
     "kv_interleave": (_int_arg(1), "KV sharded at rest: consecutive tokens per rank (a power of two dividing the page "
                       "size; default: the page size in-seq, 1 round-robin)"),
-    "kv_design": (_choice_arg(validate_kv_design), f"how the KV is kept and gathered: {' | '.join(KV_DESIGNS)} "
+    "kv_design": (_validated_arg(validate_kv_design), f"how the KV is kept and gathered: {' | '.join(KV_DESIGNS)} "
                   "(default phases; a design replaces phases 2, 3, 5, 6 and 8: run it with --phases 1,7 or fewer)"),
     "n_layers": (_int_arg(1), "layers (default: the preset's)"),
     "chunk_size": (_int_arg(1), "chunked prefill: extend tokens per request per chunk"),
-    "seed": (_int_arg(0), "weights and inputs"),
-    "device": (str, "auto | cpu | cuda"),
-    "backend": (str, "auto | gloo | nccl"),
-    "compute_dtype": (str, "auto | fp32 | bf16"),
+    "seed": (_int_arg(0, MAX_SEED, "2**63 - 2"), "weights and inputs"),
+    "device": (_choice_arg(DEVICES, "device"), " | ".join(DEVICES)),
+    "backend": (_choice_arg(BACKENDS, "backend"), " | ".join(BACKENDS)),
+    "compute_dtype": (_choice_arg(COMPUTE_DTYPES, "compute dtype"), " | ".join(COMPUTE_DTYPES)),
     "timeout_s": (_float_arg(), "seconds a run may take before its ranks are stopped"),
-    "mla_scale_fmt": (_choice_arg(validate_scale_fmt), "FP8 MLA cache scales: ue8m0 (powers of two, DeepSeek's; default) | "
+    "mla_scale_fmt": (_choice_arg(SCALE_FMTS, "MLA scale format"), "FP8 MLA cache scales: ue8m0 (powers of two, DeepSeek's; default) | "
                       "fp32 (amax / 448, SGLang's); same 656-byte rows"),
     "index_topk_pattern": (str, "IndexShare: one letter per layer, F (runs the indexer) or S (reuses the previous F "
                            "layer's top-k), e.g. FFFS; default: the preset's (glm-5.2: full on 0, 1, 2, 6, 10, ...)"),
@@ -166,6 +193,19 @@ def _knob(args: argparse.Namespace, field: str, default: Any) -> Any:
         raise ConfigError(f"{knob_names(field)[2]}: {exc}") from None
 
 
+def _source(args: argparse.Namespace, field: str) -> str:
+    """Where a knob's value came from: its flag when given, else its environment variable."""
+    return knob_names(field)[1] if getattr(args, field, None) is not None else knob_names(field)[2]
+
+
+def _parsed(source: str, parse: Callable[[str], Any], text: str) -> Any:
+    """``parse(text)``, its error prefixed with the flag or variable it came from."""
+    try:
+        return parse(text)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+
+
 def _run_config(args: argparse.Namespace, **defaults: Any) -> RunConfig:
     base = RunConfig(**{k: v for k, v in defaults.items() if k not in ("requests", "phases")})
     fields: dict[str, Any] = {}
@@ -177,11 +217,17 @@ def _run_config(args: argparse.Namespace, **defaults: Any) -> RunConfig:
     if batches is not None:
         if "requests" in fields:
             raise ConfigError("--batches lists every batch's requests: give it or --requests, not both")
-        requests, sizes = parse_batches(batches)
+        source = "--batches" if getattr(args, "batches", None) is not None else knob_names("batches")[2]
+        requests, sizes = _parsed(source, parse_batches, batches)
         fields["requests"], fields["batch_sizes"] = tuple(requests), sizes
+    elif "requests" in fields:
+        fields["requests"] = tuple(_parsed(_source(args, "requests"), parse_requests, fields["requests"]))
     else:
-        fields["requests"] = tuple(parse_requests(fields.get("requests", defaults.get("requests", "0+96,40+70"))))
-    fields["phases"] = PhaseSet.parse(str(fields.get("phases", defaults.get("phases", "0"))))
+        fields["requests"] = tuple(parse_requests(defaults.get("requests", "0+96,40+70")))
+    if "phases" in fields:
+        fields["phases"] = _parsed(_source(args, "phases"), PhaseSet.parse, fields["phases"])
+    else:
+        fields["phases"] = PhaseSet.parse(defaults.get("phases", "0"))
     return base.replace(**fields)
 
 
@@ -191,7 +237,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     run = _run_config(args)
     args.debug = run.debug  # the error handler prints a rank's traceback in debug mode
-    report = run_prefill(run)
+    with _ProgressBar() as bar:
+        report = run_prefill(run, progress=bar.update)
     if report is None:  # a torchrun rank other than 0: rank 0 prints the one report
         return EXIT_OK
     print(json.dumps(report, indent=2) if args.json else format_table([report]))
@@ -219,6 +266,9 @@ def _cmd_pd(args: argparse.Namespace) -> int:
 
     run = _run_config(args, phases="2")
     args.debug = run.debug
+    if run.backend not in ("auto", "gloo"):
+        raise ConfigError(f"pd: {_source(args, 'backend')} {run.backend}: the prefill ranks and the decode talk over gloo "
+                          "(point-to-point sends); leave the backend out or use gloo")
     transport = _enumerated(args, "transport", TRANSPORTS, "torch")
     result = run_prefill_and_decode(run, timeout_s=run.timeout_s, transfer=args.transfer, transport=transport)
     doc = pd_report(run, result)
@@ -229,15 +279,19 @@ def _cmd_pd(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from reference_impl.demo import format_demo, run_demo
 
-    device = args.device or env_value("device") or "auto"
-    if device not in ("auto", "cpu", "cuda"):
-        raise ConfigError(f"--device {device!r}: use auto, cpu or cuda")
+    from reference_impl.demo import prepare_out_dir
+
+    device = args.device if args.device is not None else env_choice("device", DEVICES, "auto")
+    if args.out is not None:
+        prepare_out_dir(args.out, "--out")
     result = run_demo(device=device, out_dir=args.out, progress=not args.json)
     print(json.dumps(result, indent=2) if args.json else format_demo(result))
     return EXIT_DISAGREES if not result["all_match_oracle"] else EXIT_OK
 
 
 # ---- split -------------------------------------------------------------------------------------
+
+MAX_SPLIT_TOKENS = 1 << 20  # split prints every token: 2^20 of them is ~8 MB of text
 
 
 def _cmd_split(args: argparse.Namespace) -> int:
@@ -247,6 +301,9 @@ def _cmd_split(args: argparse.Namespace) -> int:
     prefix = parse_int_list(args.prefix, "--prefix", minimum=0) if args.prefix is not None else [0] * len(extend)
     if len(prefix) != len(extend):
         raise ConfigError(f"--prefix has {len(prefix)} values but --extend has {len(extend)}")
+    if sum(extend) > MAX_SPLIT_TOKENS:
+        raise ConfigError(f"--extend: {sum(extend):,} tokens; split prints every token's rank, at most "
+                          f"{MAX_SPLIT_TOKENS:,} (a run takes more: `run --requests`)")
     validate_page_size(args.page_size)
     meta = build_split(args.split_mode, args.cp_size, extend, prefix, args.page_size, page_aligned=args.page_aligned)
     doc = meta.to_json()
@@ -284,19 +341,22 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             raise ConfigError(f"{knob_names(field)[2]}: {exc}") from None
 
     config = PlannerConfig(
-        preset=knob("preset", str, "deepseek-v3.2"),
-        cp_size=knob("cp_size", _int_arg(1), 8),
-        hbm_gib=knob("hbm_gib", _float_arg(), 141.0),
-        reserved_gib=knob("reserved_gib", _float_arg(positive=False), None),
+        preset=knob("preset", _choice_arg(preset_names(), "preset"), "deepseek-v3.2"),
+        cp_size=knob("cp_size", _int_arg(1, MAX_PLAN_CP), 8),
+        hbm_gib=knob("hbm_gib", _float_arg(maximum=MAX_HBM_GIB, why="1 PiB"), 141.0),
+        reserved_gib=knob("reserved_gib", _float_arg(positive=False, maximum=MAX_HBM_GIB, why="1 PiB"), None),
         kv_budget_fraction=knob("kv_budget_fraction", _float_arg(), None),
-        contexts=parse_contexts(knob("contexts", str, "8192,131072,1048576")),
-        kv_dtype=knob("kv_dtype", str, "fp8"),
+        contexts=parse_contexts(knob("contexts", str, "8192,131072,1048576"), _source(args, "contexts")),
+        kv_dtype=knob("kv_dtype", _choice_arg(KV_DTYPES, "kv dtype"), "fp8"),
         page_size=knob("page_size", _int_arg(1), 64),
-        split_mode=knob("split_mode", str, "in-seq"),
+        split_mode=knob("split_mode", _choice_arg(SPLIT_MODES, "split mode"), "in-seq"),
         index_topk_pattern=knob("index_topk_pattern", str, None),
     )
     env_rates = env_value("rates")
-    rates = load_rates(args.rates if args.rates else [env_rates] if env_rates else None)
+    if args.rates:
+        rates = load_rates(args.rates, what="--rates")
+    else:
+        rates = load_rates([env_rates] if env_rates is not None else None, what=knob_names("rates")[2])
     gbps = knob("interconnect_gbps", _float_arg(), None)
     if gbps is not None:
         rates = rates.override({"interconnect_gbps": gbps}, "--interconnect-gbps")
@@ -307,19 +367,21 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def _add_plan_flags(p: argparse.ArgumentParser) -> None:
     env = lambda field: knob_names(field)[2]  # noqa: E731
-    p.add_argument(_flag("preset"), default=None, help=f"deepseek-v3.2 | glm-5 | glm-5.2 | tiny | deepseek-v4-flash | deepseek-v4-pro | tiny-v4 (env {env('preset')})")
-    p.add_argument(_flag("cp_size"), "--cp", dest="cp_size", type=_int_arg(1), default=None,
+    p.add_argument(_flag("preset"), type=_choice_arg(preset_names(), "preset"), default=None,
+                   help=f"{' | '.join(preset_names())} (env {env('preset')})")
+    p.add_argument(_flag("cp_size"), "--cp", dest="cp_size", type=_int_arg(1, MAX_PLAN_CP), default=None,
                    help=f"CP ranks C (env {env('cp_size')})")
-    p.add_argument(_flag("hbm_gib"), type=_float_arg(), default=None, help="HBM per GPU, GiB (default 141)")
+    p.add_argument(_flag("hbm_gib"), type=_float_arg(maximum=MAX_HBM_GIB, why="1 PiB"), default=None,
+                   help="HBM per GPU, GiB (default 141)")
     budget = p.add_mutually_exclusive_group()
-    budget.add_argument(_flag("reserved_gib"), type=_float_arg(positive=False), default=None,
+    budget.add_argument(_flag("reserved_gib"), type=_float_arg(positive=False, maximum=MAX_HBM_GIB, why="1 PiB"), default=None,
                         help="GiB of HBM kept for weights, activations and workspace; KV gets the rest (default 93)")
     budget.add_argument(_flag("kv_budget_fraction"), type=_float_arg(), default=None,
                         help="instead of --reserved-gib: the fraction of HBM given to the KV cache")
     p.add_argument(_flag("contexts"), default=None, help="request lengths, comma separated (K = 1024, M = 1024^2)")
-    p.add_argument(_flag("kv_dtype"), default=None, help="fp8 | bf16")
+    p.add_argument(_flag("kv_dtype"), type=_choice_arg(KV_DTYPES, "kv dtype"), default=None, help="fp8 | bf16")
     p.add_argument(_flag("page_size"), type=_int_arg(1), default=None)
-    p.add_argument(_flag("split_mode"), default=None,
+    p.add_argument(_flag("split_mode"), type=_choice_arg(SPLIT_MODES, "split mode"), default=None,
                    help="in-seq | round-robin (KV sharded at interleave 1; its levels skip 4 and 5)")
     p.add_argument(_flag("index_topk_pattern"), default=None,
                    help="IndexShare: F / S per layer of the preset (default: the preset's; glm-5.2 shares)")
@@ -345,11 +407,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "registered pool through the Mooncake Transfer Engine, rows only "
                          f"(env {knob_names('transport')[2]})")
     demo = sub.add_parser("demo", help="the main job: every phase level, what each buys (memory, time), one folder")
-    demo.add_argument("--device", default=None, help="auto | cpu | cuda (env DSACP_DEVICE)")
+    demo.add_argument("--device", type=_choice_arg(DEVICES, "device"), default=None, help="auto | cpu | cuda (env DSACP_DEVICE)")
     demo.add_argument("--out", default=None, help="results folder (default results/demo-<device>-<time>)")
     demo.add_argument("--json", action="store_true", help="print the JSON instead of the table")
     sp = sub.add_parser("split", help="show how a batch is split over CP ranks")
-    sp.add_argument("--split-mode", "--mode", dest="split_mode", default="in-seq", choices=["in-seq", "round-robin"])
+    sp.add_argument("--split-mode", "--mode", dest="split_mode", type=_choice_arg(SPLIT_MODES, "split mode"), default="in-seq")
     sp.add_argument("--cp-size", "--cp", dest="cp_size", type=_int_arg(1), required=True)
     sp.add_argument("--extend", required=True, help="extend lengths, comma separated")
     sp.add_argument("--prefix", default=None, help="prefix lengths, comma separated (default 0)")
@@ -362,23 +424,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args: argparse.Namespace | None = None
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if not argv:  # a bare ``python -m reference_impl`` (or ``dsa-cp``): what it can do
+        print(parser.format_help(), file=sys.stderr, end="")
+        return EXIT_BAD_INPUT
     try:
-        args, unknown = build_parser().parse_known_args(argv)
+        args, unknown = parser.parse_known_args(argv)
         if unknown:
             hint = " (the demo runs every level; --phases is a flag of `run`)" if args.command == "demo" and any(
                 u.startswith("--phases") for u in unknown) else ""
             raise ConfigError(f"{args.command}: unrecognized arguments: {' '.join(unknown)}{hint}")
+        check_environment()  # every DSACP_* the library reads, whichever command runs
         logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                             format="%(levelname)s %(name)s: %(message)s")
         command = {"run": _cmd_run, "pd": _cmd_pd, "demo": _cmd_demo, "split": _cmd_split, "plan": _cmd_plan}[args.command]
         return command(args)
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except RankFailedError as exc:
-        print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        line = str(exc).splitlines()[0]
         if getattr(args, "debug", False) and exc.remote_traceback:
+            print(f"error: {line}", file=sys.stderr)
             print(f"traceback from rank {exc.rank}:\n{exc.remote_traceback}", file=sys.stderr, end="")
+        else:
+            print(f"error: {line}{_traceback_note(exc)}", file=sys.stderr)
         return EXIT_RANK_FAILED
     except (RunStopped, KeyboardInterrupt) as exc:
         signum = exc.signum if isinstance(exc, RunStopped) else signal.SIGINT
@@ -388,6 +459,55 @@ def main(argv: Sequence[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return EXIT_OK
+
+
+def _traceback_note(exc: RankFailedError) -> str:
+    """Where the failed rank's traceback went (a log file), for the one error line; ``--debug`` prints it instead."""
+    if not exc.remote_traceback:
+        return ""
+    try:
+        fd, path = tempfile.mkstemp(prefix=f"dsacp-rank{exc.rank}-", suffix=".log")
+        with os.fdopen(fd, "w") as log:
+            log.write(f"{exc}\n\ntraceback from rank {exc.rank}:\n{exc.remote_traceback}")
+    except OSError:
+        return " (--debug prints the rank's traceback)"
+    return f" (the rank's traceback: {path})"
+
+
+class _ProgressBar:
+    """The library's progress hook (:data:`~reference_impl.runner.Progress`) drawn as a tqdm bar on
+    stderr, where stderr is a terminal (``enabled`` overrides); one bar per stage."""
+
+    def __init__(self, enabled: bool | None = None, file: Any = None) -> None:
+        self.file = file if file is not None else sys.stderr
+        self.enabled = enabled if enabled is not None else self.file.isatty()
+        self.bar: Any = None
+        self.stage = ""
+
+    def __enter__(self) -> "_ProgressBar":
+        return self
+
+    def update(self, stage: str, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        if stage != self.stage:
+            from tqdm import tqdm
+
+            self.close()
+            self.stage = stage
+            desc = {"ranks": "ranks (model, then layers)", "oracle": "oracle (one device)"}.get(stage, stage)
+            self.bar = tqdm(total=total, desc=desc, file=self.file, leave=False, unit="step")
+        self.bar.total = total
+        self.bar.n = done
+        self.bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 if __name__ == "__main__":

@@ -12,19 +12,23 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
 from reference_impl.errors import ConfigError
+from reference_impl.machine import cpu_cores
 from reference_impl.phases import PhaseSet, available_levels
 from reference_impl.presets import PRESETS, SCALE_FMTS, ModelConfig, at_cpu_widths, get_preset
 from reference_impl.presets_v4 import is_v4
 
 __all__ = [
-    "DESIGN_PHASES", "KV_DESIGNS", "PRESETS", "SCALE_FMTS", "ConfigError", "KVDesign", "KVDtype", "ModelConfig", "PhaseSet",
-    "Request", "RunConfig", "SplitMode", "parse_batches",
-    "available_levels", "env_flag", "env_value", "get_preset", "knob_names", "parse_int_list", "parse_requests",
-    "validate_choice", "validate_interleave", "validate_kv_design", "validate_scale_fmt",
+    "BACKENDS", "COMPUTE_DTYPES", "DESIGN_PHASES", "DEVICES", "KV_DESIGNS", "KV_DTYPES", "LIBRARY_ENV",
+    "MAX_BATCH_TOKENS", "MAX_CHUNKS", "MAX_HBM_GIB", "MAX_PLAN_CP", "MAX_SEED", "PRESETS", "SPLIT_MODES", "ConfigError",
+    "EnvKnob", "KVDesign", "KVDtype", "ModelConfig", "PhaseSet", "Request", "RunConfig", "SplitMode", "available_levels",
+    "check_choice", "check_environment", "env_choice", "env_flag", "env_int", "env_knob", "env_value", "get_preset",
+    "knob_names", "parse_batches", "parse_int_list", "parse_requests", "validate_interleave", "validate_kv_design",
+    "SCALE_FMTS", "validate_scale_fmt",
     "validate_page_size",
 ]
 
@@ -40,9 +44,35 @@ KV_DESIGNS: tuple[str, ...] = ("phases", "layer-split", "rotated-shard", "dcp-ga
 # shards, reuses, plans once per batch and prefetches in its own way).
 DESIGN_PHASES: frozenset[int] = frozenset({1, 4, 7})
 
+# The enumerated knobs' values: RunConfig, the CLI's flags and the environment variables all check
+# against these tuples (a new value is added here, once).
+KV_DTYPES: tuple[str, ...] = ("bf16", "fp8")
+SPLIT_MODES: tuple[str, ...] = ("in-seq", "round-robin")
+DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
+BACKENDS: tuple[str, ...] = ("auto", "gloo", "nccl")
+COMPUTE_DTYPES: tuple[str, ...] = ("auto", "fp32", "bf16")
+
 ENV_PREFIX = "DSACP_"
 MIN_PAGE_SIZE = 4
 MAX_PAGE_SIZE = 4096
+# Sizes refused by arithmetic, before anything proportional to them is built:
+MAX_SEED = 2**63 - 2  # the inputs' generator takes ``seed + 1``, a signed 64-bit value on every path
+MAX_BATCH_TOKENS = 2**31 - 1  # top-k indices are int32 rows of a batch's full view (every request's tokens)
+MAX_CHUNKS = 1 << 16  # chunked prefill: chunks per run (each is a CP batch through every layer)
+MAX_PLAN_CP = 4096  # the planner's CP ranks: it walks every rank of every level and context
+MAX_HBM_GIB = 1 << 20  # the planner's GiB per GPU (1 PiB): past it, byte counts leave float's exact integers
+
+
+def check_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
+    """``value`` if it is one of ``choices``, else a :class:`ConfigError` naming ``name`` and the choices."""
+    if not isinstance(value, str) or value not in choices:
+        raise ConfigError(f"{name}={value!r}: use {_one_of(choices)}")
+    return value
+
+
+def _one_of(choices: tuple[str, ...]) -> str:
+    quoted = [repr(c) for c in choices]
+    return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " or " + quoted[-1]
 
 
 def validate_page_size(page_size: int) -> None:
@@ -58,22 +88,17 @@ def validate_page_size(page_size: int) -> None:
         raise ConfigError(f"page_size={page_size} exceeds {MAX_PAGE_SIZE} tokens")
 
 
-def validate_choice(field_name: str, value: object, choices: tuple[str, ...]) -> str:
-    """``value`` if it is one of ``choices`` exactly, else a :class:`ConfigError` naming the knob and
-    listing them (an empty value too)."""
-    if not isinstance(value, str) or value not in choices:
-        raise ConfigError(f"{field_name}={value!r}: use one of {', '.join(choices)}")
-    return value
-
-
 def validate_kv_design(value: object) -> str:
-    """``value`` if it names a KV design (:data:`KV_DESIGNS`), else a :class:`ConfigError` listing them."""
-    return validate_choice("kv_design", value, KV_DESIGNS)
+    """``value`` if it names a KV design (:data:`KV_DESIGNS`), else a :class:`ConfigError` listing them
+    (an empty value too)."""
+    if not isinstance(value, str) or value not in KV_DESIGNS:
+        raise ConfigError(f"kv_design={value!r}: use one of {', '.join(KV_DESIGNS)}")
+    return value
 
 
 def validate_scale_fmt(value: object) -> str:
     """``value`` if it names an MLA cache scale format (:data:`SCALE_FMTS`), else a :class:`ConfigError`."""
-    return validate_choice("mla_scale_fmt", value, SCALE_FMTS)
+    return check_choice("mla_scale_fmt", value, SCALE_FMTS)
 
 
 def validate_interleave(interleave: int, page_size: int) -> None:
@@ -236,10 +261,11 @@ class RunConfig:
         get_preset(self.preset)
         if self.cp_size < 1:
             raise ConfigError(f"cp_size={self.cp_size}: need at least one rank")
-        if self.kv_dtype not in ("bf16", "fp8"):
-            raise ConfigError(f"kv_dtype={self.kv_dtype!r}: use 'bf16' or 'fp8'")
-        if self.split_mode not in ("in-seq", "round-robin"):
-            raise ConfigError(f"split_mode={self.split_mode!r}: use 'in-seq' or 'round-robin'")
+        check_choice("kv_dtype", self.kv_dtype, KV_DTYPES)
+        check_choice("split_mode", self.split_mode, SPLIT_MODES)
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ConfigError(f"seed={self.seed}: need 0 <= seed <= {MAX_SEED} (2**63 - 2: the inputs' generator takes "
+                              "seed + 1, a signed 64-bit value)")
         validate_page_size(self.page_size)
         if not self.requests:
             raise ConfigError("a batch needs at least one request")
@@ -258,12 +284,9 @@ class RunConfig:
                 f"phase 5 (compute-owner layout) allocates whole pages in compute-rank lanes: it needs kv_interleave "
                 f"equal to the page size {self.page_size}, got {self.interleave}"
             )
-        if self.compute_dtype not in ("auto", "fp32", "bf16"):
-            raise ConfigError(f"compute_dtype={self.compute_dtype!r}: use 'auto', 'fp32' or 'bf16'")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ConfigError(f"device={self.device!r}: use 'auto', 'cpu' or 'cuda'")
-        if self.backend not in ("auto", "gloo", "nccl"):
-            raise ConfigError(f"backend={self.backend!r}: use 'auto', 'gloo' or 'nccl'")
+        check_choice("compute_dtype", self.compute_dtype, COMPUTE_DTYPES)
+        check_choice("device", self.device, DEVICES)
+        check_choice("backend", self.backend, BACKENDS)
         if self.n_layers is not None and self.n_layers < 1:
             raise ConfigError(f"n_layers={self.n_layers}: need at least one layer")
         if self.chunk_size is not None and self.chunk_size < 1:
@@ -272,6 +295,7 @@ class RunConfig:
         self._check_v4_knobs()
         _ = self.model  # the indexer pattern against the layer count, by name
         self._check_batches()
+        self._check_sizes()
         self.phases.check_implemented()
         if is_v4(self.model) and (self.batch_sizes is not None or any(r.shares is not None for r in self.requests)):
             raise ConfigError(
@@ -363,6 +387,30 @@ class RunConfig:
                     f"request r{index} starts with {request.prefix} tokens of r{request.shares}, which has {source.total}"
                 )
 
+    def _check_sizes(self) -> None:
+        """Sizes no machine runs, refused by arithmetic (nothing here is proportional to them)."""
+        first = 0
+        for batch, size in enumerate(self.batches):
+            members = self.requests[first : first + size]
+            first += size
+            tokens = sum(r.total for r in members)
+            if tokens > MAX_BATCH_TOKENS:
+                where = f"batch {batch}'s requests" if len(self.batches) > 1 else "the requests"
+                raise ConfigError(
+                    f"{where} hold {tokens:,} tokens (prefix + extend): at most {MAX_BATCH_TOKENS:,} (2**31 - 1), "
+                    "because top-k indices are int32 rows of the batch's full view"
+                )
+        if self.chunk_size is not None:
+            chunks, first = 0, 0
+            for size in self.batches:
+                chunks += -(-max(r.extend for r in self.requests[first : first + size]) // self.chunk_size)
+                first += size
+            if chunks > MAX_CHUNKS:
+                raise ConfigError(
+                    f"chunk_size={self.chunk_size} cuts the run into {chunks:,} chunks (each a CP batch through every "
+                    f"layer): at most {MAX_CHUNKS:,}; use a larger chunk size"
+                )
+
     @property
     def batches(self) -> tuple[int, ...]:
         """Requests per batch, in order: ``batch_sizes``, or one batch of every request."""
@@ -409,7 +457,7 @@ def knob_names(field_name: str) -> tuple[str, str, str]:
     return field_name, "--" + field_name.replace("_", "-"), ENV_PREFIX + field_name.upper()
 
 
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 def env_value(field_name: str) -> str | None:
@@ -419,7 +467,8 @@ def env_value(field_name: str) -> str | None:
 
 def env_flag(field_name: str, default: bool = False) -> bool:
     """Read a boolean knob from its environment variable: ``1/true/yes/on`` or ``0/false/no/off``
-    (any case); anything else is a :class:`ConfigError` naming the variable, never a silent false."""
+    (any case); anything else, the empty string included, is a :class:`ConfigError` naming the
+    variable, never a silent false."""
     value = env_value(field_name)
     if value is None:
         return default
@@ -429,3 +478,96 @@ def env_flag(field_name: str, default: bool = False) -> bool:
     if word in _FALSE:
         return False
     raise ConfigError(f"{knob_names(field_name)[2]}={value!r}: use 1/0, true/false, yes/no or on/off")
+
+
+def env_choice(field_name: str, choices: tuple[str, ...], default: str) -> str:
+    """Read an enumerated knob from its environment variable: one of ``choices`` exactly (surrounding
+    blanks ignored); anything else, the empty string included, is a :class:`ConfigError` naming the
+    variable and the choices."""
+    value = env_value(field_name)
+    if value is None:
+        return default
+    if value.strip() not in choices:
+        raise ConfigError(f"{knob_names(field_name)[2]}={value!r}: use {_one_of(choices)}")
+    return value.strip()
+
+
+def env_int(field_name: str, default: int | None, minimum: int = 1, maximum: int | None = None, why: str = "") -> int | None:
+    """Read an integer knob from its environment variable, within ``[minimum, maximum]``; anything
+    else, the empty string included, is a :class:`ConfigError` naming the variable (``why`` says
+    where the maximum comes from)."""
+    value = env_value(field_name)
+    if value is None:
+        return default
+    name = knob_names(field_name)[2]
+    try:
+        number = int(value.strip())
+    except ValueError:
+        raise ConfigError(f"{name}={value!r}: need an integer >= {minimum}") from None
+    if number < minimum:
+        raise ConfigError(f"{name}={value!r}: need an integer >= {minimum}")
+    if maximum is not None and number > maximum:
+        raise ConfigError(f"{name}={value!r}: at most {maximum}{f' ({why})' if why else ''}")
+    return number
+
+
+@dataclass(frozen=True)
+class EnvKnob:
+    """A knob the library reads from its environment variable where it is used (not only the CLI).
+
+    One entry of :data:`LIBRARY_ENV` per knob: a boolean (``default`` a bool, read by
+    :func:`env_flag`), an enumerated knob (``choices``, read by :func:`env_choice`) or an integer
+    (``default`` an int or ``None``, read by :func:`env_int` within ``[minimum, maximum()]``).
+    :func:`check_environment` reads every one that is set, so a bad value is refused by name before
+    any work starts, also where the code that reads it would never run (a GPU-only knob on a CPU).
+    A new library knob is one :func:`EnvKnob.register` call next to its reader, plus its row in
+    ``docs/knobs.md``.
+    """
+
+    field: str
+    default: bool | str | int | None
+    choices: tuple[str, ...] = ()
+    minimum: int = 1
+    maximum: Callable[[], tuple[int, str]] | None = None  # (bound, why) from the machine
+
+    def read(self) -> bool | str | int | None:
+        """The knob's value: its environment variable, parsed and checked, or ``default``."""
+        if isinstance(self.default, bool):
+            return env_flag(self.field, self.default)
+        if self.choices:
+            return env_choice(self.field, self.choices, str(self.default))
+        bound, why = self.maximum() if self.maximum is not None else (None, "")
+        return env_int(self.field, self.default, self.minimum, bound, why)  # type: ignore[arg-type]
+
+    def register(self) -> "EnvKnob":
+        LIBRARY_ENV[self.field] = self
+        return self
+
+
+LIBRARY_ENV: dict[str, EnvKnob] = {}
+"""Every knob the library reads from its environment variable, by field name (:class:`EnvKnob`);
+:func:`check_environment` checks each one that is set."""
+
+
+def env_knob(field_name: str) -> bool | str | int | None:
+    """The value of the library knob ``field_name`` (registered in :data:`LIBRARY_ENV`)."""
+    return LIBRARY_ENV[field_name].read()
+
+
+def check_environment() -> None:
+    """Refuse every set library variable (:data:`LIBRARY_ENV`) whose value is outside its set, by name."""
+    for knob in LIBRARY_ENV.values():
+        knob.read()
+
+
+def _cores() -> tuple[int, str]:
+    cores = cpu_cores()
+    return cores, f"this machine has {cores} core{'s' * (cores != 1)}"
+
+
+for _knob in (
+    EnvKnob("debug", False), EnvKnob("force_torch", False), EnvKnob("no_gluon", False), EnvKnob("no_gluon_ws", False),
+    EnvKnob("triton_topk", True), EnvKnob("fused_bound", False), EnvKnob("no_fused_glue", False),
+    EnvKnob("notebook_smoke", False), EnvKnob("rank_threads", None, maximum=_cores), EnvKnob("fp8_projections", False),
+):
+    _knob.register()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -32,18 +33,48 @@ from typing import Any
 
 import torch
 
-from reference_impl.config import PhaseSet, Request, RunConfig, available_levels
+from reference_impl.config import DEVICES, ConfigError, PhaseSet, Request, RunConfig, available_levels, check_choice
 from reference_impl.report import device_name, versions
 from reference_impl.runner import run_prefills
 
 MIB = 2**20
+# The correctness batches: mixed (a cached prefix and new tokens, so phases 3 and 8 have history to
+# skip or prefetch), prefixes on page boundaries and at least 2C pages of new tokens per request (up
+# to C = 8), so the page-aligned split holds and phase 5 writes directly; any fallback a level takes
+# anyway is stated in its row (:func:`fallbacks`).
 GPU_CHECK = RunConfig(
-    preset="deepseek-v3.2", n_layers=2, requests=(Request(1000, 2100), Request(64, 900)), page_size=64,
+    preset="deepseek-v3.2", n_layers=2, requests=(Request(1024, 2100), Request(64, 1100)), page_size=64,
     device="cuda",
 )
 GPU_WORKLOAD = (32768, 32768)  # cached prefix, new tokens: history to materialize and queries to hide it behind
 GPU_WIRE_GBPS = 450.0
-CPU_CHECK = RunConfig(preset="tiny", cp_size=4, requests=(Request(0, 96), Request(40, 70), Request(0, 37)), device="cpu")
+CPU_CHECK = RunConfig(
+    preset="tiny", cp_size=4, requests=(Request(0, 160), Request(48, 130), Request(0, 144)), page_size=16, device="cpu",
+)
+
+
+def fallbacks(report: dict[str, Any], run: RunConfig, cuda: bool) -> list[str]:
+    """What a level's run did other than its phases' fast path, in words (empty: nothing): the full
+    tail gather, the token-balanced split, the gathered store instead of direct writes, the torch
+    paths of the kernels (on a CPU, or after a kernel failed), the prefetch inline."""
+    from reference_impl.engine import build_metadata
+
+    out: list[str] = []
+    phases = run.phases
+    if phases.narrow_output and report["tail_mode"] != "narrow":
+        out.append(f"phase 1: {report['tail_mode']} tail gather")
+    aligned = build_metadata(run).page_aligned if phases.page_aligned else False
+    if phases.page_aligned and not aligned:
+        out.append("phase 4: token-balanced split (a request has fewer than 2C pages)")
+    if phases.compute_owner and report["store_path"] != "direct":
+        why = "a prefix ends mid-page" if aligned else "the split is not page-aligned"
+        out.append(f"phase 5: {report['store_path']} store ({why})")
+    if phases.fused_kernels and not cuda:
+        out.append("phase 7: torch paths (no CUDA)")
+    if phases.prefetch and not cuda:
+        out.append("phase 8: inline (no CUDA stream)")
+    out.extend(f"{kernel}: torch path ({error})" for kernel, error in report["kernel_fallbacks"].items())
+    return out
 
 
 def _levels_bar(levels: list[int], what: str, progress: bool) -> Any:
@@ -72,17 +103,34 @@ def _gpu_per_rank(progress: bool) -> dict[str, Any]:
         )
 
 
+def prepare_out_dir(path: str | Path, name: str = "out_dir") -> Path:
+    """The results folder ``path``, created (parents too) and writable, or a :class:`ConfigError`
+    naming ``name`` (the argument, or the CLI's ``--out``) before any work starts."""
+    if not isinstance(path, (str, Path)) or not str(path).strip():
+        raise ConfigError(f"{name}={path!r}: need a folder path")
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise ConfigError(f"{name} {str(path)!r}: exists and is not a folder") from None
+    except OSError as exc:
+        raise ConfigError(f"{name} {str(path)!r}: cannot create it ({exc.strerror or exc})") from None
+    if not out.is_dir():
+        raise ConfigError(f"{name} {str(path)!r}: exists and is not a folder")
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ConfigError(f"{name} {str(path)!r}: this user cannot write there")
+    return out
+
+
 def run_demo(device: str = "auto", out_dir: str | Path | None = None, progress: bool = True) -> dict[str, Any]:
     """Run the main job on ``device`` (``auto``: CUDA when present) -> the JSON-ready result, also
     written with its plot into ``out_dir`` (default ``results/demo-<device>-<time>``)."""
+    check_choice("device", device, DEVICES)
     cuda = torch.cuda.is_available() and device != "cpu"
     if device == "cuda" and not torch.cuda.is_available():
-        from reference_impl.config import ConfigError
-
         raise ConfigError("demo --device cuda: no CUDA device is visible")
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = Path(out_dir) if out_dir is not None else Path("results") / f"demo-{'cuda' if cuda else 'cpu'}-{stamp}"
-    out.mkdir(parents=True, exist_ok=True)
+    out = prepare_out_dir(out_dir if out_dir is not None else Path("results") / f"demo-{'cuda' if cuda else 'cpu'}-{stamp}")
     if cuda:
         base = GPU_CHECK.replace(cp_size=max(2, torch.cuda.device_count()))
     else:
@@ -95,12 +143,15 @@ def run_demo(device: str = "auto", out_dir: str | Path | None = None, progress: 
         row: dict[str, Any] = {
             "level": rep["phase_level"], "phases": rep["phases"], "matches_oracle": rep["matches_oracle"],
             "problems": rep["problems"], "store_path": rep["store_path"],
+            "fallbacks": fallbacks(rep, base.replace(phases=PhaseSet.level(rep["phase_level"])), cuda),
             "check_kv_at_rest_bytes": r0["kv_bytes"] + r0["index_bytes"], "check_transient_peak_bytes": r0["transient_peak_bytes"],
             "check_tail_gather_bytes": r0["output_gather_bytes"], "check_layer_ms": r0["layer_ms_median"],
         }
         levels.append(row)
     if per_rank is not None:
         for row, point in zip(levels, per_rank["levels"]):
+            if point["store_path"] != "direct" and row["level"] >= 5:
+                row["fallbacks"].append(f"per rank: phase 5: {point['store_path']} store")
             row.update({
                 "layer_ms": point["layer_ms_median"], "kv_at_rest_bytes": point["kv_bytes"],
                 "measured_peak_bytes": point["measured_peak_bytes"], "transient_peak_bytes": point["transient_peak_bytes"],
@@ -204,9 +255,13 @@ def format_demo(result: dict[str, Any]) -> str:
         rows = [[str(r["level"]), "match" if r["matches_oracle"] else "DIFFERS", r["store_path"],
                  f"{r['check_kv_at_rest_bytes']:,} B", f"{r['check_transient_peak_bytes']:,} B",
                  f"{r['check_tail_gather_bytes']:,} B", f"{r['check_layer_ms']:.2f}"] for r in result["levels"]]
+    header.append("fallbacks")
+    for row, level in zip(rows, result["levels"]):
+        row.append("; ".join(level.get("fallbacks", [])) or "none")
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
-    lines.append("  ".join(h.rjust(w) for h, w in zip(header, widths)))
-    lines.extend("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows)
+    lines.append("  ".join(h.rjust(w) if i < len(header) - 1 else h for i, (h, w) in enumerate(zip(header, widths))))
+    lines.extend("  ".join(c.rjust(w) if i < len(row) - 1 else c for i, (c, w) in enumerate(zip(row, widths)))
+                 for row in rows)
     prefetch = (result["per_rank"] or {}).get("prefetch")
     if prefetch:
         direct = prefetch["hidden_fraction_direct"]

@@ -31,7 +31,7 @@ import torch
 
 from reference_impl.config import RunConfig
 from reference_impl.cp.batch import BatchLocs, new_page_table
-from reference_impl.cp.comm import CPGroup
+from reference_impl.cp.comm import CPGroup, note_step
 from reference_impl.cp.designs import audits_layer_loop, design_page_lanes, make_design_store
 from reference_impl.cp.kv_replicated import ReplicatedKV
 from reference_impl.cp.kv_sharded import ShardedKV
@@ -302,6 +302,7 @@ def run_rank(
     layout = None if is_v4(run.model) else KVLayout.from_config(run.model, run.kv_dtype, run.page_size)
     model = build_model(run, device)
     inputs = build_inputs(run, device)
+    note_step()  # progress: the model and the inputs are built
     chunks = chunk_schedule(run)
     id_space = run_id_space(replay_page_table(run))  # pure metadata: same on every rank
     table = new_run_page_table(run)
@@ -497,6 +498,7 @@ def _run_chunk(
             if run.check:
                 topk_per_layer.append(torch.where(topk >= 0, topk - request_start, topk))  # stays on device
             clock.mark()
+            note_step()  # progress: a host counter in shared memory, no sync
             # Drop this layer's tensors now: a loop variable lives until it is reassigned, so the next
             # layer would otherwise project, gather and attend with them still allocated (q alone is
             # [T, H, 576], 2.25 GiB at 16K local tokens).

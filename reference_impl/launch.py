@@ -54,9 +54,11 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from reference_impl.config import ConfigError, env_value, knob_names
+from reference_impl.config import ConfigError, check_environment, env_knob
 from reference_impl.cp.comm import CPGroup, report_progress_to
 from reference_impl.errors import RankFailedError, RankTimeoutError, RunStopped
+from reference_impl.machine import cpu_cores
+from reference_impl.machine import fd_limit as machine_fd_limit
 from reference_impl.rank_processes import (
     run_rank_processes,
     set_rank_env,
@@ -64,8 +66,8 @@ from reference_impl.rank_processes import (
 )
 
 __all__ = [
-    "LaunchSpec", "RankFailedError", "RankTimeoutError", "RunStopped", "choose_backend", "launch",
-    "rank_cpu_threads", "run_under_torchrun", "under_torchrun",
+    "LaunchSpec", "RankFailedError", "RankTimeoutError", "RunStopped", "check_machine", "choose_backend", "launch",
+    "plan_launch", "rank_cpu_threads", "run_under_torchrun", "under_torchrun",
 ]
 
 logger = logging.getLogger(__name__)
@@ -156,16 +158,67 @@ def rank_cpu_threads(world: int) -> int:
     """Intra-op threads each of ``world`` CPU ranks uses (the oracle uses the same, for bitwise-equal
     math): ``DSACP_RANK_THREADS`` when set (the CPU test tier pins 1, as on a 2-core CI machine),
     else the machine's cores shared among the ranks."""
-    value = env_value("rank_threads")
-    if value is not None:
-        try:
-            threads = int(value)
-        except ValueError:
-            threads = 0
-        if threads < 1:
-            raise ConfigError(f"{knob_names('rank_threads')[2]}={value!r}: need a positive number of threads")
-        return threads
-    return max(1, (os.cpu_count() or 1) // world)
+    threads = env_knob("rank_threads")  # refused by name unless 1 .. this machine's cores
+    if threads is not None:
+        return int(threads)
+    return max(1, cpu_cores() // world)
+
+
+THREADS_PER_CORE = 16  # the most rank threads a core is asked to carry (ranks mostly wait in collectives)
+FDS_PER_PEER = 4  # file descriptors one rank process holds per rank of its group (gloo's sockets, measured ~3)
+FDS_BASE = 64  # and besides (libraries, pipes, the rendezvous store)
+
+
+def check_machine(plan: LaunchSpec, rank_threads: int, cores: int | None = None, fd_limit: int | None = None) -> None:
+    """Refuse, before any starts, ranks this machine cannot run (a :class:`ConfigError` naming the rule).
+
+    The rules, from the machine's facts (``cores``: :func:`~reference_impl.machine.cpu_cores`; ``fd_limit``: the soft
+    ``RLIMIT_NOFILE`` every rank inherits):
+
+    * **threads**: ranks x their intra-op threads at most :data:`THREADS_PER_CORE` per core; ranks
+      mostly wait in collectives, but past that they only queue for the cores (512 CPU ranks on 2
+      cores start, print socket warnings, and finish nothing in minutes).
+    * **file descriptors**: each rank holds about :data:`FDS_PER_PEER` per rank of the group (gloo's
+      full mesh of sockets) plus :data:`FDS_BASE`; that must stay within ``fd_limit``.
+
+    Memory is :mod:`reference_impl.footprint`'s; the threads of one rank (``DSACP_RANK_THREADS``,
+    at most the cores) are :func:`rank_cpu_threads`'s.
+    """
+    world = len(plan.device_per_rank)
+    if plan.start_method == "inline":
+        return
+    cores = cores or cpu_cores()
+    threads = world * (rank_threads if plan.device_per_rank[0] == "cpu" else 1)
+    if threads > THREADS_PER_CORE * cores:
+        per_rank = f" x {rank_threads} threads" if plan.device_per_rank[0] == "cpu" and rank_threads > 1 else ""
+        raise ConfigError(
+            f"cp_size={world}: {world} ranks{per_rank} on {cores} core{'s' * (cores != 1)}; this machine runs at most "
+            f"{THREADS_PER_CORE * cores // max(1, threads // world)} ({THREADS_PER_CORE} rank threads per core): "
+            "use a smaller --cp-size"
+        )
+    limit = fd_limit if fd_limit is not None else machine_fd_limit()
+    need = FDS_BASE + FDS_PER_PEER * world
+    if limit is not None and need > limit:
+        raise ConfigError(
+            f"cp_size={world}: each rank holds about {need} file descriptors ({FDS_PER_PEER} per rank of the group), "
+            f"over this process's limit of {limit} (ulimit -n): raise the limit or use a smaller --cp-size"
+        )
+
+
+def plan_launch(cp_size: int, device: str = "auto", backend: str = "auto") -> LaunchSpec:
+    """How :func:`launch` would run ``cp_size`` ranks here (:func:`choose_backend` with this
+    machine's facts), after :func:`check_machine` accepted them; nothing starts."""
+    plan = choose_backend(
+        cp_size,
+        device,
+        backend,
+        torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        cuda_initialized=torch.cuda.is_initialized(),
+        fork_available="fork" in mp.get_all_start_methods(),
+        rank_threads=rank_cpu_threads(cp_size),
+    )
+    check_machine(plan, rank_cpu_threads(cp_size))
+    return plan
 
 
 def in_jupyter_kernel() -> bool:
@@ -190,39 +243,59 @@ def launch(
     backend: str = "auto",
     timeout_s: float = 300,
     debug: bool | None = None,
+    on_steps: Callable[[int], None] | None = None,
 ) -> list[R]:
     """Run ``fn(group, payload)`` on ``cp_size`` ranks; return the results ordered by rank.
 
     ``debug`` (default: ``DSACP_DEBUG``) turns on the CP group's collective recorder, and each rank
     checks the whole sequence once more after ``fn`` returns. See the module docstring for the
-    backend choice, error propagation and torchrun.
+    backend choice, error propagation and torchrun. Ranks this machine cannot run are refused
+    first (:func:`check_machine`), and so is a bad library environment variable
+    (:func:`~reference_impl.config.check_environment`). ``on_steps`` hears, about ten times a
+    second, the steps of work (:func:`~reference_impl.cp.comm.note_step`) the slowest rank has done.
     """
+    check_environment()
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
         if cp_size != world:
             raise ConfigError(f"cp_size={cp_size} but torchrun started WORLD_SIZE={world} ranks")
         return _run_torchrun_rank(fn, payload, device, backend, timeout_s, debug, gather=True)
 
-    plan = choose_backend(
-        cp_size,
-        device,
-        backend,
-        torch.cuda.device_count() if torch.cuda.is_available() else 0,
-        cuda_initialized=torch.cuda.is_initialized(),
-        fork_available="fork" in mp.get_all_start_methods(),
-        rank_threads=rank_cpu_threads(cp_size),
-    )
+    plan = plan_launch(cp_size, device, backend)
     if plan.shared_gpu:
         logger.warning("launch: %s", plan.describe())
     else:
         logger.info("launch: %s", plan.describe())
     if plan.start_method == "inline":
         group = CPGroup.single(plan.device_per_rank[0], debug=debug)
-        return [fn(group, payload)]
+        reporter = _InlineSteps(on_steps) if on_steps is not None else None
+        report_progress_to(reporter)
+        try:
+            return [fn(group, payload)]
+        finally:
+            report_progress_to(None)
     return run_rank_processes(
         fn, payload, plan.backend, plan.device_per_rank, plan.start_method, timeout_s, debug,
         rank_cpu_threads(len(plan.device_per_rank)),
+        on_poll=None if on_steps is None else lambda progress: on_steps(progress.slowest_steps()),
     )
+
+
+class _InlineSteps:
+    """One in-process rank's steps, told to ``on_steps`` as they happen."""
+
+    def __init__(self, on_steps: Callable[[int], None]) -> None:
+        self.on_steps, self.steps = on_steps, 0
+
+    def enter(self, op: str, tag: str) -> None:
+        pass
+
+    def leave(self) -> None:
+        pass
+
+    def step(self) -> None:
+        self.steps += 1
+        self.on_steps(self.steps)
 
 
 def run_under_torchrun(

@@ -87,19 +87,31 @@ class PhaseSet:
     @classmethod
     def level(cls, k: int) -> "PhaseSet":
         """Cumulative phase level ``k``: phases 1..k on (level 0 is the baseline)."""
+        if not isinstance(k, int) or isinstance(k, bool):
+            hint = f" (a spec string: PhaseSet.parse({k!r}))" if isinstance(k, str) else ""
+            raise ConfigError(f"phase level {k!r}: need an int 0..8, got {type(k).__name__}{hint}")
         if not 0 <= k <= 8:
             raise ConfigError(f"phase level {k} is out of range 0..8")
         return cls(frozenset(range(1, k + 1)))
 
     @classmethod
     def parse(cls, spec: str) -> "PhaseSet":
-        """Parse ``"3"`` (a level), ``"1,3"`` or ``"+2,+3"`` (explicit phases), ``""``/``"0"`` (baseline)."""
+        """Parse ``"3"`` (a level), ``"1,3"`` or ``"+2,+3"`` (explicit phases), ``"0"``/``"baseline"``
+        (no phase). An empty spec, or an empty entry (``"1,,2"``, ``"1,"``, ``","``), is refused."""
+        if not isinstance(spec, str):
+            raise ConfigError(f"phase spec {spec!r}: need a string like '3' or '1,2', got {type(spec).__name__}")
         spec = spec.strip()
-        if spec in ("", "0", "baseline"):
+        if not spec:
+            raise ConfigError("phase spec is empty: use 0 (baseline), a level 1..8 or a list like '1,2'")
+        if spec in ("0", "baseline"):
             return cls()
         try:
             if "," in spec or spec.startswith("+"):
-                return cls(frozenset(int(p.strip().lstrip("+")) for p in spec.split(",") if p.strip()))
+                items = [p.strip() for p in spec.split(",")]
+                empty = [i for i, p in enumerate(items, 1) if not p.lstrip("+")]
+                if empty:
+                    raise ConfigError(f"phase spec {spec!r}: entry {empty[0]} is empty (doubled or trailing comma?)")
+                return cls(frozenset(int(p.lstrip("+")) for p in items))
             return cls.level(int(spec))
         except ValueError as exc:
             if isinstance(exc, ConfigError):

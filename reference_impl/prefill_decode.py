@@ -36,12 +36,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from reference_impl.config import ConfigError, RunConfig
+from reference_impl.config import ConfigError, RunConfig, check_environment
 from reference_impl.cp.comm import CPGroup
 from reference_impl.cp.kv_sharded import ShardedKV
 from reference_impl.engine import RankResult, build_metadata, replay_page_table, request_locs, run_id_space, run_rank
 from reference_impl.kvcache.layout import KVLayout
-from reference_impl.launch import launch, rank_cpu_threads
+from reference_impl.footprint import check_fits, decode_bytes
+from reference_impl.launch import launch, plan_launch, rank_cpu_threads
 from reference_impl.model.oracle import OracleResult, run_oracle
 from reference_impl.pd.dcp import DcpDecodeShard, DcpLayout
 from reference_impl.pd.manifest import TransferManifest, build_manifest
@@ -280,8 +281,14 @@ def run_prefill_and_decode(run: RunConfig, timeout_s: float = 300, *, transfer: 
     if on_cuda and transfer != "rows":
         raise ConfigError("the page transfer runs on CPU (gloo point-to-point): use device='cpu', or transfer='rows'")
     run = run.replace(device="cuda" if on_cuda else "cpu")
-    build_metadata(run)  # validates the split in this process before any rank starts
     world = run.cp_size + 1
+    # Before any rank starts, cheapest first: the environment, the C + 1 processes this machine can
+    # run, the memory (arithmetic, with the decode process), then the split in this process.
+    check_environment()
+    plan = plan_launch(world, run.device, "gloo")
+    check_fits(run, run.device, plan.start_method, cuda_devices=max(1, torch.cuda.device_count()) if on_cuda else 1,
+               extra_process=decode_bytes(run))
+    build_metadata(run)
     # On CUDA every process shares the GPUs over gloo (NCCL refuses two ranks on one device); the
     # row blocks travel from pinned host memory (pd/staging.py).
     # The decode gives up on missing completions before the launcher stops the ranks, naming them.

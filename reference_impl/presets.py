@@ -218,6 +218,13 @@ def at_cpu_widths(cfg: ModelConfig) -> ModelConfig:
     return dataclasses.replace(cfg, **{name: getattr(tiny, name) for name in CPU_WIDTH_FIELDS})
 
 
+def preset_names() -> tuple[str, ...]:
+    """Every preset's name: :data:`PRESETS`, then DeepSeek-V4's (:data:`reference_impl.presets_v4.V4_PRESETS`)."""
+    from reference_impl.presets_v4 import V4_PRESETS
+
+    return (*PRESETS, *V4_PRESETS)
+
+
 def get_preset(name: str) -> ModelConfig:
     """Look a preset up by name; an unknown name is a :class:`ConfigError` listing the known ones.
 

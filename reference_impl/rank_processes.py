@@ -50,6 +50,9 @@ RANK_ENV_DEFAULTS: dict[str, str] = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DI
 _EXIT_GRACE_S = 2.0  # how long a rank that exited may take to have its result read
 _BLAME_GRACE_S = 1.0  # how long a peer's error waits for the death that may have caused it
 _TAG_BYTES = 48
+# Blocked while the ranks start: each rank installs its own handling first (rank_main), so a stop
+# (the parent's timeout, SIGTERM, Ctrl-C) that lands during a rank's start prints nothing from it.
+_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 _PARENT_POLL_S = 0.5
 EXIT_PARENT_DIED = 86  # a rank's exit code when it leaves because its parent died
 
@@ -81,11 +84,13 @@ def to_cpu(obj: Any) -> Any:
 
 
 class SharedProgress:
-    """Per rank, in shared memory: collectives entered, collectives left, and the last one's tag."""
+    """Per rank, in shared memory: collectives entered, collectives left, the last one's tag, and
+    the steps of work done (:func:`~reference_impl.cp.comm.note_step`)."""
 
     def __init__(self, ctx: Any, world: int) -> None:
         self.world = world
         self.counts = ctx.Array(ctypes.c_int64, 2 * world, lock=False)  # [entered, left] per rank
+        self.steps = ctx.Array(ctypes.c_int64, world, lock=False)
         self.tags = ctx.Array(ctypes.c_char, _TAG_BYTES * world, lock=False)
         self.rank = -1
 
@@ -101,6 +106,13 @@ class SharedProgress:
 
     def leave(self) -> None:
         self.counts[2 * self.rank + 1] += 1
+
+    def step(self) -> None:
+        self.steps[self.rank] += 1
+
+    def slowest_steps(self) -> int:
+        """Steps done by the rank that is furthest behind."""
+        return min(self.steps[r] for r in range(self.world))
 
     def state(self, rank: int) -> tuple[int, int, str]:
         """``(entered, left, last tag)`` of ``rank``."""
@@ -158,6 +170,13 @@ def rank_main(
 ) -> None:
     """Body of one rank's process: init, run, send ``("ok", rank, pickled)`` or ``("error", rank, info)``."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a forked rank must not inherit the parent's orderly stop
+    # Ctrl-C reaches every process of the terminal's group: the parent stops the ranks (SIGTERM), so
+    # a rank ignores it rather than print a KeyboardInterrupt of its own.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The launcher started this process with SIGTERM and SIGINT blocked (:data:`_STOP_SIGNALS`): a
+    # stop that came while it was starting ends it here, quietly, not as a traceback out of
+    # multiprocessing's bootstrap.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
     _die_with_parent(parent)
     world = len(devices)
     try:
@@ -272,9 +291,12 @@ class _OrderlyStop:
 
 def run_rank_processes(
     fn: Callable[[CPGroup, Any], Any], payload: Any, backend: str, devices: tuple[str, ...], start_method: str,
-    timeout_s: float, debug: bool | None, cpu_threads: int,
+    timeout_s: float, debug: bool | None, cpu_threads: int, on_poll: Callable[[SharedProgress], None] | None = None,
 ) -> list[Any]:
-    """Run ``fn`` on one process per entry of ``devices``; results by rank (see the module docstring)."""
+    """Run ``fn`` on one process per entry of ``devices``; results by rank (see the module docstring).
+
+    ``on_poll`` is called with the ranks' progress about ten times a second while they run.
+    """
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
         # The server imports torch and this package once; each rank is then a cheap fork of it.
@@ -298,9 +320,15 @@ def run_rank_processes(
     deadline = time.monotonic() + timeout_s
     try:
         with _OrderlyStop():
-            for p in processes:
-                p.start()
+            previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+            try:
+                for p in processes:
+                    p.start()
+            finally:  # a stop that came meanwhile is delivered here, to this process's handler
+                signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
             while len(done) < world:
+                if on_poll is not None:
+                    on_poll(progress)
                 now = time.monotonic()
                 if now >= deadline:
                     unfinished = sorted(set(range(world)) - set(done))

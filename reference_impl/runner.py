@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, overload
 
@@ -20,11 +20,11 @@ import torch
 
 from reference_impl.check import compare
 from reference_impl.check_v4 import compare_v4
-from reference_impl.config import RunConfig
+from reference_impl.config import ConfigError, RunConfig, check_environment
 from reference_impl.cp.comm import CPGroup
 from reference_impl.engine import RankResult, build_metadata, chunk_metadata, run_rank
 from reference_impl.footprint import check_fits
-from reference_impl.launch import choose_backend, launch, rank_cpu_threads, under_torchrun
+from reference_impl.launch import choose_backend, launch, plan_launch, rank_cpu_threads, under_torchrun
 from reference_impl.model.oracle import DSAModel, OracleResult, run_oracle
 from reference_impl.model.v4.oracle import run_v4_oracle
 from reference_impl.presets_v4 import is_v4
@@ -44,6 +44,11 @@ def _launch_plan_line(run: RunConfig) -> tuple[str, bool]:
     return plan.backend, plan.shared_gpu
 
 
+Progress = Callable[[str, int, int], None]
+"""``progress(stage, done, total)``: the run's stage (``"ranks"``: the slowest rank's steps, its model
+then each layer of each chunk; ``"oracle"``) and how far it is."""
+
+
 @dataclass
 class PrefillResult:
     """A run's report and every rank's tensors: hidden states and top-k of its tokens, its
@@ -56,12 +61,18 @@ class PrefillResult:
 
 
 @overload
-def run_prefill(run: RunConfig, timeout_s: float | None = None, *, tensors: Literal[False] = False) -> dict[str, Any]: ...
+def run_prefill(
+    run: RunConfig, timeout_s: float | None = None, *, tensors: Literal[False] = False, progress: Progress | None = None,
+) -> dict[str, Any]: ...
 @overload
-def run_prefill(run: RunConfig, timeout_s: float | None = None, *, tensors: Literal[True]) -> PrefillResult: ...
+def run_prefill(
+    run: RunConfig, timeout_s: float | None = None, *, tensors: Literal[True], progress: Progress | None = None,
+) -> PrefillResult: ...
 
 
-def run_prefill(run: RunConfig, timeout_s: float | None = None, *, tensors: bool = False) -> dict[str, Any] | PrefillResult:
+def run_prefill(
+    run: RunConfig, timeout_s: float | None = None, *, tensors: bool = False, progress: Progress | None = None,
+) -> dict[str, Any] | PrefillResult:
     """Run ``run`` on ``run.cp_size`` ranks and return the report (a JSON-ready dict), or with
     ``tensors=True`` a :class:`PrefillResult` (the report, the ranks' tensors, the oracle's).
 
@@ -69,31 +80,64 @@ def run_prefill(run: RunConfig, timeout_s: float | None = None, *, tensors: bool
     that cannot fit the device too (:mod:`reference_impl.footprint`). ``timeout_s`` (default:
     ``run.timeout_s``) bounds the whole run. A rank that fails, dies or hangs raises
     :class:`~reference_impl.rank_processes.RankFailedError` naming it. Under torchrun every rank
-    calls this; rank 0 gets the report and the others ``None``.
+    calls this; rank 0 gets the report and the others ``None``. ``progress`` hears how far the run
+    is (:data:`Progress`; the CLI draws it; the library prints nothing).
     """
-    result = _run_all([run], timeout_s)[0]
+    if not isinstance(run, RunConfig):
+        raise ConfigError(f"run={run!r}: need a RunConfig, got {type(run).__name__}")
+    if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool)
+                                      and 0 < timeout_s < float("inf")):
+        raise ConfigError(f"timeout_s={timeout_s!r}: need a positive, finite number of seconds")
+    result = _run_all([run], timeout_s, progress)[0]
     if result is None:  # a torchrun rank other than 0: rank 0 reports
         return None  # type: ignore[return-value]
     return result if tensors else result.report
 
 
-def run_prefills(runs: Sequence[RunConfig], timeout_s: float | None = None) -> list[dict[str, Any]]:
+def run_prefills(
+    runs: Sequence[RunConfig], timeout_s: float | None = None, progress: Progress | None = None,
+) -> list[dict[str, Any]]:
     """Run several configurations and return their reports, in order.
 
     Runs that share ``cp_size``, ``device`` and ``backend`` share one launch: the ranks start once
     (and on a GPU compile their kernels once) and run the configurations one after another, each
     with its own CP group view (collective records, debug recorder). The oracle runs once per
     distinct model, batch and cache layout, whatever the phases. ``timeout_s`` bounds each launch
-    (default: the sum of its runs' ``timeout_s``).
+    (default: the sum of its runs' ``timeout_s``); ``progress`` as in :func:`run_prefill`.
     """
-    return [None if result is None else result.report for result in _run_all(runs, timeout_s)]  # type: ignore[misc]
+    return [None if result is None else result.report for result in _run_all(runs, timeout_s, progress)]  # type: ignore[misc]
 
 
-def _run_all(runs: Sequence[RunConfig], timeout_s: float | None) -> list[PrefillResult | None]:
-    for run in runs:  # every chunk's split and the memory are checked here, before any rank starts
-        for chunk in chunk_schedule(run):
-            chunk_metadata(run, chunk)
-        check_fits(run, resolve_device(run).type)
+def preflight(run: RunConfig, extra_process: int = 0) -> None:
+    """Everything refused before any rank starts, cheapest first, so that nothing proportional to a
+    bad size is built: the library's environment variables, the device and ranks this machine can
+    run (:func:`~reference_impl.launch.plan_launch`), the memory (:func:`~reference_impl.footprint.check_fits`,
+    arithmetic), then every chunk's split (host metadata, proportional to the tokens that fit).
+    ``extra_process``: the bytes of a process beside the ranks (a PD decode)."""
+    check_environment()
+    device = resolve_device(run) if run.device != "cuda" or torch.cuda.is_available() else None
+    if under_torchrun():
+        if device is None:
+            raise ConfigError("device='cuda' but no CUDA device is visible; use --device cpu")
+        check_fits(run, device.type, "spawn", cuda_devices=run.cp_size, extra_process=extra_process)
+    else:
+        plan = plan_launch(run.cp_size, run.device, run.backend)  # refuses --device cuda without CUDA
+        cuda = torch.cuda.device_count() if plan.device_per_rank[0] != "cpu" else 1
+        check_fits(run, resolve_device(run).type, plan.start_method, cuda_devices=cuda, extra_process=extra_process)
+    for chunk in chunk_schedule(run):
+        chunk_metadata(run, chunk)
+
+
+def _steps(run: RunConfig) -> int:
+    """Progress steps of one rank's run: its model, then each layer of each chunk."""
+    return 1 + len(chunk_schedule(run)) * run.model.n_layers
+
+
+def _run_all(
+    runs: Sequence[RunConfig], timeout_s: float | None, progress: Progress | None = None,
+) -> list[PrefillResult | None]:
+    for run in runs:
+        preflight(run)
     launches: dict[tuple[int, str, str], list[int]] = {}
     for i, run in enumerate(runs):
         launches.setdefault((run.cp_size, run.device, run.backend), []).append(i)
@@ -102,12 +146,22 @@ def _run_all(runs: Sequence[RunConfig], timeout_s: float | None) -> list[Prefill
     for (cp_size, device, backend), indices in launches.items():
         batch = [runs[i] for i in indices]
         limit = timeout_s if timeout_s is not None else sum(run.timeout_s for run in batch)
-        per_rank = launch(_run_each, cp_size, batch, device=device, backend=backend, timeout_s=limit, debug=False)
+        on_steps = None
+        if progress is not None:
+            total = sum(_steps(run) for run in batch)
+            progress("ranks", 0, total)
+            on_steps = lambda done, total=total: progress("ranks", done, total)  # noqa: E731
+        per_rank = launch(_run_each, cp_size, batch, device=device, backend=backend, timeout_s=limit, debug=False,
+                          on_steps=on_steps)
+        if on_steps is not None:
+            on_steps(total)  # every rank is done
         if per_rank is None:  # under torchrun, on a rank other than 0: rank 0 runs the oracle and reports
             continue
         launch_backend, shared_gpu = _launch_plan_line(batch[0])
         for k, i in enumerate(indices):
             ranks = [results[k] for results in per_rank]
+            if progress is not None and runs[i].check:
+                progress("oracle", k, len(indices))
             report, oracle = _report(runs[i], ranks, launch_backend, shared_gpu, oracles)
             reports[i] = PrefillResult(report, ranks, oracle)
     return reports

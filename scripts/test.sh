@@ -2,52 +2,80 @@
 # Every test: the strict docs build, the CPU tier (pytest: unit, multi-process, Triton under the
 # interpreter, CUDA hidden; the site tests read the build), the walkthrough notebooks under nbval.
 # On a machine with a CUDA device, also the GPU tier (pytest --gpu: compiled kernels, DeepSeek-V3.2
-# dims), and the notebooks run on the GPU instead of the CPU, beside the GPU tier. DSACP_TEST_LOG_DIR (default: a temp folder) keeps
-# every job's log and the docs build's, and on a CUDA machine summary.json (scripts/summarize_test_run.py).
+# dims), and the notebooks run on the GPU instead of the CPU, beside the GPU tier. Each stage prints
+# a heading and its summary line. DSACP_TEST_LOG_DIR (default: a temp folder) keeps every job's log
+# and the docs build's, and on a CUDA machine summary.json (scripts/summarize_test_run.py).
+# DSACP_TEST_WORKERS overrides the CPU tier's pytest-xdist workers (1: one process).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+start=$SECONDS
+stage() { printf '\n==== %s  [%d s]\n' "$*" "$((SECONDS - start))"; }
+summary() { grep -E "^[=]* ?[0-9]+ (passed|failed|error)|(passed|failed|error).* in [0-9.]+s" "$1" | tail -n 1 || true; }
+
+stage "setup: installing what is missing (scripts/setup.sh)"
 bash scripts/setup.sh
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-start=$SECONDS
 cuda=$(python3 -c "import torch; print(int(torch.cuda.is_available()))")
+cores=$(python3 -c "from reference_impl.machine import cpu_cores; print(cpu_cores())")
+xdist=$(python3 -c "import xdist" 2>/dev/null && echo 1 || echo 0)
 notebooks=(python3 -m pytest -q --nbval-lax --nbval-current-env -p no:cacheprovider notebooks)
+logs="${DSACP_TEST_LOG_DIR:-$(mktemp -d)}"; mkdir -p "$logs"
+
+# The CPU tier's workers (pytest-xdist, one test file per worker, each worker on its share of the
+# cores; tests/conftest.py): on a CUDA machine the cores left beside the GPU tier and the notebooks'
+# 4 workers, at most 8; on a CPU machine one per core, at most 8. One process where xdist is missing.
+if [ "$cuda" = 1 ]; then workers=$(( cores - 6 )); else workers=$cores; fi
+workers=${DSACP_TEST_WORKERS:-$(( workers > 8 ? 8 : workers < 1 ? 1 : workers ))}
+cpu_tier=(python3 -m pytest -q --durations=8 tests)
+if [ "$xdist" = 1 ] && [ "$workers" -gt 1 ]; then cpu_tier+=(-n "$workers" --dist loadfile); else workers=1; fi
+echo "$cores cores, CUDA: $([ "$cuda" = 1 ] && echo yes || echo no), CPU tier: $workers worker(s)$([ "$xdist" = 1 ] || echo ' (pytest-xdist not installed)'), logs: $logs"
+
 # The site first: the strict build, then the CPU tier's site tests read the pages it wrote
 # (DSACP_SITE_DIR). --strict aborts on most warnings but not on unresolved cross-references
 # (mkdocs-autorefs), so any WARNING line fails the build here too.
-docs_log="${DSACP_TEST_LOG_DIR:-$(mktemp -d)}/mkdocs.log"
-mkdir -p "$(dirname "$docs_log")"
+stage "docs: mkdocs build --strict"
+docs_log="$logs/mkdocs.log"
 export DSACP_SITE_DIR="$(mktemp -d)/site"
 NO_MKDOCS_2_WARNING=1 python3 -m mkdocs build --strict -d "$DSACP_SITE_DIR" > "$docs_log" 2>&1 || { cat "$docs_log"; exit 1; }
 if grep "WARNING" "$docs_log"; then echo "mkdocs printed warnings: fix them" >&2; exit 1; fi
+echo "docs built clean ($(grep -c . "$docs_log") log lines, no warning)"
 
 if [ "$cuda" = 1 ]; then
   # Three jobs side by side, each writing its own log: the CPU tier (it hides CUDA itself), the
   # walkthroughs' GPU sections at small sizes (the committed outputs are full runs:
   # scripts/execute_notebooks.py; one notebook per worker where pytest-xdist is installed), and the
   # GPU tier in front. None of them times anything, so sharing the machine changes no result.
-  python3 -c "import xdist" 2>/dev/null && notebooks+=(-n 4 --dist loadfile)
-  logs="${DSACP_TEST_LOG_DIR:-$(mktemp -d)}"; mkdir -p "$logs"  # where the side jobs write as they go
+  [ "$xdist" = 1 ] && notebooks+=(-n 4 --dist loadfile)
   cpu_log="$logs/cpu-tier.log"; notebook_log="$logs/notebooks.log"
-  python3 -m pytest -q --durations=8 tests > "$cpu_log" 2>&1 &
+  stage "CPU tier ($workers workers) and notebooks on the GPU, in the background: $cpu_log, $notebook_log"
+  "${cpu_tier[@]}" > "$cpu_log" 2>&1 &
   cpu_job=$!
   DSACP_NOTEBOOK_SMOKE=1 "${notebooks[@]}" > "$notebook_log" 2>&1 &
   notebook_job=$!
   gpu_status=0; cpu_status=0; notebook_status=0
-  python3 -m pytest -q --gpu tests 2>&1 | tee "$logs/gpu-tier.log" || gpu_status=$?  # the GPU tier
+  stage "GPU tier (pytest --gpu tests)"
+  python3 -m pytest -q --gpu tests 2>&1 | tee "$logs/gpu-tier.log" || gpu_status=$?
+  stage "waiting for the CPU tier and the notebooks"
   wait "$cpu_job" || cpu_status=$?
   wait "$notebook_job" || notebook_status=$?
-  echo "CPU tier:"; tail -n 25 "$cpu_log"
-  echo "notebooks on the GPU:"; tail -n 15 "$notebook_log"
+  stage "CPU tier: its last lines"; tail -n 25 "$cpu_log"
+  stage "notebooks on the GPU: its last lines"; tail -n 15 "$notebook_log"
   if [ "$gpu_status" != 0 ] || [ "$cpu_status" != 0 ] || [ "$notebook_status" != 0 ]; then
     echo "GPU tier exit $gpu_status, CPU tier exit $cpu_status, notebooks exit $notebook_status" >&2; exit 1
   fi
   notebooks_on="the GPU"
 else
-  python3 -m pytest -q tests  # the CPU tier
-  TRITON_INTERPRET=1 "${notebooks[@]}"  # notebooks on CPU: Triton kernels under the interpreter
+  stage "CPU tier ($workers worker(s)): pytest tests"
+  "${cpu_tier[@]}" 2>&1 | tee "$logs/cpu-tier.log"
+  stage "notebooks on the CPU (Triton under the interpreter)"
+  TRITON_INTERPRET=1 "${notebooks[@]}" 2>&1 | tee "$logs/notebooks.log"
   notebooks_on="the CPU"
 fi
 if [ "$cuda" = 1 ]; then  # what each job reported, as JSON (the README's GPU-tier row cites one such run)
   python3 scripts/summarize_test_run.py "$logs" --seconds $((SECONDS - start)) --out "$logs/summary.json"
 fi
+stage "summary"
+[ "$cuda" = 1 ] && echo "GPU tier:  $(summary "$logs/gpu-tier.log")"
+echo "CPU tier:  $(summary "$logs/cpu-tier.log")"
+echo "notebooks: $(summary "$logs/notebooks.log")"
 echo "all tests passed in $((SECONDS - start)) s (GPU tier: $([ "$cuda" = 1 ] && echo ran || echo 'skipped, no CUDA device'); notebooks on $notebooks_on)"

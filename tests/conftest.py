@@ -3,7 +3,8 @@
 * **CPU tier** (``pytest tests``, the default; CI): every test not marked ``gpu``. Triton kernels run
   under the interpreter (``TRITON_INTERPRET=1``) and CUDA is hidden (``CUDA_VISIBLE_DEVICES=``), so
   a test cannot pick a GPU by accident: what a CPU test checks runs on CPU tensors on any machine.
-  CPU ranks run one thread each (``DSACP_RANK_THREADS=1``, unless set), as on CI.
+  CPU ranks run one thread each (``DSACP_RANK_THREADS=1``, unless set), as on CI. Under
+  pytest-xdist (``-n N``) each worker computes on its share of the cores.
 * **GPU tier** (``pytest --gpu tests``): only the tests marked ``gpu`` (``tests/gpu/``), with the
   compiled kernels on a CUDA device; skipped where no CUDA device is visible.
 
@@ -39,6 +40,14 @@ def pytest_configure(config: pytest.Config) -> None:
     # tiny runs pay no thread-pool overhead. The several-thread path has its own tests.
     os.environ.setdefault("DSACP_RANK_THREADS", "1")
     import torch
+
+    # Under pytest-xdist (scripts/test.sh on a machine with cores to spare) the workers share the
+    # cores: each computes on its share, so N workers do not each start a pool of every core.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers > 1:
+        from reference_impl.machine import cpu_cores
+
+        torch.set_num_threads(max(1, cpu_cores() // workers))
 
     if torch.cuda.is_initialized():
         raise pytest.UsageError("CUDA was initialized before the CPU tier could hide it")

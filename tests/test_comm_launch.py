@@ -169,14 +169,15 @@ def test_rank_threads_knob() -> None:
 
     from reference_impl.config import ConfigError
     from reference_impl.launch import rank_cpu_threads
+    from reference_impl.machine import cpu_cores
 
     saved = os.environ.get("DSACP_RANK_THREADS")
     try:
-        os.environ["DSACP_RANK_THREADS"] = "3"
-        assert rank_cpu_threads(4) == 3
+        os.environ["DSACP_RANK_THREADS"] = str(cpu_cores())
+        assert rank_cpu_threads(4) == cpu_cores()
         del os.environ["DSACP_RANK_THREADS"]
-        assert rank_cpu_threads(1) == (os.cpu_count() or 1)
-        for bad in ("0", "many"):
+        assert rank_cpu_threads(1) == cpu_cores()
+        for bad in ("0", "many", "", str(cpu_cores() + 1)):  # a thread per core at most
             os.environ["DSACP_RANK_THREADS"] = bad
             with pytest.raises(ConfigError, match="DSACP_RANK_THREADS"):
                 rank_cpu_threads(2)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -156,7 +157,14 @@ def test_the_cli_exits_3_naming_the_failed_rank(forked_ranks, capsys) -> None:
     forked_ranks.setattr(runner, "run_rank", _failing_run_rank)  # forked ranks inherit the patch
     assert main(["run", "--requests", "0+40"]) == 3
     err = capsys.readouterr().err
-    assert err == "error: rank 1 raised RuntimeError: boom on purpose\n"
+    # One line; the rank's traceback goes to a log file that the line names.
+    found = re.fullmatch(r"error: rank 1 raised RuntimeError: boom on purpose \(the rank's traceback: (\S+)\)\n", err)
+    assert found, err
+    log = Path(found.group(1))
+    try:
+        assert "Traceback" in log.read_text() and "boom on purpose" in log.read_text()
+    finally:
+        log.unlink()
     assert main(["run", "--requests", "0+40", "--debug"]) == 3
     err = capsys.readouterr().err.splitlines()
     assert err[0] == "error: rank 1 raised RuntimeError: boom on purpose"

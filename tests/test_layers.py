@@ -2,7 +2,8 @@
 
 Layers, bottom to top (the package docstring draws the same map):
 
-0. ``errors``, ``presets``, ``phases``, ``config``, ``fp8``, ``sync_audit``, ``index_share`` -- configuration and numerics;
+0. ``errors``, ``presets``, ``phases``, ``config``, ``fp8``, ``sync_audit``, ``index_share``, ``machine`` --
+   configuration, numerics and the machine's facts;
 1. ``kvcache`` -- byte layouts, pools, allocator;
 2. ``model`` -- the DSA layer and the single-device oracle (pure torch);
 3. ``kernels`` -- Triton / Gluon kernels, their dispatch and fallback;
@@ -27,6 +28,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "reference_impl"
 
 LAYERS: dict[str, int] = {
     "errors": 0, "presets": 0, "presets_v4": 0, "phases": 0, "config": 0, "fp8": 0, "sync_audit": 0, "index_share": 0,
+    "machine": 0,
     "kvcache": 1,
     "model": 2,
     "kernels": 3,

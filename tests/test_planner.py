@@ -187,7 +187,7 @@ def test_parse_contexts() -> None:
         (["plan", "--kv-budget-fraction", "1.5"], "kv_budget_fraction=1.5: need a fraction in (0, 1]"),
         (["plan", "--contexts", "8K,lots"], "malformed context 'lots'"),
         (["plan", "--cp", "8", "--contexts", "10"], "at least 2C = 16 tokens"),
-        (["plan", "--kv-dtype", "int4"], "kv_dtype='int4'"),
+        (["plan", "--kv-dtype", "int4"], "--kv-dtype: unknown kv dtype 'int4'"),
         (["plan", "--rates", "/nonexistent/rates.json"], "--rates /nonexistent/rates.json"),
         (["plan", "--interconnect-gbps", "0"], "--interconnect-gbps: 0 is not positive"),
     ],
@@ -352,7 +352,7 @@ def test_the_plan_for_round_robin(capsys) -> None:
     level2 = next(lv for lv in plan["levels"] if lv["level"] == 2)["contexts"][0]
     assert level2["terms_ms"]["select"] == 0.0 and "round-robin" in plan["scenario"]
     assert main(["plan", "--split-mode", "zigzag"]) == 2
-    assert "split_mode='zigzag'" in capsys.readouterr().err
+    assert "--split-mode: unknown split mode 'zigzag'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", ["layer_bench.json", "layer_bench_8k.json"])

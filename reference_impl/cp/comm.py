@@ -109,7 +109,9 @@ def first_mismatch(sequences: Sequence[Sequence[str]]) -> int | None:
 
 class ProgressReporter(Protocol):
     """Told when this process enters and leaves each collective, so a supervisor can say which rank
-    a hang left behind (:mod:`reference_impl.rank_processes`)."""
+    a hang left behind (:mod:`reference_impl.rank_processes`); a reporter with a ``step()`` method
+    also hears of each unit of work done (:func:`note_step`: the model built, each layer), so the
+    supervisor can show progress."""
 
     def enter(self, op: str, tag: str) -> None: ...
     def leave(self) -> None: ...
@@ -122,6 +124,14 @@ def report_progress_to(reporter: ProgressReporter | None) -> None:
     """Every CP group of this process reports its collectives to ``reporter`` (``None``: nobody)."""
     global _progress
     _progress = reporter
+
+
+def note_step() -> None:
+    """One unit of this rank's work is done (the engine: its model built, then each layer of each
+    chunk); a host-side counter in shared memory, no device work, no sync."""
+    step = getattr(_progress, "step", None)
+    if step is not None:
+        step()
 
 
 @contextlib.contextmanager

@@ -38,7 +38,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from reference_impl.config import ConfigError
+from reference_impl.config import MAX_BATCH_TOKENS, ConfigError
+from reference_impl.machine import available_host_bytes
 from reference_impl.cp.split_metadata import DEFAULT_PAGE_SIZE, SPLIT_MODES, Half, Segment, SplitMetadata
 
 __all__ = ["Segment", "SplitMetadata", "build_split", "in_seq_block_sizes", "split_from_blocks"]
@@ -69,6 +70,34 @@ def _check_batch(cp_size: int, extend_lens: Sequence[int], prefix_lens: Sequence
     for i, (p, e) in enumerate(zip(prefix_lens, extend_lens)):
         if e <= 0 or p < 0:
             raise ConfigError(f"request {i} prefix={p} extend={e}: need prefix >= 0 and extend >= 1")
+
+
+SPLIT_BYTES_PER_TOKEN = 256  # host bytes per extend token of the metadata (tuples of Python ints, indices)
+
+
+def _int_tuple(name: str, values: object) -> tuple[int, ...]:
+    """``values`` as a tuple of ints; a bare int, a string, a float or a bool is refused by name."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        hint = f" (e.g. [{values}])" if isinstance(values, int) and not isinstance(values, bool) else ""
+        raise ConfigError(f"{name}={values!r}: need a list of ints, one per request{hint}")
+    bad = [v for v in values if not isinstance(v, int) or isinstance(v, bool)]
+    if bad:
+        raise ConfigError(f"{name}={list(values)!r}: {bad[0]!r} is not an int")
+    return tuple(values)
+
+
+def _check_size(cp_size: int, extend_lens: Sequence[int], prefix_lens: Sequence[int]) -> None:
+    """Sizes refused by arithmetic before anything proportional to them is built: a batch's tokens
+    within int32 rows (:data:`~reference_impl.config.MAX_BATCH_TOKENS`), its metadata within the
+    host's available memory."""
+    tokens = sum(extend_lens) + sum(prefix_lens)
+    if tokens > MAX_BATCH_TOKENS:
+        raise ConfigError(f"the batch holds {tokens:,} tokens (prefix + extend): at most {MAX_BATCH_TOKENS:,} (2**31 - 1), "
+                          "because top-k indices are int32 rows of the batch's full view")
+    need, free = (sum(extend_lens) + 2 * cp_size) * SPLIT_BYTES_PER_TOKEN, available_host_bytes()
+    if free is not None and need > free:
+        raise ConfigError(f"the split of {sum(extend_lens):,} extend tokens needs about {need / 2**30:,.1f} GiB of host "
+                          f"memory for its metadata, which has {free / 2**30:,.1f} GiB available")
 
 
 def split_from_blocks(
@@ -158,6 +187,12 @@ def _round_robin(cp_size: int, extend_lens: Sequence[int], prefix_lens: Sequence
     )
 
 
+def _round_robin_idle(cp_size: int, idle: object) -> str:
+    return (f"cp_size={cp_size} is larger than the tokens allow: round-robin puts position t on rank t % {cp_size}, "
+            f"and this batch's extend positions leave rank(s) {idle} without a token (a request of at least "
+            f"{cp_size} new tokens covers every rank)")
+
+
 def build_split(
     mode: str,
     cp_size: int,
@@ -172,22 +207,28 @@ def build_split(
     ``mode`` is ``"in-seq"`` or ``"round-robin"``; ``page_aligned=True`` (phase 4, in-seq only)
     cuts the zigzag blocks on absolute page boundaries (:mod:`reference_impl.cp.page_aligned`).
     """
-    extend_lens = tuple(int(e) for e in extend_lens)
-    prefix_lens = (0,) * len(extend_lens) if prefix_lens is None else tuple(int(p) for p in prefix_lens)
-    if mode not in SPLIT_MODES:
+    extend_lens = _int_tuple("extend_lens", extend_lens)
+    prefix_lens = (0,) * len(extend_lens) if prefix_lens is None else _int_tuple("prefix_lens", prefix_lens)
+    if not isinstance(mode, str) or mode not in SPLIT_MODES:
         raise ConfigError(f"split mode {mode!r}: use 'in-seq' or 'round-robin'")
+    for name, value in (("cp_size", cp_size), ("page_size", page_size)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ConfigError(f"{name}={value!r}: need an int, got {type(value).__name__}")
+    if not isinstance(page_aligned, bool):
+        raise ConfigError(f"page_aligned={page_aligned!r}: need a bool, got {type(page_aligned).__name__}")
     _check_batch(cp_size, extend_lens, prefix_lens, page_size)
     if mode == "round-robin":
         if page_aligned:
             raise ConfigError("a page-aligned split is an in-seq split: use mode 'in-seq'")
+        if cp_size > sum(extend_lens):  # idle ranks, found without building a list per rank
+            covered = {(p + j) % cp_size for p, e in zip(prefix_lens, extend_lens) for j in range(e)}
+            idle = [r for r in range(cp_size) if r not in covered] if cp_size <= 4096 else f"{cp_size - len(covered):,}"
+            raise ConfigError(_round_robin_idle(cp_size, idle))
+        _check_size(cp_size, extend_lens, prefix_lens)
         meta = _round_robin(cp_size, extend_lens, prefix_lens, page_size)
         idle = [r for r, tokens in enumerate(meta.rank_tokens) if not tokens]
         if idle:
-            raise ConfigError(
-                f"cp_size={cp_size} is larger than the tokens allow: round-robin puts position t on rank t % {cp_size}, "
-                f"and this batch's extend positions leave rank(s) {idle} without a token (a request of at least "
-                f"{cp_size} new tokens covers every rank)"
-            )
+            raise ConfigError(_round_robin_idle(cp_size, idle))
         return meta
     longest = max(extend_lens)
     if longest < cp_size:
@@ -195,6 +236,7 @@ def build_split(
             f"cp_size={cp_size} is larger than the tokens allow: in-seq split needs at least {cp_size} "
             f"extend tokens in the longest request (longest has {longest})"
         )
+    _check_size(cp_size, extend_lens, prefix_lens)
     if page_aligned:
         from reference_impl.cp.page_aligned import page_aligned_blocks
 

@@ -43,11 +43,21 @@ def zigzag_blocks(context: int, cp_size: int, page_size: int, page_aligned: bool
     return in_seq_block_sizes(context - prefix, cp_size)
 
 
+@functools.lru_cache(maxsize=256)
+def padded_rank_tokens(context: int, cp_size: int, page_size: int, page_aligned: bool, prefix: int = 0) -> int:
+    """``T_pad``: the most tokens any rank computes (its two zigzag blocks of the extend), what every
+    rank pads its all-gather to (cached by the arguments: a C-wide loop once per level and context,
+    not per rank)."""
+    blocks = zigzag_blocks(context, cp_size, page_size, page_aligned, prefix)
+    n = len(blocks)
+    return max(blocks[r] + blocks[n - 1 - r] for r in range(n // 2))
+
+
 def rank_ranges(blocks: tuple[int, ...], rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
     """Positions ``[start, stop)`` of rank ``r``'s two blocks: ``r`` ("prev") and ``2C-1-r`` ("next")."""
-    starts = [sum(blocks[:b]) for b in range(len(blocks))]
     other = len(blocks) - 1 - rank
-    return (starts[rank], starts[rank] + blocks[rank]), (starts[other], starts[other] + blocks[other])
+    start, other_start = sum(blocks[:rank]), sum(blocks[:other])
+    return (start, start + blocks[rank]), (other_start, other_start + blocks[other])
 
 
 def local_queries(
@@ -312,7 +322,7 @@ def layer_terms(
         blocks = zigzag_blocks(context, cp_size, page_size, level >= 4, prefix)
         ranges = rank_ranges(blocks, rank)
         t_local = sum(b - a for a, b in ranges)
-        t_pad = max(blocks[r] + blocks[len(blocks) - 1 - r] for r in range(cp_size))
+        t_pad = padded_rank_tokens(context, cp_size, page_size, level >= 4, prefix)
         n_visible = visible_keys(ranges) + prefix * t_local  # extend position j sees prefix + j + 1 keys
     fused, sharded = level >= 7, level >= 2
     direct = sharded and (round_robin or level >= 5)
@@ -399,6 +409,5 @@ def slowest_rank(
 def tail_ms(cfg: ModelConfig, rates: PlannerRates, cp_size: int, context: int, level: int, page_size: int = 64) -> float:
     """All-gather #2 once per forward: ``(C - 1) x rows x hidden x 2`` B over the interconnect,
     ``rows = T_pad`` at level 0 and 1 (the last token of the one request) from level 1."""
-    blocks = zigzag_blocks(context, cp_size, page_size, page_aligned=level >= 4)
-    rows = max(blocks[r] + blocks[len(blocks) - 1 - r] for r in range(cp_size)) if level == 0 else 1
+    rows = padded_rank_tokens(context, cp_size, page_size, level >= 4) if level == 0 else 1
     return ms_for_bytes((cp_size - 1) * rows * cfg.dim * ACT_BYTES, rates.interconnect_gbps)

@@ -8,10 +8,11 @@ the slowest rank's layer time with its terms (:func:`~reference_impl.planner.mod
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
-from reference_impl.config import ConfigError, KVDtype, validate_page_size
+from reference_impl.config import KV_DTYPES, MAX_HBM_GIB, MAX_PLAN_CP, SPLIT_MODES, ConfigError, KVDtype, check_choice, validate_page_size
 from reference_impl.cp.capacity import index_bytes_per_rank, kv_bytes_per_rank, max_context_per_rank, page_bytes
 from reference_impl.phases import IMPLEMENTED_PHASES, IN_SEQ_ONLY, PHASE_NAMES
 from reference_impl.planner.model import (
@@ -41,23 +42,24 @@ def level_status(level: int) -> str:
 MAX_CONTEXT = 1 << 27  # 128M tokens: far past any model's window; the planner walks pages one by one
 
 
-def parse_contexts(spec: str) -> tuple[int, ...]:
-    """``"8192,128K,1M"`` -> ``(8192, 131072, 1048576)`` (``K`` = 1024, ``M`` = 1024^2)."""
+def parse_contexts(spec: str, name: str = "contexts") -> tuple[int, ...]:
+    """``"8192,128K,1M"`` -> ``(8192, 131072, 1048576)`` (``K`` = 1024, ``M`` = 1024^2); errors name
+    ``name`` (the CLI passes its flag or variable)."""
+    if not isinstance(spec, str):
+        raise ConfigError(f"{name}={spec!r}: need a string like '8192,128K,1M'")
     out = []
     if not spec.strip():
-        raise ConfigError("--contexts is empty")
+        raise ConfigError(f"{name} is empty")
     for position, item in enumerate((s.strip() for s in spec.split(",")), 1):
         if not item:
-            raise ConfigError(f"--contexts {spec!r}: entry {position} is empty (doubled or trailing comma?)")
+            raise ConfigError(f"{name} {spec!r}: entry {position} is empty (doubled or trailing comma?)")
         scale = {"k": 1024, "m": 1024**2}.get(item[-1].lower(), 1)
         try:
             out.append(int(item[:-1] if scale > 1 else item) * scale)
         except ValueError:
-            raise ConfigError(f"malformed context {item!r} in --contexts: use integers like 8192, 128K or 1M") from None
+            raise ConfigError(f"malformed context {item!r} in {name}: use integers like 8192, 128K or 1M") from None
         if not 0 < out[-1] <= MAX_CONTEXT:
-            raise ConfigError(f"--contexts: {item} tokens is outside 1 .. {MAX_CONTEXT:,} (128M)")
-    if not out:
-        raise ConfigError(f"malformed --contexts {spec!r}: no context")
+            raise ConfigError(f"{name}: {item} tokens is outside 1 .. {MAX_CONTEXT:,} (128M)")
     return tuple(out)
 
 
@@ -83,13 +85,18 @@ class PlannerConfig:
     index_topk_pattern: str | None = None
 
     def __post_init__(self) -> None:
+        self._check_types()
         if is_v4(get_preset(self.preset)):
             raise ConfigError(f"{self.preset}: DeepSeek-V4's terms are in `python -m reference_impl.planner.v4 --preset {self.preset}`")
         _ = self.model  # the pattern against the preset's layer count, by name
-        if self.split_mode not in ("in-seq", "round-robin"):
-            raise ConfigError(f"split_mode={self.split_mode!r}: use 'in-seq' or 'round-robin'")
-        if self.cp_size < 1:
-            raise ConfigError(f"cp_size={self.cp_size}: need at least one rank")
+        check_choice("split_mode", self.split_mode, SPLIT_MODES)
+        check_choice("kv_dtype", self.kv_dtype, KV_DTYPES)
+        if not 1 <= self.cp_size <= MAX_PLAN_CP:
+            raise ConfigError(f"cp_size={self.cp_size}: need 1 <= cp_size <= {MAX_PLAN_CP:,} ranks")
+        for name in ("hbm_gib", "reserved_gib"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value <= MAX_HBM_GIB):
+                raise ConfigError(f"{name}={value!r}: need a finite number of GiB, at most {MAX_HBM_GIB:,} (1 PiB)")
         if not self.hbm_gib > 0:
             raise ConfigError(f"hbm_gib={self.hbm_gib}: HBM per GPU must be a positive number of GiB")
         if self.reserved_gib is not None and self.kv_budget_fraction is not None:
@@ -103,12 +110,36 @@ class PlannerConfig:
                 f"reserved_gib={self.reserved:g} (weights, activations) is not below hbm_gib={self.hbm_gib:g}: "
                 "no HBM left for the KV cache"
             )
-        if self.kv_dtype not in ("bf16", "fp8"):
-            raise ConfigError(f"kv_dtype={self.kv_dtype!r}: use 'bf16' or 'fp8'")
         validate_page_size(self.page_size)
+        large = [c for c in self.contexts if c > MAX_CONTEXT]
+        if large:
+            raise ConfigError(f"contexts {large}: at most {MAX_CONTEXT:,} tokens (128M)")
         small = [c for c in self.contexts if c < 2 * self.cp_size]
         if not self.contexts or small:
             raise ConfigError(f"contexts {small or '()'}: each needs at least 2C = {2 * self.cp_size} tokens")
+
+    def _check_types(self) -> None:
+        """Wrong types fail here, by name (a list of contexts becomes a tuple)."""
+        if isinstance(self.contexts, list):
+            object.__setattr__(self, "contexts", tuple(self.contexts))
+        if isinstance(self.contexts, str):
+            raise ConfigError(f"contexts={self.contexts!r}: need a tuple of ints (from a spec string: "
+                              f"parse_contexts({self.contexts!r}))")
+        if not isinstance(self.contexts, tuple) or not all(
+                isinstance(c, int) and not isinstance(c, bool) for c in self.contexts):
+            raise ConfigError(f"contexts={self.contexts!r}: need a tuple of ints (tokens)")
+        for name, kinds, optional in (
+            ("preset", (str,), False), ("split_mode", (str,), False), ("kv_dtype", (str,), False),
+            ("cp_size", (int,), False), ("page_size", (int,), False), ("hbm_gib", (int, float), False),
+            ("reserved_gib", (int, float), True), ("kv_budget_fraction", (int, float), True),
+            ("index_topk_pattern", (str,), True),
+        ):
+            value = getattr(self, name)
+            if optional and value is None:
+                continue
+            if not isinstance(value, kinds) or isinstance(value, bool):
+                need = "a number" if float in kinds else f"an {kinds[0].__name__}" if kinds[0] is int else "a str"
+                raise ConfigError(f"{name}={value!r}: need {need}, got {type(value).__name__}")
 
     @property
     def model(self) -> ModelConfig:

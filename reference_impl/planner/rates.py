@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -125,6 +127,9 @@ class PlannerRates:
             sourced = {k: (float(v), f"{source}: {k}") for k, v in values.items()}
         except (TypeError, ValueError):
             raise ConfigError(f"{source}: rates must be numbers") from None
+        bad = [k for k, (v, _) in sourced.items() if not (math.isfinite(v) and v > 0)]
+        if bad:
+            raise ConfigError(f"{source}: rate(s) {bad} must be positive, finite numbers")
         return self.with_sourced(sourced)
 
     def with_sourced(self, sourced: dict[str, tuple[float, str]]) -> PlannerRates:
@@ -162,14 +167,24 @@ def rates_from_bench(doc: dict[str, Any], file: str, label: str) -> dict[str, tu
     return out
 
 
-def load_rates(paths: list[str] | None = None, results_dir: Path | None = RESULTS_DIR) -> PlannerRates:
-    """Defaults from ``results_dir`` (where the files exist), then each of ``paths`` in order.
+def load_rates(
+    paths: str | Path | Sequence[str | Path] | None = None, results_dir: Path | None = RESULTS_DIR, *, what: str = "rates",
+) -> PlannerRates:
+    """Defaults from ``results_dir`` (where the files exist), then each of ``paths`` in order: one
+    path, or a list of them.
 
     A file in ``paths`` is a ``compute_bench.json`` (has ``per_rank``), a ``kernels_bench.json``
     (has ``kernels``), a ``glue_h200.json`` (has ``bench``, a ``bench.glue`` run), a
     ``topk_select_h200.json`` (has ``compute_bench``), or a flat ``{field: value}`` object of
-    :class:`PlannerRates` fields.
+    :class:`PlannerRates` fields. A file that cannot be read is a
+    :class:`~reference_impl.config.ConfigError` naming ``what`` (the CLI passes its flag or variable).
     """
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    if paths is not None and (not isinstance(paths, Sequence) or not all(isinstance(p, (str, Path)) for p in paths)):
+        raise ConfigError(f"{what}={paths!r}: need a path or a list of paths to JSON files")
+    if results_dir is not None and not isinstance(results_dir, Path):
+        results_dir = Path(results_dir)
     rates = PlannerRates()
     found: dict[str, tuple[float, str]] = {}
     for name in (_COMPUTE, _KERNELS, _ELEMENTWISE, _GLUE, _TOPK) if results_dir is not None else ():
@@ -178,15 +193,17 @@ def load_rates(paths: list[str] | None = None, results_dir: Path | None = RESULT
             label = f"docs/results/{name}" if results_dir == RESULTS_DIR else str(path)
             found.update(rates_from_bench(json.loads(path.read_text()), name, label))
     rates = rates.with_sourced(found)
-    for path_str in paths or []:
+    for path in paths or []:
+        path_str = str(path)
         try:
-            doc = json.loads(Path(path_str).read_text())
+            doc = json.loads(Path(path).read_text())
         except OSError as exc:
-            raise ConfigError(f"--rates {path_str}: {exc.strerror or exc}") from None
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"--rates {path_str}: not JSON ({exc.msg} at line {exc.lineno})") from None
+            raise ConfigError(f"{what} {path_str}: {exc.strerror or exc}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            where = f" ({exc.msg} at line {exc.lineno})" if isinstance(exc, json.JSONDecodeError) else ""
+            raise ConfigError(f"{what} {path_str}: not JSON{where}") from None
         if not isinstance(doc, dict):
-            raise ConfigError(f"--rates {path_str}: expected a JSON object")
+            raise ConfigError(f"{what} {path_str}: expected a JSON object")
         kind = (
             _COMPUTE if "per_rank" in doc else _KERNELS if "kernels" in doc else _GLUE if "bench" in doc
             else _TOPK if "compute_bench" in doc else None
