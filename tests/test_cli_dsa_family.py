@@ -15,9 +15,9 @@ from reference_impl.config import knob_names
 KNOBS = ("mla_scale_fmt", "index_topk_pattern", "cpu_widths")
 
 BAD_INPUT = [
-    (["run", "--mla-scale-fmt", "e8m0"], {}, "--mla-scale-fmt: 'e8m0': use one of ue8m0, fp32"),
-    (["run"], {"DSACP_MLA_SCALE_FMT": ""}, "DSACP_MLA_SCALE_FMT: '': use one of ue8m0, fp32"),
-    (["run"], {"DSACP_MLA_SCALE_FMT": "UE8M0"}, "DSACP_MLA_SCALE_FMT: 'UE8M0': use one of ue8m0, fp32"),
+    (["run", "--mla-scale-fmt", "e8m0"], {}, "--mla-scale-fmt: unknown MLA scale format 'e8m0': use ue8m0, fp32"),
+    (["run"], {"DSACP_MLA_SCALE_FMT": ""}, "DSACP_MLA_SCALE_FMT: unknown MLA scale format '': use ue8m0, fp32"),
+    (["run"], {"DSACP_MLA_SCALE_FMT": "UE8M0"}, "DSACP_MLA_SCALE_FMT: unknown MLA scale format 'UE8M0': use ue8m0, fp32"),
     (["run", "--index-topk-pattern", "SF"], {}, "layer 0 is shared"),
     (["run", "--n-layers", "3", "--index-topk-pattern", "FS"], {}, "has 2 letters for 3 layers"),
     (["run"], {"DSACP_INDEX_TOPK_PATTERN": "FQ"}, "found 'Q'"),
