@@ -24,11 +24,17 @@ logs="${DSACP_TEST_LOG_DIR:-$(mktemp -d)}"; mkdir -p "$logs"
 # The CPU tier's workers (pytest-xdist, one test file per worker, each worker on its share of the
 # cores; tests/conftest.py): on a CUDA machine the cores left beside the GPU tier and the notebooks'
 # 4 workers, at most 8; on a CPU machine one per core, at most 8. One process where xdist is missing.
-if [ "$cuda" = 1 ]; then workers=$(( cores - 6 )); else workers=$cores; fi
+# The GPU tier on 2 workers where xdist is installed (DSACP_GPU_TEST_WORKERS overrides): the modules
+# that launch CP ranks one after another on one of them, the kernel modules on the other
+# (tests/conftest.py groups them; --dist loadgroup).
+gpu_workers=${DSACP_GPU_TEST_WORKERS:-2}
+if [ "$cuda" = 1 ]; then workers=$(( cores - 6 - gpu_workers )); else workers=$cores; fi
 workers=${DSACP_TEST_WORKERS:-$(( workers > 8 ? 8 : workers < 1 ? 1 : workers ))}
 cpu_tier=(python3 -m pytest -q --durations=8 tests)
+gpu_tier=(python3 -m pytest -q --gpu --durations=12 tests)
 if [ "$xdist" = 1 ] && [ "$workers" -gt 1 ]; then cpu_tier+=(-n "$workers" --dist loadfile); else workers=1; fi
-echo "$cores cores, CUDA: $([ "$cuda" = 1 ] && echo yes || echo no), CPU tier: $workers worker(s)$([ "$xdist" = 1 ] || echo ' (pytest-xdist not installed)'), logs: $logs"
+if [ "$xdist" = 1 ] && [ "$gpu_workers" -gt 1 ]; then gpu_tier+=(-n "$gpu_workers" --dist loadgroup); else gpu_workers=1; fi
+echo "$cores cores, CUDA: $([ "$cuda" = 1 ] && echo "yes, GPU tier: $gpu_workers worker(s)" || echo no), CPU tier: $workers worker(s)$([ "$xdist" = 1 ] || echo ' (pytest-xdist not installed)'), logs: $logs"
 
 # The site first: the strict build, then the CPU tier's site tests read the pages it wrote
 # (DSACP_SITE_DIR). --strict aborts on most warnings but not on unresolved cross-references
@@ -53,8 +59,8 @@ if [ "$cuda" = 1 ]; then
   DSACP_NOTEBOOK_SMOKE=1 "${notebooks[@]}" > "$notebook_log" 2>&1 &
   notebook_job=$!
   gpu_status=0; cpu_status=0; notebook_status=0
-  stage "GPU tier (pytest --gpu tests)"
-  python3 -m pytest -q --gpu tests 2>&1 | tee "$logs/gpu-tier.log" || gpu_status=$?
+  stage "GPU tier ($gpu_workers worker(s)): pytest --gpu tests"
+  "${gpu_tier[@]}" 2>&1 | tee "$logs/gpu-tier.log" || gpu_status=$?
   stage "waiting for the CPU tier and the notebooks"
   wait "$cpu_job" || cpu_status=$?
   wait "$notebook_job" || notebook_status=$?

@@ -53,12 +53,20 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError("CUDA was initialized before the CPU tier could hide it")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (``--dist loadgroup``)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     gpu_tier = config.getoption("--gpu")
     if gpu_tier:
         keep = [item for item in items if "gpu" in item.keywords]
         config.hook.pytest_deselected(items=[item for item in items if "gpu" not in item.keywords])
         items[:] = keep
+        # Under pytest-xdist (scripts/test.sh on a CUDA machine) the modules that launch CP ranks
+        # (``gpu_ranks``) run one after another on one worker: each sizes itself against the GPU's
+        # free memory, which a second group of ranks beside it would take. A kernel module stays
+        # whole on one worker (its module fixtures are built once).
+        for item in keep:
+            group = "gpu-ranks" if "gpu_ranks" in item.keywords else item.nodeid.split("::")[0]
+            item.add_marker(pytest.mark.xdist_group(group))
         import torch
 
         if not torch.cuda.is_available():

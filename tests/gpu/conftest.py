@@ -16,6 +16,17 @@ import pytest
 
 from reference_impl.config import PhaseSet, Request, RunConfig
 
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_cached_cuda_memory():
+    """After each module, hand the caching allocator's free blocks back to the GPU: another pytest-xdist
+    worker's ranks size themselves against the GPU's free memory."""
+    yield
+    import torch
+
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
 # Two requests at DeepSeek-V3.2 dims, two layers. "prefix": prefixes that end mid-page (a partial
 # page whose owner is fixed), uneven extends; "current-only": no history at all.
 PREFIX = (Request(1000, 2100), Request(64, 900))
