@@ -25,6 +25,20 @@ def encode(data: dict[str, Any]) -> str:
     return PREFIX + json.dumps(_rounded(data), sort_keys=True, separators=(",", ":"))
 
 
+def same_up_to_rounding(a: Any, b: Any, rel: float = 1e-9) -> bool:
+    """Whether two JSON-like values are equal, floats within ``rel`` of each other: a results file
+    recomputed on another machine (another Python's float summation, another libm) compares equal."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_up_to_rounding(a[k], b[k], rel) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(same_up_to_rounding(x, y, rel) for x, y in zip(a, b))
+    if isinstance(a, float) or isinstance(b, float):
+        if isinstance(a, bool) or isinstance(b, bool) or not isinstance(a, (int, float)) or not isinstance(b, (int, float)):
+            return False
+        return a == b or abs(a - b) <= rel * max(abs(a), abs(b))
+    return a == b
+
+
 def _rounded(value: Any) -> Any:
     if isinstance(value, float):
         return float(f"{value:.6g}")

@@ -29,10 +29,24 @@ DRIVER = Path(__file__).resolve().parent / "fault_driver.py"
 ROOT = DRIVER.parent.parent
 
 
-def _leftovers() -> set[str]:
-    """What a run could leave behind: multiprocessing's semaphores and temp directories."""
+def _leftovers(tmpdir: Path | None = None) -> set[str]:
+    """What a run could leave behind: multiprocessing's semaphores and temp directories (under
+    ``tmpdir``, the run's own ``TMPDIR``; default: this process's)."""
     shm = {f"/dev/shm/{n}" for n in os.listdir("/dev/shm") if n.startswith("sem.mp-")} if os.path.isdir("/dev/shm") else set()
-    return shm | {str(p) for p in Path(tempfile.gettempdir()).glob("pymp-*")}
+    return shm | {str(p) for p in Path(tmpdir or tempfile.gettempdir()).glob("pymp-*")}
+
+
+def _left_behind(before: set[str], tmpdir: Path, seconds: float = 15) -> set[str]:
+    """What the run left: its temp folder's ``pymp-*`` directories, and the semaphores that appeared
+    since ``before`` and do not go away within ``seconds``. Other pytest-xdist workers' runs make
+    semaphores of their own meanwhile (the names cannot be told apart); theirs go when their runs end,
+    a leaked one never does."""
+    suspects = _leftovers(tmpdir) - before
+    deadline = time.monotonic() + seconds
+    while suspects and time.monotonic() < deadline:
+        time.sleep(0.2)
+        suspects &= _leftovers(tmpdir)
+    return suspects
 
 
 def _alive(pid: int) -> bool:
@@ -56,8 +70,10 @@ def _ignore_sigint() -> None:
 
 def _start_driver(start_method: str, piddir: Path, as_background_job: bool = False) -> tuple[subprocess.Popen, list[int]]:
     """Start the fault driver; ``as_background_job``: with SIGINT ignored, as a shell starts ``cmd &``."""
+    tmpdir = piddir / "tmp"  # the run's own TMPDIR: its multiprocessing folders are told apart from others'
+    tmpdir.mkdir(exist_ok=True)
     proc = subprocess.Popen([sys.executable, str(DRIVER), start_method, str(piddir)], stderr=subprocess.PIPE, text=True,
-                            preexec_fn=_ignore_sigint if as_background_job else None)
+                            preexec_fn=_ignore_sigint if as_background_job else None, env={**os.environ, "TMPDIR": str(tmpdir)})
     deadline = time.monotonic() + 60
     while len(list(piddir.glob("rank*"))) < 4:
         assert time.monotonic() < deadline and proc.poll() is None, "the ranks did not start"
@@ -80,37 +96,32 @@ def _exit_code(proc: subprocess.Popen, seconds: float = 60) -> int:
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn", "forkserver"])
 def test_sigterm_to_the_parent_stops_every_rank_and_leaves_nothing(tmp_path: Path, start_method: str) -> None:
-    before = _leftovers()
+    before = _leftovers(tmp_path / "tmp")
     proc, pids = _start_driver(start_method, tmp_path)
     proc.send_signal(signal.SIGTERM)
     assert _exit_code(proc) == 128 + signal.SIGTERM
     assert _wait_gone(pids, 5) == []
-    time.sleep(0.5)
-    assert _leftovers() - before == set()
+    assert _left_behind(before, tmp_path / "tmp") == set()
 
 
 @pytest.mark.parametrize("as_background_job", [False, True])
 def test_sigint_to_the_parent_stops_every_rank(tmp_path: Path, as_background_job: bool) -> None:
-    before = _leftovers()
+    before = _leftovers(tmp_path / "tmp")
     proc, pids = _start_driver("fork", tmp_path, as_background_job)
     proc.send_signal(signal.SIGINT)
     assert _exit_code(proc) == 128 + signal.SIGINT
     assert _wait_gone(pids, 5) == []
-    time.sleep(0.5)
-    assert _leftovers() - before == set()
+    assert _left_behind(before, tmp_path / "tmp") == set()
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn", "forkserver"])
 def test_a_killed_parent_takes_its_ranks_along(tmp_path: Path, start_method: str) -> None:
-    before = _leftovers()
+    before = _leftovers(tmp_path / "tmp")
     proc, pids = _start_driver(start_method, tmp_path)
     proc.kill()
     proc.wait(timeout=10)
     assert _wait_gone(pids, 5) == []
-    deadline = time.monotonic() + 5  # the resource tracker unlinks the semaphores once the ranks are gone
-    while time.monotonic() < deadline and {p for p in _leftovers() - before if "sem.mp-" in p}:
-        time.sleep(0.1)
-    left = _leftovers() - before
+    left = _left_behind(before, tmp_path / "tmp")  # the resource tracker unlinks the semaphores once the ranks are gone
     assert {p for p in left if "sem.mp-" in p} == set()
     if start_method == "fork":
         assert left == set()
