@@ -261,6 +261,7 @@ def _drain(results: Any, done: dict[int, Any], errors: dict[int, Any]) -> None:
 
 
 def _stop(processes: list[Any]) -> None:
+    processes = [p for p in processes if p.pid is not None]  # those that started
     for p in processes:
         if p.is_alive():
             p.terminate()
@@ -322,8 +323,11 @@ def run_rank_processes(
         with _OrderlyStop():
             previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
             try:
-                for p in processes:
-                    p.start()
+                for rank, p in enumerate(processes):
+                    try:
+                        p.start()
+                    except OSError as exc:  # e.g. a TMPDIR too long for the forkserver's Unix socket
+                        raise RankFailedError(f"rank {rank} could not start ({start_method}): {exc}", rank) from exc
             finally:  # a stop that came meanwhile is delivered here, to this process's handler
                 signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
             while len(done) < world:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -68,15 +69,27 @@ def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _start_driver(start_method: str, piddir: Path, as_background_job: bool = False) -> tuple[subprocess.Popen, list[int]]:
-    """Start the fault driver; ``as_background_job``: with SIGINT ignored, as a shell starts ``cmd &``."""
-    tmpdir = piddir / "tmp"  # the run's own TMPDIR: its multiprocessing folders are told apart from others'
-    tmpdir.mkdir(exist_ok=True)
+@pytest.fixture
+def run_tmp():
+    """The driver's own ``TMPDIR``, so its multiprocessing folders are told apart from other workers'
+    (short: the forkserver's socket lives there, and a Unix socket path has at most 107 bytes)."""
+    path = Path(tempfile.mkdtemp(prefix="dsacp-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _start_driver(
+    start_method: str, piddir: Path, tmpdir: Path, as_background_job: bool = False
+) -> tuple[subprocess.Popen, list[int]]:
+    """Start the fault driver with ``TMPDIR=tmpdir``; ``as_background_job``: with SIGINT ignored, as a
+    shell starts ``cmd &``."""
     proc = subprocess.Popen([sys.executable, str(DRIVER), start_method, str(piddir)], stderr=subprocess.PIPE, text=True,
                             preexec_fn=_ignore_sigint if as_background_job else None, env={**os.environ, "TMPDIR": str(tmpdir)})
     deadline = time.monotonic() + 60
     while len(list(piddir.glob("rank*"))) < 4:
-        assert time.monotonic() < deadline and proc.poll() is None, "the ranks did not start"
+        if proc.poll() is not None:
+            pytest.fail(f"the driver exited {proc.returncode} before its ranks started: {proc.stderr.read()[-3000:]}")
+        assert time.monotonic() < deadline, "the ranks did not start"
         time.sleep(0.1)
     time.sleep(0.5)  # ranks 1-3 are in the all-gather now
     return proc, [int(p.read_text()) for p in sorted(piddir.glob("rank*"))]
@@ -95,33 +108,33 @@ def _exit_code(proc: subprocess.Popen, seconds: float = 60) -> int:
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn", "forkserver"])
-def test_sigterm_to_the_parent_stops_every_rank_and_leaves_nothing(tmp_path: Path, start_method: str) -> None:
-    before = _leftovers(tmp_path / "tmp")
-    proc, pids = _start_driver(start_method, tmp_path)
+def test_sigterm_to_the_parent_stops_every_rank_and_leaves_nothing(tmp_path: Path, run_tmp: Path, start_method: str) -> None:
+    before = _leftovers(run_tmp)
+    proc, pids = _start_driver(start_method, tmp_path, run_tmp)
     proc.send_signal(signal.SIGTERM)
     assert _exit_code(proc) == 128 + signal.SIGTERM
     assert _wait_gone(pids, 5) == []
-    assert _left_behind(before, tmp_path / "tmp") == set()
+    assert _left_behind(before, run_tmp) == set()
 
 
 @pytest.mark.parametrize("as_background_job", [False, True])
-def test_sigint_to_the_parent_stops_every_rank(tmp_path: Path, as_background_job: bool) -> None:
-    before = _leftovers(tmp_path / "tmp")
-    proc, pids = _start_driver("fork", tmp_path, as_background_job)
+def test_sigint_to_the_parent_stops_every_rank(tmp_path: Path, run_tmp: Path, as_background_job: bool) -> None:
+    before = _leftovers(run_tmp)
+    proc, pids = _start_driver("fork", tmp_path, run_tmp, as_background_job)
     proc.send_signal(signal.SIGINT)
     assert _exit_code(proc) == 128 + signal.SIGINT
     assert _wait_gone(pids, 5) == []
-    assert _left_behind(before, tmp_path / "tmp") == set()
+    assert _left_behind(before, run_tmp) == set()
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn", "forkserver"])
-def test_a_killed_parent_takes_its_ranks_along(tmp_path: Path, start_method: str) -> None:
-    before = _leftovers(tmp_path / "tmp")
-    proc, pids = _start_driver(start_method, tmp_path)
+def test_a_killed_parent_takes_its_ranks_along(tmp_path: Path, run_tmp: Path, start_method: str) -> None:
+    before = _leftovers(run_tmp)
+    proc, pids = _start_driver(start_method, tmp_path, run_tmp)
     proc.kill()
     proc.wait(timeout=10)
     assert _wait_gone(pids, 5) == []
-    left = _left_behind(before, tmp_path / "tmp")  # the resource tracker unlinks the semaphores once the ranks are gone
+    left = _left_behind(before, run_tmp)  # the resource tracker unlinks the semaphores once the ranks are gone
     assert {p for p in left if "sem.mp-" in p} == set()
     if start_method == "fork":
         assert left == set()
@@ -211,3 +224,22 @@ def test_torchrun_names_the_rank_that_hung_as_the_root_cause() -> None:
     assert "error: rank 1: no result within 3 s: did not reach collective #1" in proc.stderr
     root_cause = proc.stderr[proc.stderr.index("Root Cause"):]
     assert "rank      : 1 (local_rank: 1)" in root_cause and "exitcode  : 3" in root_cause
+
+
+def test_a_rank_that_cannot_start_is_named_and_nothing_is_joined(tmp_path: Path) -> None:
+    """The forkserver's socket in a ``TMPDIR`` too long for a Unix socket path (a fresh process: a
+    forkserver already running would not need one): the start fails with one error naming the rank
+    and the cause, not a traceback from stopping processes that never ran."""
+    long_dir = Path(tempfile.mkdtemp(prefix="dsacp-")) / ("x" * 110)
+    long_dir.mkdir()
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from fault_driver import write_pid_then_wait; "
+            "from reference_impl.rank_processes import run_rank_processes; "
+            "run_rank_processes(write_pid_then_wait, sys.argv[2], 'gloo', ('cpu',) * 2, 'forkserver', 30, False, 1)")
+    try:
+        done = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), str(tmp_path)], capture_output=True,
+                              text=True, timeout=60, env={**os.environ, "TMPDIR": str(long_dir)})
+    finally:
+        shutil.rmtree(long_dir.parent, ignore_errors=True)
+    assert done.returncode == 1
+    assert re.search(r"RankFailedError: rank 0 could not start \(forkserver\): .*too long", done.stderr), done.stderr[-2000:]
+    assert "can only join a started process" not in done.stderr
