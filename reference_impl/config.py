@@ -324,6 +324,11 @@ class RunConfig:
                 f"kv_design={self.kv_design} is built for the DSA cache (MLA latent + indexer K); {self.preset}'s "
                 "compressed caches run under the phases only (kv_design=phases)"
             )
+        if self.model.index_share.shares:
+            raise ConfigError(
+                f"kv_design={self.kv_design}: its stores keep indexer K on every layer; {self.preset}'s IndexShare "
+                f"pattern {self.model.index_share.pattern} runs under the phases only (kv_design=phases)"
+            )
         clash = sorted(self.phases.enabled - DESIGN_PHASES)
         if clash:
             raise ConfigError(

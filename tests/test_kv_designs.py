@@ -167,6 +167,24 @@ def test_a_design_refuses_the_phases_it_replaces(phases: str) -> None:
         tiny(kv_design="rotated-shard", phases=PhaseSet.parse(phases))
 
 
+@pytest.mark.parametrize("design", DESIGNS)
+def test_each_design_installs_a_prefix_of_several_chunks(monkeypatch: pytest.MonkeyPatch, design: str) -> None:
+    """A prefix longer than one install chunk (the benchmark's 24K prefix is two of 16K): each chunk's
+    rows land at their own positions, in every design."""
+    from reference_impl.model import prefix_prefill
+
+    monkeypatch.setattr(prefix_prefill, "PREFIX_CHUNK_TOKENS", 24)
+    report = run_prefills([tiny(cp_size=2, kv_design=design, phases=DESIGN_RUN_PHASES, page_size=16,
+                                requests=(Request(70, 30), Request(33, 20)))])[0]
+    assert report["matches_oracle"] and report["cache_equal"], report["problems"]
+
+
+@pytest.mark.parametrize("design", DESIGNS)
+def test_a_design_refuses_index_share(design: str) -> None:
+    with pytest.raises(ConfigError, match=f"kv_design={design}: its stores keep indexer K on every layer.*FS"):
+        tiny(kv_design=design, phases=DESIGN_RUN_PHASES, index_topk_pattern="FS")
+
+
 @pytest.mark.parametrize("design", [d for d in KV_DESIGNS if d != "phases"])
 def test_a_design_refuses_deepseek_v4s_compressed_caches(design: str) -> None:
     with pytest.raises(ConfigError, match=f"kv_design={design} is built for the DSA cache.*tiny-v4"):

@@ -75,3 +75,32 @@ def test_bench_layer_warms_every_level_before_timing_it(monkeypatch: pytest.Monk
     layer_bench.measure("tiny", layer_bench.Workload("w", 64, 64), [7, 8], 2, 0, 3, "cpu", None, prefetch_repeats=1)
     l7, l8 = str(PhaseSet.level(7)), str(PhaseSet.level(8))
     assert calls[:4] == [(l7, 2, True), (l7, 3, False), (l8, 2, True), (l8, 3, False)]
+
+
+def test_the_h200_run_is_replanned_and_the_planner_is_within_its_bar() -> None:
+    """``docs/results/long_context_h200.json``: its planner fields are today's planner (re-run
+    ``python -m reference_impl.bench.long_context --replan`` after a planner change), each layer time
+    within 30% of the measured, and the transient at the longest context within 1.5x the shortest's."""
+    from pathlib import Path
+
+    from reference_impl.bench.long_context import replan
+    from reference_impl.figures import same_up_to_rounding
+
+    path = Path(__file__).resolve().parent.parent / "docs" / "results" / "long_context_h200.json"
+    committed = json.loads(path.read_text())
+    assert same_up_to_rounding(replan(json.loads(path.read_text())), committed), "stale planner fields: --replan"
+    assert committed["contexts"][-1] >= 1_048_576
+    for run in committed["runs"]:
+        for point in run["levels"]:
+            assert abs(point["planner_error"]["last_chunk_layer_ms"]) <= 0.30, (run["context"], point["level"])
+    assert all(ratio <= 1.5 for ratio in committed["transient_ratio_longest_over_shortest"].values())
+
+
+def test_the_planner_reads_a_later_chunks_prefix() -> None:
+    """A later chunk of a 1M-token prefill costs what its 917,504 cached tokens add (the indexer scores
+    them all), not what the chunk alone would: the planner is given the prefix by name."""
+    run = RunConfig(preset="deepseek-v3.2", n_layers=2, cp_size=8, requests=(Request(0, 1_048_576),),
+                    chunk_size=131_072, check=False, device="cpu", phases=PhaseSet.level(8))
+    last = layer_bench.planner_point(run, 0, 8, None, prefix=917_504, context=1_048_576)
+    first = layer_bench.planner_point(run, 0, 8, None, prefix=0, context=131_072)
+    assert last["terms_ms"]["indexer_logits"] > 6 * first["terms_ms"]["indexer_logits"]

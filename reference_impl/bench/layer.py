@@ -139,7 +139,7 @@ def planner_point(
         rates = rates.override({"interconnect_gbps": wire_gbps}, "bench --wire-gbps")
     context = run.requests[0].total if context is None else context
     terms = layer_terms(get_preset(run.preset), rates, run.cp_size, context, level, rank, run.kv_dtype, run.page_size,
-                        run.split_mode, prefix)
+                        run.split_mode, prefix=prefix)
     if wire_gbps is None:  # no modeled wire: the loopback copy is all that runs
         terms = {**terms, "allgather1": 0.0, "materialize_comm": 0.0}
     t_local = local_queries(context, run.cp_size, run.page_size, level, rank, run.split_mode, prefix)

@@ -124,7 +124,13 @@ def measure_level(run: RunConfig, level: int, rank: int, chunk: int) -> dict[str
         "measured_peak_bytes": stats.get("measured_peak_bytes"),
         "peak_allocated_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
     }
-    point["planner"] = planned_level(run, level, rank, chunk)
+    _planner_fields(point, run, rank, chunk)
+    return point
+
+
+def _planner_fields(point: dict[str, Any], run: RunConfig, rank: int, chunk: int) -> None:
+    """Put the planner's figures for ``point``'s level and their relative errors into ``point``."""
+    point["planner"] = planned_level(run, point["level"], rank, chunk)
     point["planner_error"] = {
         "last_chunk_layer_ms": point["planner"]["last_chunk_layer_ms"] / point["last_chunk_layer_ms"] - 1,
         "prefill_ms_per_layer": point["planner"]["prefill_ms_per_layer"] / point["prefill_ms_per_layer"] - 1,
@@ -132,7 +138,21 @@ def measure_level(run: RunConfig, level: int, rank: int, chunk: int) -> dict[str
     }
     if point["measured_peak_bytes"]:
         point["planner_error"]["peak_bytes"] = point["planner"]["peak_bytes"] / point["measured_peak_bytes"] - 1
-    return point
+
+
+def replan(doc: dict[str, Any]) -> dict[str, Any]:
+    """Re-evaluate the current planner against a stored run's measurements (arithmetic only, no
+    device). The measured fields are untouched; ``planner`` / ``planner_error`` and the table are
+    replaced and ``planner_replanned`` says so."""
+    for entry in doc["runs"]:
+        for point in entry["levels"]:
+            run = _run_config(doc["preset"], entry["context"], doc["chunk_tokens"], point["level"], doc["cp_size"],
+                              doc["n_layers"], "cpu")
+            _planner_fields(point, run, doc["rank"], doc["chunk_tokens"])
+    doc["table"] = measured_table(doc["runs"])
+    doc["planner_replanned"] = ("planner fields recomputed by `python -m reference_impl.bench.long_context --replan` "
+                                "with the planner and rates of the working tree; measurements unchanged")
+    return doc
 
 
 def planned_level(run: RunConfig, level: int, rank: int, chunk: int) -> dict[str, Any]:
@@ -256,7 +276,9 @@ def transient_ratio(runs: list[dict[str, Any]], level: int) -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True, help="JSON file to write (rewritten after each context)")
+    parser.add_argument("--out", help="JSON file to write (rewritten after each context; with --replan: defaults "
+                        "to the file replanned)")
+    parser.add_argument("--replan", metavar="FILE", help="recompute the planner fields of a stored run (no device)")
     parser.add_argument("--preset", default="deepseek-v3.2")
     parser.add_argument("--contexts", default=",".join(str(c) for c in DEFAULT_CONTEXTS))
     parser.add_argument("--chunk", type=int, default=DEFAULT_CHUNK, help="tokens per chunk of the prefill (CP group)")
@@ -271,6 +293,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from reference_impl.bench.timing import ready_for
 
+    if args.replan:
+        out = Path(args.out or args.replan)
+        out.write_text(json.dumps(replan(json.loads(Path(args.replan).read_text())), indent=1) + "\n")
+        print(f"wrote {out} (replanned)", file=sys.stderr)
+        return 0
+    if args.out is None:
+        raise ConfigError("--out FILE: where to write the results")
     try:
         contexts = sorted(int(c) for c in args.contexts.split(","))
         levels = sorted(int(v) for v in args.levels.split(","))

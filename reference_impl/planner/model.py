@@ -293,7 +293,7 @@ def compute_terms(
 
 def layer_terms(
     cfg: ModelConfig, rates: PlannerRates, cp_size: int, context: int, level: int, rank: int,
-    kv_dtype: KVDtype = "fp8", page_size: int = 64, split_mode: str = "in-seq", indexer: bool = True, prefix: int = 0,
+    kv_dtype: KVDtype = "fp8", page_size: int = 64, split_mode: str = "in-seq", *, indexer: bool = True, prefix: int = 0,
 ) -> dict[str, float]:
     """Milliseconds of each part of one layer on ``rank`` at phase ``level`` (see the module docstring).
 

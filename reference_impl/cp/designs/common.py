@@ -157,8 +157,8 @@ class OwnedShare:
 
     def write_prefix(self, layer: int, request: int, rows: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor,
                      start: int = 0) -> None:
-        """Install the owned part of a request's cached prefix, positions ``start`` on."""
-        locs = self.batch.prefix_locs(request)[start:]
+        """Install the owned part of a request's cached prefix tokens ``[start, start + len(rows))``."""
+        locs = self.batch.prefix_locs(request)[start : start + rows.shape[0]]
         own = self.ownership.owner(locs) == self.group.rank
         phys = self.ownership.physical(locs[own])
         self.pool.write_mla(layer, phys, rows[own])

@@ -113,11 +113,11 @@ class LayerSplitKV(HistoryAhead):
 
     def write_prefix(self, layer: int, request: int, rows: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor,
                      start: int = 0) -> None:
-        """The owner of ``layer`` installs the request's cached prefix (positions ``start`` on)."""
+        """The owner of ``layer`` installs the request's cached prefix tokens ``[start, start + len(rows))``."""
         local = self.local_layer(layer)
         if local is None:
             return
-        locs = self.batch.prefix_locs(request)[start:]
+        locs = self.batch.prefix_locs(request)[start : start + rows.shape[0]]
         self.pool.write_mla(local, locs, rows)
         self.pool.write_index(local, locs, k_fp8, k_scale)
 
