@@ -24,10 +24,11 @@ logs="${DSACP_TEST_LOG_DIR:-$(mktemp -d)}"; mkdir -p "$logs"
 # The CPU tier's workers (pytest-xdist, one test file per worker, each worker on its share of the
 # cores; tests/conftest.py): on a CUDA machine the cores left beside the GPU tier and the notebooks'
 # 4 workers, at most 8; on a CPU machine one per core, at most 8. One process where xdist is missing.
-# The GPU tier on 4 workers where xdist is installed (DSACP_GPU_TEST_WORKERS overrides): the modules
-# that launch CP ranks in three groups, each group's one after another on one worker (the C = 8 ones
-# together), the kernel modules spread beside them (tests/conftest.py groups them; --dist loadgroup).
-gpu_workers=${DSACP_GPU_TEST_WORKERS:-4}
+# The GPU tier on 2 workers where xdist is installed (DSACP_GPU_TEST_WORKERS overrides): the modules
+# that launch CP ranks one after another on one of them, the kernel modules on the other
+# (tests/conftest.py groups them; --dist loadgroup). On the 16-core H200 box the command is bound by
+# its host cores (the ranks' processes, the notebooks' kernels, the CPU tier): more workers ran slower.
+gpu_workers=${DSACP_GPU_TEST_WORKERS:-2}
 if [ "$cuda" = 1 ]; then workers=$(( cores - 6 - gpu_workers )); else workers=$cores; fi
 workers=${DSACP_TEST_WORKERS:-$(( workers > 8 ? 8 : workers < 1 ? 1 : workers ))}
 cpu_tier=(python3 -m pytest -q --durations=8 tests)

@@ -61,12 +61,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         config.hook.pytest_deselected(items=[item for item in items if "gpu" not in item.keywords])
         items[:] = keep
         # Under pytest-xdist (scripts/test.sh on a CUDA machine) the modules that launch CP ranks
-        # (``gpu_ranks(NAME)``) run one after another on one worker per NAME: each sizes itself against
-        # the GPU's free memory, so the large groups of ranks (C = 8) never run beside each other. A
-        # kernel module stays whole on one worker (its module fixtures are built once).
+        # (``gpu_ranks``) run one after another on one worker: each sizes itself against the GPU's free
+        # memory, and each launch's processes load the host's cores (on the H200 box, two such chains
+        # side by side made the whole command slower, not faster). A kernel module stays whole on one
+        # worker (its module fixtures are built once).
         for item in keep:
-            ranks = item.get_closest_marker("gpu_ranks")
-            group = f"gpu-ranks-{ranks.args[0]}" if ranks is not None else item.nodeid.split("::")[0]
+            group = "gpu-ranks" if "gpu_ranks" in item.keywords else item.nodeid.split("::")[0]
             item.add_marker(pytest.mark.xdist_group(group))
         import torch
 

@@ -9,6 +9,7 @@ before the first collective while rank 0 waits in it.
 from __future__ import annotations
 
 import faulthandler
+import multiprocessing
 import os
 import signal
 import sys
@@ -60,6 +61,10 @@ def main(argv: list[str]) -> int:
         launch(hang_before_the_gather_on_rank1, int(os.environ["WORLD_SIZE"]), None, device="cpu", timeout_s=3)
         return 0
     from reference_impl.rank_processes import run_rank_processes
+
+    # Name this run's semaphores after this process (multiprocessing's prefix for SemLock names), so the
+    # test tells them apart from other pytest-xdist workers' runs: ``/dev/shm/sem.mp-fault<pid>-*``.
+    multiprocessing.current_process()._config["semprefix"] = f"/mp-fault{os.getpid()}"
 
     start_method, piddir = argv
     try:

@@ -30,24 +30,21 @@ DRIVER = Path(__file__).resolve().parent / "fault_driver.py"
 ROOT = DRIVER.parent.parent
 
 
-def _leftovers(tmpdir: Path | None = None) -> set[str]:
-    """What a run could leave behind: multiprocessing's semaphores and temp directories (under
-    ``tmpdir``, the run's own ``TMPDIR``; default: this process's)."""
-    shm = {f"/dev/shm/{n}" for n in os.listdir("/dev/shm") if n.startswith("sem.mp-")} if os.path.isdir("/dev/shm") else set()
-    return shm | {str(p) for p in Path(tmpdir or tempfile.gettempdir()).glob("pymp-*")}
+def _leftovers(tmpdir: Path, driver_pid: int) -> set[str]:
+    """What the driver's run could leave behind: its semaphores (named after it, ``tests/fault_driver.py``)
+    and multiprocessing's temp directories under its own ``TMPDIR``. Other pytest-xdist workers' runs
+    make semaphores of their own meanwhile; the names keep them apart."""
+    prefix = f"sem.mp-fault{driver_pid}-"
+    shm = {f"/dev/shm/{n}" for n in os.listdir("/dev/shm") if n.startswith(prefix)} if os.path.isdir("/dev/shm") else set()
+    return shm | {str(p) for p in tmpdir.glob("pymp-*")}
 
 
-def _left_behind(before: set[str], tmpdir: Path, seconds: float = 15) -> set[str]:
-    """What the run left: its temp folder's ``pymp-*`` directories, and the semaphores that appeared
-    since ``before`` and do not go away within ``seconds``. Other pytest-xdist workers' runs make
-    semaphores of their own meanwhile (the names cannot be told apart); theirs go when their runs end,
-    a leaked one never does."""
-    suspects = _leftovers(tmpdir) - before
+def _left_behind(tmpdir: Path, driver_pid: int, seconds: float = 5) -> set[str]:
+    """:func:`_leftovers` once the resource tracker has had ``seconds`` to unlink what the ranks left."""
     deadline = time.monotonic() + seconds
-    while suspects and time.monotonic() < deadline:
-        time.sleep(0.2)
-        suspects &= _leftovers(tmpdir)
-    return suspects
+    while (left := _leftovers(tmpdir, driver_pid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
 
 
 def _alive(pid: int) -> bool:
@@ -109,32 +106,29 @@ def _exit_code(proc: subprocess.Popen, seconds: float = 60) -> int:
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn", "forkserver"])
 def test_sigterm_to_the_parent_stops_every_rank_and_leaves_nothing(tmp_path: Path, run_tmp: Path, start_method: str) -> None:
-    before = _leftovers(run_tmp)
     proc, pids = _start_driver(start_method, tmp_path, run_tmp)
     proc.send_signal(signal.SIGTERM)
     assert _exit_code(proc) == 128 + signal.SIGTERM
     assert _wait_gone(pids, 5) == []
-    assert _left_behind(before, run_tmp) == set()
+    assert _left_behind(run_tmp, proc.pid) == set()
 
 
 @pytest.mark.parametrize("as_background_job", [False, True])
 def test_sigint_to_the_parent_stops_every_rank(tmp_path: Path, run_tmp: Path, as_background_job: bool) -> None:
-    before = _leftovers(run_tmp)
     proc, pids = _start_driver("fork", tmp_path, run_tmp, as_background_job)
     proc.send_signal(signal.SIGINT)
     assert _exit_code(proc) == 128 + signal.SIGINT
     assert _wait_gone(pids, 5) == []
-    assert _left_behind(before, run_tmp) == set()
+    assert _left_behind(run_tmp, proc.pid) == set()
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn", "forkserver"])
 def test_a_killed_parent_takes_its_ranks_along(tmp_path: Path, run_tmp: Path, start_method: str) -> None:
-    before = _leftovers(run_tmp)
     proc, pids = _start_driver(start_method, tmp_path, run_tmp)
     proc.kill()
     proc.wait(timeout=10)
     assert _wait_gone(pids, 5) == []
-    left = _left_behind(before, run_tmp)  # the resource tracker unlinks the semaphores once the ranks are gone
+    left = _left_behind(run_tmp, proc.pid)  # the resource tracker unlinks the semaphores once the ranks are gone
     assert {p for p in left if "sem.mp-" in p} == set()
     if start_method == "fork":
         assert left == set()

@@ -19,7 +19,7 @@ from reference_impl.config import PhaseSet, Request, RunConfig
 from reference_impl.kernels import fused_torch
 from reference_impl.kvcache.layout import KVLayout
 
-pytestmark = [pytest.mark.gpu, pytest.mark.gpu_ranks("models")]
+pytestmark = [pytest.mark.gpu, pytest.mark.gpu_ranks]
 
 DEVICE = torch.device("cuda")
 TOKENS, PAGE = 8192 + 37, 64

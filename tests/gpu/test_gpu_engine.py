@@ -13,7 +13,7 @@ import pytest
 from gpu.conftest import PREFIX, V32, engine_configs
 from reference_impl.config import PhaseSet
 
-pytestmark = [pytest.mark.gpu, pytest.mark.gpu_ranks("engine")]
+pytestmark = [pytest.mark.gpu, pytest.mark.gpu_ranks]
 
 
 @pytest.mark.parametrize("name", list(engine_configs()))

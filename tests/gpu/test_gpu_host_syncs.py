@@ -19,7 +19,7 @@ from reference_impl.cp.loopback import LoopbackGroup
 from reference_impl.engine import HostSyncError, run_rank
 from reference_impl.sync_audit import diagnostic
 
-pytestmark = [pytest.mark.gpu, pytest.mark.gpu_ranks("c8")]
+pytestmark = [pytest.mark.gpu, pytest.mark.gpu_ranks]
 
 
 @pytest.mark.parametrize("level", [6, 7, 8])

@@ -26,7 +26,7 @@ from reference_impl.cp.loopback import LoopbackGroup
 from reference_impl.engine import run_rank
 from reference_impl.runner import run_prefill, run_prefills
 
-pytestmark = [pytest.mark.gpu, pytest.mark.gpu_ranks("c8")]
+pytestmark = [pytest.mark.gpu, pytest.mark.gpu_ranks]
 
 DESIGNS = ("layer-split", "rotated-shard", "dcp-gather")
 BESIDE = PhaseSet(frozenset({1, 7}))  # narrow output and the fused kernels

@@ -14,7 +14,7 @@ from reference_impl.pd.stream import LayerStreamer
 from reference_impl.pd.transport import InProcessTransport
 from reference_impl.prefill_decode import run_prefill_and_decode
 
-pytestmark = [pytest.mark.gpu, pytest.mark.gpu_ranks("c8")]
+pytestmark = [pytest.mark.gpu, pytest.mark.gpu_ranks]
 
 
 def test_one_rank_of_eight_streams_from_a_side_stream_without_a_host_sync() -> None:

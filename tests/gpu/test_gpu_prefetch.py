@@ -27,7 +27,7 @@ from reference_impl.cp.kv_sharded import ShardedKV
 from reference_impl.engine import run_rank
 from reference_impl.runner import run_prefill
 
-pytestmark = [pytest.mark.gpu, pytest.mark.gpu_ranks("c8")]
+pytestmark = [pytest.mark.gpu, pytest.mark.gpu_ranks]
 
 RUN = V32.replace(cp_size=1, phases=PhaseSet.level(8), requests=PREFIX, n_layers=2)
 SLOW_SIDE_STREAM_CYCLES = 50_000_000  # ~25 ms at ~2 GHz: far longer than a layer here

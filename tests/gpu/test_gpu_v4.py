@@ -13,7 +13,7 @@ import torch
 
 from reference_impl.config import PhaseSet, Request, RunConfig
 
-pytestmark = [pytest.mark.gpu, pytest.mark.gpu_ranks("models")]
+pytestmark = [pytest.mark.gpu, pytest.mark.gpu_ranks]
 
 FLASH = RunConfig(preset="deepseek-v4-flash", n_layers=4, cp_size=2, device="cuda",
                   requests=(Request(0, 2501), Request(301, 1203)), chunk_size=1001)
