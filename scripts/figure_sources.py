@@ -49,8 +49,8 @@ VARIANTS: dict[tuple[str, str], str] = {
     ("topk_select_one_program_h200", ""): "the earlier one-program top-k kernel",
     ("fused_bound_h200", ""): "the fused-bound experiment",
 }
-#: Reads that are not measurements: configuration and launch parameters.
-_NOT_MEASURED = re.compile(r"(^|\.)(config|sweep_settings|args)(\.|$)|^$")
+#: Reads that are not measurements: configuration, launch parameters and a workload's definition.
+_NOT_MEASURED = re.compile(r"(^|\.)(config|sweep_settings|args|workload)(\.|$)|^$")
 
 
 @dataclass(frozen=True)

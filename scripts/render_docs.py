@@ -341,6 +341,9 @@ def render_page(text: str, names: dict[str, Any], console: Callable[[str], str] 
             rendered = _indent_like(text, m.start(), render_figure(m["spec"], names, m["fmt"] or ""))
         except Exception as e:
             raise ValueError(f"line {line}: `{m['spec']}` does not render: {type(e).__name__}: {e}") from e
+        if text[line_start:m.start()].count("`") % 2:
+            raise ValueError(f"line {line}: a figure inside a code span shows its marker source on the page: "
+                             "take the backticks off, or put them inside the figure's format")
         starts_line = not text[line_start:m.start()].strip()
         if starts_line and "\n" not in rendered:
             raise ValueError(f"line {line}: an inline figure starts the line, where markdown reads the comment as "

@@ -332,22 +332,30 @@ def kv_designs(doc: dict) -> str:
     measured = doc.get("kind") == "measured"
     if measured:
         head = (f"Measured on {doc['device']}, torch {doc['torch']}; {doc['preset']}, {doc['n_layers']} layers run; "
-                f"how CP runs: {doc['how_cp_runs']}; timer: {doc['timing']}. Command: `{doc['command']}`. "
-                "Shared VMM is the planner's row (modeled).")
+                f"how CP runs: {doc['how_cp_runs']}; timer: {doc['timing']}; min-max: every layer of every timed run. "
+                f"Command: `{doc['command']}`. Shared VMM is the planner's row (modeled).")
     else:
         head = (f"**Modeled** by the planner, nothing ran: {doc['preset']}, rank {doc['rank']} of C={doc['cp_size']}, "
                 f"{doc['n_layers']} layers, wire {doc['wire_gbps']:g} GB/s (assumed), shared VMM peer reads "
                 f"{doc['peer_gbps']:g} GB/s (assumed), kernel rates from `docs/results`. Command: `{doc['source']}`.")
     lines = [head, "",
-             "| workload | design | layer ms | KV at rest per rank, GiB (whole model) | moved MiB / layer | of it history "
+             "| workload | design | layer ms |" + (" min-max ms |" if measured else "")
+             + " KV at rest per rank, GiB (whole model) | moved MiB / layer | of it history "
              "| materialized MiB / layer | collectives / layer | host syncs / layer | peak MiB |" + (" planner ms |" if measured else ""),
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if measured else "")]
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- | --- |" if measured else "")]
     for w in doc["workloads"]:
         for r in w["designs"]:
             modeled = "" if r["status"] == "measured" or not measured else " (modeled)"
+            at_rest = r["kv_bytes_at_rest"]
+            if modeled:  # the planner's row covers the layers run: scale it to the whole model as the measured rows are
+                at_rest = at_rest * doc["model_layers"] // doc["n_layers"]
             peak = "-" if r.get("peak_bytes") is None else _mib(r["peak_bytes"])
-            row = (f"| {w['name']} {w['prefix']:,}+{w['extend']:,} | {r['design']}{modeled} | {r['layer_ms']:.2f} "
-                   f"| {r['kv_bytes_at_rest'] / 2**30:.2f} | {_mib(r['bytes_moved_per_layer'])} "
+            spread = ""
+            if measured:
+                samples = r.get("layer_ms_all") or []
+                spread = f"| {min(samples):.2f}-{max(samples):.2f} " if samples else "| - "
+            row = (f"| {w['name']} {w['prefix']:,}+{w['extend']:,} | {r['design']}{modeled} | {r['layer_ms']:.2f} {spread}"
+                   f"| {at_rest / 2**30:.2f} | {_mib(r['bytes_moved_per_layer'])} "
                    f"| {_mib(r['history_bytes_moved_per_layer'])} | {_mib(r['bytes_materialized_per_layer'])} "
                    f"| {r['collectives_per_layer']:g} | {r['host_syncs_per_layer']:g} | {peak} |")
             if measured:
@@ -361,4 +369,75 @@ def kv_capacity(doc: dict) -> str:
     lines = [f"| design | max context per request, {doc['kv_budget_gib']:g} GiB of KV per GPU, C={doc['cp_size']} |",
              "| --- | --- |"]
     lines += [f"| {c['design']} | {c['max_context']:,} |" for c in doc["capacity"]]
+    return "\n".join(lines)
+
+
+def pd_mooncake(doc: dict) -> str:
+    """``bench/pd_mooncake.py``: the layer time per variant, then the Mooncake network leg per decode pool."""
+    mc = doc["mooncake"]
+    lines = [
+        f"Device: {doc['device']}, torch {doc['torch']}; {doc['preset']}, {doc['n_layers']} layers, level "
+        f"{doc['workloads'][0]['level']}; how CP runs: {doc['how_cp_runs']}; timer: {doc['timing']}. Mooncake: "
+        f"`{mc['distribution']}`, protocol `{mc['protocol']}`. Command: `{doc['command']}`.",
+        "",
+        "| workload | layer ms, prefill alone | + torch send | + Mooncake, host pool | + Mooncake, GPU pool "
+        "| added per layer, paired ms: torch / host / GPU |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for w in doc["workloads"]:
+        wl, ms, add = w["workload"], w["layer_ms"], w["added_paired_ms"]
+        added = " / ".join(f"{add[v]:+.3f}" if v in add else "-" for v in ("torch", "mooncake_host", "mooncake_gpu"))
+        lines.append(f"| {wl['name']} ({wl['prefix']:,} + {wl['extend']:,}) | {ms['plain']:.2f} | {_ms(ms.get('torch'))} "
+                     f"| {_ms(ms.get('mooncake_host'))} | {_ms(ms.get('mooncake_gpu'))} | {added} |")
+    lines += [
+        "",
+        "| workload | decode pool | MiB per layer | pieces per layer | network ms per layer | GB/s "
+        "| ended before the loop did | last write after the loop, ms | completion after the loop, ms "
+        "| decode's wait after the prefill returned, ms | decode rows = rows at rest |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for w in doc["workloads"]:
+        for variant, pool in (("mooncake_host", "host"), ("mooncake_gpu", "GPU")):
+            m = w.get(variant)
+            if m is None:
+                continue
+            lines.append(
+                f"| {w['workload']['name']} | {pool} | {m['bytes_per_layer'] / 2**20:.1f} | {m['pieces_per_layer']:.0f} "
+                f"| {m['network_ms_per_layer']:.1f} | {m['network_gbps']:.2f} | {m['network_hidden_fraction']:.0%} "
+                f"| {m['last_write_after_loop_ms']:.1f} | {m['completion_after_loop_ms']:.1f} "
+                f"| {m['wait_after_prefill_ms']:.1f} | {m['received_equal_rows_at_rest']} |")
+    return "\n".join(lines)
+
+
+def v4(doc: dict) -> str:
+    """``bench/v4.py``: per workload and level, layer time by type, peak, bytes at rest by part, bytes moved;
+    the planner's layer times beside where it modeled the same workload (one chunk, no prefix)."""
+    types = doc["layer_types"]
+    count = {t: types.count(t) for t in set(types)}
+    lines = [
+        f"Measured on {doc['device']}, torch {doc['torch']}; {doc['preset']}, the first {doc['n_layers']} layers "
+        f"({', '.join(types)}); how CP runs: {doc['how_cp_runs']}; timer: {doc['timing']}. Command: `{doc['command']}`.",
+        "",
+        "| workload | level | sliding ms, each layer | CSA ms | HCA ms | planner ms: sliding / CSA / HCA | peak GiB "
+        "| CSA at rest, MiB per layer | HCA at rest, MiB per layer | window + state, KiB (all layers) "
+        "| gathered MiB (all layers) | of it materialized |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for w in doc["workloads"]:
+        wl = w["workload"]
+        same = w.get("planner") is not None and wl["prefix"] == 0  # the planner models one chunk from position 0
+        for p in w["levels"]:
+            t = {k: " / ".join(f"{ms:.2f}" for ms, kind in zip(p["layer_ms"], types) if kind == k) or "-"
+                 for k in ("sliding", "csa", "hca")}
+            planned = "-"
+            if same:
+                point = next(q for q in w["planner"]["points"] if q["level"] == p["level"])
+                planned = " / ".join(f"{point['layer_ms'][k]:.1f}" for k in ("sliding", "csa", "hca"))
+            peak = "-" if p["measured_peak_bytes"] is None else f"{p['measured_peak_bytes'] / 2**30:.2f}"
+            lines.append(
+                f"| {wl['name']} ({wl['prefix']:,} + {wl['extend']:,}) | {p['level']} | {t['sliding']} "
+                f"| {t['csa']} | {t['hca']} | {planned} | {peak} "
+                f"| {p['csa_bytes'] / count.get('csa', 1) / 2**20:.1f} | {p['hca_bytes'] / count.get('hca', 1) / 2**20:.1f} "
+                f"| {(p['window_bytes'] + p['compressor_state_bytes']) / 2**10:,.0f} "
+                f"| {p['gather_bytes'] / 2**20:.1f} | {p['materialized_bytes'] / 2**20:.1f} |")
     return "\n".join(lines)

@@ -86,6 +86,14 @@ def test_an_inline_figure_may_not_start_a_line() -> None:
         render_page("Some words\n<!-- fig 1 + 1 -->2<!-- /fig --> more.\n", {}, console=None)
 
 
+def test_a_figure_inside_a_code_span_is_refused() -> None:
+    """Markdown does not read a comment inside backticks as a comment: the page would show the marker."""
+    with pytest.raises(ValueError, match="line 2: a figure inside a code span"):
+        render_page("Words\nthe value `<!-- fig 1 + 1 -->2<!-- /fig -->` here.\n", {}, console=None)
+    text, _ = render_page("Words `code` then <!-- fig 1 + 1 -->?<!-- /fig --> and `more`.\n", {}, console=None)
+    assert "<!-- fig 1 + 1 -->2<!-- /fig -->" in text
+
+
 def test_a_pipe_inside_a_marker_in_a_table_row_is_refused() -> None:
     """A table reads every ``|`` of its row as a cell border, the ones inside an HTML comment too: the
     cell would end in visible marker source."""
