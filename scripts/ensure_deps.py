@@ -116,7 +116,10 @@ def _install_mooncake(pip: list[str]) -> str | None:
     ``None`` when ``mooncake.engine`` imports afterwards, else why not."""
     if not any(installed_version(name) is not None for name in MOONCAKE_BUILDS):
         print("installing:", MOONCAKE_PACKAGE, flush=True)
-        done = subprocess.run(pip + [MOONCAKE_PACKAGE], capture_output=True, text=True)
+        # Optional unless required: one retry, so that a machine without an index (a GPU box) gives up
+        # in about a second instead of pip's five backed-off retries.
+        retries = [] if _required() else ["--retries", "1"]
+        done = subprocess.run(pip + retries + [MOONCAKE_PACKAGE], capture_output=True, text=True)
         if done.returncode != 0:
             lines = done.stderr.strip().splitlines() or [f"exit {done.returncode}"]
             said = next((line for line in lines if line.lower().startswith("error")), lines[-1])
