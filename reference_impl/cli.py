@@ -48,6 +48,7 @@ from reference_impl.config import (
 )
 from reference_impl.errors import RankFailedError, RunStopped
 from reference_impl.presets import preset_names
+from reference_impl.presets_v4 import V4_PRESETS
 
 EXIT_OK = 0
 EXIT_DISAGREES = 1
@@ -368,7 +369,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def _add_plan_flags(p: argparse.ArgumentParser) -> None:
     env = lambda field: knob_names(field)[2]  # noqa: E731
     p.add_argument(_flag("preset"), type=_choice_arg(preset_names(), "preset"), default=None,
-                   help=f"{' | '.join(preset_names())} (env {env('preset')})")
+                   help=f"{' | '.join(n for n in preset_names() if n not in V4_PRESETS)} (env {env('preset')}; "
+                   "DeepSeek-V4: python -m reference_impl.planner.v4)")
     p.add_argument(_flag("cp_size"), "--cp", dest="cp_size", type=_int_arg(1, MAX_PLAN_CP), default=None,
                    help=f"CP ranks C (env {env('cp_size')})")
     p.add_argument(_flag("hbm_gib"), type=_float_arg(maximum=MAX_HBM_GIB, why="1 PiB"), default=None,

@@ -148,6 +148,8 @@ class Request:
 
 def _list_items(spec: str, what: str) -> list[str]:
     """Comma-separated items of ``spec``; an empty spec or an empty item (``a,,b``, ``a,``) is refused."""
+    if not isinstance(spec, str):
+        raise ConfigError(f"{what}={spec!r}: need a string (e.g. '0+128,64+200')")
     items = [item.strip() for item in spec.split(",")]
     if not spec.strip():
         raise ConfigError(f"{what} is empty")
@@ -292,6 +294,9 @@ class RunConfig:
         if self.chunk_size is not None and self.chunk_size < 1:
             raise ConfigError(f"chunk_size={self.chunk_size}: need at least one token per chunk")
         validate_scale_fmt(self.mla_scale_fmt)
+        if self.mla_scale_fmt != "ue8m0" and self.kv_dtype == "bf16":
+            raise ConfigError(f"mla_scale_fmt={self.mla_scale_fmt}: the scale format is the FP8 cache's; "
+                              "kv_dtype=bf16 stores no scales: drop one of the two")
         self._check_v4_knobs()
         _ = self.model  # the indexer pattern against the layer count, by name
         self._check_batches()
@@ -313,7 +318,12 @@ class RunConfig:
             raise ConfigError(f"index_topk_pattern: {self.preset} has no IndexShare (its layer types are set by "
                               "compress_ratios); drop the flag")
         if self.cpu_widths:
-            raise ConfigError(f"cpu_widths: {self.preset} has no CPU-width variant; use the tiny-v4 preset")
+            raise ConfigError(f"cpu_widths: {self.preset} has no CPU-width variant"
+                              + ("; tiny-v4 is already small enough for a CPU: drop the flag" if self.preset == "tiny-v4"
+                                 else "; use the tiny-v4 preset"))
+        if env_flag("fp8_projections"):
+            raise ConfigError(f"DSACP_FP8_PROJECTIONS=1: {self.preset}'s projections are not quantized here (FP8 "
+                              "projections are built for the DSA layer); unset it")
 
     def _check_design(self) -> None:
         """A competing KV design runs only beside the phases it does not replace (:data:`DESIGN_PHASES`)."""
@@ -366,6 +376,9 @@ class RunConfig:
                 _check_type(name, getattr(self, name), int)
         if self.index_topk_pattern is not None:
             _check_type("index_topk_pattern", self.index_topk_pattern, str)
+            if not self.index_topk_pattern.strip():
+                raise ConfigError("index_topk_pattern='': empty; give one letter per layer (F or S), or leave it "
+                                  "unset for the preset's own pattern")
 
     def _check_batches(self) -> None:
         """Batch sizes that tile the requests; each shared prefix from an earlier batch, no longer than its source."""

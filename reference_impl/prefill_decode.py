@@ -265,6 +265,9 @@ def run_prefill_and_decode(run: RunConfig, timeout_s: float = 300, *, transfer: 
     if transfer == "pages" and run.batch_sizes is not None and len(run.batch_sizes) > 1:
         raise ConfigError("the page transfer mirrors one batch's page ids; a run of several batches (--batches) sends "
                           "rows: use transfer='rows'")
+    if run.kv_design != "phases":
+        raise ConfigError(f"kv_design={run.kv_design}: the PD transfer ships the phases' layout (KV sharded by page "
+                          "from phase 2); the competing KV designs run under `run` only: drop the design")
     if not run.phases.sharded_kv:
         raise ConfigError(f"PD transfer of owned pages needs phase 2 (KV sharded at rest); phases are {run.phases}")
     if run.model.index_share.shares:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from reference_impl.check import Agreement
-from reference_impl.config import RunConfig
+from reference_impl.config import RunConfig, env_flag
 from reference_impl.cp.split import SplitMetadata
 from reference_impl.engine import RankResult
 from reference_impl.presets_v4 import is_v4
@@ -100,6 +100,7 @@ def build_report(
             "mla_scale_fmt": run.mla_scale_fmt,
             "index_topk_pattern": None if is_v4(run.model) else run.model.index_share.pattern,
             "cpu_widths": run.cpu_widths,
+            "fp8_projections": env_flag("fp8_projections"),
             "chunk_size": run.chunk_size,
             "chunks": results[0].timings.get("chunks", 1),
             "debug": run.debug,

@@ -105,6 +105,11 @@ def run_prefills(
     distinct model, batch and cache layout, whatever the phases. ``timeout_s`` bounds each launch
     (default: the sum of its runs' ``timeout_s``); ``progress`` as in :func:`run_prefill`.
     """
+    if isinstance(runs, (str, bytes, RunConfig)) or not isinstance(runs, Sequence):
+        raise ConfigError(f"runs={runs!r:.80}: need a list of RunConfig (one run: run_prefill)")
+    for position, run in enumerate(runs):
+        if not isinstance(run, RunConfig):
+            raise ConfigError(f"runs[{position}]={run!r:.80}: need a RunConfig, got {type(run).__name__}")
     return [None if result is None else result.report for result in _run_all(runs, timeout_s, progress)]  # type: ignore[misc]
 
 

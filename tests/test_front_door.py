@@ -123,6 +123,14 @@ BAD_INPUT: list[tuple[list[str], dict[str, str], str]] = [
     (["pd", "--backend", "nccl"], {}, "pd: --backend nccl: the prefill ranks and the decode talk over gloo"),
     (["pd"], {"DSACP_BACKEND": "nccl"}, "pd: DSACP_BACKEND nccl"),
     (["run", "--requests", "0+9", "--batches", "0+9"], {}, "give it or --requests, not both"),
+    (["pd", "--kv-design", "rotated-shard", "--phases", "1"], {}, "kv_design=rotated-shard: the PD transfer ships"),
+    # the model family's knobs: empty, contradictory, or of no use to the preset
+    (["run", "--index-topk-pattern", ""], {}, "index_topk_pattern='': empty"),
+    (["run"], {"DSACP_INDEX_TOPK_PATTERN": ""}, "index_topk_pattern='': empty"),
+    (["run", "--mla-scale-fmt", "fp32", "--kv-dtype", "bf16"], {}, "kv_dtype=bf16 stores no scales"),
+    (["run", "--preset", "tiny-v4", "--cpu-widths"], {}, "tiny-v4 is already small enough for a CPU: drop the flag"),
+    (["run", "--preset", "tiny-v4"], {"DSACP_FP8_PROJECTIONS": "1"}, "DSACP_FP8_PROJECTIONS=1: tiny-v4's projections"),
+    (["plan", "--preset", "tiny-v4"], {}, "python -m reference_impl.planner.v4 --preset tiny-v4"),
 ]
 # Every enumerated run knob's variable, empty or outside its set; every boolean's, empty or "maybe".
 for _field in ("preset", "kv_dtype", "split_mode", "device", "backend", "compute_dtype"):
@@ -245,6 +253,11 @@ def _api_misuse() -> list[tuple[str, object, str]]:
         ("RunConfig device", lambda: ri.RunConfig(device=""), "device=''"),
         ("run_prefill str", lambda: ri.run_prefill("tiny"), "run='tiny'"),
         ("oracle model", lambda: ri.oracle("m", [ri.Request(0, 4)], []), "model='m'"),
+        ("run_prefills one run", lambda: ri.run_prefills(ri.RunConfig()), "need a list of RunConfig"),
+        ("run_prefills str item", lambda: ri.run_prefills(["x"]), "runs[0]='x'"),
+        ("parse_requests int", lambda: ri.parse_requests(96), "request spec=96"),
+        ("plan_capacity rates None", lambda: ri.plan_capacity(ri.PlannerConfig(), None), "rates=None"),
+        ("plan_capacity config str", lambda: ri.plan_capacity("x", ri.load_rates()), "config='x'"),
     ]
 
 

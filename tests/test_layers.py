@@ -11,7 +11,7 @@ Layers, bottom to top (the package docstring draws the same map):
 5. ``pd`` -- prefill -> decode transfer;
 6. the engine: ``engine``, ``runner``, ``launch``, ``schedule``, ``workload``, ``check``, ``report``,
    ``prefill_decode``, ``footprint``;
-7. the face: ``cli``, ``tables``, ``bench``, ``planner``, ``api``, ``demo``, ``figures`` and the package root.
+7. the face: ``cli``, ``tool_args``, ``tables``, ``bench``, ``planner``, ``api``, ``demo``, ``figures`` and the package root.
 
 Every ``import`` statement counts, the ones inside functions too: a lazy import that runs upward
 is still a dependency that runs upward.
@@ -36,7 +36,7 @@ LAYERS: dict[str, int] = {
     "pd": 5,
     "engine": 6, "runner": 6, "launch": 6, "schedule": 6, "workload": 6, "check": 6, "check_v4": 6, "report": 6,
     "prefill_decode": 6, "footprint": 6, "rank_processes": 6,
-    "cli": 7, "tables": 7, "bench": 7, "planner": 7, "api": 7, "demo": 7, "figures": 7, "__main__": 7, "": 7,
+    "cli": 7, "tables": 7, "bench": 7, "planner": 7, "api": 7, "demo": 7, "figures": 7, "tool_args": 7, "__main__": 7, "": 7,
 }
 
 

@@ -62,6 +62,7 @@ from reference_impl.cp.loopback import LoopbackGroup
 from reference_impl.engine import run_rank
 from reference_impl.planner import layer_terms, load_rates
 from reference_impl.planner.model import activation_bytes, local_queries, transient_bytes
+from reference_impl.tool_args import input_json, output_file, refusing, require_cuda
 
 
 @dataclass(frozen=True)
@@ -266,6 +267,7 @@ def measure(
     return out
 
 
+@refusing
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="JSON file to write (with --replan: defaults to the file replanned)")
@@ -287,12 +289,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated: in-seq, round-robin (round-robin levels drop phases 4 and 5)")
     args = parser.parse_args(argv)
     if args.replan:
-        out = Path(args.out or args.replan)
-        out.write_text(json.dumps(replan(json.loads(Path(args.replan).read_text())), indent=1))
+        stored = input_json(args.replan, "--replan")
+        out = output_file(args.out or args.replan)
+        out.write_text(json.dumps(replan(stored), indent=1))
         print(f"wrote {out}", file=sys.stderr)
         return 0
     if not args.out:
         parser.error("--out is required")
+    output_file(args.out)
+    require_cuda(args.device)
     for flag, value in (("--prefetch-repeats", args.prefetch_repeats), ("--level-repeats", args.level_repeats),
                         ("--layers", args.layers)):
         if value < 1:

@@ -54,6 +54,7 @@ from reference_impl.config import ConfigError, Request, RunConfig
 from reference_impl.cp.loopback import LoopbackGroup
 from reference_impl.engine import run_rank
 from reference_impl.planner import rank_ranges, zigzag_blocks
+from reference_impl.tool_args import input_json, output_file, refusing
 
 DEFAULT_CONTEXTS = (131072, 524288, 1048576)
 DEFAULT_CHUNK = 131072
@@ -274,6 +275,7 @@ def transient_ratio(runs: list[dict[str, Any]], level: int) -> float | None:
     return peaks[-1] / peaks[0] if len(peaks) > 1 and all(peaks) else None
 
 
+@refusing
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="JSON file to write (rewritten after each context; with --replan: defaults "
@@ -294,12 +296,14 @@ def main(argv: list[str] | None = None) -> int:
     from reference_impl.bench.timing import ready_for
 
     if args.replan:
-        out = Path(args.out or args.replan)
-        out.write_text(json.dumps(replan(json.loads(Path(args.replan).read_text())), indent=1) + "\n")
+        stored = input_json(args.replan, "--replan")
+        out = output_file(args.out or args.replan)
+        out.write_text(json.dumps(replan(stored), indent=1) + "\n")
         print(f"wrote {out} (replanned)", file=sys.stderr)
         return 0
     if args.out is None:
         raise ConfigError("--out FILE: where to write the results")
+    output_file(args.out)
     try:
         contexts = sorted(int(c) for c in args.contexts.split(","))
         levels = sorted(int(v) for v in args.levels.split(","))

@@ -71,6 +71,7 @@ from reference_impl.pd.dcp import DcpDecodeShard, DcpLayout
 from reference_impl.pd.mooncake import MooncakeReceiver, MooncakeTransport
 from reference_impl.pd.mooncake_engine import MooncakeEngine, mooncake_unavailable
 from reference_impl.pd.stream import LayerStreamer
+from reference_impl.tool_args import output_file, refusing, require_cuda
 
 LIB_LINKS = Path(tempfile.gettempdir()) / "dsacp-mooncake-libs"  # the loaded ones, for LD_LIBRARY_PATH
 MISSING_LIB = re.compile(r"(lib[\w.+-]+\.so[\w.]*): cannot open shared object file")
@@ -293,6 +294,7 @@ def end_to_end(device: str) -> dict[str, Any]:
             "seconds": time.perf_counter() - start}
 
 
+@refusing
 def main(argv: list[str] | None = None) -> int:
     parser = stream_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--libs", action="append", default=[], metavar="DIR",
@@ -300,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-end-to-end", dest="end_to_end", action="store_false",
                         help="skip the multi-process pd run")
     args = parse_stream_args(parser, argv)
+    output_file(args.out)
+    require_cuda(args.device)
     on_cuda = args.device == "cuda"
     doc: dict[str, Any] = {
         "ok": False, "failure": None,

@@ -42,6 +42,7 @@ from reference_impl.cp.loopback import LoopbackGroup
 from reference_impl.engine import request_locs, run_rank
 from reference_impl.pd.stream import LayerStreamer
 from reference_impl.pd.transport import InProcessTransport
+from reference_impl.tool_args import output_file, refusing, require_cuda
 
 DECODE_RANK = -1  # the in-process decode's mailbox key
 
@@ -138,8 +139,11 @@ def parse_stream_args(parser: argparse.ArgumentParser, argv: list[str] | None) -
     return args
 
 
+@refusing
 def main(argv: list[str] | None = None) -> int:
     args = parse_stream_args(stream_parser(__doc__.split("\n\n")[0]), argv)
+    output_file(args.out)
+    require_cuda(args.device)
     results: list[dict[str, Any]] = []
     on_cuda = args.device == "cuda"
     doc = {

@@ -45,6 +45,7 @@ from reference_impl.config import PhaseSet, Request, RunConfig, get_preset
 from reference_impl.cp.loopback import LoopbackGroup
 from reference_impl.cp.v4.store import install_synthetic_prefixes
 from reference_impl.planner.v4 import LAYER_KINDS, plan_v4
+from reference_impl.tool_args import output_file, refusing, require_cuda
 
 DTYPE_BYTES = {"uint8": 1, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4}
 
@@ -100,6 +101,7 @@ def measure(run: RunConfig, rank: int, wire_gbps: float | None, repeats: int) ->
     }
 
 
+@refusing
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
@@ -113,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wire-gbps", type=float, default=None, help="model the interconnect (CUDA only; e.g. 450)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     args = parser.parse_args(argv)
+    output_file(args.out)
+    require_cuda(args.device)
     cfg = get_preset(args.preset)
     levels = parse_levels(args.levels)
     workloads = [Workload.parse(w) for w in args.workloads.split(",")]

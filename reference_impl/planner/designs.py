@@ -62,6 +62,7 @@ from reference_impl.planner.model import (
 )
 from reference_impl.planner.rates import PlannerRates, load_rates
 from reference_impl.presets import ModelConfig, get_preset
+from reference_impl.tool_args import output_file, refusing
 
 PLANNED_DESIGNS = ("phases", "layer-split", "rotated-shard", "dcp-gather", "shared-vmm")
 BUILT = frozenset({"phases", "layer-split", "rotated-shard", "dcp-gather"})
@@ -238,11 +239,13 @@ def one_rank_parser(description: str, layers: int | None, layers_help: str) -> a
     return parser
 
 
+@refusing
 def main(argv: list[str] | None = None) -> int:
     parser = one_rank_parser(__doc__.split("\n\n")[0], None, "model layers (default: the preset's)")
     parser.add_argument("--peer-gbps", type=float, default=None, help="shared VMM peer-read rate (default: the wire's)")
     parser.add_argument("--budget-gib", type=float, default=48.0, help="KV budget per GPU for max_context")
     args = parser.parse_args(argv)
+    output_file(args.out)
     doc = plan_designs(args.preset, args.cp_size, args.rank, args.layers, peer_gbps=args.peer_gbps, budget_gib=args.budget_gib)
     Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {args.out}", file=sys.stderr)

@@ -173,6 +173,10 @@ def plan_capacity(config: PlannerConfig, rates: PlannerRates) -> dict[str, Any]:
     within the budget), ``layer_ms`` with its ``terms_ms`` on ``slowest_rank``, and
     ``tail_ms_per_forward``.
     """
+    if not isinstance(config, PlannerConfig):
+        raise ConfigError(f"config={config!r:.80}: need a PlannerConfig")
+    if not isinstance(rates, PlannerRates):
+        raise ConfigError(f"rates={rates!r:.80}: need PlannerRates (reference_impl.load_rates())")
     cfg, c, dt, ps = config.model, config.cp_size, config.kv_dtype, config.page_size
     share = cfg.index_share
     mode = config.split_mode

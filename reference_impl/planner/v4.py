@@ -45,7 +45,9 @@ from reference_impl.model.v4.compressor import state_start
 from reference_impl.planner.model import local_queries, ms_for_bytes, ms_for_flops, rank_ranges, slowest_rank, zigzag_blocks
 from reference_impl.planner.rates import PlannerRates, load_rates
 from reference_impl.presets import get_preset
-from reference_impl.presets_v4 import V4ModelConfig
+from reference_impl.presets_v4 import V4_PRESETS, V4ModelConfig
+from reference_impl.errors import ConfigError
+from reference_impl.tool_args import int_list, output_file, positive, refusing
 
 GIB = 1 << 30
 LAYER_KINDS = {"sliding": 0, "csa": 4, "hca": 128}
@@ -143,9 +145,22 @@ def layer_ms(cfg: V4ModelConfig, rates: PlannerRates, tokens: int, cp_size: int,
 
 def plan_v4(preset: str, cp_size: int, contexts: list[int], levels: list[int], kv_budget_gib: float,
             rates: PlannerRates | None = None) -> dict[str, Any]:
-    """The V4 terms at each context and level, with DeepSeek-V3.2 beside (the planner's own terms)."""
+    """The V4 terms at each context and level, with DeepSeek-V3.2 beside (the planner's own terms).
+
+    Raises :class:`ConfigError` naming the argument: a preset that is not a V4 preset, ``cp_size``
+    below 1, a context below 1, a level outside 0..8, a KV budget that is not a positive number."""
+    if preset not in V4_PRESETS:
+        raise ConfigError(f"preset={preset!r}: the V4 planner takes {', '.join(V4_PRESETS)} "
+                          "(DeepSeek-V3.2 and GLM: python -m reference_impl plan)")
+    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
+        raise ConfigError(f"cp_size={cp_size!r}: need an integer of at least 1")
+    if not contexts or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in contexts):
+        raise ConfigError(f"contexts={contexts!r}: need token counts of at least 1")
+    if not levels or any(isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 8 for k in levels):
+        raise ConfigError(f"levels={levels!r}: need phase levels within 0..8")
+    if isinstance(kv_budget_gib, bool) or not isinstance(kv_budget_gib, (int, float)) or not 0 < kv_budget_gib < float("inf"):
+        raise ConfigError(f"kv_budget_gib={kv_budget_gib!r}: need a finite number above 0")
     cfg = get_preset(preset)
-    assert isinstance(cfg, V4ModelConfig)
     v32 = get_preset("deepseek-v3.2")
     rates = rates or load_rates()
     budget = int(kv_budget_gib * GIB)
@@ -189,20 +204,26 @@ def plan_v4(preset: str, cp_size: int, contexts: list[int], levels: list[int], k
     }
 
 
+@refusing
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--preset", default="deepseek-v4-flash")
+    parser.add_argument("--out", default=None, help="JSON file to write (default: print it)")
+    parser.add_argument("--preset", default="deepseek-v4-flash", help=", ".join(V4_PRESETS))
     parser.add_argument("--cp-size", type=int, default=8)
     parser.add_argument("--contexts", default="131072,1048576")
     parser.add_argument("--levels", default="0,2,3,4,8")
     parser.add_argument("--kv-budget-gib", type=float, default=48.0, help="KV budget per GPU (the V3.2 planner's default)")
     args = parser.parse_args(argv)
-    doc = plan_v4(args.preset, args.cp_size, [int(c) for c in args.contexts.split(",")],
-                  [int(level) for level in args.levels.split(",")], args.kv_budget_gib)
+    out = output_file(args.out) if args.out is not None else None
+    doc = plan_v4(args.preset, args.cp_size, int_list(args.contexts, "--contexts", 1),
+                  int_list(args.levels, "--levels", 0, 8), positive(args.kv_budget_gib, "--kv-budget-gib"))
     doc["command"] = "python -m reference_impl.planner.v4 " + " ".join(argv if argv is not None else sys.argv[1:])
-    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"wrote {args.out}", file=sys.stderr)
+    text = json.dumps(doc, indent=1) + "\n"
+    if out is None:
+        sys.stdout.write(text)
+    else:
+        out.write_text(text)
+        print(f"wrote {out}", file=sys.stderr)
     return 0
 
 
