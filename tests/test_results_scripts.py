@@ -192,3 +192,21 @@ def test_the_fused_kernel_profile_reads_ncu_csv_and_pairs_it_with_the_launches()
     with pytest.raises(ValueError, match="2 profiled launches but 1"):
         profile.pair_rows([{"op": "a", "payload": 1}, {"op": "b", "payload": 1}], kernels)
     assert profile.parse_ncu_csv("==PROF== no kernels\n") == []
+
+
+def test_the_logits_profile_reads_ncus_details_page() -> None:
+    """``scripts/profile_logits_kernel.py`` groups ncu's ``--page details`` rows by launch and section,
+    numbers without their thousands separators, rule rows (no metric name) left out."""
+    profile = _script("profile_logits_kernel")
+    head = '"ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value"'
+    rows = ['"0","_indexer_logits_kernel","Warp State Statistics","Warp Cycles Per Issued Instruction","cycle","5.92"',
+            '"0","_indexer_logits_kernel","GPU Speed Of Light Throughput","Duration","ns","4,004,384"',
+            '"0","_indexer_logits_kernel","SpeedOfLight","","",""',
+            '"1","_indexer_logits_kernel","Occupancy","Achieved Active Warps Per SM","warp","11.92"']
+    launches = profile.parse_details_csv("==PROF== Connected\n" + "\n".join([head, *rows]) + "\n==PROF== Disconnected")
+    assert launches == [
+        {"kernel": "_indexer_logits_kernel", "metrics": {
+            "Warp State Statistics": {"Warp Cycles Per Issued Instruction (cycle)": 5.92},
+            "GPU Speed Of Light Throughput": {"Duration (ns)": 4004384.0}}},
+        {"kernel": "_indexer_logits_kernel", "metrics": {"Occupancy": {"Achieved Active Warps Per SM (warp)": 11.92}}},
+    ]
