@@ -333,7 +333,7 @@ def kv_designs(doc: dict) -> str:
     if measured:
         head = (f"Measured on {doc['device']}, torch {doc['torch']}; {doc['preset']}, {doc['n_layers']} layers run; "
                 f"how CP runs: {doc['how_cp_runs']}; timer: {doc['timing']}; min-max: every layer of every timed run. "
-                f"Command: `{doc['command']}`. Shared VMM is the planner's row (modeled).")
+                f"Command: `{doc['command']}`. Shared VMM is the planner's row (modeled; peer reads assumed at the wire's rate), its time in the planner column.")
     else:
         head = (f"**Modeled** by the planner, nothing ran: {doc['preset']}, rank {doc['rank']} of C={doc['cp_size']}, "
                 f"{doc['n_layers']} layers, wire {doc['wire_gbps']:g} GB/s (assumed), shared VMM peer reads "
@@ -354,12 +354,14 @@ def kv_designs(doc: dict) -> str:
             if measured:
                 samples = r.get("layer_ms_all") or []
                 spread = f"| {min(samples):.2f}-{max(samples):.2f} " if samples else "| - "
-            row = (f"| {w['name']} {w['prefix']:,}+{w['extend']:,} | {r['design']}{modeled} | {r['layer_ms']:.2f} {spread}"
+            shown_ms = "-" if modeled else f"{r['layer_ms']:.2f}"  # a modeled time goes in the planner column only
+            row = (f"| {w['name']} {w['prefix']:,}+{w['extend']:,} | {r['design']}{modeled} | {shown_ms} {spread}"
                    f"| {at_rest / 2**30:.2f} | {_mib(r['bytes_moved_per_layer'])} "
                    f"| {_mib(r['history_bytes_moved_per_layer'])} | {_mib(r['bytes_materialized_per_layer'])} "
                    f"| {r['collectives_per_layer']:g} | {r['host_syncs_per_layer']:g} | {peak} |")
             if measured:
-                row += f" {r['planner']['layer_ms']:.2f} |" if "planner" in r else " - |"
+                planned = r["planner"]["layer_ms"] if "planner" in r else r["layer_ms"] if modeled else None
+                row += f" {planned:.2f} |" if planned is not None else " - |"
             lines.append(row)
     return "\n".join(lines)
 
