@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
-import shlex
 import statistics
 import sys
 import time
@@ -48,6 +46,7 @@ from reference_impl.cp.loopback import LoopbackGroup
 from reference_impl.engine import PER_LAYER_TAGS, run_rank
 from reference_impl.planner.designs import design_layer, kv_bytes_at_rest, one_rank_parser
 from reference_impl.planner.rates import PlannerRates, load_rates
+from reference_impl.bench.record import loopback_cp, run_record
 
 MEASURED_DESIGNS = ("phases", "layer-split", "rotated-shard", "dcp-gather")
 DEFAULT_WORKLOADS = "current-only:0+32768,current-only:0+131072,prefix-heavy:24576+8192,prefix-heavy:122880+8192"
@@ -187,12 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"estimated device time on an H200: {estimate:.0f} s", file=sys.stderr, flush=True)
     doc: dict[str, Any] = {
         "kind": "measured",
-        "device": torch.cuda.get_device_name(0) if args.device == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "command": "python -m reference_impl.bench.designs " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        **run_record("designs", argv, args.device),
         "env": {name: value for name, value in sorted(os.environ.items()) if name.startswith("DSACP_")},
-        "how_cp_runs": f"rank {args.rank} of C={args.cp_size} alone in one process (LoopbackGroup): collectives are "
-        + (f"local copies plus a modeled wire of {args.wire_gbps:g} GB/s" if args.wire_gbps else "local copies (no wire time)"),
+        "how_cp_runs": loopback_cp(args.rank, args.cp_size, args.wire_gbps, "collectives"),
         "timing": (f"CUDA events per layer, median over the layers of {args.repeats} run(s) after a warm-up run"
                    if args.device == "cuda" else "perf_counter per layer (CPU dry run: the numbers mean nothing)"),
         "preset": args.preset, "model_layers": get_preset(args.preset).n_layers, "n_layers": args.layers,

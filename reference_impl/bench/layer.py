@@ -43,8 +43,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import shlex
 import statistics
 import sys
 import time
@@ -63,6 +61,7 @@ from reference_impl.engine import run_rank
 from reference_impl.planner import layer_terms, load_rates
 from reference_impl.planner.model import activation_bytes, local_queries, transient_bytes
 from reference_impl.tool_args import input_json, output_file, refusing, require_cuda
+from reference_impl.bench.record import loopback_cp, run_record
 
 
 @dataclass(frozen=True)
@@ -309,12 +308,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--split-modes {args.split_modes!r}: use in-seq, round-robin or both")
     results: list[dict[str, Any]] = []
     doc = {
-        "device": torch.cuda.get_device_name(0) if args.device == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "command": "python -m reference_impl.bench.layer " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        **run_record("layer", argv, args.device),
         "env": {name: value for name, value in sorted(os.environ.items()) if name.startswith("DSACP_")},
-        "how_cp_runs": f"rank {args.rank} of C={args.cp_size} alone in one process (LoopbackGroup): all-gathers are "
-        + (f"local copies plus a modeled wire of {args.wire_gbps:g} GB/s" if args.wire_gbps else "local copies (no wire time)"),
+        "how_cp_runs": loopback_cp(args.rank, args.cp_size, args.wire_gbps),
         "timing": (
             "CUDA events per layer, median over the layers of one run after a warm-up run of the level"
             if args.level_repeats == 1

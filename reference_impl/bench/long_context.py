@@ -39,8 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import shlex
 import statistics
 import sys
 import time
@@ -54,6 +52,7 @@ from reference_impl.config import ConfigError, Request, RunConfig
 from reference_impl.cp.loopback import LoopbackGroup
 from reference_impl.engine import run_rank
 from reference_impl.planner import rank_ranges, zigzag_blocks
+from reference_impl.bench.record import run_record
 from reference_impl.tool_args import input_json, output_file, refusing
 
 DEFAULT_CONTEXTS = (131072, 524288, 1048576)
@@ -324,9 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     on_gpu = args.device == "cuda"
     runs: list[dict[str, Any]] = []
     doc: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(0) if on_gpu else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "command": "python -m reference_impl.bench.long_context " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        **run_record("long_context", argv, args.device),
         "env": {name: value for name, value in sorted(os.environ.items()) if name.startswith("DSACP_")},
         "preset": args.preset, "cp_size": args.cp_size, "rank": args.rank, "n_layers": args.layers,
         "chunk_tokens": args.chunk, "local_queries_per_chunk": args.chunk // args.cp_size, "levels": levels,

@@ -48,7 +48,6 @@ import json
 import os
 import platform
 import re
-import shlex
 import shutil
 import statistics
 import sys
@@ -72,6 +71,7 @@ from reference_impl.pd.mooncake import MooncakeReceiver, MooncakeTransport
 from reference_impl.pd.mooncake_engine import MooncakeEngine, mooncake_unavailable
 from reference_impl.pd.stream import LayerStreamer
 from reference_impl.tool_args import output_file, refusing, require_cuda
+from reference_impl.bench.record import run_record
 
 LIB_LINKS = Path(tempfile.gettempdir()) / "dsacp-mooncake-libs"  # the loaded ones, for LD_LIBRARY_PATH
 MISSING_LIB = re.compile(r"(lib[\w.+-]+\.so[\w.]*): cannot open shared object file")
@@ -307,10 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     on_cuda = args.device == "cuda"
     doc: dict[str, Any] = {
         "ok": False, "failure": None,
-        "device": torch.cuda.get_device_name(0) if on_cuda else platform.processor() or "cpu",
-        "torch": torch.__version__, "python": platform.python_version(),
-        "command": "python -m reference_impl.bench.pd_mooncake "
-        + shlex.join(argv if argv is not None else sys.argv[1:]),
+        **run_record("pd_mooncake", argv, args.device), "python": platform.python_version(),
         "how_cp_runs": f"rank {args.rank} of C={args.cp_size} alone in one process (LoopbackGroup), the decode in the "
         "same process with its own Mooncake engine" + (f"; all-gathers with a modeled wire of {args.wire_gbps:g} GB/s"
                                                         if args.wire_gbps else ""),

@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import shlex
 import statistics
 import sys
 from pathlib import Path
@@ -43,6 +41,7 @@ from reference_impl.engine import request_locs, run_rank
 from reference_impl.pd.stream import LayerStreamer
 from reference_impl.pd.transport import InProcessTransport
 from reference_impl.tool_args import output_file, refusing, require_cuda
+from reference_impl.bench.record import loopback_cp, run_record
 
 DECODE_RANK = -1  # the in-process decode's mailbox key
 
@@ -147,11 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     results: list[dict[str, Any]] = []
     on_cuda = args.device == "cuda"
     doc = {
-        "device": torch.cuda.get_device_name(0) if on_cuda else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "command": "python -m reference_impl.bench.pd_stream " + shlex.join(argv if argv is not None else sys.argv[1:]),
-        "how_cp_runs": f"rank {args.rank} of C={args.cp_size} alone in one process (LoopbackGroup): all-gathers are "
-        + (f"local copies plus a modeled wire of {args.wire_gbps:g} GB/s" if args.wire_gbps else "local copies (no wire time)"),
+        **run_record("pd_stream", argv, args.device),
+        "how_cp_runs": loopback_cp(args.rank, args.cp_size, args.wire_gbps),
         "wire": ("the send's device leg, measured: pool read + copy to pinned host memory on a side stream over the "
                  "GPU's PCIe link; the network leg after it is not modeled") if on_cuda else "none (CPU dry run)",
         "timing": (f"CUDA events per layer; median over the layers after the first of {args.repeats} runs per variant, "

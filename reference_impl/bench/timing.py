@@ -28,10 +28,13 @@ def ready_for(device: str) -> bool:
     import os
     import sys
 
-    import torch
+    from reference_impl.errors import ConfigError
+    from reference_impl.tool_args import require_cuda
 
-    if device == "cuda" and not torch.cuda.is_available():
-        print("error: this benchmark needs a CUDA device", file=sys.stderr)
+    try:
+        require_cuda(device)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return False
     if device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"

@@ -29,8 +29,6 @@ import argparse
 import contextlib
 import json
 import math
-import platform
-import shlex
 import statistics
 import sys
 from collections.abc import Iterator
@@ -44,8 +42,9 @@ from reference_impl.bench.layer import Workload, parse_levels
 from reference_impl.config import PhaseSet, Request, RunConfig, get_preset
 from reference_impl.cp.loopback import LoopbackGroup
 from reference_impl.cp.v4.store import install_synthetic_prefixes
-from reference_impl.planner.v4 import LAYER_KINDS, plan_v4
+from reference_impl.planner.v4 import plan_v4
 from reference_impl.tool_args import output_file, refusing, require_cuda
+from reference_impl.bench.record import loopback_cp, run_record
 
 DTYPE_BYTES = {"uint8": 1, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4}
 
@@ -121,13 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     levels = parse_levels(args.levels)
     workloads = [Workload.parse(w) for w in args.workloads.split(",")]
     doc: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(0) if args.device == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "command": "python -m reference_impl.bench.v4 " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        **run_record("v4", argv, args.device),
         "preset": args.preset, "cp_size": args.cp_size, "rank": args.rank, "n_layers": args.layers,
         "layer_types": [cfg.layer_type(i) for i in range(args.layers)],
-        "how_cp_runs": f"rank {args.rank} of C={args.cp_size} alone in one process (LoopbackGroup): all-gathers are "
-        + (f"local copies plus a modeled wire of {args.wire_gbps:g} GB/s" if args.wire_gbps else "local copies (no wire time)"),
+        "how_cp_runs": loopback_cp(args.rank, args.cp_size, args.wire_gbps),
         "timing": f"CUDA events per layer, median of {args.repeats} runs after a warm-up run" if args.device == "cuda"
         else "perf_counter per layer (CPU dry run: the numbers mean nothing)",
         "wire_gbps": args.wire_gbps, "workloads": [],

@@ -14,12 +14,12 @@ import torch
 
 from reference_impl.cp.batch import BatchLocs
 from reference_impl.cp.fused_ops import fused_store
-from reference_impl.cp.kv_store import FullView, StoredRows, check_index_input
+from reference_impl.cp.kv_store import FullView, PoolBytesAtRest, StoredRows, check_index_input
 from reference_impl.kvcache.layout import KVLayout
 from reference_impl.kvcache.pool import PagedKVPool, check_in_range
 
 
-class ReplicatedKV:
+class ReplicatedKV(PoolBytesAtRest):
     """Every rank stores every token of the batch (the baseline)."""
 
     name = "replicated"
@@ -44,14 +44,6 @@ class ReplicatedKV:
         self.batch = batch
         # Range-checked once per batch (a host read), so the layer loop's fused ops read nothing.
         check_in_range("store locs", batch.extend_locs, self.pool.n_slots)
-
-    @property
-    def kv_bytes(self) -> int:
-        return self.pool.mla_bytes_total
-
-    @property
-    def index_bytes(self) -> int:
-        return self.pool.index_bytes_total
 
     def write_prefix(
         self, layer: int, request: int, rows: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor, start: int = 0

@@ -23,7 +23,7 @@ from reference_impl.cp.comm import CPGroup
 from reference_impl.cp.compute_owner import direct_write_ok
 from reference_impl.cp.current_reuse import BatchKind, classify_batch, fill_current, history_rows
 from reference_impl.cp.fused_ops import fill_current_rows, fused_store, materialize_mla_rows, materialize_rows
-from reference_impl.cp.kv_store import FullView, StoredRows, check_index_input
+from reference_impl.cp.kv_store import FullView, PoolBytesAtRest, StoredRows, check_index_input
 from reference_impl.cp.ownership import Ownership
 from reference_impl.cp.page_gather import PageGather, gather_page_part, gather_pages, unpack_index_rows
 from reference_impl.cp.split_index import local_index_tensor
@@ -31,7 +31,7 @@ from reference_impl.kvcache.layout import KVLayout
 from reference_impl.kvcache.pool import PagedKVPool, check_in_range
 
 
-class ShardedKV:
+class ShardedKV(PoolBytesAtRest):
     """Each rank stores the MLA latent and indexer K of the tokens it owns (``ownership.owner(loc) == rank``)."""
 
     name = "sharded"
@@ -106,14 +106,6 @@ class ShardedKV:
     def store_path(self) -> str:
         """``"direct"`` when this batch's rank writes its own rows, else ``"gathered"``."""
         return "direct" if self.direct_write else "gathered"
-
-    @property
-    def kv_bytes(self) -> int:
-        return self.pool.mla_bytes_total
-
-    @property
-    def index_bytes(self) -> int:
-        return self.pool.index_bytes_total
 
     def _owned(self, locs: torch.Tensor) -> torch.Tensor:
         return self.ownership.owner(locs) == self.group.rank

@@ -40,6 +40,22 @@ class FullView:
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
 
+class PoolBytesAtRest:
+    """``kv_bytes`` and ``index_bytes`` of a store that keeps everything it holds in ``self.pool``."""
+
+    pool: PagedKVPool
+
+    @property
+    def kv_bytes(self) -> int:
+        """MLA bytes at rest, all layers."""
+        return self.pool.mla_bytes_total
+
+    @property
+    def index_bytes(self) -> int:
+        """Indexer K bytes at rest, all layers."""
+        return self.pool.index_bytes_total
+
+
 class KVStore(Protocol):
     """A rank's KV storage for one run: its pool, the batch it serves, and the per-layer operations."""
 

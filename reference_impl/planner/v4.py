@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 from reference_impl.cp.capacity import kv_bytes_per_rank

@@ -19,7 +19,7 @@ from reference_impl.config import ConfigError
 from reference_impl.cp.batch import BatchLocs
 from reference_impl.cp.comm import CPGroup
 from reference_impl.cp.fused_ops import fill_current_rows, fused_store, materialize_rows
-from reference_impl.cp.kv_store import FullView, StoredRows
+from reference_impl.cp.kv_store import FullView, PoolBytesAtRest, StoredRows
 from reference_impl.cp.ownership import Ownership
 from reference_impl.cp.prefetch import CudaSideStream, InlineStream, Stream
 from reference_impl.kvcache.layout import KVLayout
@@ -126,7 +126,7 @@ class LayerAhead:
         return self.stream.wait_ms()
 
 
-class OwnedShare:
+class OwnedShare(PoolBytesAtRest):
     """The store half of a design whose ranks keep the tokens an :class:`Ownership` gives them
     (rotated page shard, DCP gather): each rank quantizes and writes its owned rows of the gathered
     chunk and of an installed prefix, and reports them. Subclasses set ``ownership``, ``pool``,
@@ -139,14 +139,6 @@ class OwnedShare:
     fused: bool
     debug: bool
     store_path = "gathered"  # owned rows of the gathered chunk
-
-    @property
-    def kv_bytes(self) -> int:
-        return self.pool.mla_bytes_total
-
-    @property
-    def index_bytes(self) -> int:
-        return self.pool.index_bytes_total
 
     def plan_store(self, batch: BatchLocs) -> None:
         """The current tokens this rank owns (sequence-order rows of the chunk) and their physical locs."""
