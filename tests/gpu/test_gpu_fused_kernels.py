@@ -169,10 +169,12 @@ def test_the_dispatch_runs_the_kernels_and_refuses_bad_locs_like_torch() -> None
     assert fallback.use_kernels(DEVICE) is True
 
 
+@pytest.mark.gpu_ranks  # beside no other worker's CP ranks: their kernels, time-sliced in, would be timed too
 def test_the_queued_timer_keeps_the_hosts_launch_work_out() -> None:
     """bench.kernels' timer: a call that spends 0.15 ms on the host before a tiny kernel. ``do_bench``
     times the GPU waiting for the host (at least the 0.15 ms less its 256 MB flush); the queued
-    timer, whose launches wait behind a GPU sleep, the kernel's few microseconds."""
+    timer, whose launches wait behind a GPU sleep, the kernel's few microseconds (under 0.05 ms:
+    the host's 0.15 ms stays out, with room for another worker's kernels sharing the GPU)."""
     import time
 
     import triton.testing
@@ -189,5 +191,5 @@ def test_the_queued_timer_keeps_the_hosts_launch_work_out() -> None:
 
     queued = queued_median_ms(slow_host_tiny_kernel, reps=40)
     waited = triton.testing.do_bench(slow_host_tiny_kernel, warmup=5, rep=20, return_mode="median")
-    assert queued < 0.02, queued
+    assert queued < 0.05, queued
     assert waited > 0.04, waited
