@@ -30,7 +30,7 @@ from reference_impl.model.oracle import DSAModel, OracleResult, init_weights, ru
 from reference_impl.model.sparse_attention import TORCH_OPS
 from reference_impl.model.v4.checkpoint import load_v4_hf_weights
 from reference_impl.model.v4.oracle import build_v4_model, run_v4_oracle
-from reference_impl.model.v4.sparse import V4_TORCH_OPS
+from reference_impl.model.v4.ops import V4_TORCH_OPS
 from reference_impl.presets import ModelConfig, get_preset, preset_names
 from reference_impl.presets_v4 import is_v4
 

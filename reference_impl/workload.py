@@ -13,7 +13,7 @@ from reference_impl.kernels.dispatch import KERNEL_OPS
 from reference_impl.model.oracle import DSAModel, init_weights
 from reference_impl.model.v4.oracle import build_v4_model
 from reference_impl.kernels.v4_dispatch import V4_KERNEL_OPS
-from reference_impl.model.v4.sparse import V4Ops
+from reference_impl.model.v4.ops import V4Ops
 from reference_impl.presets_v4 import is_v4
 
 

@@ -30,7 +30,7 @@ import render_docs  # noqa: E402
 from render_docs import FIG, Doc, Items, Sources, page_paths  # noqa: E402
 
 #: Fields of a list element that say which element it is.
-IDENTIFYING = ("level", "op", "T", "S", "tokens", "C", "name", "batch", "workload")
+IDENTIFYING = ("level", "op", "T", "S", "tokens", "C", "name", "batch", "workload", "kind", "shape")
 #: Fields of a run that say what configuration it measured.
 CONFIGURATION = ("preset", "cp_size", "n_layers", "wire_gbps", "split_mode")
 #: Results that measure another configuration under the same field names: ``(file, path prefix)`` ->

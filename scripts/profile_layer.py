@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from torch.profiler import ProfilerActivity, profile
 from reference_impl.config import PhaseSet, Request, RunConfig
 from reference_impl.cp.loopback import LoopbackGroup
 from reference_impl.engine import LAYER_LOOP_RANGE, run_rank
+from reference_impl.errors import ConfigError
 
 
 def loop_ops(events: Any, device: str) -> tuple[dict[str, float], dict[str, int], float]:
@@ -131,6 +133,29 @@ def one_rank_run(args: argparse.Namespace, device: str) -> RunConfig:
                      requests=(Request(args.prefix, args.extend),), phases=PhaseSet.level(args.level))
 
 
+def kernel_kind(name: str) -> str:
+    """The kind a profiled kernel or op belongs to: cuBLAS GEMMs by input type, each Triton kernel by
+    its own name (they start with ``_``), device copies, and torch's other kernels in one group."""
+    if "gemm" in name or name.startswith("nvjet"):
+        return "GEMM, fp32 (cuBLAS)" if "f32f32" in name else "GEMM, bf16 (cuBLAS)"
+    if name.startswith("_"):
+        return name
+    if name.startswith("Memcpy"):
+        return "device copies (memcpy)"
+    return "torch elementwise, copy and reduction kernels"
+
+
+def by_kind(ms: dict[str, float], calls: dict[str, int]) -> list[dict[str, Any]]:
+    """``ms`` and ``calls`` summed by :func:`kernel_kind`, largest first, with each kind's share."""
+    kinds: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for name, value in ms.items():
+        kind = kinds[kernel_kind(name)]
+        kind[0] += value
+        kind[1] += calls[name]
+    total = sum(ms.values()) or 1.0
+    return [{"kind": k, "ms": v[0], "count": int(v[1]), "share": v[0] / total} for k, v in sorted(kinds.items(), key=lambda kv: -kv[1][0])]
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = one_rank_parser(__doc__.split("\n\n")[0], level=7, rows=30, json_help="also write every op's time and count here")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -158,6 +183,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     doc = {
         "args": vars(args), "layer_ms": layer_ms, "loop_wall_ms": loop_wall_ms, "loop_ops_ms_total": total,
         "ops": sorted(({"name": n, "count": calls[n], key: v} for n, v in ms.items()), key=lambda o: -o[key]),
+        "by_kind": by_kind(ms, calls),
         "what": "what runs inside the engine's layer-loop ranges (weight init, inputs, prefix install and tail "
                 "excluded): kernels' device time on CUDA, ops' self CPU time on a CPU; the second of two identical runs",
     }
@@ -167,4 +193,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ConfigError as exc:  # a preset, level or layer count the run refuses: one line, exit 2
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from reference_impl.kvcache import v4_layout as L
-from reference_impl.model.v4 import cache as v4_cache
 from reference_impl.model.v4.cache import V4LayerCache, v4_layer_forward
 from reference_impl.model.v4.checkpoint import load_v4_hf_weights, v4_attention_names
 from reference_impl.model.v4.oracle import build_v4_model, run_v4_oracle
@@ -125,16 +124,17 @@ def test_cross_check_catches_a_compressor_without_overlap(setup, monkeypatch):
     dropped). The transformers comparison fails on the CSA layer, beyond any tolerance above."""
     model, hf, layers, rot = setup
     x = torch.randn(T, CFG.dim, generator=torch.Generator().manual_seed(3))
-    true_pool = v4_cache.pool
+    attn = model.layers[1].attn
+    true_pool = attn.ops.pool
 
     def no_overlap(kv_rows, score_rows, slot_rows, ratio):
         if ratio == 4:
             slot_rows = torch.cat([torch.full_like(slot_rows[:, :4], -1), slot_rows[:, 4:]], dim=1)
         return true_pool(kv_rows, score_rows, slot_rows, ratio)
 
-    monkeypatch.setattr(v4_cache, "pool", no_overlap)
+    monkeypatch.setattr(attn, "ops", dataclasses.replace(attn.ops, pool=no_overlap))
     ref = hf_forward(hf, layers[1], rot, x, torch.arange(T))
-    out, _, _ = v4_layer_forward(model.layers[1].attn, x, 0, V4LayerCache.empty("fp32", 4, 512, 128, "cpu"), torch.float32)
+    out, _, _ = v4_layer_forward(attn, x, 0, V4LayerCache.empty("fp32", 4, 512, 128, "cpu"), torch.float32)
     assert rel_err(out, ref) > 0.2
 
 

@@ -31,7 +31,9 @@ import triton.language as tl
 from reference_impl.kernels.triton_helpers import pow2_at_least_16
 
 LOG2E = math.log2(math.e)
-GPU_CONFIG = (64, 32, 8, 2)  # BLOCK_H, BLOCK_K, num_warps, num_stages on GPU (H200: 64 heads of V4-Flash)
+GPU_CONFIG = (64, 64, 8, 2)
+"""BLOCK_H, BLOCK_K, num_warps, num_stages on GPU: the fastest of `scripts/sweep_v4_attention.py` on the
+H200 at V4-Flash's 64 heads (`docs/results/v4_attention_sweep_h200.json`)."""
 
 
 @triton.jit

@@ -36,7 +36,6 @@ from reference_impl.cp.split import SplitMetadata
 from reference_impl.cp.v4.plan import RatioPlan, V4ChunkPlan, build_plan
 from reference_impl.cp.v4.store import Materialization, V4Store
 from reference_impl.kvcache.v4_layout import decode_index, decode_main, encode_index, encode_main
-from reference_impl.model.v4.compressor import pool
 from reference_impl.presets_v4 import V4ModelConfig
 
 WINDOW_TAG, POOL_TAG, ENTRY_TAG = "v4_window", "v4_pool", "v4_entries"
@@ -69,8 +68,11 @@ class _RatioIndex:
         self.history_counts = [p // m for p in plan.prefix_lens]
         self.all_counts = rp.n_entries
         self.n_visible = _long([(t + 1) // m for t in plan.positions], device)
-        self.key_start = _long([rp.view_offsets[i] for i in plan.requests], device)
+        starts = [rp.view_offsets[i] for i in plan.requests]
+        self.key_start = _long(starts, device)
         self.max_visible = max(((t + 1) // m for t in plan.positions), default=0)
+        # The same key ranges on the host: the indexer kernel sizes its tiles without reading the device.
+        self.host_bounds = (starts, [s + (t + 1) // m for s, t in zip(starts, plan.positions)])
 
 
 class V4ChunkRunner:
@@ -131,7 +133,7 @@ class V4ChunkRunner:
     def step(self, layer: int, block: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer`` for the rank's tokens ``x [T_local, dim]`` -> ``(x + attention, top-k)``;
         top-k: CSA entries selected per query (request entry indices, ``-1`` padded; ``[T, 0]`` elsewhere)."""
-        cfg, store, group, plan = self.cfg, self.store, self.group, self.plan
+        cfg, store, plan = self.cfg, self.store, self.plan
         if self.prefetcher is not None:
             self.prefetcher.launch_after(layer)
         attn, m = block.attn, cfg.ratio(layer)
@@ -158,7 +160,11 @@ class V4ChunkRunner:
             transient += main_rows.numel() + index_rows.numel() + main_view.numel() + index_view.numel()
             if m == 4:
                 keys = decode_index(index_view, codec, cfg.index_head_dim)
-                sel = attn.ops.select_entries(proj.index_q, proj.index_weights, keys, ri.key_start, ri.n_visible, cfg.index_topk)
+                if codec != "fp32":  # FP4 with power-of-two scales, or bf16: exact in bf16, the indexer kernel's input
+                    keys = keys.to(torch.bfloat16)
+                sel = attn.ops.select_entries(
+                    proj.index_q, proj.index_weights, keys, ri.key_start, ri.n_visible, cfg.index_topk, host_bounds=ri.host_bounds
+                )
                 indices.append(torch.where(sel >= 0, sel.long() + offset, torch.full_like(sel, -1, dtype=torch.long)))
                 topk = torch.where(sel >= 0, sel - ri.key_start[:, None].to(sel.dtype), sel)
             else:
@@ -180,7 +186,7 @@ class V4ChunkRunner:
     ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
         """Compressor halo, this rank's entries, entry all-gather -> ``(new main rows, new index rows
         (chunk entry order), next compressor states, this rank's own encoded (main, index))``."""
-        cfg, store, codec, m = self.cfg, self.store, self.store.codec, attn.ratio
+        store, codec, m = self.store, self.store.codec, attn.ratio
         parts = [proj.pool_kv, proj.pool_score]
         if m == 4:
             parts += [proj.index_pool_kv, proj.index_pool_score]
@@ -189,11 +195,11 @@ class V4ChunkRunner:
         table = torch.cat([*(store.state(layer, req).pool for req in store.requests), own_pool, halo])
         pools = [table.index_select(0, rows) for rows in ri.new_state_rows]
         width = proj.pool_kv.shape[1]
-        main = attn.finish_entries(pool(table[:, :width], table[:, width : 2 * width], ri.slot_rows, m), ri.owned_entries, dtype)
+        main = attn.finish_entries(attn.ops.pool(table[:, :width], table[:, width : 2 * width], ri.slot_rows, m), ri.owned_entries, dtype)
         own_main = encode_main(main, codec)
         if m == 4:
             iw = proj.index_pool_kv.shape[1]
-            keys = pool(table[:, 2 * width : 2 * width + iw], table[:, 2 * width + iw :], ri.slot_rows, m)
+            keys = attn.ops.pool(table[:, 2 * width : 2 * width + iw], table[:, 2 * width + iw :], ri.slot_rows, m)
             own_index = encode_index(attn.finish_index_keys(keys, ri.owned_entries, dtype), codec)
         else:
             own_index = own_main.new_empty(own_main.shape[0], 0)

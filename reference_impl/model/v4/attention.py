@@ -26,11 +26,10 @@ import torch
 from torch import nn
 
 from reference_impl.fp8 import hadamard_matrix, hadamard_rotate
-from reference_impl.kvcache.v4_layout import fp4_simulate
 from reference_impl.model.attention import RMSNorm, RowStableLinear, pad_rows
-from reference_impl.model.rope import apply_rope, rope_cos_sin, yarn_frequencies
+from reference_impl.model.rope import rope_cos_sin, yarn_frequencies
 from reference_impl.model.v4.compressor import CSA_RATIO, Compressor
-from reference_impl.model.v4.sparse import V4_TORCH_OPS, V4Ops
+from reference_impl.model.v4.ops import V4_TORCH_OPS, V4Ops
 from reference_impl.presets_v4 import V4ModelConfig
 
 
@@ -42,17 +41,6 @@ def layer_frequencies(cfg: V4ModelConfig, ratio: int) -> torch.Tensor:
     return yarn_frequencies(
         cfg.rope_head_dim, cfg.compress_rope_theta, cfg.rope_factor, cfg.original_seq_len, cfg.beta_fast, cfg.beta_slow
     )
-
-
-def rope_tail(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, rope_dim: int, inverse: bool = False) -> torch.Tensor:
-    """Interleaved RoPE on the last ``rope_dim`` dims of ``x [T, ..., D]`` at ``positions [T]``
-    (``inverse``: rotate by ``-position``)."""
-    cos, sin = rope_cos_sin(freqs, positions)
-    if inverse:
-        sin = -sin
-    out = x.clone()
-    out[..., -rope_dim:] = apply_rope(x[..., -rope_dim:], cos, sin, True)
-    return out
 
 
 class Indexer(nn.Module):
@@ -112,20 +100,19 @@ class V4Attention(nn.Module):
         """Project ``x [T, dim]`` at ``positions [T]``; ``quantize_index``: FP4-simulate the indexer query."""
         cfg = self.cfg
         n_tok, rd = x.shape[0], cfg.rope_head_dim
+        cos, sin = rope_cos_sin(self.freqs, positions)
         qr = self.q_norm(self.wq_a(x))
         q = self.wq_b(qr).view(n_tok, cfg.n_heads, cfg.head_dim)
-        qf = q.float()
-        q = (qf * torch.rsqrt(qf.square().mean(-1, keepdim=True) + cfg.norm_eps)).to(q.dtype)
-        q = rope_tail(q, positions, self.freqs, rd)
-        kv = rope_tail(self.kv_norm(self.wkv(x)), positions, self.freqs, rd)
+        q = self.ops.rope_tail(q, cos, sin, rd, rms_eps=cfg.norm_eps)  # per-head RMS norm, then RoPE
+        kv = self.ops.rope_tail(self.kv_norm(self.wkv(x)), cos, sin, rd)
         proj = V4Projection(q, kv)
         if self.compressor is not None:
             proj.pool_kv, proj.pool_score = self.compressor.project(x, positions)
         if self.indexer is not None:
             idx = self.indexer
             iq = idx.wq_b(qr).view(n_tok, cfg.index_n_heads, cfg.index_head_dim)
-            iq = hadamard_rotate(rope_tail(iq, positions, self.freqs, rd), idx.hadamard)
-            proj.index_q = fp4_simulate(iq) if quantize_index else iq
+            iq = hadamard_rotate(self.ops.rope_tail(iq, cos, sin, rd), idx.hadamard)
+            proj.index_q = self.ops.fp4_simulate(iq) if quantize_index else iq
             scale = cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5
             proj.index_weights = idx.weights_proj(x).float() * scale
             proj.index_pool_kv, proj.index_pool_score = idx.compressor.project(x, positions)
@@ -160,7 +147,8 @@ class V4Attention(nn.Module):
         o = self.ops.sparse_attention(
             proj.q.to(view.dtype), view, indices, self.attn_sink, cfg.softmax_scale, dense_start, dense_len, dense_width
         )
-        o = rope_tail(o.to(proj.q.dtype), positions, self.freqs, cfg.rope_head_dim, inverse=True)
+        cos, sin = rope_cos_sin(self.freqs, positions)
+        o = self.ops.rope_tail(o, cos, -sin, cfg.rope_head_dim, out_dtype=proj.q.dtype)  # inverse RoPE
         return self.output(o)
 
     def output(self, o: torch.Tensor) -> torch.Tensor:

@@ -33,13 +33,14 @@ def compress_new(
     score_rows: torch.Tensor,  # [N, coff * D] float32 score rows
     base: int,  # position of row 0
     entries: torch.Tensor,  # [E] int64 entry indices to build (all their slots within the rows)
+    pool_fn=pool,  # the pooling: the torch reference, or a kernel with its contract (V4Ops.pool)
 ) -> torch.Tensor:
     """The finished entries ``[E, D]`` for ``entries``, from rows covering every slot they read."""
     slots = slot_positions(entries, compressor.ratio)
     rows = torch.where(slots >= 0, slots - base, torch.full_like(slots, -1))
     if bool(((slots >= 0) & ((rows < 0) | (rows >= kv_rows.shape[0]))).any()):
         raise AssertionError(f"entries {entries.tolist()} read positions outside [{base}, {base + kv_rows.shape[0]})")
-    return finish(pool(kv_rows, score_rows, rows, compressor.ratio), entries)
+    return finish(pool_fn(kv_rows, score_rows, rows, compressor.ratio), entries)
 
 
 @dataclass
@@ -92,7 +93,7 @@ class V4LayerCache:
             new = torch.arange(start // self.ratio, stop // self.ratio, device=self.raw.device)
             kv = torch.cat([self.pool_kv, proj.pool_kv])
             score = torch.cat([self.pool_score, proj.pool_score])
-            main = compress_new(attn.compressor, lambda p, e: attn.finish_entries(p, e, dtype), kv, score, base, new)
+            main = compress_new(attn.compressor, lambda p, e: attn.finish_entries(p, e, dtype), kv, score, base, new, attn.ops.pool)
             self.entries = torch.cat([self.entries, encode_main(main, self.codec)])
             keep = state_start(stop, self.ratio) - base
             self.pool_kv, self.pool_score = kv[keep:], score[keep:]
@@ -100,7 +101,7 @@ class V4LayerCache:
                 ikv = torch.cat([self.index_pool_kv, proj.index_pool_kv])
                 iscore = torch.cat([self.index_pool_score, proj.index_pool_score])
                 keys = compress_new(
-                    attn.indexer.compressor, lambda p, e: attn.finish_index_keys(p, e, dtype), ikv, iscore, base, new
+                    attn.indexer.compressor, lambda p, e: attn.finish_index_keys(p, e, dtype), ikv, iscore, base, new, attn.ops.pool
                 )
                 self.index_keys = torch.cat([self.index_keys, encode_index(keys, self.codec)])
                 self.index_pool_kv, self.index_pool_score = ikv[keep:], iscore[keep:]

@@ -18,7 +18,7 @@ from reference_impl.model.attention import RMSNorm
 from reference_impl.model.oracle import chunk_spans, init_weights
 from reference_impl.model.v4.attention import V4Attention, V4Projection
 from reference_impl.model.v4.cache import V4LayerCache, v4_layer_forward
-from reference_impl.model.v4.sparse import V4_TORCH_OPS, V4Ops
+from reference_impl.model.v4.ops import V4_TORCH_OPS, V4Ops
 from reference_impl.presets_v4 import V4ModelConfig
 
 

@@ -22,9 +22,10 @@ denominator but has no value: ``out = sum_k exp(s_k - lse) v_k`` with
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
+
+from reference_impl.model.sparse_attention import HostKeyBounds
 
 
 def visible_entries(positions: torch.Tensor, ratio: int) -> torch.Tensor:
@@ -44,13 +45,14 @@ def index_scores(
 
 def select_entries(
     q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_start: torch.Tensor, n_visible: torch.Tensor,
-    topk: int, rows_per_chunk: int = 0,
+    topk: int, rows_per_chunk: int = 0, host_bounds: HostKeyBounds | None = None,
 ) -> torch.Tensor:
     """Top-``topk`` rows of ``keys`` by index score among ``[key_start[t], key_start[t] + n_visible[t])``
     -> ``[T, topk]`` int32 rows of ``keys``, ``-1`` padded.
 
     ``keys`` are the indexer keys of a batch's requests, each request's in entry order from its
-    ``key_start`` (one request: ``key_start = 0`` and rows are entry indices).
+    ``key_start`` (one request: ``key_start = 0`` and rows are entry indices). ``host_bounds``: the
+    same ranges as host ints, for a kernel that must not read them from the device (unused here).
     """
     n_rows = q.shape[0]
     out = torch.full((n_rows, topk), -1, dtype=torch.int32, device=q.device)
@@ -112,20 +114,3 @@ def sparse_attention_sinks(
         probs = torch.exp(scores - lse)
         out[r0:r1] = torch.einsum("thk,tkd->thd", probs, gathered)
     return out
-
-
-@dataclass(frozen=True)
-class V4Ops:
-    """What a V4 layer hands to kernels (the torch references by default, :data:`V4_TORCH_OPS`):
-
-    * ``select_entries(q, weights, keys, key_start, n_visible, topk)`` -> ``[T, topk]`` int32 (:func:`select_entries`);
-    * ``sparse_attention(q, view, indices, sinks, softmax_scale, dense_start=None, dense_len=None, dense_width=None)``
-      -> ``[T, H, D]`` float32 (:func:`sparse_attention_sinks`).
-    """
-
-    name: str
-    select_entries: Callable[..., torch.Tensor]
-    sparse_attention: Callable[..., torch.Tensor]
-
-
-V4_TORCH_OPS = V4Ops("torch", select_entries, sparse_attention_sinks)

@@ -1,0 +1,45 @@
+"""What a V4 layer hands to kernels: :class:`V4Ops`, and the torch references (:data:`V4_TORCH_OPS`).
+
+The layer (:mod:`reference_impl.model.v4.attention`) and the single-device cache
+(:mod:`reference_impl.model.v4.cache`) call their compute cores through these; the kernel dispatch
+(:data:`reference_impl.kernels.v4_dispatch.V4_KERNEL_OPS`) plugs kernels in with the same contracts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from reference_impl.kvcache.v4_layout import fp4_simulate
+from reference_impl.model.v4.compressor import pool
+from reference_impl.model.v4.rope_tail import rope_tail
+from reference_impl.model.v4.sparse import select_entries, sparse_attention_sinks
+
+
+@dataclass(frozen=True)
+class V4Ops:
+    """What a V4 layer hands to kernels (the torch references by default, :data:`V4_TORCH_OPS`):
+
+    * ``select_entries(q, weights, keys, key_start, n_visible, topk, host_bounds=None)`` -> ``[T, topk]``
+      int32 (:func:`~reference_impl.model.v4.sparse.select_entries`; the rows of the set in any order);
+    * ``sparse_attention(q, view, indices, sinks, softmax_scale, dense_start=None, dense_len=None, dense_width=None)``
+      -> ``[T, H, D]`` float32 (:func:`~reference_impl.model.v4.sparse.sparse_attention_sinks`);
+    * ``pool(kv_rows, score_rows, slot_rows, ratio)`` -> ``[E, D]`` float32: the compressors' gated
+      softmax pooling (:func:`~reference_impl.model.v4.compressor.pool`);
+    * ``rope_tail(x, cos, sin, rope_dim, rms_eps=None, out_dtype=None)``: the per-head norm and
+      RoPE on the last dims (:func:`~reference_impl.model.v4.rope_tail.rope_tail`);
+    * ``fp4_simulate(x)``: the FP4 round trip of the indexer query
+      (:func:`~reference_impl.kvcache.v4_layout.fp4_simulate`; a kernel must be bit-exact).
+    """
+
+    name: str
+    select_entries: Callable[..., torch.Tensor]
+    sparse_attention: Callable[..., torch.Tensor]
+    pool: Callable[..., torch.Tensor]
+    rope_tail: Callable[..., torch.Tensor]
+    fp4_simulate: Callable[..., torch.Tensor]
+
+
+V4_TORCH_OPS = V4Ops("torch", select_entries, sparse_attention_sinks, pool, rope_tail, fp4_simulate)
