@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from reference_impl.config import ConfigError, PhaseSet, Request, RunConfig
 from reference_impl.cp.split import build_split
@@ -156,3 +157,27 @@ def test_cache_check_compares_by_value_when_bytes_differ():
     broken = lambda m: encode_main(decode_main(m, "fp8") + 1.0, "fp8")  # noqa: E731
     assert any("entries differs" in p for p in check(broken)[1])
     assert any("shape" in p for p in check(lambda m: m[1:])[1])
+
+
+def test_the_keys_the_ranks_hold_rebuild_the_oracles_index_keys():
+    """The top-k check's second reading (GPU runs) scores rows with the indexer keys the ranks hold:
+    rebuilt from every rank's store they are the oracle's keys (byte-equal on CPU), and the scores
+    with them are the oracle's own."""
+    from reference_impl.check_v4 import rank_held_keys
+    from reference_impl.kvcache.v4_layout import decode_index
+    from reference_impl.runner import run_prefill
+
+    run = RunConfig(preset="tiny-v4", cp_size=3, requests=(Request(0, 203), Request(29, 110)), chunk_size=71,
+                    device="cpu", compute_dtype="fp32", phases=PhaseSet.level(8))
+    result = run_prefill(run, tensors=True)
+    assert result.report["matches_oracle"] is True
+    layer = next(i for i, t in enumerate(run.model.layer_types) if t == "csa")
+    for req in range(2):
+        cache = result.oracle.caches[layer][req]
+        keys = rank_held_keys(result.ranks, layer, req, cache)
+        assert keys is not None and torch.equal(keys, decode_index(cache.index_keys, cache.codec, cache.index_head_dim))
+        assert torch.equal(result.oracle.index_scores(layer, req, 5, keys), result.oracle.index_scores(layer, req, 5))
+        first = min(range(len(result.ranks)), key=lambda r: -len(result.ranks[r].stored[layer].get(req, [None] * 6)[3]))
+        dropped = [r if i != first else r.__class__(**{**r.__dict__, "stored": [{} for _ in r.stored]})
+                   for i, r in enumerate(result.ranks)]
+        assert rank_held_keys(dropped, layer, req, cache) is None  # an entry on no rank: no second reading

@@ -62,16 +62,19 @@ class V4OracleResult:
     caches: list[list[V4LayerCache]]  # [layer][request]
     projections: list[list[V4Projection]]  # [layer][request]: the extend part (index scores for tie checks)
 
-    def index_scores(self, layer: int, request: int, row: int) -> torch.Tensor | None:
-        """Index scores of extend row ``row`` over the request's CSA entries (``None`` off CSA layers)."""
+    def index_scores(self, layer: int, request: int, row: int, keys: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Index scores of extend row ``row`` over the request's CSA entries (``None`` off CSA layers):
+        against the oracle's indexer keys, or ``keys [entries, Di]`` when given (a CP run's own)."""
         from reference_impl.kvcache.v4_layout import decode_index
         from reference_impl.model.v4.sparse import index_scores
 
         proj, cache = self.projections[layer][request], self.caches[layer][request]
         if proj.index_q is None:
             return None
-        keys = decode_index(cache.index_keys, cache.codec, cache.index_head_dim)
-        return index_scores(proj.index_q[row : row + 1], proj.index_weights[row : row + 1], keys)[0]
+        if keys is None:
+            keys = decode_index(cache.index_keys, cache.codec, cache.index_head_dim)
+        q, w = proj.index_q[row : row + 1], proj.index_weights[row : row + 1]
+        return index_scores(q, w.to(keys.device), keys.to(q.device))[0]
 
 
 @torch.no_grad()
