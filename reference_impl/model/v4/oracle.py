@@ -74,7 +74,7 @@ class V4OracleResult:
         if keys is None:
             keys = decode_index(cache.index_keys, cache.codec, cache.index_head_dim)
         q, w = proj.index_q[row : row + 1], proj.index_weights[row : row + 1]
-        return index_scores(q, w.to(keys.device), keys.to(q.device))[0]
+        return index_scores(q, w, keys.to(q.device))[0]
 
 
 @torch.no_grad()
