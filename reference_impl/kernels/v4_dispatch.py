@@ -24,16 +24,34 @@
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
+
 import torch
 
 from reference_impl.kernels import fallback
+from reference_impl.kvcache.v4_layout import fp4_simulate as fp4_simulate_reference
 from reference_impl.model.sparse_attention import HostKeyBounds
 from reference_impl.model.v4 import sparse as reference
-from reference_impl.kvcache.v4_layout import fp4_simulate as fp4_simulate_reference
 from reference_impl.model.v4.compressor import pool as pool_reference
-from reference_impl.model.v4.rope_tail import rope_tail as rope_tail_reference
 from reference_impl.model.v4.ops import V4Ops
-from reference_impl.model.v4.sparse import sparse_attention_sinks
+from reference_impl.model.v4.rope_tail import rope_tail as rope_tail_reference
+
+
+def _kernel(module: str, name: str) -> Callable[..., torch.Tensor]:
+    """``reference_impl.kernels.<module>.<name>``, looked up when called: Triton is imported only where
+    kernels run, and a test may stand a function in for it."""
+    return getattr(importlib.import_module(f"reference_impl.kernels.{module}"), name)
+
+
+def _dispatch(
+    what: str, device: torch.device, force_torch: bool, kernel: Callable[[], torch.Tensor], torch_path: Callable[[], torch.Tensor],
+) -> torch.Tensor:
+    """``kernel()`` where kernels run on ``device`` (falling back to ``torch_path()`` if it raises,
+    one warning per ``what`` per process), else ``torch_path()``."""
+    if not fallback.use_kernels(device, force_torch=force_torch):
+        return torch_path()
+    return fallback.run_with_fallback(what, kernel, torch_path)
 
 
 def sparse_attention(
@@ -43,51 +61,9 @@ def sparse_attention(
 ) -> torch.Tensor:
     """:func:`~reference_impl.model.v4.sparse.sparse_attention_sinks`, by the Triton kernel where it runs."""
     args = (q, view, indices, sinks, softmax_scale, dense_start, dense_len, dense_width)
-
-    def torch_path() -> torch.Tensor:
-        return sparse_attention_sinks(*args)
-
-    if not fallback.use_kernels(q.device, force_torch=force_torch):
-        return torch_path()
-
-    def kernel() -> torch.Tensor:
-        from reference_impl.kernels.v4_attention_triton import v4_sparse_attention_triton
-
-        return v4_sparse_attention_triton(*args)
-
-    return fallback.run_with_fallback("Triton V4 sparse attention", kernel, torch_path)
-
-
-def select_entries(
-    q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_start: torch.Tensor, n_visible: torch.Tensor,
-    topk: int, host_bounds: HostKeyBounds | None = None, *, force_torch: bool = False,
-) -> torch.Tensor:
-    """:func:`~reference_impl.model.v4.sparse.select_entries`, by the indexer kernels where they run
-    (rows of a query's set in ascending order; the reference lists them by score)."""
-
-    def torch_path() -> torch.Tensor:
-        return reference.select_entries(q, weights, keys, key_start, n_visible, topk)
-
-    if indexer_kernel_name(q, keys, force_torch=force_torch) == "torch":
-        return torch_path()
-
-    def kernel() -> torch.Tensor:
-        from reference_impl.kernels.indexer_triton import indexer_topk_triton
-
-        unit_scale = torch.ones(keys.shape[0], dtype=torch.float32, device=keys.device)
-        key_end = key_start + n_visible
-        return indexer_topk_triton(
-            q, weights.float(), keys, unit_scale, key_start, key_end, topk,
-            host_bounds=host_bounds, selector="triton", dot_dtype="bf16",
-        )
-
-    return fallback.run_with_fallback("Triton V4 indexer", kernel, torch_path)
-
-
-def indexer_kernel_name(q: torch.Tensor, keys: torch.Tensor, *, force_torch: bool = False) -> str:
-    """What :func:`select_entries` runs for these inputs: ``"triton"`` or ``"torch"``."""
-    exact = q.dtype == torch.bfloat16 and keys.dtype == torch.bfloat16
-    return "triton" if exact and fallback.use_kernels(q.device, force_torch=force_torch) else "torch"
+    return _dispatch("Triton V4 sparse attention", q.device, force_torch,
+                     lambda: _kernel("v4_attention_triton", "v4_sparse_attention_triton")(*args),
+                     lambda: reference.sparse_attention_sinks(*args))
 
 
 def attention_kernel_name(device: torch.device, *, force_torch: bool = False) -> str:
@@ -95,23 +71,45 @@ def attention_kernel_name(device: torch.device, *, force_torch: bool = False) ->
     return "triton" if fallback.use_kernels(device, force_torch=force_torch) else "torch"
 
 
+def select_entries(
+    q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_start: torch.Tensor, n_visible: torch.Tensor,
+    topk: int, host_bounds: HostKeyBounds | None = None, *, force_torch: bool = False,
+) -> torch.Tensor:
+    """:func:`~reference_impl.model.v4.sparse.select_entries`, by the indexer kernels where they run
+    and ``q`` and ``keys`` are bf16 (rows of a query's set in ascending order; the reference lists
+    them by score)."""
+
+    def kernel() -> torch.Tensor:
+        unit_scale = torch.ones(keys.shape[0], dtype=torch.float32, device=keys.device)
+        return _kernel("indexer_triton", "indexer_topk_triton")(
+            q, weights.float(), keys, unit_scale, key_start, key_start + n_visible, topk,
+            host_bounds=host_bounds, selector="triton", dot_dtype="bf16",
+        )
+
+    def torch_path() -> torch.Tensor:
+        return reference.select_entries(q, weights, keys, key_start, n_visible, topk)
+
+    if not _bf16_inputs(q, keys):  # the kernel's bf16 products would round other dtypes
+        return torch_path()
+    return _dispatch("Triton V4 indexer", q.device, force_torch, kernel, torch_path)
+
+
+def _bf16_inputs(q: torch.Tensor, keys: torch.Tensor) -> bool:
+    return q.dtype == torch.bfloat16 and keys.dtype == torch.bfloat16
+
+
+def indexer_kernel_name(q: torch.Tensor, keys: torch.Tensor, *, force_torch: bool = False) -> str:
+    """What :func:`select_entries` runs for these inputs: ``"triton"`` or ``"torch"``."""
+    return "triton" if _bf16_inputs(q, keys) and fallback.use_kernels(q.device, force_torch=force_torch) else "torch"
+
+
 def pool(
     kv_rows: torch.Tensor, score_rows: torch.Tensor, slot_rows: torch.Tensor, ratio: int, *, force_torch: bool = False,
 ) -> torch.Tensor:
     """:func:`~reference_impl.model.v4.compressor.pool`, by the Triton kernel where it runs."""
-
-    def torch_path() -> torch.Tensor:
-        return pool_reference(kv_rows, score_rows, slot_rows, ratio)
-
-    if not fallback.use_kernels(kv_rows.device, force_torch=force_torch):
-        return torch_path()
-
-    def kernel() -> torch.Tensor:
-        from reference_impl.kernels.v4_compressor_triton import pool_triton
-
-        return pool_triton(kv_rows, score_rows, slot_rows, ratio)
-
-    return fallback.run_with_fallback("Triton V4 compressor pool", kernel, torch_path)
+    args = (kv_rows, score_rows, slot_rows, ratio)
+    return _dispatch("Triton V4 compressor pool", kv_rows.device, force_torch,
+                     lambda: _kernel("v4_compressor_triton", "pool_triton")(*args), lambda: pool_reference(*args))
 
 
 def rope_tail(
@@ -120,32 +118,14 @@ def rope_tail(
 ) -> torch.Tensor:
     """:func:`~reference_impl.model.v4.rope_tail.rope_tail`, by the Triton kernel where it runs."""
     args = (x, cos, sin, rope_dim, rms_eps, out_dtype)
-
-    def torch_path() -> torch.Tensor:
-        return rope_tail_reference(*args)
-
-    if not fallback.use_kernels(x.device, force_torch=force_torch):
-        return torch_path()
-
-    def kernel() -> torch.Tensor:
-        from reference_impl.kernels.v4_rope_triton import rope_tail_triton
-
-        return rope_tail_triton(*args)
-
-    return fallback.run_with_fallback("Triton V4 rope tail", kernel, torch_path)
+    return _dispatch("Triton V4 rope tail", x.device, force_torch,
+                     lambda: _kernel("v4_rope_triton", "rope_tail_triton")(*args), lambda: rope_tail_reference(*args))
 
 
 def fp4_simulate(x: torch.Tensor, *, force_torch: bool = False) -> torch.Tensor:
     """:func:`~reference_impl.kvcache.v4_layout.fp4_simulate`, by the Triton kernel where it runs."""
-    if not fallback.use_kernels(x.device, force_torch=force_torch):
-        return fp4_simulate_reference(x)
-
-    def kernel() -> torch.Tensor:
-        from reference_impl.kernels.v4_fp4_triton import fp4_simulate_triton
-
-        return fp4_simulate_triton(x)
-
-    return fallback.run_with_fallback("Triton V4 FP4 round trip", kernel, lambda: fp4_simulate_reference(x))
+    return _dispatch("Triton V4 FP4 round trip", x.device, force_torch,
+                     lambda: _kernel("v4_fp4_triton", "fp4_simulate_triton")(x), lambda: fp4_simulate_reference(x))
 
 
 V4_KERNEL_OPS = V4Ops("kernels", select_entries, sparse_attention, pool, rope_tail, fp4_simulate)
