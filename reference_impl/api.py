@@ -54,7 +54,8 @@ def make_model(
     ``checkpoint``, the attention weights of checkpoint layers ``first_layer ..`` by their Hugging
     Face names (:func:`~reference_impl.model.checkpoint.load_hf_weights`; with ``head=True`` the
     final norm and the LM head too). ``kernels=False`` keeps the torch references for the indexer
-    top-k and the sparse attention (the kernels run only on CUDA anyway).
+    top-k and the sparse attention, and on V4 presets for the compressors' pooling, the per-head
+    norm and RoPE and the FP4 round trip too (the kernels run only on CUDA anyway).
     """
     cfg = _model_config(preset)
     if n_layers is not None:

@@ -8,7 +8,9 @@
   rank it outside the band, the ranks' own indexer keys score the row again. Those keys may differ
   from the oracle's by one e2m1 step per element (the cache rule below accepts that: FP4 turns a
   last-bit GEMM difference into a code flip), and a flipped key moves its entry's score for
-  every query; the ranks selected from their keys, so the band is judged on those;
+  every query; the ranks selected from their keys, so the band is judged on those (with the
+  oracle's indexer query: a rank's FP4 query can flip a code too, which this reading does not
+  follow; ranks do not return their queries);
 * **cache**, per layer and request, rebuilt from every rank's store and compared byte for byte
   (by value where the arithmetic is not reproducible): the window tail (last ``window - 1`` raw
   entries), the compressor state (float32 pre-pool rows), the compressed entries and indexer keys

@@ -137,7 +137,7 @@ def kernel_kind(name: str) -> str:
     """The kind a profiled kernel or op belongs to: cuBLAS GEMMs by input type, each Triton kernel by
     its own name (they start with ``_``), device copies, and torch's other kernels in one group."""
     if "gemm" in name or name.startswith("nvjet"):
-        return "GEMM, fp32 (cuBLAS)" if "f32f32" in name else "GEMM, bf16 (cuBLAS)"
+        return "GEMM, fp32 (cuBLAS)" if "f32f32" in name or "sgemm" in name else "GEMM, bf16 (cuBLAS)"
     if name.startswith("_"):
         return name
     if name.startswith("Memcpy"):

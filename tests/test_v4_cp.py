@@ -177,7 +177,60 @@ def test_the_keys_the_ranks_hold_rebuild_the_oracles_index_keys():
         keys = rank_held_keys(result.ranks, layer, req, cache)
         assert keys is not None and torch.equal(keys, decode_index(cache.index_keys, cache.codec, cache.index_head_dim))
         assert torch.equal(result.oracle.index_scores(layer, req, 5, keys), result.oracle.index_scores(layer, req, 5))
-        first = min(range(len(result.ranks)), key=lambda r: -len(result.ranks[r].stored[layer].get(req, [None] * 6)[3]))
+        held = [len(r.stored[layer][req][3]) if req in r.stored[layer] else 0 for r in result.ranks]
+        first = held.index(max(held))
         dropped = [r if i != first else r.__class__(**{**r.__dict__, "stored": [{} for _ in r.stored]})
                    for i, r in enumerate(result.ranks)]
         assert rank_held_keys(dropped, layer, req, cache) is None  # an entry on no rank: no second reading
+
+
+def test_the_rounding_tolerant_top_k_check_reads_the_band_on_the_keys_the_ranks_hold(monkeypatch):
+    """GPU runs are judged by the rounding-tolerant rule. One rank's selection is edited to swap the
+    row's k-th entry for its worst visible one: the oracle's scores put that far outside the band,
+    so the check reports it; when the ranks' stored key of that entry is made the k-th's (as an FP4
+    code flip would move it), the second reading, on the keys the ranks hold, accepts the swap."""
+    from reference_impl import check_v4
+    from reference_impl.engine import build_metadata
+    from reference_impl.model.v4.sparse import index_scores
+    from reference_impl.runner import run_prefill
+    from reference_impl.workload import build_model
+
+    run = RunConfig(preset="tiny-v4", cp_size=2, requests=(Request(0, 203),), device="cpu", compute_dtype="fp32",
+                    phases=PhaseSet.level(8))
+    result = run_prefill(run, tensors=True)
+    oracle, ranks = result.oracle, result.ranks
+    layer = next(i for i, t in enumerate(run.model.layer_types) if t == "csa")
+    k = run.model.index_topk
+    rank = ranks[-1]
+    row = max(range(len(rank.token_ids)), key=lambda i: rank.token_ids[i])  # its last token sees the most entries
+    pos = build_metadata(run).token_position[rank.token_ids[row]]
+    visible = (pos + 1) // 4
+    assert visible >= k + round(0.1 * k) + 3, "the row must see entries well past the band"
+    scores = oracle.index_scores(layer, 0, pos)[:visible]
+    order = scores.argsort(descending=True)
+    kth, worst = int(order[k - 1]), int(order[-1])
+    topk = rank.local_topk[layer]
+    assert kth in topk[row].tolist() and worst not in topk[row].tolist()
+    topk[row] = torch.where(topk[row] == kth, torch.full_like(topk[row], worst), topk[row])
+
+    monkeypatch.setattr(check_v4, "exact_arithmetic", lambda *a: False)
+    model, meta = build_model(run, torch.device("cpu")), build_metadata(run)
+
+    def topk_problems() -> list[str]:
+        agreement = check_v4.compare_v4(run, meta, model, oracle, ranks, torch.float32)
+        return [p for p in agreement.problems if "top-k" in p]
+
+    assert topk_problems(), "a swap far outside the band must be reported"
+    for r in ranks:  # the ranks' key of the worst entry becomes the k-th's: a tie at the boundary
+        if 0 in r.stored[layer]:
+            n_tokens, tail, pool, ids, main, index = r.stored[layer][0]
+            at = {int(e): i for i, e in enumerate(ids)}
+            if worst in at and kth in at:
+                index[at[worst]] = index[at[kth]]
+            elif worst in at:
+                index[at[worst]] = oracle.caches[layer][0].index_keys[kth]
+    held = check_v4.rank_held_keys(ranks, layer, 0, oracle.caches[layer][0])
+    assert torch.equal(held[worst], held[kth])
+    q, w = oracle.projections[layer][0].index_q[pos : pos + 1], oracle.projections[layer][0].index_weights[pos : pos + 1]
+    assert index_scores(q, w, held)[0, worst] == index_scores(q, w, held)[0, kth]
+    assert topk_problems() == []

@@ -12,11 +12,13 @@ Why a kernel: the torch reference gathers every slot's whole pre-pool row, ``[E,
 float32 for values and scores (CSA at 128K tokens, one rank of 8: 4,096 entries x 8 slots x 1,024
 features x 4 B = 134 MB each), slices the halves into new tensors, masks, softmaxes and reduces:
 about eight passes over those bytes. The kernel reads each slot's ``D`` value and score features
-once (a quarter of that: ``E x slots x D x 8 B``) and writes ``E x D x 4 B``: one program per
-(entry, block of features), an online softmax over the slots in registers (running max, rescaled
-sum and accumulator, as flash attention's, per feature).
+once (``E x slots x D x 8 B``: half the gathered bytes for CSA, whose rows are ``2D`` wide, all of
+them for HCA, but once instead of eight times) and writes ``E x D x 4 B``: one program per (entry,
+block of features), an online softmax over the slots in registers (running max, rescaled sum and
+accumulator, as flash attention's, per feature).
 
-The result equals the reference to float32 rounding (the sum's order differs), not bit for bit.
+The result equals the reference to float32 rounding, not bit for bit: the sum's order differs,
+and on a GPU ``exp`` is the fast hardware one and multiply-adds may be fused.
 """
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ def attention_kernel_name(device: torch.device, *, force_torch: bool = False) ->
 
 def select_entries(
     q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_start: torch.Tensor, n_visible: torch.Tensor,
-    topk: int, host_bounds: HostKeyBounds | None = None, *, force_torch: bool = False,
+    topk: int, *, host_bounds: HostKeyBounds | None = None, force_torch: bool = False,
 ) -> torch.Tensor:
     """:func:`~reference_impl.model.v4.sparse.select_entries`, by the indexer kernels where they run
     and ``q`` and ``keys`` are bf16 (rows of a query's set in ascending order; the reference lists

@@ -63,7 +63,7 @@ def test_v4_attention_kernel_at_flash_shape() -> None:
 
 def test_v4_indexer_kernel_at_flash_shape() -> None:
     """64 heads x 128 FP4-simulated dims, 4,096 queries over 32,768 entries (a 128K context's CSA
-    keys), top-512 with the causal entry rule, across two key tiles: every row selects
+    keys), top-512 with the causal entry rule, in one key tile and streamed in four: every row selects
     ``min(512, visible)`` distinct visible entries whose scores sum to the reference's within
     rounding, and nearly every row's set is the reference's exactly."""
     from reference_impl.kernels import fallback, indexer_triton, v4_dispatch
@@ -102,8 +102,8 @@ def test_v4_indexer_kernel_at_flash_shape() -> None:
 
 @pytest.mark.parametrize("ratio, width", [(4, 512), (4, 128), (128, 512)])  # CSA main, CSA indexer, HCA
 def test_v4_compressor_pool_kernel_at_flash_shape(ratio: int, width: int) -> None:
-    """4,096 entries' pooling (a 128K context's CSA entries on one rank of 8; HCA's the same count)
-    from column slices of one pre-pool table, as the CP layer passes them."""
+    """Pooling from column slices of one pre-pool table, as the CP layer passes them: 4,096 CSA
+    entries (a 128K context's on one rank of 8) and 128 HCA entries (16,384 tokens)."""
     from reference_impl.kernels.v4_compressor_triton import pool_triton
     from reference_impl.model.v4.compressor import overlaps, pool, slot_positions
 

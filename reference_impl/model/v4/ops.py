@@ -3,6 +3,14 @@
 The layer (:mod:`reference_impl.model.v4.attention`) and the single-device cache
 (:mod:`reference_impl.model.v4.cache`) call their compute cores through these; the kernel dispatch
 (:data:`reference_impl.kernels.v4_dispatch.V4_KERNEL_OPS`) plugs kernels in with the same contracts.
+
+What the oracle shares: on CUDA the oracle's model is built with the same table as the ranks', so
+a CP run's agreement with it proves the split, not the kernels; each kernel is checked against its
+torch reference on its own (``tests/test_v4_kernels.py``, ``tests/gpu/test_gpu_v4.py``). One
+exception by design: the single-device cache hands the selection float32 keys (as
+:func:`~reference_impl.kvcache.v4_layout.decode_index` returns them), which the kernel does not take,
+so the oracle's CSA top-k is always the torch reference's and the check compares the ranks' kernel
+selection with it.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ from reference_impl.model.v4.sparse import select_entries, sparse_attention_sink
 class V4Ops:
     """What a V4 layer hands to kernels (the torch references by default, :data:`V4_TORCH_OPS`):
 
-    * ``select_entries(q, weights, keys, key_start, n_visible, topk, host_bounds=None)`` -> ``[T, topk]``
+    * ``select_entries(q, weights, keys, key_start, n_visible, topk, *, host_bounds=None)`` -> ``[T, topk]``
       int32 (:func:`~reference_impl.model.v4.sparse.select_entries`; the rows of the set in any order);
     * ``sparse_attention(q, view, indices, sinks, softmax_scale, dense_start=None, dense_len=None, dense_width=None)``
       -> ``[T, H, D]`` float32 (:func:`~reference_impl.model.v4.sparse.sparse_attention_sinks`);

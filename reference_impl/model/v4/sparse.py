@@ -45,7 +45,7 @@ def index_scores(
 
 def select_entries(
     q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_start: torch.Tensor, n_visible: torch.Tensor,
-    topk: int, rows_per_chunk: int = 0, host_bounds: HostKeyBounds | None = None,
+    topk: int, rows_per_chunk: int = 0, *, host_bounds: HostKeyBounds | None = None,
 ) -> torch.Tensor:
     """Top-``topk`` rows of ``keys`` by index score among ``[key_start[t], key_start[t] + n_visible[t])``
     -> ``[T, topk]`` int32 rows of ``keys``, ``-1`` padded.
