@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from reference_impl.kernels import interpreter_compat  # noqa: F401  (repairs triton < 3.7's interpreter)
+from reference_impl.model.v4.compressor import overlaps
 
 BLOCK_D = 128
 """Features per program: 512 B of values and 512 B of scores per slot row, coalesced."""
@@ -72,8 +73,6 @@ def pool_triton(
     ratio: int,
 ) -> torch.Tensor:
     """Pooled entries ``[E, D]`` float32; see the module docstring."""
-    from reference_impl.model.v4.compressor import overlaps
-
     overlap = overlaps(ratio)
     n_entries, n_slots = slot_rows.shape
     width = kv_rows.shape[1] // (2 if overlap else 1)
