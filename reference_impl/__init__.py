@@ -49,7 +49,8 @@ _EXPORTS: dict[str, str] = {
     # configuration
     "RunConfig": "reference_impl.config", "Request": "reference_impl.config", "parse_requests": "reference_impl.config",
     "ConfigError": "reference_impl.errors", "PhaseSet": "reference_impl.phases", "Phase": "reference_impl.phases",
-    "ModelConfig": "reference_impl.presets", "PRESETS": "reference_impl.presets", "get_preset": "reference_impl.presets",
+    "ModelConfig": "reference_impl.presets", "PRESETS": "reference_impl.families", "get_preset": "reference_impl.families",
+    "family_of": "reference_impl.families", "register_family": "reference_impl.families",
     # the model and the oracle
     "make_model": "reference_impl.api", "make_inputs": "reference_impl.api", "oracle": "reference_impl.api",
     "load_hf_weights": "reference_impl.model.checkpoint", "DSAModel": "reference_impl.model.oracle",

@@ -18,25 +18,21 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from reference_impl.config import KV_DTYPES, MAX_SEED, ConfigError, Request, check_choice, validate_page_size
+from reference_impl.families import family_of, get_preset, is_model_config, preset_names
 from reference_impl.footprint import GIB, SAFETY, free_bytes, weight_bytes
-from reference_impl.kernels.dispatch import KERNEL_OPS
-from reference_impl.kernels.v4_dispatch import V4_KERNEL_OPS
-from reference_impl.model.checkpoint import load_hf_weights
-from reference_impl.model.oracle import DSAModel, OracleResult, init_weights, run_oracle
-from reference_impl.model.sparse_attention import TORCH_OPS
-from reference_impl.model.v4.checkpoint import load_v4_hf_weights
-from reference_impl.model.v4.oracle import build_v4_model, run_v4_oracle
-from reference_impl.model.v4.ops import V4_TORCH_OPS
-from reference_impl.presets import ModelConfig, get_preset, preset_names
-from reference_impl.presets_v4 import is_v4
+
+ModelConfigLike = Any
+"""A model family's config: the DSA family's :class:`~reference_impl.presets.ModelConfig`, DeepSeek-V4's
+:class:`~reference_impl.families.deepseek_v4.config.V4ModelConfig`, or a registered family's."""
 
 
 def make_model(
-    preset: str | ModelConfig = "deepseek-v3.2",
+    preset: str | ModelConfigLike = "deepseek-v3.2",
     *,
     n_layers: int | None = None,
     device: torch.device | str = "cpu",
@@ -46,9 +42,10 @@ def make_model(
     first_layer: int = 0,
     head: bool = False,
     kernels: bool = True,
-) -> DSAModel:
-    """A :class:`~reference_impl.model.oracle.DSAModel` of ``n_layers`` DSA layers (default: the
-    preset's count) on ``device`` in ``dtype``.
+) -> torch.nn.Module:
+    """The preset's model, built by its family: a :class:`~reference_impl.model.oracle.DSAModel` of
+    ``n_layers`` DSA layers (default: the preset's count) for the DSA family, a
+    :class:`~reference_impl.families.deepseek_v4.model.oracle.V4Model` for DeepSeek-V4; on ``device`` in ``dtype``.
 
     Weights: seeded random (``seed``, the bytes every rank of a CP run builds) or, with
     ``checkpoint``, the attention weights of checkpoint layers ``first_layer ..`` by their Hugging
@@ -72,26 +69,20 @@ def make_model(
         raise ConfigError(f"checkpoint={checkpoint!r}: need a path or a mapping of tensors, got {type(checkpoint).__name__}")
     params, draw = weight_bytes(cfg, dtype.itemsize)
     _check_fits(f"make_model({cfg.name!r}, n_layers={cfg.n_layers}, dtype={dtype})", int(SAFETY * (params + draw)), device)
-    if is_v4(cfg):  # DeepSeek-V4: a V4Model (reference_impl.model.v4), its weights by Hugging Face names
-        v4 = build_v4_model(cfg, dtype, seed, device, V4_KERNEL_OPS if kernels else V4_TORCH_OPS)  # type: ignore[arg-type]
-        if checkpoint is not None:
-            load_v4_hf_weights(v4, checkpoint, first_layer=first_layer, head=head)
-        return v4  # type: ignore[return-value]
-    with torch.device(device):
-        model = DSAModel(cfg, dtype, ops=KERNEL_OPS if kernels else TORCH_OPS)
-    init_weights(model, seed)
+    family = family_of(cfg)  # the DSA family's DSAModel, DeepSeek-V4's V4Model, ...
+    model = family.build_model(cfg, dtype, seed, device, kernels)
     if checkpoint is not None:
-        load_hf_weights(model, checkpoint, first_layer=first_layer, head=head)
-    return model.eval()
+        family.load_weights(model, checkpoint, first_layer, head)
+    return model.eval()  # type: ignore[return-value]
 
 
 def make_inputs(
-    cfg: ModelConfig, requests: Sequence[Request], *, seed: int = 0, device: torch.device | str = "cpu",
+    cfg: ModelConfigLike, requests: Sequence[Request], *, seed: int = 0, device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.bfloat16,
 ) -> list[torch.Tensor]:
     """Layer-0 hidden states per request, ``[prefix + extend, dim]`` ~ N(0, 1): the inputs a
     ``RunConfig`` with this ``seed`` builds (``seed + 1`` seeds the generator)."""
-    if not (isinstance(cfg, ModelConfig) or is_v4(cfg)):
+    if not is_model_config(cfg):
         raise ConfigError(f"cfg={cfg!r}: need a ModelConfig (e.g. get_preset('tiny') or model.cfg), got {type(cfg).__name__}")
     requests = _check_requests(requests)
     _check_int("seed", seed, 0, MAX_SEED)
@@ -105,7 +96,7 @@ def make_inputs(
 
 
 def oracle(
-    model: DSAModel,
+    model: torch.nn.Module,
     requests: Sequence[Request],
     inputs: Sequence[torch.Tensor],
     *,
@@ -113,7 +104,7 @@ def oracle(
     page_size: int = 64,
     chunk_size: int | None = None,
     fp32: bool = False,
-) -> OracleResult:
+) -> Any:
     """The single-device oracle for a batch: per request the extend tokens' final hidden states,
     per layer and request the top-k key positions, and the dense caches in the KV byte layouts.
 
@@ -121,7 +112,7 @@ def oracle(
     computed first, as an earlier prefill would have). ``fp32=True`` reads the KV in float32 for
     attention (with a float32 model: float32 end to end; the engine's full view is bf16).
     """
-    if not (isinstance(model, DSAModel) or is_v4(getattr(model, "cfg", None))):
+    if not (isinstance(model, torch.nn.Module) and is_model_config(getattr(model, "cfg", None))):
         raise ConfigError(f"model={model!r}: need a model from make_model, got {type(model).__name__}")
     requests = _check_requests(requests)
     if isinstance(inputs, torch.Tensor) or not isinstance(inputs, Sequence) or not all(
@@ -138,9 +129,8 @@ def oracle(
         if tuple(x.shape) != (r.total, model.cfg.dim):
             raise ConfigError(f"inputs[{i}] is {tuple(x.shape)}, request {i} needs ({r.total}, {model.cfg.dim})")
     view = torch.float32 if fp32 else torch.bfloat16
-    if is_v4(model.cfg):  # DeepSeek-V4's oracle: caches in reference_impl.kvcache.v4_layout (no pages)
-        return run_v4_oracle(model, [r.prefix for r in requests], list(inputs), kv_dtype, chunk_size, view)  # type: ignore[arg-type,return-value]
-    return run_oracle(model, [r.prefix for r in requests], list(inputs), kv_dtype, page_size, chunk_size, view)  # type: ignore[arg-type]
+    return family_of(model.cfg).oracle(model, [r.prefix for r in requests], list(inputs), kv_dtype, page_size,
+                                       chunk_size, view)
 
 
 # ---- argument checks: a wrong type or size is a ConfigError naming the argument ----------------
@@ -155,8 +145,8 @@ def _check_int(name: str, value: object, minimum: int, maximum: int | None = Non
     return value
 
 
-def _model_config(preset: object) -> ModelConfig:
-    if isinstance(preset, ModelConfig) or is_v4(preset):
+def _model_config(preset: object) -> ModelConfigLike:
+    if is_model_config(preset):
         return preset  # type: ignore[return-value]
     if isinstance(preset, str):
         return get_preset(preset)

@@ -47,8 +47,7 @@ from reference_impl.config import (
     validate_page_size,
 )
 from reference_impl.errors import RankFailedError, RunStopped
-from reference_impl.presets import preset_names
-from reference_impl.presets_v4 import V4_PRESETS
+from reference_impl.families import family_of, get_preset, preset_names
 
 EXIT_OK = 0
 EXIT_DISAGREES = 1
@@ -366,11 +365,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+PLAN_COMMAND = "python -m reference_impl plan"  # a family's planner_command when this command plans it
+
+
 def _add_plan_flags(p: argparse.ArgumentParser) -> None:
     env = lambda field: knob_names(field)[2]  # noqa: E731
+    planners = {name: family_of(get_preset(name)).planner_command for name in preset_names()}
+    elsewhere = "; ".join(sorted({f"{', '.join(n for n in planners if planners[n] == c)}: {c}"
+                                  for c in planners.values() if c != PLAN_COMMAND}))
     p.add_argument(_flag("preset"), type=_choice_arg(preset_names(), "preset"), default=None,
-                   help=f"{' | '.join(n for n in preset_names() if n not in V4_PRESETS)} (env {env('preset')}; "
-                   "DeepSeek-V4: python -m reference_impl.planner.v4)")
+                   help=f"{' | '.join(n for n in planners if planners[n] == PLAN_COMMAND)} (env {env('preset')}"
+                   + (f"; {elsewhere})" if elsewhere else ")"))
     p.add_argument(_flag("cp_size"), "--cp", dest="cp_size", type=_int_arg(1, MAX_PLAN_CP), default=None,
                    help=f"CP ranks C (env {env('cp_size')})")
     p.add_argument(_flag("hbm_gib"), type=_float_arg(maximum=MAX_HBM_GIB, why="1 PiB"), default=None,

@@ -14,18 +14,18 @@ import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from reference_impl.errors import ConfigError
 from reference_impl.machine import cpu_cores
 from reference_impl.phases import PhaseSet, available_levels
-from reference_impl.presets import PRESETS, SCALE_FMTS, ModelConfig, at_cpu_widths, get_preset
-from reference_impl.presets_v4 import is_v4
+from reference_impl.families import ModelFamily, family_of, get_preset
+from reference_impl.fp8 import SCALE_FMTS
 
 __all__ = [
     "BACKENDS", "COMPUTE_DTYPES", "DESIGN_PHASES", "DEVICES", "KV_DESIGNS", "KV_DTYPES", "LIBRARY_ENV",
-    "MAX_BATCH_TOKENS", "MAX_CHUNKS", "MAX_HBM_GIB", "MAX_PLAN_CP", "MAX_SEED", "PRESETS", "SPLIT_MODES", "ConfigError",
-    "EnvKnob", "KVDesign", "KVDtype", "ModelConfig", "PhaseSet", "Request", "RunConfig", "SplitMode", "available_levels",
+    "MAX_BATCH_TOKENS", "MAX_CHUNKS", "MAX_HBM_GIB", "MAX_PLAN_CP", "MAX_SEED", "SPLIT_MODES", "ConfigError",
+    "EnvKnob", "KVDesign", "KVDtype", "PhaseSet", "Request", "RunConfig", "SplitMode", "available_levels",
     "check_choice", "check_environment", "env_choice", "env_flag", "env_int", "env_knob", "env_value", "get_preset",
     "knob_names", "parse_batches", "parse_int_list", "parse_requests", "validate_interleave", "validate_kv_design",
     "SCALE_FMTS", "validate_scale_fmt",
@@ -297,48 +297,17 @@ class RunConfig:
         if self.mla_scale_fmt != "ue8m0" and self.kv_dtype == "bf16":
             raise ConfigError(f"mla_scale_fmt={self.mla_scale_fmt}: the scale format is the FP8 cache's; "
                               "kv_dtype=bf16 stores no scales: drop one of the two")
-        self._check_v4_knobs()
+        self.family.check_run(self)  # the knobs the run's model family has no use for, by name
         _ = self.model  # the indexer pattern against the layer count, by name
         self._check_batches()
         self._check_sizes()
         self.phases.check_implemented()
-        if is_v4(self.model) and (self.batch_sizes is not None or any(r.shares is not None for r in self.requests)):
-            raise ConfigError(
-                f"{self.preset}: several batches and shared prefixes (rN:P+E) are not wired to DeepSeek-V4's cache; run one batch"
-            )
-
-    def _check_v4_knobs(self) -> None:
-        """The DSA-cache knobs a DeepSeek-V4 preset has no use for are refused by name, not ignored."""
-        if not is_v4(get_preset(self.preset)):
-            return
-        if self.mla_scale_fmt != "ue8m0":
-            raise ConfigError(f"mla_scale_fmt={self.mla_scale_fmt}: {self.preset}'s FP8 entries keep power-of-two "
-                              "scales (ue8m0) as FlashMLA stores them; drop the flag")
-        if self.index_topk_pattern is not None:
-            raise ConfigError(f"index_topk_pattern: {self.preset} has no IndexShare (its layer types are set by "
-                              "compress_ratios); drop the flag")
-        if self.cpu_widths:
-            raise ConfigError(f"cpu_widths: {self.preset} has no CPU-width variant"
-                              + ("; tiny-v4 is already small enough for a CPU: drop the flag" if self.preset == "tiny-v4"
-                                 else "; use the tiny-v4 preset"))
-        if env_flag("fp8_projections"):
-            raise ConfigError(f"DSACP_FP8_PROJECTIONS=1: {self.preset}'s projections are not quantized here (FP8 "
-                              "projections are built for the DSA layer); unset it")
 
     def _check_design(self) -> None:
         """A competing KV design runs only beside the phases it does not replace (:data:`DESIGN_PHASES`)."""
         if self.kv_design == "phases":
             return
-        if is_v4(self.model):
-            raise ConfigError(
-                f"kv_design={self.kv_design} is built for the DSA cache (MLA latent + indexer K); {self.preset}'s "
-                "compressed caches run under the phases only (kv_design=phases)"
-            )
-        if self.model.index_share.shares:
-            raise ConfigError(
-                f"kv_design={self.kv_design}: its stores keep indexer K on every layer; {self.preset}'s IndexShare "
-                f"pattern {self.model.index_share.pattern} runs under the phases only (kv_design=phases)"
-            )
+        self.family.check_run(self)  # a family whose caches no design models refuses by name first
         clash = sorted(self.phases.enabled - DESIGN_PHASES)
         if clash:
             raise ConfigError(
@@ -454,17 +423,17 @@ class RunConfig:
         return 1 if self.split_mode == "round-robin" else self.page_size
 
     @property
-    def model(self) -> ModelConfig:
-        """The preset with this run's layer count, MLA scale format and indexer pattern (and, with
-        ``cpu_widths``, tiny's widths)."""
+    def family(self) -> ModelFamily:
+        """The model family of the run's preset (:func:`reference_impl.families.family_of`)."""
+        return family_of(get_preset(self.preset))
+
+    @property
+    def model(self) -> Any:
+        """The preset's config with this run's layer count and the knobs its family applies (the DSA
+        family: the MLA scale format, the indexer pattern and, with ``cpu_widths``, tiny's widths)."""
         cfg = get_preset(self.preset)
         cfg = cfg.with_layers(self.n_layers) if self.n_layers is not None else cfg
-        if is_v4(cfg):  # its own cache format and no IndexShare (refused by name in _check_v4_knobs)
-            return cfg
-        cfg = at_cpu_widths(cfg) if self.cpu_widths else cfg
-        return dataclasses.replace(
-            cfg, mla_scale_fmt=self.mla_scale_fmt, index_topk_pattern=self.index_topk_pattern or cfg.index_topk_pattern
-        )
+        return family_of(cfg).model_for_run(cfg, self)
 
     def replace(self, **changes: object) -> "RunConfig":
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

@@ -1,22 +1,22 @@
 """One rank's CP prefill: a batch through N layers under a phase set, with byte accounting.
 
 SPMD: every rank runs :func:`run_rank` with the same :class:`RunConfig`; they differ only in
-``group.rank``. Per layer (the baseline, phase 0):
-
-1. project the rank's own tokens (queries, latent KV, indexer K);
-2. **all-gather #1**: latent KV (576 wide) and indexer K (128 wide), padded, trimmed, reranged to
-   sequence order (:mod:`reference_impl.cp.rerange`);
-3. store the current chunk in the rank's pool and build the **full view** (the KV store:
-   :mod:`reference_impl.cp.kv_replicated` for the baseline);
-4. indexer top-k and sparse attention for the local queries; residual add.
+``group.rank``. The engine is the same for every model family (:mod:`reference_impl.families`): it
+owns the chunk schedule, the page table and each chunk's split and locs, the layer loop with its
+clock and host-sync audit, and the tail; the run's family supplies the caches
+(:meth:`~reference_impl.families.base.ModelFamily.make_store`), the cached prefixes, and the layer
+step (:meth:`~reference_impl.families.base.ModelFamily.chunk_step`). The DSA family's step is the
+baseline's per-layer work (:mod:`reference_impl.families.dsa.layer_step`): project the rank's tokens,
+**all-gather #1** of the current chunk's latent KV and indexer K, store, build the full view, select
+and attend.
 
 After the last layer, **all-gather #2** (the tail, :mod:`reference_impl.cp.tail`) brings the
 output rows back; phase 1 narrows it (:mod:`reference_impl.cp.narrow_output`).
 
-Where the phases plug in: the KV store chosen by :func:`make_kv_store` (phase 2 sharding, phase 3
-current reuse, phase 5 direct writes, phase 7 fused ops), the split (:func:`chunk_metadata`, phase 4),
-the layer loop of :func:`_run_chunk` (phase 6 host key ranges and the debug sync audit, phase 7
-fused rerange, phase 8 prefetch), and the chunk schedule (:mod:`reference_impl.schedule`).
+Where the phases plug in: the store the family builds (phase 2 sharding, phase 3 current reuse,
+phase 5 direct writes, phase 7 fused ops), the split (:func:`chunk_metadata`, phase 4), the layer
+loop of :func:`_run_chunk` (phase 6's host-sync audit; the step's host key ranges, phase 7's fused
+rerange and phase 8's prefetch), and the chunk schedule (:mod:`reference_impl.schedule`).
 """
 
 from __future__ import annotations
@@ -32,32 +32,23 @@ import torch
 from reference_impl.config import RunConfig
 from reference_impl.cp.batch import BatchLocs, new_page_table
 from reference_impl.cp.comm import CPGroup, note_step
-from reference_impl.cp.designs import audits_layer_loop, design_page_lanes, make_design_store
-from reference_impl.cp.kv_replicated import ReplicatedKV
-from reference_impl.cp.kv_sharded import ShardedKV
-from reference_impl.cp.kv_store import KVStore
+from reference_impl.cp.designs import audits_layer_loop, design_page_lanes
 from reference_impl.cp.narrow_output import collect_narrow
-from reference_impl.cp.ownership import Ownership
-from reference_impl.cp.prefetch import MlaPrefetcher
-from reference_impl.cp.rerange import gather_current
 from reference_impl.cp.split import SplitMetadata, build_split
 from reference_impl.cp.split_index import SplitIndex
 from reference_impl.cp.tail import OutputSpec, collect_full
-from reference_impl.cp.v4.layer import PER_LAYER_TAGS_V4, V4ChunkRunner
-from reference_impl.cp.v4.store import V4Store, install_v4_prefixes
+from reference_impl.families import ChunkInputs, ModelFamily, RankStore, family_of
 from reference_impl.kernels import fallback
 from reference_impl.kvcache.allocator import RequestPageTable, page_locs
-from reference_impl.kvcache.layout import KVLayout
-from reference_impl.model.prefix_prefill import prefill_prefix
-from reference_impl.model.sparse_attention import HostKeyBounds
-from reference_impl.presets_v4 import is_v4
 from reference_impl.schedule import Chunk, chunk_schedule, frees_after_batch
 from reference_impl.sync_audit import HostSyncAudit
 from reference_impl.workload import build_inputs, build_model
 
 logger = logging.getLogger(__name__)
 
-PER_LAYER_TAGS = ("kv", "index_k", "materialize", "prefetch_mla", "materialize_index", *PER_LAYER_TAGS_V4)
+def per_layer_tags(run: RunConfig) -> tuple[str, ...]:
+    """The collectives' tags that count as per-layer gather traffic in this run's family."""
+    return family_of(run.model).per_layer_tags
 
 
 def build_metadata(run: RunConfig) -> SplitMetadata:
@@ -88,7 +79,7 @@ class RankResult:
     local_hidden: torch.Tensor | None = None  # [n_local, dim] rows of token_ids (check runs only)
     local_topk: list[torch.Tensor] = field(default_factory=list)  # per layer [n_local, K], request positions
     stored: list[dict[int, tuple[torch.Tensor | None, ...]]] = field(default_factory=list)  # per layer (check runs)
-    store: KVStore | None = None  # the rank's KV store, only with ``run_rank(..., keep_store=True)`` (PD transfer)
+    store: Any = None  # the rank's store (its family's), only with ``run_rank(..., keep_store=True)`` (PD transfer)
     host_sync_audit: str = ""  # how phase 6 counted the layer loop's host syncs ("" without phase 6)
     kernel_fallbacks: dict[str, str] = field(default_factory=dict)  # kernel -> first error, in this rank's process
     pool_occupancy: list[dict[str, int]] = field(default_factory=list)  # per batch: pages in use, requests freed
@@ -107,64 +98,30 @@ class LayerStoredHook(Protocol):
     loop, before anything waits for the device (a CUDA event recorded there marks the loop's end).
     """
 
-    def begin_chunk(self, store: KVStore, finished: dict[int, torch.Tensor]) -> None: ...
+    def begin_chunk(self, store: Any, finished: dict[int, torch.Tensor]) -> None: ...
 
     def layer_stored(self, layer: int) -> None: ...
 
     def loop_done(self) -> None: ...
 
 
-def make_kv_store(run: RunConfig, batch: BatchLocs, layout: KVLayout, group: CPGroup) -> KVStore:
-    """The KV store the phase set asks for: a replica per rank (baseline) or sharded at the run's
-    interleave (phases 2, 3, 5), the compressed-entry store of a DeepSeek-V4 model
-    (:mod:`reference_impl.cp.v4.store`), or the store of a competing KV design (:mod:`reference_impl.cp.designs`)."""
-    if is_v4(run.model):  # DeepSeek-V4: compressed entries (reference_impl.cp.v4.store)
-        return V4Store.for_run(run, batch, group)  # type: ignore[return-value]
-    if run.kv_design != "phases":
-        return make_design_store(run, batch, layout, group)
-    if run.phases.sharded_kv:
-        # Round-robin computes token t on rank t % C: at interleave 1 that is its owner, with no lanes.
-        direct = run.phases.compute_owner or run.split_mode == "round-robin"
-        return ShardedKV(
-            batch, layout, run.model.n_layers, group, group.debug,
-            reuse_current=run.phases.current_reuse, direct_write=direct, fused=run.phases.fused_kernels,
-            ownership=Ownership(run.cp_size, run.interleave, run.page_size),
-        )
-    return ReplicatedKV(batch, layout, run.model.n_layers, group.device, group.debug, fused=run.phases.fused_kernels)
+def make_kv_store(run: RunConfig, batch: BatchLocs, group: CPGroup) -> RankStore:
+    """The rank's store for ``run``, serving ``batch``: its family's (:meth:`~reference_impl.families.base.ModelFamily.make_store`)."""
+    return family_of(run.model).make_store(run, batch, group)
 
 
-@torch.no_grad()
 def install_prefixes(
-    run: RunConfig, model: Any, inputs: list[torch.Tensor], store: KVStore, chunk: Chunk | None = None,
-    shared_tokens: dict[int, int] | None = None,
+    run: RunConfig, model: Any, inputs: list[torch.Tensor], store: Any, chunk: Chunk | None = None,
+    shared_tokens: dict[int, int] | None = None, family: ModelFamily | None = None,
 ) -> None:
-    """Fill the pools with the prefixes of ``chunk``'s requests (default: the run's first chunk),
-    computed the way an earlier prefill would have.
-
-    Each rank runs the single-device model over the prefix tokens, chunk by chunk
-    (:func:`~reference_impl.model.prefix_prefill.prefill_prefix`; deterministic, so every rank gets
-    identical bytes, those of the oracle), and hands the store each chunk's rows as a layer makes
-    them: memory is the prefix's KV plus one chunk, not the whole prefix's activations.
-    ``shared_tokens[req]``: leading tokens already in the pool by reference (a shared prefix's
-    whole pages); only the rest is written.
-    """
+    """Fill the store with the cached prefixes of ``chunk``'s requests (default: the run's first chunk),
+    as an earlier prefill left them (:meth:`~reference_impl.families.base.ModelFamily.install_prefixes`).
+    ``shared_tokens[req]``: leading tokens already in the pool by reference (a shared prefix's whole
+    pages); only the rest is written."""
+    family = family or family_of(run.model)
     chunk = chunk if chunk is not None else chunk_schedule(run)[0]
-    if is_v4(run.model):
-        install_v4_prefixes(run, model, inputs, store, chunk)  # type: ignore[arg-type]
-        return
-    shared_tokens = shared_tokens or {}
-    layout = KVLayout.from_config(run.model, run.kv_dtype, run.page_size)
-    for i, req in enumerate(chunk.requests):
-        shared, prefix = shared_tokens.get(req, 0), run.requests[req].prefix
-        if prefix <= shared:
-            continue
-
-        def write(layer: int, start: int, stop: int, cache: Any, i: int = i, shared: int = shared) -> None:
-            lo = max(start, shared)
-            if lo < stop:
-                store.write_prefix(layer, i, cache.mla_rows[lo:stop], cache.index_fp8[lo:stop], cache.index_scale[lo:stop], lo)
-
-        prefill_prefix(model, inputs[req][:prefix], layout, write)
+    with torch.no_grad():
+        family.install_prefixes(run, model, inputs, store, chunk, shared_tokens or {})
 
 
 class _LayerClock:
@@ -213,14 +170,6 @@ class _Accumulated:
 
 class HostSyncError(AssertionError):
     """The phase-6 layer loop synchronized with the host (debug-mode audit)."""
-
-
-def _host_key_bounds(meta: SplitMetadata, batch: BatchLocs, rank: int) -> HostKeyBounds:
-    """Host copies of the local queries' key ranges ``(key_start, key_end)``, from metadata alone
-    (phase 6: the indexer bounds each chunk of rows without reading the device)."""
-    starts = [batch.view_offsets[meta.token_request[g]] for g in meta.local_tokens(rank)]
-    ends = [batch.view_offsets[meta.token_request[g]] + meta.token_position[g] + 1 for g in meta.local_tokens(rank)]
-    return starts, ends
 
 
 def chunk_metadata(run: RunConfig, chunk: Chunk) -> SplitMetadata:
@@ -290,16 +239,19 @@ def run_id_space(table: RequestPageTable) -> int:
 
 @torch.no_grad()
 def run_rank(
-    group: CPGroup, run: RunConfig, *, keep_store: bool = False, on_layer_stored: LayerStoredHook | None = None
+    group: CPGroup, run: RunConfig, *, keep_store: bool = False, on_layer_stored: LayerStoredHook | None = None,
+    family: ModelFamily | None = None,
 ) -> RankResult:
     """Run the batch on this rank, chunk by chunk; see the module docstring for the per-layer steps.
 
-    ``keep_store=True`` leaves the rank's KV store on ``result.store`` (device tensors, not for
+    ``keep_store=True`` leaves the rank's store on ``result.store`` (device tensors, not for
     pickling), for what runs after the prefill in the same process: the PD transfer.
     ``on_layer_stored`` hears of every layer stored (:class:`LayerStoredHook`: a layer-wise PD send).
+    ``family``: the model family to run with (default: the run's, :func:`~reference_impl.families.family_of`);
+    a benchmark passes one configured otherwise (e.g. DeepSeek-V4 with synthetic prefixes).
     """
     device = group.device
-    layout = None if is_v4(run.model) else KVLayout.from_config(run.model, run.kv_dtype, run.page_size)
+    family = family or family_of(run.model)
     model = build_model(run, device)
     inputs = build_inputs(run, device)
     note_step()  # progress: the model and the inputs are built
@@ -307,7 +259,7 @@ def run_rank(
     id_space = run_id_space(replay_page_table(run))  # pure metadata: same on every rank
     table = new_run_page_table(run)
     shares = shares_of(run)
-    store: KVStore | None = None
+    store: Any = None
     acc = _Accumulated()
     stored: dict[int, list[tuple[torch.Tensor | None, ...]]] = {}  # request -> per layer, its rows (check runs)
     start = time.perf_counter()
@@ -319,8 +271,8 @@ def run_rank(
         # Tokens a new request found in the pool by reference (the whole pages of a shared prefix).
         shared_tokens = {req: table.shared_tokens(req) for req in chunk.requests} if first_of_batch else {}
         if store is None:
-            store = make_kv_store(run, batch, layout, group)  # type: ignore[arg-type]
-            install_prefixes(run, model, inputs, store, chunk, shared_tokens)
+            store = family.make_store(run, batch, group)
+            install_prefixes(run, model, inputs, store, chunk, shared_tokens, family)
             if device.type == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats(device)
@@ -329,7 +281,7 @@ def run_rank(
         else:
             store.bind(batch)
             if first_of_batch:  # a later batch of a long-lived pool: its requests' prefixes
-                install_prefixes(run, model, inputs, store, chunk, shared_tokens)
+                install_prefixes(run, model, inputs, store, chunk, shared_tokens, family)
         if on_layer_stored is not None:
             finished = {
                 req: table.locs(req).to(device)
@@ -337,7 +289,7 @@ def run_rank(
                 if chunk.prefix_lens[i] + chunk.extend_lens[i] == run.requests[req].total
             }
             on_layer_stored.begin_chunk(store, finished)
-        _run_chunk(group, run, model, inputs, chunk, meta, batch, store, acc, on_layer_stored)
+        _run_chunk(group, run, family, model, inputs, chunk, meta, batch, store, acc, on_layer_stored)
         if chunk.last_of_batch:
             in_use = table.allocator.n_used
             freed = requests_to_free(run, chunk)
@@ -358,13 +310,12 @@ def run_rank(
         "kv_bytes": store.kv_bytes,
         "index_bytes": store.index_bytes,
         "transient_peak_bytes": acc.transient_peak,
-        "gather_bytes": sum(s.buffer_bytes for s in group.stats if s.tag in PER_LAYER_TAGS),
+        "gather_bytes": sum(s.buffer_bytes for s in group.stats if s.tag in family.per_layer_tags),
         "materialized_bytes": store.materialized_bytes,
         "output_gather_bytes": sum(s.buffer_bytes for s in group.stats if s.tag == "tail"),
         "collectives": len(group.stats),
     }
-    if isinstance(store, V4Store):
-        stats.update(store.breakdown())
+    stats.update(store.breakdown())  # what the family counts beyond KV and index bytes
     if audits_layer_loop(run):
         stats["host_syncs_in_layer_loop"] = acc.host_syncs
         stats["transport_syncs_in_layer_loop"] = acc.transport_syncs
@@ -398,7 +349,7 @@ def run_rank(
     )
 
 
-def _stored_rows(store: KVStore, locs: torch.Tensor, n_layers: int) -> list[tuple[torch.Tensor | None, ...]]:
+def _stored_rows(store: RankStore, locs: torch.Tensor, n_layers: int) -> list[tuple[torch.Tensor | None, ...]]:
     """Per layer: what this rank stores of the request at ``locs`` (CPU tensors)."""
     return [tuple(None if t is None else t.cpu() for t in store.stored_rows(layer, [locs])[0]) for layer in range(n_layers)]
 
@@ -428,28 +379,22 @@ def local_inputs(
 def _run_chunk(
     group: CPGroup,
     run: RunConfig,
+    family: ModelFamily,
     model: Any,
     inputs: list[torch.Tensor],
     chunk: Chunk,
     meta: SplitMetadata,
     batch: BatchLocs,
-    store: KVStore,
+    store: Any,
     acc: _Accumulated,
     on_layer_stored: LayerStoredHook | None = None,
 ) -> None:
-    """One CP batch through every layer, then its tail collection; appends to ``acc``."""
+    """One CP batch through every layer (the family's step per layer), then its tail collection; appends to ``acc``."""
     device = group.device
     index = SplitIndex.build(meta, group.rank, device)  # device tensors the layer loop reuses
-    local = index.local
     positions = torch.tensor(meta.local_positions(group.rank), dtype=torch.long, device=device)
     x = local_inputs(inputs, chunk, meta, group.rank, positions)  # [T_local, dim]
-    key_start, key_end = batch.key_start.index_select(0, local), batch.key_end.index_select(0, local)
-    # Top-k rows relative to the request's first full-view row, i.e. token positions in the request.
-    request_start = key_start[:, None].int()
-
-    host_bounds = _host_key_bounds(meta, batch, group.rank) if audits_layer_loop(run) else None
-    fused = run.phases.fused_kernels  # phase 7: one-pass rerange of the per-layer all-gathers
-
+    step = family.chunk_step(ChunkInputs(group, run, model, store, chunk, meta, batch, index, positions, on_layer_stored))
     clock = _LayerClock(device)
     topk_per_layer: list[torch.Tensor] = []
     audit = (
@@ -457,52 +402,18 @@ def _run_chunk(
         if audits_layer_loop(run)
         else contextlib.nullcontext()
     )
-    v4 = V4ChunkRunner.for_run(group, run, store, meta, batch, chunk.requests) if isinstance(store, V4Store) else None
-    prefetch = MlaPrefetcher(store, len(model.layers)) if run.phases.prefetch and v4 is None else None
-    last_topk: torch.Tensor | None = None  # IndexShare: a shared layer attends with the last full layer's
     with audit, torch.profiler.record_function(LAYER_LOOP_RANGE):
         clock.mark()
-        if prefetch is not None:
-            prefetch.launch(0)
+        step.begin()
         for layer, block in enumerate(model.layers):
-            if v4 is not None:  # DeepSeek-V4: halos, compressed entries, sharded CSA (reference_impl.cp.v4.layer)
-                x, topk = v4.step(layer, block, x)
-                acc.transient_peak = max(acc.transient_peak, v4.transient_bytes + store.transient_bytes)
-                if run.check:
-                    topk_per_layer.append(topk)
-                clock.mark()
-                continue
-            if prefetch is not None:
-                prefetch.launch(layer + 1)  # overlaps this layer's compute
-            proj = block.attn.project(block.attn_norm(x), positions)
-            kv_seq = gather_current(group, index, proj.kv, "kv", fused, group.debug)  # [T, 576] sequence order
-            index_k_seq = (  # [T, 128]; none on an IndexShare shared layer (reference_impl.index_share)
-                gather_current(group, index, proj.index_k, "index_k", fused, group.debug) if proj.index_k is not None else None
-            )
-            store.store_current(layer, kv_seq, index_k_seq, proj.kv, proj.index_k)
-            if on_layer_stored is not None:
-                on_layer_stored.layer_stored(layer)
-            if prefetch is not None:
-                view = store.full_view(layer, kv_seq, index_k_seq, prefetch.consume(layer))
-            else:
-                view = store.full_view(layer, kv_seq, index_k_seq)
-            out, topk = block.attn.attend(
-                proj, view.kv, view.index_k_fp8, view.index_k_scale, key_start, key_end, host_bounds, last_topk
-            )
-            last_topk = topk
-            if prefetch is not None:
-                prefetch.release(layer)
-            x = x + out
-            gathered_bytes = sum(t.numel() * t.element_size() for t in (kv_seq, index_k_seq) if t is not None)
-            acc.transient_peak = max(acc.transient_peak, gathered_bytes + view.nbytes + store.transient_bytes)
+            x, topk = step.step(layer, block, x)
+            acc.transient_peak = max(acc.transient_peak, step.transient_bytes)
             if run.check:
-                topk_per_layer.append(torch.where(topk >= 0, topk - request_start, topk))  # stays on device
+                topk_per_layer.append(topk)  # stays on device
             clock.mark()
             note_step()  # progress: a host counter in shared memory, no sync
-            # Drop this layer's tensors now: a loop variable lives until it is reassigned, so the next
-            # layer would otherwise project, gather and attend with them still allocated (q alone is
-            # [T, H, 576], 2.25 GiB at 16K local tokens).
-            del proj, kv_seq, index_k_seq, view, out, topk
+            del topk
+        step.end()
     if isinstance(audit, HostSyncAudit):
         acc.host_syncs += audit.count
         acc.transport_syncs += audit.transport
@@ -512,8 +423,7 @@ def _run_chunk(
     if on_layer_stored is not None:
         on_layer_stored.loop_done()
     acc.layer_ms.extend(clock.intervals_ms())
-    if prefetch is not None:
-        acc.prefetch_wait_ms.extend(prefetch.exposed_wait_ms())
+    acc.prefetch_wait_ms.extend(step.prefetch_wait_ms())
 
     tail_start = time.perf_counter()
     collect = collect_narrow if run.phases.narrow_output else collect_full

@@ -12,6 +12,10 @@ import math
 
 import torch
 
+SCALE_FMTS: tuple[str, ...] = ("ue8m0", "fp32")
+"""FP8 scale formats of a cache's 128-value blocks: ``ue8m0`` (powers of two, DeepSeek's inference code and
+FlashMLA) or ``fp32`` (``amax / 448``, SGLang's); the bytes of a row are laid out the same either way."""
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 AMAX_FLOOR = 1e-4

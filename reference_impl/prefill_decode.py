@@ -51,7 +51,7 @@ from reference_impl.pd.mooncake_engine import MooncakeEngine, mooncake_unavailab
 from reference_impl.pd.stream import LayerStreamer
 from reference_impl.pd.transfer import DecodeCache, RequestRows, receive_pages, send_owned_pages
 from reference_impl.pd.transport import TorchDistributedTransport
-from reference_impl.presets_v4 import is_v4
+from reference_impl.families import family_of
 from reference_impl.workload import build_inputs, build_model
 
 logger = logging.getLogger(__name__)
@@ -252,8 +252,7 @@ def run_prefill_and_decode(run: RunConfig, timeout_s: float = 300, *, transfer: 
     """
     if transfer not in ("rows", "pages"):
         raise ConfigError(f"transfer={transfer!r}: use 'rows' or 'pages'")
-    if is_v4(run.model):
-        raise ConfigError(f"{run.preset}: the PD transfer moves DeepSeek-V3.2's KV layout; DeepSeek-V4's entries are not wired to it")
+    family_of(run.model).check_pd(run)
     if transport not in TRANSPORTS:
         raise ConfigError(f"transport={transport!r}: use {' or '.join(map(repr, TRANSPORTS))}")
     if transport == "mooncake":

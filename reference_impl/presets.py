@@ -18,13 +18,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from reference_impl.errors import ConfigError
+from reference_impl.fp8 import SCALE_FMTS
 from reference_impl.index_share import IndexShare, check_pattern, pattern_from_freq
 
 ScaleFmt = Literal["ue8m0", "fp32"]
-SCALE_FMTS: tuple[str, ...] = ("ue8m0", "fp32")
 
 
 @dataclass(frozen=True)
@@ -219,24 +219,15 @@ def at_cpu_widths(cfg: ModelConfig) -> ModelConfig:
 
 
 def preset_names() -> tuple[str, ...]:
-    """Every preset's name: :data:`PRESETS`, then DeepSeek-V4's (:data:`reference_impl.presets_v4.V4_PRESETS`)."""
-    from reference_impl.presets_v4 import V4_PRESETS
+    """Every preset's name, every family's (:func:`reference_impl.families.preset_names`)."""
+    from reference_impl.families import preset_names as names
 
-    return (*PRESETS, *V4_PRESETS)
+    return names()
 
 
-def get_preset(name: str) -> ModelConfig:
-    """Look a preset up by name; an unknown name is a :class:`ConfigError` listing the known ones.
+def get_preset(name: str) -> Any:
+    """Look a preset up by name in every family (:func:`reference_impl.families.get_preset`): the DSA
+    family's :data:`PRESETS` answer with a :class:`ModelConfig`, DeepSeek-V4's with its own config."""
+    from reference_impl.families import get_preset as lookup
 
-    DeepSeek-V4's presets (:data:`reference_impl.presets_v4.V4_PRESETS`) answer too, with a
-    :class:`~reference_impl.presets_v4.V4ModelConfig` (``is_v4`` tells them apart).
-    """
-    from reference_impl.presets_v4 import V4_PRESETS
-
-    if name in V4_PRESETS:
-        return V4_PRESETS[name]  # type: ignore[return-value]
-    try:
-        return PRESETS[name]
-    except KeyError:
-        known = ", ".join(sorted([*PRESETS, *V4_PRESETS]))
-        raise ConfigError(f"unknown preset {name!r}; known presets: {known}") from None
+    return lookup(name)

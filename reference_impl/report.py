@@ -17,11 +17,9 @@ from reference_impl.check import Agreement
 from reference_impl.config import RunConfig, env_flag
 from reference_impl.cp.split import SplitMetadata
 from reference_impl.engine import RankResult
-from reference_impl.presets_v4 import is_v4
+from reference_impl.families import family_of
 from reference_impl.workload import compute_dtype, resolve_device
 
-# DeepSeek-V4's bytes at rest by part (reference_impl.cp.v4.store.V4Store.breakdown).
-V4_FIELDS = ("csa_bytes", "hca_bytes", "window_bytes", "compressor_state_bytes")
 PER_RANK_FIELDS = (
     "kv_bytes",
     "index_bytes",
@@ -40,17 +38,14 @@ def device_name(device: torch.device) -> str:
 
 
 def attention_kernel(run: RunConfig, device: torch.device) -> str:
-    """The sparse MLA path the dispatch takes for this run's inputs: ``"gluon_ws"``, ``"gluon"``, ``"triton"``
-    or ``"torch"``."""
-    from reference_impl.kernels.dispatch import sparse_mla_kernel
+    """The attention path the dispatch takes for this run's inputs (the DSA family's ``"gluon_ws"``,
+    ``"gluon"``, ``"triton"`` or ``"torch"``; DeepSeek-V4's with a ``v4-`` prefix)."""
+    return family_fields(run, device)["attention_kernel"]
 
-    if is_v4(run.model):  # DeepSeek-V4's sparse attention with sinks
-        from reference_impl.kernels.v4_dispatch import attention_kernel_name
 
-        return "v4-" + attention_kernel_name(device)
-    d_v, d_qk = run.model.kv_lora_rank, run.model.kv_lora_rank + run.model.qk_rope_head_dim
-    probe = torch.empty(0, 1, d_qk, device=device, dtype=compute_dtype(run, device))  # allocates nothing
-    return sparse_mla_kernel(probe, probe[:, 0], d_v)
+def family_fields(run: RunConfig, device: torch.device) -> dict[str, Any]:
+    """The run's family's report fields (:meth:`~reference_impl.families.base.ModelFamily.report_fields`)."""
+    return family_of(run.model).report_fields(run, device, compute_dtype(run, device))
 
 
 def versions() -> dict[str, str]:
@@ -73,12 +68,12 @@ def build_report(
     shared_gpu: bool,
 ) -> dict[str, Any]:
     device = resolve_device(run)
+    fields = family_fields(run, device)
     per_rank = []
     for r in results:
         entry: dict[str, Any] = {"rank": r.rank, **{k: r.stats[k] for k in PER_RANK_FIELDS}}
-        for optional in ("measured_peak_bytes", "host_syncs_in_layer_loop", "transport_syncs_in_layer_loop", *V4_FIELDS):
-            if optional in r.stats:
-                entry[optional] = r.stats[optional]
+        # The optional counts (CUDA's peak, phase 6's syncs) and the family's own bytes (its store's breakdown).
+        entry.update({k: v for k, v in r.stats.items() if k not in entry})
         entry["tokens"] = len(r.token_ids)
         entry["layer_ms_median"] = statistics.median(r.timings["layer_ms"])
         entry["tail_ms"] = r.timings["tail_ms"]
@@ -98,7 +93,7 @@ def build_report(
             "compute_dtype": str(compute_dtype(run, device)).removeprefix("torch."),
             "seed": run.seed,
             "mla_scale_fmt": run.mla_scale_fmt,
-            "index_topk_pattern": None if is_v4(run.model) else run.model.index_share.pattern,
+            "index_topk_pattern": fields["index_topk_pattern"],
             "cpu_widths": run.cpu_widths,
             "fp8_projections": env_flag("fp8_projections"),
             "chunk_size": run.chunk_size,
@@ -111,7 +106,7 @@ def build_report(
         "phases": sorted(run.phases.enabled),
         "phase_level": run.phases.max_level,
         "device": device_name(device),
-        "attention_kernel": attention_kernel(run, device),
+        "attention_kernel": fields["attention_kernel"],
         "backend": backend,
         "ranks_share_device": shared_gpu or (device.type == "cuda" and run.cp_size > 1 and backend == "gloo"),
         "host_sync_audit": results[0].host_sync_audit or None,

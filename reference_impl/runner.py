@@ -18,16 +18,12 @@ from typing import Any, Literal, overload
 
 import torch
 
-from reference_impl.check import compare
-from reference_impl.check_v4 import compare_v4
 from reference_impl.config import ConfigError, RunConfig, check_environment
 from reference_impl.cp.comm import CPGroup
 from reference_impl.engine import RankResult, build_metadata, chunk_metadata, run_rank
 from reference_impl.footprint import check_fits
 from reference_impl.launch import choose_backend, launch, plan_launch, rank_cpu_threads, under_torchrun
-from reference_impl.model.oracle import DSAModel, OracleResult, run_oracle
-from reference_impl.model.v4.oracle import run_v4_oracle
-from reference_impl.presets_v4 import is_v4
+from reference_impl.families import family_of
 from reference_impl.report import build_report
 from reference_impl.schedule import chunk_schedule
 from reference_impl.workload import build_inputs, build_model, compute_dtype, resolve_device
@@ -57,7 +53,7 @@ class PrefillResult:
 
     report: dict[str, Any]
     ranks: list[RankResult]
-    oracle: OracleResult | None
+    oracle: Any
 
 
 @overload
@@ -147,7 +143,7 @@ def _run_all(
     for i, run in enumerate(runs):
         launches.setdefault((run.cp_size, run.device, run.backend), []).append(i)
     reports: list[PrefillResult | None] = [None] * len(runs)
-    oracles: dict[tuple[Any, ...], tuple[DSAModel, OracleResult]] = {}
+    oracles: dict[tuple[Any, ...], tuple[torch.nn.Module, Any]] = {}
     for (cp_size, device, backend), indices in launches.items():
         batch = [runs[i] for i in indices]
         limit = timeout_s if timeout_s is not None else sum(run.timeout_s for run in batch)
@@ -194,8 +190,8 @@ def _oracle_key(run: RunConfig, device: torch.device) -> tuple[Any, ...]:
 
 def _report(
     run: RunConfig, results: list[RankResult], backend: str, shared_gpu: bool,
-    oracles: dict[tuple[Any, ...], tuple[DSAModel, OracleResult]],
-) -> tuple[dict[str, Any], OracleResult | None]:
+    oracles: dict[tuple[Any, ...], tuple[torch.nn.Module, Any]],
+) -> tuple[dict[str, Any], Any]:
     meta = build_metadata(run)  # the whole batch's token numbering
     if under_torchrun():
         backend, shared_gpu = ("nccl" if torch.cuda.is_available() else "gloo"), False
@@ -210,18 +206,13 @@ def _report(
             try:
                 model = build_model(run, device)
                 prefixes = [r.prefix for r in run.requests]
-                if is_v4(run.model):  # DeepSeek-V4's oracle
-                    result = run_v4_oracle(model, prefixes, build_inputs(run, device), run.kv_dtype, chunk_size=run.chunk_size)
-                else:
-                    result = run_oracle(
-                        model, prefixes, build_inputs(run, device), run.kv_dtype, run.page_size, chunk_size=run.chunk_size
-                    )
+                result = family_of(run.model).oracle(model, prefixes, build_inputs(run, device), run.kv_dtype,
+                                                     run.page_size, run.chunk_size, torch.bfloat16)
                 oracles[key] = (model, result)
             finally:
                 torch.set_num_threads(threads)
         model, oracle = oracles[key]
-        check = compare_v4 if is_v4(run.model) else compare
-        agreement = check(run, meta, model, oracle, results, compute_dtype(run, device))
+        agreement = family_of(run.model).compare(run, meta, model, oracle, results, compute_dtype(run, device))
         if not agreement.matches_oracle:
             logger.error("CP run disagrees with the oracle: %s", "; ".join(agreement.problems))
     return build_report(run, meta, results, agreement, backend=backend, shared_gpu=shared_gpu), oracle

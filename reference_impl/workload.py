@@ -9,12 +9,7 @@ from __future__ import annotations
 import torch
 
 from reference_impl.config import RunConfig, env_flag
-from reference_impl.kernels.dispatch import KERNEL_OPS
-from reference_impl.model.oracle import DSAModel, init_weights
-from reference_impl.model.v4.oracle import build_v4_model
-from reference_impl.kernels.v4_dispatch import V4_KERNEL_OPS
-from reference_impl.model.v4.ops import V4Ops
-from reference_impl.presets_v4 import is_v4
+from reference_impl.families import family_of
 
 
 def resolve_device(run: RunConfig) -> torch.device:
@@ -32,26 +27,17 @@ def compute_dtype(run: RunConfig, device: torch.device) -> torch.dtype:
 
 
 @torch.no_grad()
-def build_model(run: RunConfig, device: torch.device) -> DSAModel:
-    """The run's model with deterministic weights from ``run.seed``; its indexer top-k and sparse
-    attention go through the kernel dispatch (:data:`~reference_impl.kernels.dispatch.KERNEL_OPS`).
-    A DeepSeek-V4 preset gives a :class:`~reference_impl.model.v4.oracle.V4Model`.
+def build_model(run: RunConfig, device: torch.device) -> torch.nn.Module:
+    """The run's model with deterministic weights from ``run.seed``, built by its family
+    (:meth:`~reference_impl.families.base.ModelFamily.build_model`), its compute cores through the
+    family's kernel dispatch (the torch references off CUDA).
 
-    With ``DSACP_FP8_PROJECTIONS=1`` the attention's projections become FP8 with 128-block scales
-    (:func:`~reference_impl.model.fp8_linear.quantize_projections`, the GEMM of
-    :mod:`reference_impl.kernels.fp8_gemm`), as DeepSeek runs its checkpoints; every rank and the
+    With ``DSACP_FP8_PROJECTIONS=1`` the attention's projections become FP8 with 128-block scales, as
+    DeepSeek runs its checkpoints (families without them refuse the variable); every rank and the
     oracle build the same model, so they still agree. Off by default: bf16 is the reference."""
-    if is_v4(run.model):
-        return build_v4_model(run.model, compute_dtype(run, device), run.seed, device, build_v4_ops(device))  # type: ignore[return-value]
-    with torch.device(device):
-        model = DSAModel(run.model, compute_dtype(run, device), ops=KERNEL_OPS)
-    model = init_weights(model, run.seed).eval()
-    if env_flag("fp8_projections"):
-        from reference_impl.kernels.fp8_gemm import block_fp8_gemm
-        from reference_impl.model.fp8_linear import quantize_projections
-
-        quantize_projections(model, run.model.index_scale_fmt, block_fp8_gemm)
-    return model
+    cfg = run.model
+    return family_of(cfg).build_model(cfg, compute_dtype(run, device), run.seed, device, kernels=True,
+                                      fp8_projections=env_flag("fp8_projections"))
 
 
 def build_inputs(run: RunConfig, device: torch.device) -> list[torch.Tensor]:
@@ -64,9 +50,3 @@ def build_inputs(run: RunConfig, device: torch.device) -> list[torch.Tensor]:
         if r.shares is not None:  # ``rN:P+E``: the same first P tokens as request N
             x[: r.prefix] = inputs[r.shares][: r.prefix]
     return inputs
-
-
-def build_v4_ops(device: torch.device) -> V4Ops:
-    """The V4 layer's compute cores: the kernel dispatch (:data:`~reference_impl.kernels.v4_dispatch.V4_KERNEL_OPS`,
-    which takes the torch references off CUDA)."""
-    return V4_KERNEL_OPS

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError("this sweep times a CUDA kernel: no CUDA device is visible")
     import triton
 
-    from reference_impl.kernels.v4_attention_triton import GPU_CONFIG, v4_sparse_attention_triton
+    from reference_impl.families.deepseek_v4.kernels.attention_triton import GPU_CONFIG, v4_sparse_attention_triton
 
     g = torch.Generator(device="cuda").manual_seed(0)
     t, s = 4096, 40000

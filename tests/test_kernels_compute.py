@@ -276,7 +276,7 @@ def test_dispatch_failing_kernel_falls_back_with_one_warning(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, fresh_warnings: None
 ) -> None:
     monkeypatch.setattr(fallback, "device_runs_kernels", lambda device: True)  # pretend CUDA
-    monkeypatch.setattr(dispatch, "_triton_sparse_mla", _boom)
+    monkeypatch.setitem(dispatch.SPARSE_MLA_LAUNCHERS, "triton", _boom)
     monkeypatch.setattr(dispatch, "_triton_indexer_topk", _boom)
     gen = torch.Generator().manual_seed(6)
     q, kv, indices = _attention_case(gen, n_tokens=5, n_heads=3, d_qk=96, n_kv=30, topk=8, dtype=torch.float32)
@@ -303,7 +303,7 @@ def test_dispatch_force_torch_and_cpu_skip_the_kernel(
         calls.append("kernel")
         raise RuntimeError("must not run")
 
-    monkeypatch.setattr(dispatch, "_triton_sparse_mla", spy)
+    monkeypatch.setitem(dispatch.SPARSE_MLA_LAUNCHERS, "triton", spy)
     gen = torch.Generator().manual_seed(7)
     q, kv, indices = _attention_case(gen, n_tokens=4, n_heads=2, d_qk=96, n_kv=20, topk=8, dtype=torch.float32)
     with caplog.at_level(logging.DEBUG, logger=fallback.__name__):
@@ -464,7 +464,7 @@ def test_dispatch_tries_gluon_then_triton(
     where it fails, the Triton kernel runs after one warning naming Gluon."""
     monkeypatch.setattr(fallback, "device_runs_kernels", lambda device: True)  # pretend CUDA
     calls: list[str] = []
-    monkeypatch.setattr(dispatch, "_triton_sparse_mla", _reference_kernel(calls, "triton"))
+    monkeypatch.setitem(dispatch.SPARSE_MLA_LAUNCHERS, "triton", _reference_kernel(calls, "triton"))
     q, kv, indices = _attention_case(torch.Generator().manual_seed(8), 4, 2, 96, 20, 8, torch.float32)
     want, _ = ref.sparse_mla_attention(q, kv, indices, 0.1, 64)
     with caplog.at_level(logging.WARNING, logger=fallback.__name__):
@@ -472,10 +472,10 @@ def test_dispatch_tries_gluon_then_triton(
         assert torch.equal(dispatch.sparse_mla_attention(q, kv, indices, 0.1, 64)[0], want)
         assert calls == ["triton"] and not caplog.records
         _pretend_gluon_applies(monkeypatch)
-        monkeypatch.setattr(dispatch, "_gluon_sparse_mla", _reference_kernel(calls, "gluon"))
+        monkeypatch.setitem(dispatch.SPARSE_MLA_LAUNCHERS, "gluon", _reference_kernel(calls, "gluon"))
         dispatch.sparse_mla_attention(q, kv, indices, 0.1, 64)
         assert calls == ["triton", "gluon"]
-        monkeypatch.setattr(dispatch, "_gluon_sparse_mla", _boom)
+        monkeypatch.setitem(dispatch.SPARSE_MLA_LAUNCHERS, "gluon", _boom)
         for _ in range(3):
             assert torch.equal(dispatch.sparse_mla_attention(q, kv, indices, 0.1, 64)[0], want)
     assert calls == ["triton", "gluon", "triton", "triton", "triton"]
@@ -493,7 +493,7 @@ def test_dispatch_chain_runs_warp_specialized_then_gluon_then_triton(
     monkeypatch.setattr(fallback, "device_runs_kernels", lambda device: True)  # pretend CUDA
     calls: list[str] = []
     for name in ("gluon_ws", "gluon", "triton"):
-        monkeypatch.setattr(dispatch, f"_{name}_sparse_mla", _reference_kernel(calls, name))
+        monkeypatch.setitem(dispatch.SPARSE_MLA_LAUNCHERS, name, _reference_kernel(calls, name))
     q, kv, indices = _attention_case(torch.Generator().manual_seed(10), 4, 2, 96, 20, 8, torch.float32)
     want, _ = ref.sparse_mla_attention(q, kv, indices, 0.1, 64)
     _pretend_gluon_applies(monkeypatch, warp_specialized=True)
@@ -501,9 +501,9 @@ def test_dispatch_chain_runs_warp_specialized_then_gluon_then_triton(
     with caplog.at_level(logging.WARNING, logger=fallback.__name__):
         assert torch.equal(dispatch.sparse_mla_attention(q, kv, indices, 0.1, 64)[0], want)
         assert calls == ["gluon_ws"] and not caplog.records
-        monkeypatch.setattr(dispatch, "_gluon_ws_sparse_mla", _boom)
+        monkeypatch.setitem(dispatch.SPARSE_MLA_LAUNCHERS, "gluon_ws", _boom)
         assert torch.equal(dispatch.sparse_mla_attention(q, kv, indices, 0.1, 64)[0], want)
-        monkeypatch.setattr(dispatch, "_gluon_sparse_mla", _boom)
+        monkeypatch.setitem(dispatch.SPARSE_MLA_LAUNCHERS, "gluon", _boom)
         assert torch.equal(dispatch.sparse_mla_attention(q, kv, indices, 0.1, 64)[0], want)
     assert calls == ["gluon_ws", "gluon", "triton"]
     messages = [r.getMessage() for r in caplog.records if r.name == fallback.__name__]
@@ -521,11 +521,11 @@ def test_dispatch_chain_runs_warp_specialized_then_gluon_then_triton(
 def test_dispatch_no_gluon_skips_the_gluon_kernel(monkeypatch: pytest.MonkeyPatch, fresh_warnings: None) -> None:
     monkeypatch.setattr(fallback, "device_runs_kernels", lambda device: True)  # pretend CUDA
     calls: list[str] = []
-    monkeypatch.setattr(dispatch, "_triton_sparse_mla", _reference_kernel(calls, "triton"))
+    monkeypatch.setitem(dispatch.SPARSE_MLA_LAUNCHERS, "triton", _reference_kernel(calls, "triton"))
     q, kv, indices = _attention_case(torch.Generator().manual_seed(9), 4, 2, 96, 20, 8, torch.float32)
     monkeypatch.setenv("DSACP_NO_GLUON", "1")
     _pretend_gluon_applies(monkeypatch)
-    monkeypatch.setattr(dispatch, "_gluon_sparse_mla", _boom)  # must not run
+    monkeypatch.setitem(dispatch.SPARSE_MLA_LAUNCHERS, "gluon", _boom)  # must not run
     assert dispatch.sparse_mla_kernel(q, kv, 64) == "triton"
     dispatch.sparse_mla_attention(q, kv, indices, 0.1, 64)
     assert calls == ["triton"] and not fallback.fallbacks_taken()

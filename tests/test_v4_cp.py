@@ -14,8 +14,8 @@ import torch
 
 from reference_impl.config import ConfigError, PhaseSet, Request, RunConfig
 from reference_impl.cp.split import build_split
-from reference_impl.cp.v4.plan import build_plan
-from reference_impl.kvcache.v4_layout import index_entry_bytes, main_entry_bytes
+from reference_impl.families.deepseek_v4.cp.plan import build_plan
+from reference_impl.families.deepseek_v4.cache_layout import index_entry_bytes, main_entry_bytes
 from reference_impl.presets import get_preset
 from reference_impl.runner import run_prefills
 
@@ -133,10 +133,10 @@ def test_cache_check_compares_by_value_when_bytes_differ():
 
     import torch
 
-    from reference_impl.check_v4 import _compare_caches
-    from reference_impl.cp.v4.store import pack_pool
-    from reference_impl.kvcache.v4_layout import decode_main, encode_main
-    from reference_impl.model.v4.oracle import build_v4_model, run_v4_oracle
+    from reference_impl.families.deepseek_v4.check import _compare_caches
+    from reference_impl.families.deepseek_v4.cp.store import pack_pool
+    from reference_impl.families.deepseek_v4.cache_layout import decode_main, encode_main
+    from reference_impl.families.deepseek_v4.model.oracle import build_v4_model, run_v4_oracle
 
     model = build_v4_model(CFG, torch.float32, 0, "cpu")
     oracle = run_v4_oracle(model, [0], [torch.randn(150, CFG.dim, generator=torch.Generator().manual_seed(0))], "fp8")
@@ -163,8 +163,8 @@ def test_the_keys_the_ranks_hold_rebuild_the_oracles_index_keys():
     """The top-k check's second reading (GPU runs) scores rows with the indexer keys the ranks hold:
     rebuilt from every rank's store they are the oracle's keys (byte-equal on CPU), and the scores
     with them are the oracle's own."""
-    from reference_impl.check_v4 import rank_held_keys
-    from reference_impl.kvcache.v4_layout import decode_index
+    from reference_impl.families.deepseek_v4.check import rank_held_keys
+    from reference_impl.families.deepseek_v4.cache_layout import decode_index
     from reference_impl.runner import run_prefill
 
     run = RunConfig(preset="tiny-v4", cp_size=3, requests=(Request(0, 203), Request(29, 110)), chunk_size=71,
@@ -189,9 +189,9 @@ def test_the_rounding_tolerant_top_k_check_reads_the_band_on_the_keys_the_ranks_
     row's k-th entry for its worst visible one: the oracle's scores put that far outside the band,
     so the check reports it; when the ranks' stored key of that entry is made the k-th's (as an FP4
     code flip would move it), the second reading, on the keys the ranks hold, accepts the swap."""
-    from reference_impl import check_v4
+    from reference_impl.families.deepseek_v4 import check as check_v4
     from reference_impl.engine import build_metadata
-    from reference_impl.model.v4.sparse import index_scores
+    from reference_impl.families.deepseek_v4.model.sparse import index_scores
     from reference_impl.runner import run_prefill
     from reference_impl.workload import build_model
 

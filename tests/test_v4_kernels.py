@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reference_impl.kernels import fallback, v4_dispatch
-from reference_impl.kernels.v4_attention_triton import v4_sparse_attention_triton
-from reference_impl.model.v4.sparse import sparse_attention_sinks
+from reference_impl.families.deepseek_v4.kernels import dispatch as v4_dispatch
+from reference_impl.kernels import fallback
+from reference_impl.families.deepseek_v4.kernels.attention_triton import v4_sparse_attention_triton
+from reference_impl.families.deepseek_v4.model.sparse import sparse_attention_sinks
 
 SCALE = 512**-0.5
 
@@ -55,7 +56,7 @@ def test_dispatch_falls_back_to_torch_when_the_kernel_raises(monkeypatch):
     ref = sparse_attention_sinks(q, view, idx, sinks, SCALE)
     assert torch.equal(v4_dispatch.sparse_attention(q, view, idx, sinks, SCALE), ref)
     assert v4_dispatch.attention_kernel_name(q.device) == "torch"
-    import reference_impl.kernels.v4_attention_triton as kernel
+    import reference_impl.families.deepseek_v4.kernels.attention_triton as kernel
 
     def broken(*args, **kwargs):
         raise RuntimeError("no such GPU")
@@ -72,7 +73,7 @@ def test_dispatch_falls_back_to_torch_when_the_kernel_raises(monkeypatch):
 
 def _index_inputs(n_tok: int, n_keys: int, heads: int = 8, dim: int = 64, seed: int = 0):
     """FP4-simulated (power-of-two block scales) queries and keys in bf16, as a V4 rank holds them."""
-    from reference_impl.kvcache.v4_layout import fp4_simulate
+    from reference_impl.families.deepseek_v4.cache_layout import fp4_simulate
 
     g = torch.Generator().manual_seed(seed)
     q = fp4_simulate(torch.randn(n_tok, heads, dim, generator=g)).bfloat16()
@@ -104,7 +105,7 @@ def kernels_on(monkeypatch):
 def test_indexer_kernel_selects_the_reference_sets(kernels_on, topk):
     """Two requests' keys in one view, causal entry ranges from 0 keys to past ``topk``; with host
     bounds (the CP layer's) and without, the kernel's sets are the reference's."""
-    from reference_impl.model.v4.sparse import select_entries
+    from reference_impl.families.deepseek_v4.model.sparse import select_entries
 
     q, weights, keys = _index_inputs(40, 100)
     key_start, n_visible = _two_requests(40)
@@ -121,7 +122,7 @@ def test_indexer_kernel_selects_the_reference_sets(kernels_on, topk):
 def test_indexer_kernel_streams_keys_past_one_tile(kernels_on, monkeypatch):
     """A 1M-token context's entries take several key tiles: the running top-k gives the same sets."""
     from reference_impl.kernels import indexer_triton
-    from reference_impl.model.v4.sparse import select_entries
+    from reference_impl.families.deepseek_v4.model.sparse import select_entries
 
     q, weights, keys = _index_inputs(24, 300, seed=1)
     key_start = torch.zeros(24, dtype=torch.long)
@@ -148,7 +149,7 @@ def test_indexer_takes_the_reference_for_keys_bf16_cannot_hold(kernels_on, monke
 
 def test_indexer_falls_back_to_the_reference_when_the_kernel_raises(kernels_on, monkeypatch):
     from reference_impl.kernels import indexer_triton
-    from reference_impl.model.v4.sparse import select_entries
+    from reference_impl.families.deepseek_v4.model.sparse import select_entries
 
     def broken(*args, **kwargs):
         raise RuntimeError("no such GPU")
@@ -167,7 +168,7 @@ def test_indexer_falls_back_to_the_reference_when_the_kernel_raises(kernels_on, 
 def _pool_inputs(ratio: int, n_entries: int, width: int, seed: int = 0):
     """A wide table whose column slices are the value and score rows (as the CP layer passes them),
     slot rows of consecutive windows, entry 0's previous window absent (CSA)."""
-    from reference_impl.model.v4.compressor import overlaps, slot_positions
+    from reference_impl.families.deepseek_v4.model.compressor import overlaps, slot_positions
 
     g = torch.Generator().manual_seed(seed)
     coff = 2 if overlaps(ratio) else 1
@@ -179,8 +180,8 @@ def _pool_inputs(ratio: int, n_entries: int, width: int, seed: int = 0):
 
 @pytest.mark.parametrize("ratio, width", [(4, 160), (128, 64)])  # CSA with a partial feature block; HCA
 def test_pool_kernel_matches_the_reference(ratio, width):
-    from reference_impl.kernels.v4_compressor_triton import pool_triton
-    from reference_impl.model.v4.compressor import pool
+    from reference_impl.families.deepseek_v4.kernels.compressor_triton import pool_triton
+    from reference_impl.families.deepseek_v4.model.compressor import pool
 
     kv, score, slots = _pool_inputs(ratio, 6, width)
     ref = pool(kv, score, slots, ratio)
@@ -192,7 +193,7 @@ def test_pool_kernel_matches_the_reference(ratio, width):
 def test_pool_kernel_reads_each_half_where_the_overlap_says():
     """CSA entry 1 pools Ca (first half) of tokens 0..3 and Cb (second half) of 4..7: with the
     scores zero the result is the plain mean of exactly those halves."""
-    from reference_impl.kernels.v4_compressor_triton import pool_triton
+    from reference_impl.families.deepseek_v4.kernels.compressor_triton import pool_triton
 
     kv = torch.arange(8 * 2 * 16, dtype=torch.float32).reshape(8, 32)
     slots = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7]])
@@ -202,7 +203,7 @@ def test_pool_kernel_reads_each_half_where_the_overlap_says():
 
 
 def test_pool_kernel_refuses_a_slot_count_its_ratio_does_not_pool():
-    from reference_impl.kernels.v4_compressor_triton import pool_triton
+    from reference_impl.families.deepseek_v4.kernels.compressor_triton import pool_triton
 
     kv, score, slots = _pool_inputs(4, 3, 32)
     with pytest.raises(ValueError, match="slots per entry"):
@@ -210,8 +211,8 @@ def test_pool_kernel_refuses_a_slot_count_its_ratio_does_not_pool():
 
 
 def test_pool_dispatch_runs_the_kernel_and_falls_back(kernels_on, monkeypatch):
-    from reference_impl.kernels import v4_compressor_triton
-    from reference_impl.model.v4.compressor import pool
+    from reference_impl.families.deepseek_v4.kernels import compressor_triton as v4_compressor_triton
+    from reference_impl.families.deepseek_v4.model.compressor import pool
 
     kv, score, slots = _pool_inputs(4, 5, 32)
     ref = pool(kv, score, slots, 4)
@@ -242,8 +243,8 @@ def _rope_inputs(n_tok: int, heads: int, dim: int, rope_dim: int, dtype=torch.fl
 def test_rope_tail_kernel_matches_the_reference_in_float32(heads, rms, inverse):
     """Query (norm + RoPE), raw entry (one head, RoPE) and output (inverse): 11 tokens, so the last
     program's rows are partly masked; the first dims pass through untouched unless normed."""
-    from reference_impl.kernels.v4_rope_triton import rope_tail_triton
-    from reference_impl.model.v4.rope_tail import rope_tail
+    from reference_impl.families.deepseek_v4.kernels.rope_triton import rope_tail_triton
+    from reference_impl.families.deepseek_v4.model.rope_tail import rope_tail
 
     x, cos, sin = _rope_inputs(11, heads, 96, 32)
     sin = -sin if inverse else sin
@@ -262,8 +263,8 @@ def test_rope_tail_kernel_casts_like_the_reference():
     float32 value; the interpreter's casts truncate where the GPU's round, hence the step. This
     cannot tell the reference's cast before the rotation from a single rounding after it; the GPU
     tier's test, which compares bf16 bits, can."""
-    from reference_impl.kernels.v4_rope_triton import rope_tail_triton
-    from reference_impl.model.v4.rope_tail import rope_tail
+    from reference_impl.families.deepseek_v4.kernels.rope_triton import rope_tail_triton
+    from reference_impl.families.deepseek_v4.model.rope_tail import rope_tail
 
     x, cos, sin = _rope_inputs(9, 4, 64, 16)
     x = x.bfloat16().float()
@@ -274,7 +275,7 @@ def test_rope_tail_kernel_casts_like_the_reference():
 
 
 def test_rope_tail_kernel_refuses_tables_of_the_wrong_shape():
-    from reference_impl.kernels.v4_rope_triton import rope_tail_triton
+    from reference_impl.families.deepseek_v4.kernels.rope_triton import rope_tail_triton
 
     x, cos, sin = _rope_inputs(4, 2, 64, 16)
     with pytest.raises(ValueError, match="cos/sin"):
@@ -284,8 +285,8 @@ def test_rope_tail_kernel_refuses_tables_of_the_wrong_shape():
 
 
 def test_rope_tail_dispatch_runs_the_kernel_and_falls_back(kernels_on, monkeypatch):
-    from reference_impl.kernels import v4_rope_triton
-    from reference_impl.model.v4.rope_tail import rope_tail
+    from reference_impl.families.deepseek_v4.kernels import rope_triton as v4_rope_triton
+    from reference_impl.families.deepseek_v4.model.rope_tail import rope_tail
 
     x, cos, sin = _rope_inputs(6, 2, 64, 16)
     ref = rope_tail(x, cos, sin, 16, rms_eps=1e-6)
@@ -307,8 +308,8 @@ def test_rope_tail_dispatch_runs_the_kernel_and_falls_back(kernels_on, monkeypat
 def test_fp4_kernel_is_bit_exact(dtype):
     """Random values over six decades, plus every midpoint of the e2m1 grid (the ties), both signs,
     zeros and a subnormal: the kernel's bits are the reference's."""
-    from reference_impl.kernels.v4_fp4_triton import fp4_simulate_triton
-    from reference_impl.kvcache.v4_layout import fp4_simulate
+    from reference_impl.families.deepseek_v4.kernels.fp4_triton import fp4_simulate_triton
+    from reference_impl.families.deepseek_v4.cache_layout import fp4_simulate
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, 3, 128, generator=g) * torch.logspace(-3, 3, 128)
@@ -320,8 +321,8 @@ def test_fp4_kernel_is_bit_exact(dtype):
 
 
 def test_fp4_dispatch_runs_the_kernel_and_falls_back(kernels_on, monkeypatch):
-    from reference_impl.kernels import v4_fp4_triton
-    from reference_impl.kvcache.v4_layout import fp4_simulate
+    from reference_impl.families.deepseek_v4.kernels import fp4_triton as v4_fp4_triton
+    from reference_impl.families.deepseek_v4.cache_layout import fp4_simulate
 
     x = torch.randn(4, 2, 64, generator=torch.Generator().manual_seed(1))
     assert torch.equal(v4_dispatch.fp4_simulate(x), fp4_simulate(x))

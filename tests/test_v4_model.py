@@ -15,10 +15,10 @@ import dataclasses
 import pytest
 import torch
 
-from reference_impl.kvcache import v4_layout as L
-from reference_impl.model.v4.cache import V4LayerCache, v4_layer_forward
-from reference_impl.model.v4.checkpoint import load_v4_hf_weights, v4_attention_names
-from reference_impl.model.v4.oracle import build_v4_model, run_v4_oracle
+from reference_impl.families.deepseek_v4 import cache_layout as L
+from reference_impl.families.deepseek_v4.model.cache import V4LayerCache, v4_layer_forward
+from reference_impl.families.deepseek_v4.model.checkpoint import load_v4_hf_weights, v4_attention_names
+from reference_impl.families.deepseek_v4.model.oracle import build_v4_model, run_v4_oracle
 from reference_impl.presets import get_preset
 
 transformers = pytest.importorskip("transformers")

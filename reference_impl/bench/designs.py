@@ -43,7 +43,7 @@ from reference_impl.bench.layer import Workload
 from reference_impl.config import ConfigError, PhaseSet, Request, RunConfig, get_preset
 from reference_impl.cp.designs import layer_shard_range
 from reference_impl.cp.loopback import LoopbackGroup
-from reference_impl.engine import PER_LAYER_TAGS, run_rank
+from reference_impl.engine import per_layer_tags, run_rank
 from reference_impl.planner.designs import design_layer, kv_bytes_at_rest, one_rank_parser
 from reference_impl.planner.rates import PlannerRates, load_rates
 from reference_impl.bench.record import loopback_cp, run_record
@@ -83,9 +83,9 @@ def estimate_s(preset: str, workloads: list[Workload], designs: list[str], cp_si
     return total
 
 
-def _per_layer_moved(group: LoopbackGroup, n_layers: int) -> tuple[float, float, float]:
+def _per_layer_moved(group: LoopbackGroup, run: RunConfig, n_layers: int) -> tuple[float, float, float]:
     """``(bytes received, of them history / design gathers, collectives)`` per layer of one run."""
-    layer = [s for s in group.stats if s.tag in PER_LAYER_TAGS]
+    layer = [s for s in group.stats if s.tag in per_layer_tags(run)]
     history = [s for s in layer if s.tag not in ("kv", "index_k")]
     return (sum(s.bytes_received for s in layer) / n_layers, sum(s.bytes_received for s in history) / n_layers,
             len(layer) / n_layers)
@@ -107,7 +107,7 @@ def measure_design(preset: str, design: str, workload: Workload, cp_size: int, r
             layer_ms += result.timings["layer_ms"]
     assert result is not None and group is not None
     stats = result.stats
-    moved, history, collectives = _per_layer_moved(group, n_layers)
+    moved, history, collectives = _per_layer_moved(group, run, n_layers)
     pool = stats["kv_bytes"] + stats["index_bytes"]
     cfg = get_preset(preset)
     held, model_held = (  # layers whose KV this rank keeps: here, and in the preset's whole model

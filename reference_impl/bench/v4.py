@@ -13,7 +13,7 @@ local copy of the rank's own rows plus, with ``--wire-gbps``, a stream-held dela
 
 **Workloads**: ``128k`` is one request of 131,072 tokens in one chunk (current only); ``1m`` is the
 last 8,192-token chunk of a 1,048,576-token request: its 1,040,384-token prefix is installed as
-random entries of the right shapes (:func:`~reference_impl.cp.v4.store.install_synthetic_prefixes`;
+random entries of the right shapes (:func:`~reference_impl.families.deepseek_v4.cp.store.install_synthetic_prefixes`;
 computing it with the oracle would take hours, and no time or byte count depends on the values).
 
 **Per workload and level**: each layer's time (CUDA events, median over ``--repeats`` runs after
@@ -41,7 +41,7 @@ from reference_impl import engine
 from reference_impl.bench.layer import Workload, parse_levels
 from reference_impl.config import PhaseSet, Request, RunConfig, get_preset
 from reference_impl.cp.loopback import LoopbackGroup
-from reference_impl.cp.v4.store import install_synthetic_prefixes
+from reference_impl.families.deepseek_v4.cp.store import install_synthetic_prefixes
 from reference_impl.planner.v4 import plan_v4
 from reference_impl.tool_args import output_file, refusing, require_cuda
 from reference_impl.bench.record import loopback_cp, run_record

@@ -55,6 +55,10 @@ class PoolBytesAtRest:
         """Indexer K bytes at rest, all layers."""
         return self.pool.index_bytes_total
 
+    def breakdown(self) -> dict[str, int]:
+        """Nothing beyond ``kv_bytes`` and ``index_bytes`` (the run report's family-specific counts)."""
+        return {}
+
 
 class KVStore(Protocol):
     """A rank's KV storage for one run: its pool, the batch it serves, and the per-layer operations."""

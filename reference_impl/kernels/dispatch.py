@@ -67,7 +67,7 @@ def gluon_available() -> bool:
     return True
 
 
-# Indirections so that tests can substitute a failing kernel without CUDA.
+# The launchers: each imports its kernel module when first called (SPARSE_MLA_LAUNCHERS registers them).
 def _gluon_ws_sparse_mla(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float, d_v: int, out_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,22 +165,26 @@ def sparse_mla_attention(
 
 
 class _KernelPath(NamedTuple):
-    """One sparse MLA kernel path: its name in a fallback warning, how the previous path's warning
-    names it, and its launcher's name in this module (looked up when called, so that tests can stand
-    kernels in for the launchers)."""
+    """One sparse MLA kernel path: its name in a fallback warning and how the previous path's warning names it."""
 
     warning_name: str
     referred_to_as: str
-    launcher: str
 
 
 _SPARSE_MLA_PATHS = {
-    "gluon_ws": _KernelPath(
-        "Warp-specialized Gluon sparse_mla_attention", "the warp-specialized Gluon kernel", "_gluon_ws_sparse_mla"
-    ),
-    "gluon": _KernelPath("Gluon sparse_mla_attention", "the Gluon kernel", "_gluon_sparse_mla"),
-    "triton": _KernelPath("Triton sparse_mla_attention", "the Triton kernel", "_triton_sparse_mla"),
+    "gluon_ws": _KernelPath("Warp-specialized Gluon sparse_mla_attention", "the warp-specialized Gluon kernel"),
+    "gluon": _KernelPath("Gluon sparse_mla_attention", "the Gluon kernel"),
+    "triton": _KernelPath("Triton sparse_mla_attention", "the Triton kernel"),
 }
+
+SparseMlaLauncher = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+SPARSE_MLA_LAUNCHERS: dict[str, SparseMlaLauncher] = {
+    "gluon_ws": _gluon_ws_sparse_mla,
+    "gluon": _gluon_sparse_mla,
+    "triton": _triton_sparse_mla,
+}
+"""Path -> the launcher the dispatch calls, looked up when called: the registered seam where a test or a
+benchmark stands another kernel in (``monkeypatch.setitem(SPARSE_MLA_LAUNCHERS, "triton", spy)``)."""
 
 
 def _sparse_mla_chain(
@@ -197,7 +201,7 @@ def _sparse_mla_chain(
         out, lse = torch_ref.sparse_mla_attention(q, kv, indices, softmax_scale, d_v, rows_per_chunk)
         return out.to(out_dtype), lse
     this = _SPARSE_MLA_PATHS[path]
-    launch = globals()[this.launcher]
+    launch = SPARSE_MLA_LAUNCHERS[path]
     to = "the torch path" if rest[0] == "torch" else _SPARSE_MLA_PATHS[rest[0]].referred_to_as
     return fallback.run_with_fallback(
         this.warning_name, lambda: launch(*args), lambda: _sparse_mla_chain(rest, args, rows_per_chunk), to=to

@@ -194,7 +194,7 @@ def indexer_logits_triton(
 
     Entry ``[t, j]`` is ``I[t, col_lo + j]`` where ``key_start[t] <= col_lo + j < key_end[t]`` and
     ``-inf`` elsewhere. ``q_fp8 [T, Hi, D]``, ``weights [T, Hi]`` f32, ``k_fp8 [S, D]`` (float8_e4m3fn,
-    or both bf16: DeepSeek-V4's FP4-valued indexer, :mod:`reference_impl.kernels.v4_dispatch`),
+    or both bf16: DeepSeek-V4's FP4-valued indexer, :mod:`reference_impl.families.deepseek_v4.kernels.dispatch`),
     ``k_scale [S]`` f32, ``key_start/key_end [T]`` int64. ``dot_dtype``: ``"fp8"`` or ``"bf16"``
     (GPU only; the interpreter always computes in fp32). ``maxima``: a
     ``[T, maxima_width(col_hi - col_lo)]`` uint32 tensor that receives the rows' group maxima for

@@ -122,7 +122,7 @@ def load_hf_weights(
     """Copy the attention weights of checkpoint layers ``first_layer ..`` into ``model`` (a
     :class:`~reference_impl.model.oracle.DSAModel`; ``head=True`` also loads ``model.norm`` and
     ``lm_head``). Returns our name -> the checkpoint name each parameter was loaded from.
-    ``names`` replaces the DSA name map (another model's: :mod:`reference_impl.model.v4.checkpoint`).
+    ``names`` replaces the DSA name map (another model's: :mod:`reference_impl.families.deepseek_v4.model.checkpoint`).
 
     Raises :class:`~reference_impl.errors.ConfigError` naming the first missing tensor, the first
     FP8 tensor without its ``weight_scale_inv`` (or scale without an FP8 tensor), or the first shape

@@ -25,8 +25,8 @@ from reference_impl.planner.model import (
     transient_bytes,
 )
 from reference_impl.planner.rates import PlannerRates
+from reference_impl.families import family_of
 from reference_impl.presets import ModelConfig, get_preset
-from reference_impl.presets_v4 import is_v4
 
 GIB = 2**30
 DEFAULT_RESERVED_GIB = 93.0
@@ -86,8 +86,9 @@ class PlannerConfig:
 
     def __post_init__(self) -> None:
         self._check_types()
-        if is_v4(get_preset(self.preset)):
-            raise ConfigError(f"{self.preset}: DeepSeek-V4's terms are in `python -m reference_impl.planner.v4 --preset {self.preset}`")
+        cfg = get_preset(self.preset)
+        if not isinstance(cfg, ModelConfig):  # this planner models the DSA cache; another family plans elsewhere
+            raise ConfigError(f"{self.preset}: its capacity terms are in `{family_of(cfg).planner_command} --preset {self.preset}`")
         _ = self.model  # the pattern against the preset's layer count, by name
         check_choice("split_mode", self.split_mode, SPLIT_MODES)
         check_choice("kv_dtype", self.kv_dtype, KV_DTYPES)

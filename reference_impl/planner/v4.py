@@ -6,8 +6,8 @@ Usage::
 
 Scenario (as :mod:`reference_impl.planner`): one request of ``S`` tokens prefilled in one chunk, the
 in-seq split over ``C`` ranks, rank 0 (it holds the request's first and last blocks), FP8 layout.
-Everything is arithmetic on :mod:`reference_impl.kvcache.v4_layout` and
-:mod:`reference_impl.cp.v4`; nothing is measured.
+Everything is arithmetic on :mod:`reference_impl.families.deepseek_v4.cache_layout` and
+:mod:`reference_impl.families.deepseek_v4.cp`; nothing is measured.
 
 **Bytes at rest per rank** (all layers):
 
@@ -39,12 +39,12 @@ import sys
 from typing import Any
 
 from reference_impl.cp.capacity import kv_bytes_per_rank
-from reference_impl.kvcache.v4_layout import index_entry_bytes, main_entry_bytes
-from reference_impl.model.v4.compressor import state_start
+from reference_impl.families.deepseek_v4.cache_layout import index_entry_bytes, main_entry_bytes
+from reference_impl.families.deepseek_v4.model.compressor import state_start
 from reference_impl.planner.model import local_queries, ms_for_bytes, ms_for_flops, rank_ranges, slowest_rank, zigzag_blocks
 from reference_impl.planner.rates import PlannerRates, load_rates
 from reference_impl.presets import get_preset
-from reference_impl.presets_v4 import V4_PRESETS, V4ModelConfig
+from reference_impl.families.deepseek_v4.config import V4_PRESETS, V4ModelConfig
 from reference_impl.errors import ConfigError
 from reference_impl.tool_args import int_list, output_file, positive, refusing
 

@@ -44,8 +44,8 @@ def test_v4_flash_level8_shards_and_never_syncs(v4_reports: dict[str, dict]) -> 
 
 def test_v4_attention_kernel_at_flash_shape() -> None:
     """64 heads x 512, a 128-token window + 512 selected entries, and an HCA run of 1,000 entries."""
-    from reference_impl.kernels.v4_attention_triton import v4_sparse_attention_triton
-    from reference_impl.model.v4.sparse import sparse_attention_sinks
+    from reference_impl.families.deepseek_v4.kernels.attention_triton import v4_sparse_attention_triton
+    from reference_impl.families.deepseek_v4.model.sparse import sparse_attention_sinks
 
     g = torch.Generator(device="cuda").manual_seed(0)
     t, s = 256, 9000
@@ -66,9 +66,10 @@ def test_v4_indexer_kernel_at_flash_shape() -> None:
     keys), top-512 with the causal entry rule, in one key tile and streamed in four: every row selects
     ``min(512, visible)`` distinct visible entries whose scores sum to the reference's within
     rounding, and nearly every row's set is the reference's exactly."""
-    from reference_impl.kernels import fallback, indexer_triton, v4_dispatch
-    from reference_impl.kvcache.v4_layout import fp4_simulate
-    from reference_impl.model.v4.sparse import index_scores, select_entries
+    from reference_impl.families.deepseek_v4.kernels import dispatch as v4_dispatch
+    from reference_impl.kernels import fallback, indexer_triton
+    from reference_impl.families.deepseek_v4.cache_layout import fp4_simulate
+    from reference_impl.families.deepseek_v4.model.sparse import index_scores, select_entries
 
     g = torch.Generator(device="cuda").manual_seed(1)
     t, s, topk = 4096, 32768, 512
@@ -104,8 +105,8 @@ def test_v4_indexer_kernel_at_flash_shape() -> None:
 def test_v4_compressor_pool_kernel_at_flash_shape(ratio: int, width: int) -> None:
     """Pooling from column slices of one pre-pool table, as the CP layer passes them: 4,096 CSA
     entries (a 128K context's on one rank of 8) and 128 HCA entries (16,384 tokens)."""
-    from reference_impl.kernels.v4_compressor_triton import pool_triton
-    from reference_impl.model.v4.compressor import overlaps, pool, slot_positions
+    from reference_impl.families.deepseek_v4.kernels.compressor_triton import pool_triton
+    from reference_impl.families.deepseek_v4.model.compressor import overlaps, pool, slot_positions
 
     g = torch.Generator(device="cuda").manual_seed(2)
     coff = 2 if overlaps(ratio) else 1
@@ -122,9 +123,9 @@ def test_v4_rope_tail_kernel_at_flash_shape() -> None:
     """The query's per-head norm + RoPE ([4096, 64, 512] bf16) and the output's inverse RoPE with its
     cast (float32 -> bf16): within one bf16 step of the head's largest value (the sum order of the
     mean and fused multiply-adds may move a rounding), and 99% of the elements bit-equal."""
-    from reference_impl.kernels.v4_rope_triton import rope_tail_triton
+    from reference_impl.families.deepseek_v4.kernels.rope_triton import rope_tail_triton
     from reference_impl.model.rope import rope_cos_sin, yarn_frequencies
-    from reference_impl.model.v4.rope_tail import rope_tail
+    from reference_impl.families.deepseek_v4.model.rope_tail import rope_tail
 
     g = torch.Generator(device="cuda").manual_seed(3)
     t = 4096
@@ -143,8 +144,8 @@ def test_v4_rope_tail_kernel_at_flash_shape() -> None:
 
 def test_v4_fp4_kernel_is_bit_exact_at_flash_shape() -> None:
     """The indexer query of 4,096 tokens ([4096, 64, 128] bf16, values over six decades): bit-equal."""
-    from reference_impl.kernels.v4_fp4_triton import fp4_simulate_triton
-    from reference_impl.kvcache.v4_layout import fp4_simulate
+    from reference_impl.families.deepseek_v4.kernels.fp4_triton import fp4_simulate_triton
+    from reference_impl.families.deepseek_v4.cache_layout import fp4_simulate
 
     g = torch.Generator(device="cuda").manual_seed(4)
     x = (torch.randn(4096, 64, 128, device="cuda", generator=g) * torch.logspace(-3, 3, 128, device="cuda")).bfloat16()

@@ -83,6 +83,9 @@ class LayerSplitKV(HistoryAhead):
     def index_bytes(self) -> int:
         return self.pool.index_bytes_total if self.end > self.start else 0
 
+    def breakdown(self) -> dict[str, int]:
+        return {}
+
     def bind(self, batch: BatchLocs) -> None:
         """Plan the batch's broadcast (its history pages) and the view rows they fill; once per batch."""
         if batch.n_pages != self.batch.n_pages:

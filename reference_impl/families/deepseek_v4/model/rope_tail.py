@@ -12,7 +12,7 @@ released model::
 
 On a query of V4-Flash at 16,384 tokens (one rank of 8 at 128K) ``x`` is ``[T, 64, 512]`` bf16,
 1 GiB; the torch reference below passes over it about ten times (float copies, strided products
-of the interleaved pairs, a stack, casts). The kernel of :mod:`reference_impl.kernels.v4_rope_triton`
+of the interleaved pairs, a stack, casts). The kernel of :mod:`reference_impl.families.deepseek_v4.kernels.rope_triton`
 reads it once and writes it once.
 """
 

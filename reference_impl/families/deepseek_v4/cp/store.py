@@ -28,10 +28,10 @@ from reference_impl.config import RunConfig
 from reference_impl.cp.batch import BatchLocs
 from reference_impl.cp.comm import CPGroup
 from reference_impl.cp.ownership import Ownership
-from reference_impl.kvcache.v4_layout import index_entry_bytes, main_entry_bytes
-from reference_impl.model.v4.cache import V4LayerCache
-from reference_impl.model.v4.compressor import state_start
-from reference_impl.presets_v4 import V4ModelConfig
+from reference_impl.families.deepseek_v4.cache_layout import index_entry_bytes, main_entry_bytes
+from reference_impl.families.deepseek_v4.model.cache import V4LayerCache
+from reference_impl.families.deepseek_v4.model.compressor import state_start
+from reference_impl.families.deepseek_v4.config import V4ModelConfig
 
 
 @dataclass
@@ -298,7 +298,7 @@ def install_v4_prefixes(run: RunConfig, model: torch.nn.Module, inputs: list[tor
     """Fill the store with the prefixes of ``chunk``'s requests, computed as an earlier prefill did:
     every rank runs the single-device oracle over the prefix tokens (identical bytes everywhere)
     and keeps its share."""
-    from reference_impl.model.v4.oracle import run_v4_oracle
+    from reference_impl.families.deepseek_v4.model.oracle import run_v4_oracle
 
     requests = list(getattr(chunk, "requests"))
     store.begin_chunk(requests, list(store.batch.request_locs))
@@ -316,7 +316,7 @@ def install_synthetic_prefixes(run: RunConfig, store: V4Store, chunk: object, se
     """Fill the store with what ``chunk``'s prefixes would leave, from random values of the right
     shapes and codecs (for benchmarks: computing a 1M-token prefix with the oracle takes hours, and
     no timing or byte count depends on the values)."""
-    from reference_impl.kvcache.v4_layout import encode_index, encode_main
+    from reference_impl.families.deepseek_v4.cache_layout import encode_index, encode_main
 
     cfg, device = store.cfg, store.group.device
     requests = list(getattr(chunk, "requests"))

@@ -4,7 +4,7 @@ Same shape as the V3.2 oracle (:mod:`reference_impl.model.oracle`): a request's 
 by an earlier prefill of those tokens, then its extend runs in chunks of ``chunk_size`` (or one);
 the model around the layers is ``h + attn(attn_norm(h))`` per layer, a final norm and an LM head
 (DeepSeek-V4's hyper-connections and MoE are not part of the CP story). The caches hold exactly
-the bytes of :mod:`reference_impl.kvcache.v4_layout`, so a CP run's can be compared byte for byte.
+the bytes of :mod:`reference_impl.families.deepseek_v4.cache_layout`, so a CP run's can be compared byte for byte.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from torch import nn
 
 from reference_impl.model.attention import RMSNorm
 from reference_impl.model.oracle import chunk_spans, init_weights
-from reference_impl.model.v4.attention import V4Attention, V4Projection
-from reference_impl.model.v4.cache import V4LayerCache, v4_layer_forward
-from reference_impl.model.v4.ops import V4_TORCH_OPS, V4Ops
-from reference_impl.presets_v4 import V4ModelConfig
+from reference_impl.families.deepseek_v4.model.attention import V4Attention, V4Projection
+from reference_impl.families.deepseek_v4.model.cache import V4LayerCache, v4_layer_forward
+from reference_impl.families.deepseek_v4.model.ops import V4_TORCH_OPS, V4Ops
+from reference_impl.families.deepseek_v4.config import V4ModelConfig
 
 
 class V4Block(nn.Module):
@@ -65,8 +65,8 @@ class V4OracleResult:
     def index_scores(self, layer: int, request: int, row: int, keys: torch.Tensor | None = None) -> torch.Tensor | None:
         """Index scores of extend row ``row`` over the request's CSA entries (``None`` off CSA layers):
         against the oracle's indexer keys, or ``keys [entries, Di]`` when given (a CP run's own)."""
-        from reference_impl.kvcache.v4_layout import decode_index
-        from reference_impl.model.v4.sparse import index_scores
+        from reference_impl.families.deepseek_v4.cache_layout import decode_index
+        from reference_impl.families.deepseek_v4.model.sparse import index_scores
 
         proj, cache = self.projections[layer][request], self.caches[layer][request]
         if proj.index_q is None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from reference_impl.model.checkpoint import HF_HEAD_NAMES, load_hf_weights
-from reference_impl.presets_v4 import V4ModelConfig
+from reference_impl.families.deepseek_v4.config import V4ModelConfig
 
 # Every layer: ours under ``layers.{i}.attn.`` -> Hugging Face's under ``model.layers.{i}.self_attn.``.
 HF_V4_ATTENTION_NAMES: dict[str, str] = {
@@ -75,6 +75,6 @@ def load_v4_hf_weights(
     model: torch.nn.Module, source: str | Path | Mapping[str, torch.Tensor], *, first_layer: int = 0, head: bool = False
 ) -> dict[str, str]:
     """Copy the attention weights of checkpoint layers ``first_layer ..`` into a
-    :class:`~reference_impl.model.v4.oracle.V4Model`; see :func:`reference_impl.model.checkpoint.load_hf_weights`."""
+    :class:`~reference_impl.families.deepseek_v4.model.oracle.V4Model`; see :func:`reference_impl.model.checkpoint.load_hf_weights`."""
     cfg: V4ModelConfig = getattr(model, "cfg")
     return load_hf_weights(model, source, names=v4_hf_names(cfg, first_layer, head))

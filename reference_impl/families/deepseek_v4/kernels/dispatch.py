@@ -1,6 +1,6 @@
 """The V4 layer's compute cores with kernels plugged in (:data:`V4_KERNEL_OPS`), one fallback rule.
 
-* ``sparse_attention``: :mod:`reference_impl.kernels.v4_attention_triton` where
+* ``sparse_attention``: :mod:`reference_impl.families.deepseek_v4.kernels.attention_triton` where
   :func:`~reference_impl.kernels.fallback.use_kernels` says so (CUDA, Triton, not forced to torch),
   the torch reference otherwise or when the kernel raises (one warning per process);
 * ``select_entries``: the V3.2 lightning-indexer kernels of :mod:`reference_impl.kernels.indexer_triton`
@@ -12,13 +12,13 @@
   reference materializes ``[rows, 64 heads, entries]`` fp32 logits; the kernel keeps the head sum in
   registers and selects with the exact Triton top-k (memory flat in the context past one key tile).
   Other dtypes (the ``fp32`` codec's keys) take the torch reference;
-* ``pool``: :mod:`reference_impl.kernels.v4_compressor_triton` where kernels run (one pass over
+* ``pool``: :mod:`reference_impl.families.deepseek_v4.kernels.compressor_triton` where kernels run (one pass over
   the slots' value and score features instead of the reference's gathered copies), the torch
   reference otherwise;
-* ``rope_tail``: :mod:`reference_impl.kernels.v4_rope_triton` where kernels run (the query's
+* ``rope_tail``: :mod:`reference_impl.families.deepseek_v4.kernels.rope_triton` where kernels run (the query's
   per-head norm and RoPE, the raw entry's and the indexer query's RoPE, the output's inverse RoPE
   and cast: one read and one write instead of the reference's passes), the torch reference otherwise;
-* ``fp4_simulate``: :mod:`reference_impl.kernels.v4_fp4_triton` where kernels run (the indexer
+* ``fp4_simulate``: :mod:`reference_impl.families.deepseek_v4.kernels.fp4_triton` where kernels run (the indexer
   query's FP4 round trip, bit-exact), the torch reference otherwise.
 """
 
@@ -30,12 +30,12 @@ from collections.abc import Callable
 import torch
 
 from reference_impl.kernels import fallback
-from reference_impl.kvcache.v4_layout import fp4_simulate as fp4_simulate_reference
+from reference_impl.families.deepseek_v4.cache_layout import fp4_simulate as fp4_simulate_reference
 from reference_impl.model.sparse_attention import HostKeyBounds
-from reference_impl.model.v4 import sparse as reference
-from reference_impl.model.v4.compressor import pool as pool_reference
-from reference_impl.model.v4.ops import V4Ops
-from reference_impl.model.v4.rope_tail import rope_tail as rope_tail_reference
+from reference_impl.families.deepseek_v4.model import sparse as reference
+from reference_impl.families.deepseek_v4.model.compressor import pool as pool_reference
+from reference_impl.families.deepseek_v4.model.ops import V4Ops
+from reference_impl.families.deepseek_v4.model.rope_tail import rope_tail as rope_tail_reference
 
 
 def _kernel(module: str, name: str) -> Callable[..., torch.Tensor]:
@@ -59,7 +59,7 @@ def sparse_attention(
     dense_start: torch.Tensor | None = None, dense_len: torch.Tensor | None = None, dense_width: int | None = None,
     *, force_torch: bool = False,
 ) -> torch.Tensor:
-    """:func:`~reference_impl.model.v4.sparse.sparse_attention_sinks`, by the Triton kernel where it runs."""
+    """:func:`~reference_impl.families.deepseek_v4.model.sparse.sparse_attention_sinks`, by the Triton kernel where it runs."""
     args = (q, view, indices, sinks, softmax_scale, dense_start, dense_len, dense_width)
     return _dispatch("Triton V4 sparse attention", q.device, force_torch,
                      lambda: _kernel("v4_attention_triton", "v4_sparse_attention_triton")(*args),
@@ -75,7 +75,7 @@ def select_entries(
     q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_start: torch.Tensor, n_visible: torch.Tensor,
     topk: int, *, host_bounds: HostKeyBounds | None = None, force_torch: bool = False,
 ) -> torch.Tensor:
-    """:func:`~reference_impl.model.v4.sparse.select_entries`, by the indexer kernels where they run
+    """:func:`~reference_impl.families.deepseek_v4.model.sparse.select_entries`, by the indexer kernels where they run
     and ``q`` and ``keys`` are bf16 (rows of a query's set in ascending order; the reference lists
     them by score)."""
 
@@ -106,7 +106,7 @@ def indexer_kernel_name(q: torch.Tensor, keys: torch.Tensor, *, force_torch: boo
 def pool(
     kv_rows: torch.Tensor, score_rows: torch.Tensor, slot_rows: torch.Tensor, ratio: int, *, force_torch: bool = False,
 ) -> torch.Tensor:
-    """:func:`~reference_impl.model.v4.compressor.pool`, by the Triton kernel where it runs."""
+    """:func:`~reference_impl.families.deepseek_v4.model.compressor.pool`, by the Triton kernel where it runs."""
     args = (kv_rows, score_rows, slot_rows, ratio)
     return _dispatch("Triton V4 compressor pool", kv_rows.device, force_torch,
                      lambda: _kernel("v4_compressor_triton", "pool_triton")(*args), lambda: pool_reference(*args))
@@ -116,14 +116,14 @@ def rope_tail(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int, rms_eps: float | None = None,
     out_dtype: torch.dtype | None = None, *, force_torch: bool = False,
 ) -> torch.Tensor:
-    """:func:`~reference_impl.model.v4.rope_tail.rope_tail`, by the Triton kernel where it runs."""
+    """:func:`~reference_impl.families.deepseek_v4.model.rope_tail.rope_tail`, by the Triton kernel where it runs."""
     args = (x, cos, sin, rope_dim, rms_eps, out_dtype)
     return _dispatch("Triton V4 rope tail", x.device, force_torch,
                      lambda: _kernel("v4_rope_triton", "rope_tail_triton")(*args), lambda: rope_tail_reference(*args))
 
 
 def fp4_simulate(x: torch.Tensor, *, force_torch: bool = False) -> torch.Tensor:
-    """:func:`~reference_impl.kvcache.v4_layout.fp4_simulate`, by the Triton kernel where it runs."""
+    """:func:`~reference_impl.families.deepseek_v4.cache_layout.fp4_simulate`, by the Triton kernel where it runs."""
     return _dispatch("Triton V4 FP4 round trip", x.device, force_torch,
                      lambda: _kernel("v4_fp4_triton", "fp4_simulate_triton")(x), lambda: fp4_simulate_reference(x))
 

@@ -1,6 +1,6 @@
 """Triton pooling for DeepSeek-V4's compressors: the gated softmax over a window's slots, one pass.
 
-Contract: :func:`reference_impl.model.v4.compressor.pool`. Per entry ``e`` and feature ``d``::
+Contract: :func:`reference_impl.families.deepseek_v4.model.compressor.pool`. Per entry ``e`` and feature ``d``::
 
     out[e, d] = sum_s softmax_s(score[row(e, s), col(s) + d]) * kv[row(e, s), col(s) + d]
 
@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from reference_impl.kernels import interpreter_compat  # noqa: F401  (repairs triton < 3.7's interpreter)
-from reference_impl.model.v4.compressor import overlaps
+from reference_impl.families.deepseek_v4.model.compressor import overlaps
 
 BLOCK_D = 128
 """Features per program: 512 B of values and 512 B of scores per slot row, coalesced."""

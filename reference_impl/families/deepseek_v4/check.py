@@ -26,10 +26,10 @@ from reference_impl.check import (
 )
 from reference_impl.config import RunConfig
 from reference_impl.cp.split import SplitMetadata
-from reference_impl.cp.v4.store import pack_pool
-from reference_impl.kvcache.v4_layout import decode_index, decode_main
+from reference_impl.families.deepseek_v4.cp.store import pack_pool
+from reference_impl.families.deepseek_v4.cache_layout import decode_index, decode_main
 from reference_impl.engine import RankResult
-from reference_impl.model.v4.oracle import V4Model, V4OracleResult
+from reference_impl.families.deepseek_v4.model.oracle import V4Model, V4OracleResult
 from reference_impl.workload import resolve_device
 
 

@@ -1,6 +1,6 @@
 """Triton sparse attention with sinks for DeepSeek-V4: ``[window | selected entries | dense entries]``.
 
-Contract: :func:`reference_impl.model.v4.sparse.sparse_attention_sinks`.
+Contract: :func:`reference_impl.families.deepseek_v4.model.sparse.sparse_attention_sinks`.
 
 * ``q [T, H, 512]``, ``view [S, 512]`` (K = V: the whole entry is key and value), same dtype;
 * ``indices [T, K]`` rows of ``view`` (the window's raw tokens, then CSA's selected entries),
@@ -112,7 +112,7 @@ def v4_sparse_attention_triton(
     dense_start: torch.Tensor | None = None, dense_len: torch.Tensor | None = None, dense_width: int | None = None,
     config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
-    """The kernel behind :func:`~reference_impl.model.v4.sparse.sparse_attention_sinks`'s contract
+    """The kernel behind :func:`~reference_impl.families.deepseek_v4.model.sparse.sparse_attention_sinks`'s contract
     (``dense_width`` is not needed: each program reads its own run length)."""
     n_tok, n_heads, d = q.shape
     if view.shape[1] != d or view.dtype != q.dtype:

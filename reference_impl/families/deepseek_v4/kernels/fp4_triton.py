@@ -1,6 +1,6 @@
 """Triton FP4 (e2m1) round trip for DeepSeek-V4's indexer query, bit-exact to the torch reference.
 
-Contract: :func:`reference_impl.kvcache.v4_layout.fp4_simulate` (``dequant(quant(x))`` in
+Contract: :func:`reference_impl.families.deepseek_v4.cache_layout.fp4_simulate` (``dequant(quant(x))`` in
 ``x.dtype``): per block of 32 values, the power-of-two scale ``2^ceil(log2(max(amax, 6 * 2^-126) / 6))``,
 each value divided by it and rounded to the nearest e2m1 grid point (ties to the even index), then
 multiplied back.
@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from reference_impl.kernels import interpreter_compat  # noqa: F401  (repairs triton < 3.7's interpreter)
-from reference_impl.kvcache.v4_layout import FP4_BLOCK, FP4_MAX
+from reference_impl.families.deepseek_v4.cache_layout import FP4_BLOCK, FP4_MAX
 
 BLOCKS_PER_PROGRAM = 64
 """Quantization blocks per program: 64 x 32 values (4 KiB of bf16 in, 4 KiB out)."""
@@ -53,7 +53,7 @@ def _fp4_simulate_kernel(x_ptr, out_ptr, n_blocks, BLOCK: tl.constexpr, PER_PROG
 
 
 def fp4_simulate_triton(x: torch.Tensor, block: int = FP4_BLOCK) -> torch.Tensor:
-    """The kernel behind :func:`~reference_impl.kvcache.v4_layout.fp4_simulate`'s contract."""
+    """The kernel behind :func:`~reference_impl.families.deepseek_v4.cache_layout.fp4_simulate`'s contract."""
     if x.dtype not in _TL_DTYPES:
         raise ValueError(f"fp4_simulate_triton takes float32/bf16/fp16, got {x.dtype}")
     if block != FP4_BLOCK or x.shape[-1] % block:

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from reference_impl.kvcache.v4_layout import decode_index, decode_main, encode_index, encode_main, main_entry_bytes, index_entry_bytes
-from reference_impl.model.v4.attention import V4Attention, V4Projection
-from reference_impl.model.v4.compressor import Compressor, pool, slot_positions, state_start
-from reference_impl.model.v4.sparse import visible_entries, window_indices
+from reference_impl.families.deepseek_v4.cache_layout import decode_index, decode_main, encode_index, encode_main, main_entry_bytes, index_entry_bytes
+from reference_impl.families.deepseek_v4.model.attention import V4Attention, V4Projection
+from reference_impl.families.deepseek_v4.model.compressor import Compressor, pool, slot_positions, state_start
+from reference_impl.families.deepseek_v4.model.sparse import visible_entries, window_indices
 
 
 def compress_new(

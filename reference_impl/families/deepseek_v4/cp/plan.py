@@ -16,7 +16,7 @@ ranks, and a **halo** is what a rank needs from tokens it does not compute:
   it is compute owner of; one all-gather gives every rank the chunk's new entries.
 
 Positions before a request's chunk (its prefix) are never sent: the window tail, the compressor
-state and the entries of the prefix are in every rank's store (:mod:`reference_impl.cp.v4.store`).
+state and the entries of the prefix are in every rank's store (:mod:`reference_impl.families.deepseek_v4.cp.store`).
 
 A rank's **window table** is ``[window tails of the chunk's requests | its own raw rows | raw
 halo rows]``; its **pool table** for ratio ``m`` is ``[compressor states | own pre-pool rows |
@@ -29,8 +29,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from reference_impl.cp.split import SplitMetadata
-from reference_impl.model.v4.compressor import overlaps, state_start
-from reference_impl.presets_v4 import V4ModelConfig
+from reference_impl.families.deepseek_v4.model.compressor import overlaps, state_start
+from reference_impl.families.deepseek_v4.config import V4ModelConfig
 
 Key = tuple[int, int]  # (chunk request index, absolute position) of a token, or (request, entry) of an entry
 

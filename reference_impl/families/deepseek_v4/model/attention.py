@@ -28,9 +28,9 @@ from torch import nn
 from reference_impl.fp8 import hadamard_matrix, hadamard_rotate
 from reference_impl.model.attention import RMSNorm, RowStableLinear, pad_rows
 from reference_impl.model.rope import rope_cos_sin, yarn_frequencies
-from reference_impl.model.v4.compressor import CSA_RATIO, Compressor
-from reference_impl.model.v4.ops import V4_TORCH_OPS, V4Ops
-from reference_impl.presets_v4 import V4ModelConfig
+from reference_impl.families.deepseek_v4.model.compressor import CSA_RATIO, Compressor
+from reference_impl.families.deepseek_v4.model.ops import V4_TORCH_OPS, V4Ops
+from reference_impl.families.deepseek_v4.config import V4ModelConfig
 
 
 def layer_frequencies(cfg: V4ModelConfig, ratio: int) -> torch.Tensor:

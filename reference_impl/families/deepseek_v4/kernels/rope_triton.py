@@ -1,6 +1,6 @@
 """Triton per-head norm and tail RoPE for DeepSeek-V4: one read and one write of each head.
 
-Contract: :func:`reference_impl.model.v4.rope_tail.rope_tail`. ``x [T, ..., D]`` (float32 or bf16,
+Contract: :func:`reference_impl.families.deepseek_v4.model.rope_tail.rope_tail`. ``x [T, ..., D]`` (float32 or bf16,
 the last dim contiguous) is viewed as ``N = T x heads`` rows of ``D``; a program takes
 ``BLOCK_R`` rows:
 
@@ -69,7 +69,7 @@ def rope_tail_triton(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int,
     rms_eps: float | None = None, out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """The kernel behind :func:`~reference_impl.model.v4.rope_tail.rope_tail`'s contract."""
+    """The kernel behind :func:`~reference_impl.families.deepseek_v4.model.rope_tail.rope_tail`'s contract."""
     out_dtype = out_dtype or x.dtype
     d = x.shape[-1]
     if x.dtype not in _TL_DTYPES or out_dtype not in _TL_DTYPES:

@@ -12,7 +12,7 @@ Per layer (``m`` its compress ratio; the collectives every rank issues in the sa
    the entries whose last token it holds (their compute owner), finishes and encodes them;
 4. **entry all-gather** (``v4_entries``): every rank gets the chunk's new entries (and CSA keys):
    compressed entries cross the wire, not raw tokens;
-5. the store keeps its share (:mod:`reference_impl.cp.v4.store`) and the layer's **entry view**
+5. the store keeps its share (:mod:`reference_impl.families.deepseek_v4.cp.store`) and the layer's **entry view**
    is built: stored history (replicated) or materialized history (all-gather ``materialize``,
    phase 2; history only with phase 3, phase 8 one layer ahead) plus the new entries;
 6. CSA: the indexer selects ``index_topk`` entries per query; attention with sinks over
@@ -33,10 +33,10 @@ from reference_impl.cp.batch import BatchLocs
 from reference_impl.cp.comm import CPGroup
 from reference_impl.cp.prefetch import CudaSideStream, InlineStream
 from reference_impl.cp.split import SplitMetadata
-from reference_impl.cp.v4.plan import RatioPlan, V4ChunkPlan, build_plan
-from reference_impl.cp.v4.store import Materialization, V4Store
-from reference_impl.kvcache.v4_layout import decode_index, decode_main, encode_index, encode_main
-from reference_impl.presets_v4 import V4ModelConfig
+from reference_impl.families.deepseek_v4.cp.plan import RatioPlan, V4ChunkPlan, build_plan
+from reference_impl.families.deepseek_v4.cp.store import Materialization, V4Store
+from reference_impl.families.deepseek_v4.cache_layout import decode_index, decode_main, encode_index, encode_main
+from reference_impl.families.deepseek_v4.config import V4ModelConfig
 
 WINDOW_TAG, POOL_TAG, ENTRY_TAG = "v4_window", "v4_pool", "v4_entries"
 PER_LAYER_TAGS_V4 = (WINDOW_TAG, POOL_TAG, ENTRY_TAG, "materialize", "prefetch_v4")
