@@ -74,7 +74,8 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module 'reference_impl' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
+    if name != "PRESETS":  # every family's presets, read each time (a registered family's included)
+        globals()[name] = value
     return value
 
 

@@ -2,8 +2,8 @@
 
 Layers, bottom to top (the package docstring draws the same map):
 
-0. ``errors``, ``presets``, ``phases``, ``config``, ``fp8``, ``sync_audit``, ``index_share``, ``machine`` --
-   configuration, numerics and the machine's facts;
+0. ``errors``, ``presets``, ``phases``, ``config``, ``fp8``, ``sync_audit``, ``index_share``, ``machine``,
+   ``families`` (the family interface and the registry) -- configuration, numerics and the machine's facts;
 1. ``kvcache`` -- byte layouts, pools, allocator;
 2. ``model`` -- the DSA layer and the single-device oracle (pure torch);
 3. ``kernels`` -- Triton / Gluon kernels, their dispatch and fallback;
@@ -13,8 +13,14 @@ Layers, bottom to top (the package docstring draws the same map):
    ``prefill_decode``, ``footprint``;
 7. the face: ``cli``, ``tool_args``, ``tables``, ``bench``, ``planner``, ``api``, ``demo``, ``figures`` and the package root.
 
+A model family's folder (``families/<name>/``) spans the layers, each of its parts in the layer of
+its kind (:data:`FAMILY_PARTS`: its ``config`` at 0, ``cache_layout`` at 1, ``model`` at 2, ``kernels``
+at 3, ``cp`` at 4, the family object, its check and footprint at 6, its tools at 7); the registry finds a
+family by name (``importlib``), so configuration code lists presets without importing any model.
+
 Every ``import`` statement counts, the ones inside functions too: a lazy import that runs upward
-is still a dependency that runs upward.
+is still a dependency that runs upward. Only imports under ``if TYPE_CHECKING:`` do not (they name
+types for annotations and never run).
 """
 
 from __future__ import annotations
@@ -27,16 +33,22 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "reference_impl"
 
 LAYERS: dict[str, int] = {
-    "errors": 0, "presets": 0, "presets_v4": 0, "phases": 0, "config": 0, "fp8": 0, "sync_audit": 0, "index_share": 0,
-    "machine": 0,
+    "errors": 0, "presets": 0, "phases": 0, "config": 0, "fp8": 0, "sync_audit": 0, "index_share": 0,
+    "machine": 0, "families": 0,
     "kvcache": 1,
     "model": 2,
     "kernels": 3,
     "cp": 4,
     "pd": 5,
-    "engine": 6, "runner": 6, "launch": 6, "schedule": 6, "workload": 6, "check": 6, "check_v4": 6, "report": 6,
+    "engine": 6, "runner": 6, "launch": 6, "schedule": 6, "workload": 6, "check": 6, "report": 6,
     "prefill_decode": 6, "footprint": 6, "rank_processes": 6,
     "cli": 7, "tables": 7, "bench": 7, "planner": 7, "api": 7, "demo": 7, "figures": 7, "tool_args": 7, "__main__": 7, "": 7,
+}
+
+
+FAMILY_PARTS: dict[str, int] = {
+    "config": 0, "cache_layout": 1, "model": 2, "kernels": 3, "cp": 4,
+    "check": 6, "footprint": 6, "layer_step": 6, "family": 6, "bench": 7, "planner": 7,
 }
 
 
@@ -52,8 +64,15 @@ def _imports(path: Path, name: str | None = None) -> list[tuple[str, int, bool]]
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     tree = ast.parse(path.read_text())
     top_level = {id(node) for node in tree.body}
+    annotations_only = {  # imports under ``if TYPE_CHECKING:`` never run
+        id(inner) for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for stmt in node.body for inner in ast.walk(stmt)
+    }
     found = []
     for node in ast.walk(tree):
+        if id(node) in annotations_only:
+            continue
         targets: list[str] = []
         if isinstance(node, ast.ImportFrom):
             if node.level:
@@ -77,7 +96,12 @@ def _is_module(dotted: str) -> bool:
 
 
 def _layer(module: str) -> int:
-    first = module.removeprefix("reference_impl").lstrip(".").split(".")[0]
+    parts = module.removeprefix("reference_impl").lstrip(".").split(".")
+    if parts[0] == "families" and len(parts) > 2:  # families.<name>.<part>: the part's layer
+        if parts[2] not in FAMILY_PARTS:
+            raise AssertionError(f"{module}: a family's part must be one of {sorted(FAMILY_PARTS)}")
+        return FAMILY_PARTS[parts[2]]
+    first = parts[0]
     if first not in LAYERS:
         raise AssertionError(f"{module} is in no layer: add it to LAYERS (and the package docstring)")
     return LAYERS[first]

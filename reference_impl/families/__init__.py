@@ -7,12 +7,15 @@ implements :class:`~reference_impl.families.base.ModelFamily`. The registry impo
 modules by name, when first asked, so that configuration code can list presets without importing
 any model, and so that no module outside a family imports one.
 
-A family defined elsewhere (a test, a plug-in) registers itself with :func:`register`.
+A family defined elsewhere (a test, a plug-in) registers itself with :func:`register` in this
+process; for the rank processes a run starts (which may not be forks of this one), name it in
+``DSACP_FAMILIES`` as ``package.module:ATTRIBUTE`` (comma-separated), read when the registry is first used.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
 
 from reference_impl.errors import ConfigError
@@ -48,12 +51,32 @@ class _Entry:
 _ENTRIES: dict[str, _Entry] = {}
 
 
+PLUGINS_ENV = "DSACP_FAMILIES"  # families defined outside the package: "package.module:ATTRIBUTE,..."
+_plugins_read: set[str] = set()
+
+
 def _entries() -> dict[str, _Entry]:
     for name, package in BUILTIN.items():
         if name not in _ENTRIES:
             config = importlib.import_module(f"{package}.config")
             _ENTRIES[name] = _Entry(name, config.CONFIG_TYPE, dict(config.PRESETS), package)
+    for spec in os.environ.get(PLUGINS_ENV, "").split(","):
+        if spec.strip() and spec not in _plugins_read:
+            _plugins_read.add(spec)
+            family = _load_plugin(spec.strip())
+            if family.name not in _ENTRIES:
+                _ENTRIES[family.name] = _Entry(family.name, family.config_type, dict(family.presets), family=family)
     return _ENTRIES
+
+
+def _load_plugin(spec: str) -> ModelFamily:
+    module, _, attribute = spec.partition(":")
+    if not module or not attribute:
+        raise ConfigError(f"{PLUGINS_ENV}={spec!r}: need package.module:ATTRIBUTE")
+    try:
+        return getattr(importlib.import_module(module), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"{PLUGINS_ENV}={spec!r}: cannot load it ({exc})") from None
 
 
 def __getattr__(name: str) -> Any:
@@ -77,6 +100,7 @@ def unregister(name: str) -> None:
     if name in BUILTIN:
         raise ConfigError(f"family {name!r} is built in; it cannot be removed")
     _ENTRIES.pop(name, None)
+    _plugins_read.clear()  # a plug-in named in DSACP_FAMILIES loads again when next asked
 
 
 def families() -> tuple[str, ...]:
