@@ -6,6 +6,7 @@ The package is the architecture, bottom to top (an import never runs upward; ``t
    ``fp8`` -- FP8 quantization and the Hadamard rotation; ``sync_audit`` -- host-sync counting;
    ``index_share`` -- which layers run the indexer (GLM-5.2's IndexShare);
    ``machine`` -- the machine's free memory, cores and file limit (what refusals are decided from);
+   ``families`` -- the model-family interface and the registry of every preset's family;
 1. ``kvcache/`` -- byte layouts, paged pools, page allocator;
 2. ``model/`` -- the DSA layer (MLA + lightning indexer), the single-device oracle, checkpoints;
 3. ``kernels/`` -- Triton / Gluon kernels, one dispatch, one fallback rule;
@@ -16,6 +17,12 @@ The package is the architecture, bottom to top (an import never runs upward; ``t
    ``prefill_decode``;
 7. the face -- ``api`` (this package's exports), ``cli``, ``demo`` (the main job), ``tables``,
    ``figures`` (plots that carry the data they draw), ``bench/``, ``planner/``.
+
+A model family is one folder under ``families/`` behind one interface (``families/base.py``):
+``families/dsa/`` (DeepSeek-V3.2, GLM-5, GLM-5.2: its interface over the DSA layer of ``model/`` and
+the stores of ``cp/``) and ``families/deepseek_v4/`` (DeepSeek-V4, whole: config, cache layout,
+model, kernels, CP store and step, check, footprint). Each part of a family sits in the layer of its
+kind. The engine, runner, report, footprint, config, API and CLI never ask which family they run.
 
 Where each phase lives (one module each; the phase set asks for them by name,
 ``run.phases.sharded_kv``):

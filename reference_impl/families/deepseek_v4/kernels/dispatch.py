@@ -39,8 +39,14 @@ from reference_impl.families.deepseek_v4.model.rope_tail import rope_tail as rop
 
 
 def _kernel(module: str, name: str) -> Callable[..., torch.Tensor]:
-    """``reference_impl.kernels.<module>.<name>``, looked up when called: Triton is imported only where
-    kernels run, and a test may stand a function in for it."""
+    """``<name>`` of this family's kernel module ``<module>`` (beside this one), looked up when called:
+    Triton is imported only where kernels run, and a test may stand a function in for it."""
+    return getattr(importlib.import_module(f"{__package__}.{module}"), name)
+
+
+def _shared_kernel(module: str, name: str) -> Callable[..., torch.Tensor]:
+    """``reference_impl.kernels.<module>.<name>`` (the V3.2 indexer kernels CSA's selection reuses), looked
+    up when called like :func:`_kernel`."""
     return getattr(importlib.import_module(f"reference_impl.kernels.{module}"), name)
 
 
@@ -62,7 +68,7 @@ def sparse_attention(
     """:func:`~reference_impl.families.deepseek_v4.model.sparse.sparse_attention_sinks`, by the Triton kernel where it runs."""
     args = (q, view, indices, sinks, softmax_scale, dense_start, dense_len, dense_width)
     return _dispatch("Triton V4 sparse attention", q.device, force_torch,
-                     lambda: _kernel("v4_attention_triton", "v4_sparse_attention_triton")(*args),
+                     lambda: _kernel("attention_triton", "v4_sparse_attention_triton")(*args),
                      lambda: reference.sparse_attention_sinks(*args))
 
 
@@ -81,7 +87,7 @@ def select_entries(
 
     def kernel() -> torch.Tensor:
         unit_scale = torch.ones(keys.shape[0], dtype=torch.float32, device=keys.device)
-        return _kernel("indexer_triton", "indexer_topk_triton")(
+        return _shared_kernel("indexer_triton", "indexer_topk_triton")(
             q, weights.float(), keys, unit_scale, key_start, key_start + n_visible, topk,
             host_bounds=host_bounds, selector="triton", dot_dtype="bf16",
         )
@@ -109,7 +115,7 @@ def pool(
     """:func:`~reference_impl.families.deepseek_v4.model.compressor.pool`, by the Triton kernel where it runs."""
     args = (kv_rows, score_rows, slot_rows, ratio)
     return _dispatch("Triton V4 compressor pool", kv_rows.device, force_torch,
-                     lambda: _kernel("v4_compressor_triton", "pool_triton")(*args), lambda: pool_reference(*args))
+                     lambda: _kernel("compressor_triton", "pool_triton")(*args), lambda: pool_reference(*args))
 
 
 def rope_tail(
@@ -119,13 +125,13 @@ def rope_tail(
     """:func:`~reference_impl.families.deepseek_v4.model.rope_tail.rope_tail`, by the Triton kernel where it runs."""
     args = (x, cos, sin, rope_dim, rms_eps, out_dtype)
     return _dispatch("Triton V4 rope tail", x.device, force_torch,
-                     lambda: _kernel("v4_rope_triton", "rope_tail_triton")(*args), lambda: rope_tail_reference(*args))
+                     lambda: _kernel("rope_triton", "rope_tail_triton")(*args), lambda: rope_tail_reference(*args))
 
 
 def fp4_simulate(x: torch.Tensor, *, force_torch: bool = False) -> torch.Tensor:
     """:func:`~reference_impl.families.deepseek_v4.cache_layout.fp4_simulate`, by the Triton kernel where it runs."""
     return _dispatch("Triton V4 FP4 round trip", x.device, force_torch,
-                     lambda: _kernel("v4_fp4_triton", "fp4_simulate_triton")(x), lambda: fp4_simulate_reference(x))
+                     lambda: _kernel("fp4_triton", "fp4_simulate_triton")(x), lambda: fp4_simulate_reference(x))
 
 
 V4_KERNEL_OPS = V4Ops("kernels", select_entries, sparse_attention, pool, rope_tail, fp4_simulate)
