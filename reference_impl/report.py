@@ -73,6 +73,9 @@ def build_report(
     shared_gpu: bool,
 ) -> dict[str, Any]:
     device = resolve_device(run)
+    # A top-k agreement is over the layers that select keys: every DSA layer; of DeepSeek-V4's, the CSA
+    # layers only (sliding-window and HCA layers attend to every entry they hold). None selects: no figure.
+    selects = not is_v4(run.model) or run.model.count("csa") > 0
     per_rank = []
     for r in results:
         entry: dict[str, Any] = {"rank": r.rank, **{k: r.stats[k] for k in PER_RANK_FIELDS}}
@@ -121,8 +124,8 @@ def build_report(
         "matches_oracle": agreement.matches_oracle if agreement else None,
         "max_abs_err": agreement.max_abs_err if agreement else None,
         "logits_max_abs_err": agreement.logits_max_abs_err if agreement else None,
-        "topk_agreement": agreement.topk_agreement if agreement else None,
-        "topk_boundary_ties": agreement.topk_ties if agreement else None,
+        "topk_agreement": agreement.topk_agreement if agreement and selects else None,
+        "topk_boundary_ties": agreement.topk_ties if agreement and selects else None,
         "cache_equal": agreement.cache_equal if agreement else None,
         "cache_max_abs_err": agreement.cache_max_abs_err if agreement else None,
         "problems": agreement.problems if agreement else [],
