@@ -22,9 +22,13 @@ from typing import Any
 
 import torch
 
-from reference_impl.config import KV_DTYPES, MAX_SEED, ConfigError, Request, check_choice, validate_page_size
+from reference_impl.config import (
+    KV_DTYPES, MAX_LAYERS, MAX_SEED, ConfigError, Request, check_choice, validate_page_size,
+)
 from reference_impl.families import family_of, get_preset, is_model_config, preset_names
 from reference_impl.footprint import GIB, SAFETY, free_bytes, weight_bytes
+from reference_impl.model.cache import check_device
+from reference_impl.model.checkpoint import check_checkpoint
 
 ModelConfigLike = Any
 """A model family's config: the DSA family's :class:`~reference_impl.presets.ModelConfig`, DeepSeek-V4's
@@ -56,7 +60,7 @@ def make_model(
     """
     cfg = _model_config(preset)
     if n_layers is not None:
-        _check_int("n_layers", n_layers, 1)
+        _check_int("n_layers", n_layers, 1, MAX_LAYERS)  # a config is built per layer: refused before it
         cfg = cfg.with_layers(n_layers)
     device = _check_device(device)
     dtype = _check_dtype(dtype)
@@ -67,6 +71,8 @@ def make_model(
             raise ConfigError(f"{name}={flag!r}: need a bool, got {type(flag).__name__}")
     if checkpoint is not None and not isinstance(checkpoint, (str, Path, Mapping)):
         raise ConfigError(f"checkpoint={checkpoint!r}: need a path or a mapping of tensors, got {type(checkpoint).__name__}")
+    if checkpoint is not None:
+        check_checkpoint(checkpoint)  # a missing or foreign file, before the model is built
     params, draw = weight_bytes(cfg, dtype.itemsize)
     _check_fits(f"make_model({cfg.name!r}, n_layers={cfg.n_layers}, dtype={dtype})", int(SAFETY * (params + draw)), device)
     family = family_of(cfg)  # the DSA family's DSAModel, DeepSeek-V4's V4Model, ...
@@ -154,22 +160,7 @@ def _model_config(preset: object) -> ModelConfigLike:
                       f"got {type(preset).__name__}")
 
 
-def _check_device(device: object) -> torch.device:
-    """``device`` as a ``torch.device`` of a kind this package runs on (cpu, cuda, meta), CUDA only where visible."""
-    if not isinstance(device, (str, torch.device)):
-        raise ConfigError(f"device={device!r}: need 'cpu', 'cuda' or a torch.device, got {type(device).__name__}")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError):
-        raise ConfigError(f"device={device!r}: not a device; use 'cpu' or 'cuda'") from None
-    if dev.type not in ("cpu", "cuda", "meta"):
-        raise ConfigError(f"device={device!r}: use 'cpu' or 'cuda'")
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError(f"device={device!r}: no CUDA device is visible; use 'cpu'")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ConfigError(f"device={device!r}: {torch.cuda.device_count()} CUDA device(s) are visible")
-    return dev
+_check_device = check_device  # cpu, cuda (where visible) or meta, else a ConfigError naming ``device``
 
 
 def _check_dtype(dtype: object) -> torch.dtype:

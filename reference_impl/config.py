@@ -24,8 +24,9 @@ from reference_impl.fp8 import SCALE_FMTS
 
 __all__ = [
     "BACKENDS", "COMPUTE_DTYPES", "DESIGN_PHASES", "DEVICES", "KV_DESIGNS", "KV_DTYPES", "LIBRARY_ENV",
-    "MAX_BATCH_TOKENS", "MAX_CHUNKS", "MAX_HBM_GIB", "MAX_PLAN_CP", "MAX_SEED", "SPLIT_MODES", "ConfigError",
-    "EnvKnob", "KVDesign", "KVDtype", "PhaseSet", "Request", "RunConfig", "SplitMode", "available_levels",
+    "MAX_BATCH_TOKENS", "MAX_CHUNKS", "MAX_HBM_GIB", "MAX_LAYERS", "MAX_PLAN_CP", "MAX_SEED", "SPLIT_MODES",
+    "ConfigError", "EnvKnob", "KVDesign", "KVDtype", "PhaseSet", "Request", "RunConfig", "SplitMode",
+    "available_levels", "ascii_int",
     "check_choice", "check_environment", "env_choice", "env_flag", "env_int", "env_knob", "env_value", "get_preset",
     "knob_names", "parse_batches", "parse_int_list", "parse_requests", "validate_interleave", "validate_kv_design",
     "SCALE_FMTS", "validate_scale_fmt",
@@ -61,6 +62,17 @@ MAX_BATCH_TOKENS = 2**31 - 1  # top-k indices are int32 rows of a batch's full v
 MAX_CHUNKS = 1 << 16  # chunked prefill: chunks per run (each is a CP batch through every layer)
 MAX_PLAN_CP = 4096  # the planner's CP ranks: it walks every rank of every level and context
 MAX_HBM_GIB = 1 << 20  # the planner's GiB per GPU (1 PiB): past it, byte counts leave float's exact integers
+# Layers of a model (the deepest DSA model has 78): a config's layer pattern, weights and every loop
+# are per layer, so a count past this is refused by arithmetic instead of built.
+MAX_LAYERS = 1024
+
+
+def ascii_int(text: str) -> int:
+    """``int(text)`` for ASCII text only. Python's ``int`` also reads other scripts' digits (``'٣'``
+    is 3), which a number typed here never means; such text raises ``ValueError`` as ``int`` does."""
+    if not text.isascii():
+        raise ValueError(f"{text!r}: not ASCII digits")
+    return int(text)
 
 
 def check_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
@@ -164,7 +176,7 @@ def parse_int_list(spec: str, what: str, minimum: int = 0) -> list[int]:
     values = []
     for item in _list_items(spec, what):
         try:
-            value = int(item)
+            value = ascii_int(item)
         except ValueError:
             raise ConfigError(f"{what} {spec!r}: {item!r} is not an integer") from None
         if value < minimum:
@@ -183,7 +195,7 @@ def parse_requests(spec: str) -> list[Request]:
         if item.startswith("r"):
             head, _, body = item[1:].partition(":")
             try:
-                shares = int(head)
+                shares = ascii_int(head)
             except ValueError:
                 raise ConfigError(f"malformed request {item!r}: use rN:PREFIX+EXTEND (N an earlier request)") from None
             if "+" not in body:
@@ -191,9 +203,9 @@ def parse_requests(spec: str) -> list[Request]:
         parts = body.split("+")
         try:
             if len(parts) == 1:
-                requests.append(Request(0, int(parts[0])))
+                requests.append(Request(0, ascii_int(parts[0])))
             elif len(parts) == 2:
-                requests.append(Request(int(parts[0]), int(parts[1]), shares))
+                requests.append(Request(ascii_int(parts[0]), ascii_int(parts[1]), shares))
             else:
                 raise ValueError
         except ValueError as exc:
@@ -289,8 +301,6 @@ class RunConfig:
         check_choice("compute_dtype", self.compute_dtype, COMPUTE_DTYPES)
         check_choice("device", self.device, DEVICES)
         check_choice("backend", self.backend, BACKENDS)
-        if self.n_layers is not None and self.n_layers < 1:
-            raise ConfigError(f"n_layers={self.n_layers}: need at least one layer")
         if self.chunk_size is not None and self.chunk_size < 1:
             raise ConfigError(f"chunk_size={self.chunk_size}: need at least one token per chunk")
         validate_scale_fmt(self.mla_scale_fmt)
@@ -343,6 +353,9 @@ class RunConfig:
         for name in ("n_layers", "chunk_size", "kv_interleave"):
             if getattr(self, name) is not None:
                 _check_type(name, getattr(self, name), int)
+        if self.n_layers is not None and not 1 <= self.n_layers <= MAX_LAYERS:  # before the model is derived
+            raise ConfigError(f"n_layers={self.n_layers}: need 1 <= n_layers <= {MAX_LAYERS} (the deepest DSA model "
+                              "has 78 layers)")
         if self.index_topk_pattern is not None:
             _check_type("index_topk_pattern", self.index_topk_pattern, str)
             if not self.index_topk_pattern.strip():
@@ -488,7 +501,7 @@ def env_int(field_name: str, default: int | None, minimum: int = 1, maximum: int
         return default
     name = knob_names(field_name)[2]
     try:
-        number = int(value.strip())
+        number = ascii_int(value.strip())
     except ValueError:
         raise ConfigError(f"{name}={value!r}: need an integer >= {minimum}") from None
     if number < minimum:

@@ -80,7 +80,8 @@ def fallbacks(report: dict[str, Any], run: RunConfig, cuda: bool) -> list[str]:
 def _levels_bar(levels: list[int], what: str, progress: bool) -> Any:
     from tqdm import tqdm
 
-    return tqdm(levels, desc=what, unit="level", disable=not progress, file=sys.stderr)
+    # A bar redraws itself with carriage returns: only on a terminal, never into a log file.
+    return tqdm(levels, desc=what, unit="level", disable=not progress or not sys.stderr.isatty(), file=sys.stderr)
 
 
 def _correctness(base: RunConfig, progress: bool) -> list[dict[str, Any]]:

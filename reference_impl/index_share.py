@@ -41,18 +41,19 @@ def pattern_from_freq(n_layers: int, freq: int, offset: int) -> str:
 
 
 def check_pattern(pattern: str, n_layers: int, what: str = "index_topk_pattern") -> str:
-    """``pattern`` upper-cased, after checking it: one ``F`` or ``S`` per layer, the first ``F``.
+    """``pattern`` (surrounding blanks dropped), after checking it: one ``F`` or ``S`` per layer, the first ``F``.
 
     :class:`ConfigError` names what is wrong (a foreign letter, the length, a leading shared layer).
+    The letters are upper case, exactly: every enumerated knob takes its values' exact spelling.
     """
     if not isinstance(pattern, str):
         raise ConfigError(f"{what}={pattern!r}: need a string of F (full) and S (shared), one letter per layer")
-    text = pattern.strip().upper()
+    text = pattern.strip()
     bad = sorted({c for c in text if c not in (FULL, SHARED)})
     if not text or bad:
         raise ConfigError(
             f"{what}={pattern!r}: use one letter per layer, F (runs the indexer) or S (reuses the previous F "
-            f"layer's top-k)" + (f"; found {', '.join(map(repr, bad))}" if bad else "")
+            f"layer's top-k), upper case" + (f"; found {', '.join(map(repr, bad))}" if bad else "")
         )
     if len(text) != n_layers:
         raise ConfigError(f"{what}={pattern!r} has {len(text)} letters for {n_layers} layers: give one per layer")

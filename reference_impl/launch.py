@@ -25,7 +25,8 @@ names the rank(s) that did not reach the collective the others wait in
 die with this process: :mod:`reference_impl.rank_processes` supervises them. Nothing waits forever.
 
 **torchrun.** The same call works in processes that ``torchrun`` started (one per GPU, any number
-of nodes): when ``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` are set, ``launch`` initializes from
+of nodes): when ``RANK``/``WORLD_SIZE`` are set (``MASTER_ADDR``/``MASTER_PORT`` too, or the
+run is refused naming the one missing), ``launch`` initializes from
 ``env://`` (NCCL on CUDA, rank on ``cuda:LOCAL_RANK``; gloo on CPU), runs ``fn`` on this rank only,
 and returns every rank's result on rank 0 (``gather_object``) and ``None`` on the others, so one
 process reports. ``cp_size`` must equal ``WORLD_SIZE``. :func:`run_under_torchrun` returns just this
@@ -54,7 +55,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from reference_impl.config import ConfigError, check_environment, env_knob
+from reference_impl.config import ConfigError, ascii_int, check_environment, env_knob
 from reference_impl.cp.comm import CPGroup, report_progress_to
 from reference_impl.errors import RankFailedError, RankTimeoutError, RunStopped
 from reference_impl.machine import cpu_cores
@@ -66,7 +67,8 @@ from reference_impl.rank_processes import (
 )
 
 __all__ = [
-    "LaunchSpec", "RankFailedError", "RankTimeoutError", "RunStopped", "check_machine", "choose_backend", "launch",
+    "LaunchSpec", "RankFailedError", "RankTimeoutError", "RunStopped", "check_machine", "check_torchrun_env",
+    "choose_backend", "launch",
     "plan_launch", "rank_cpu_threads", "run_under_torchrun", "under_torchrun",
 ]
 
@@ -230,9 +232,47 @@ def in_jupyter_kernel() -> bool:
     return shell is not None and getattr(shell, "kernel", None) is not None
 
 
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what an env:// rendezvous reads
+
+
 def under_torchrun() -> bool:
-    """True in a process that torchrun (or another env:// launcher) started."""
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+    """True in a process that torchrun (or another env:// launcher) started: ``RANK`` or ``WORLD_SIZE`` is
+    set. Then the rest of the env:// rendezvous is checked at once (:func:`check_torchrun_env`), so that a
+    partial or malformed one is refused by name instead of failing inside ``torch.distributed``."""
+    if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
+        return False
+    check_torchrun_env()
+    return True
+
+
+def check_torchrun_env() -> None:
+    """A :class:`ConfigError` naming the variable unless ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
+    ``MASTER_PORT`` are all set and valid (``LOCAL_RANK`` too, when set): what an env:// rendezvous reads.
+    A process group that already exists is reused as it is (its rendezvous is done)."""
+    if dist.is_available() and dist.is_initialized():
+        return
+    missing = [name for name in TORCHRUN_ENV if not os.environ.get(name, "").strip()]
+    if missing:
+        raise ConfigError(f"a torchrun-style environment without {', '.join(missing)}: an env:// launch sets "
+                          f"{', '.join(TORCHRUN_ENV)} (unset RANK and WORLD_SIZE to run local ranks)")
+    world = _env_int("WORLD_SIZE", 1)
+    _env_int("RANK", 0, world - 1)
+    if "LOCAL_RANK" in os.environ:
+        _env_int("LOCAL_RANK", 0, world - 1)
+    _env_int("MASTER_PORT", 1, 65535)
+
+
+def _env_int(name: str, minimum: int, maximum: int | None = None) -> int:
+    """The integer in environment variable ``name``, within ``[minimum, maximum]``, or a ConfigError naming it."""
+    text = os.environ[name].strip()
+    try:
+        value = ascii_int(text)
+    except ValueError:
+        raise ConfigError(f"{name}={os.environ[name]!r}: need an integer") from None
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f"{minimum} <= {name} <= {maximum}" if maximum is not None else f"{name} >= {minimum}"
+        raise ConfigError(f"{name}={value}: need {bound}")
+    return value
 
 
 def launch(
@@ -256,7 +296,7 @@ def launch(
     """
     check_environment()
     if under_torchrun():
-        world = int(os.environ["WORLD_SIZE"])
+        world = _env_int("WORLD_SIZE", 1)
         if cp_size != world:
             raise ConfigError(f"cp_size={cp_size} but torchrun started WORLD_SIZE={world} ranks")
         return _run_torchrun_rank(fn, payload, device, backend, timeout_s, debug, gather=True)
@@ -311,7 +351,7 @@ def run_under_torchrun(
     Initializes the default process group unless one exists (then it is reused and left alone).
     """
     if not under_torchrun():
-        raise ConfigError("run_under_torchrun: RANK, WORLD_SIZE and MASTER_ADDR are not set; start with torchrun")
+        raise ConfigError("run_under_torchrun: RANK and WORLD_SIZE are not set; start with torchrun")
     return _run_torchrun_rank(fn, payload, device, backend, timeout_s, debug, gather=False)
 
 
@@ -361,7 +401,7 @@ def _run_torchrun_rank(
         raise ConfigError("device='cuda' but no CUDA device is visible; use --device cpu")
     rank_device = "cpu"
     if device != "cpu" and torch.cuda.is_available():
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        local_rank = _env_int("LOCAL_RANK", 0) if "LOCAL_RANK" in os.environ else 0
         rank_device = f"cuda:{local_rank}"
         torch.cuda.set_device(local_rank)
     owns_group = not dist.is_initialized()

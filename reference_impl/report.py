@@ -69,6 +69,7 @@ def build_report(
 ) -> dict[str, Any]:
     device = resolve_device(run)
     fields = family_fields(run, device)
+    selects = fields["selects"]  # a top-k agreement is over the layers that select keys; none selects: no figure
     per_rank = []
     for r in results:
         entry: dict[str, Any] = {"rank": r.rank, **{k: r.stats[k] for k in PER_RANK_FIELDS}}
@@ -116,8 +117,8 @@ def build_report(
         "matches_oracle": agreement.matches_oracle if agreement else None,
         "max_abs_err": agreement.max_abs_err if agreement else None,
         "logits_max_abs_err": agreement.logits_max_abs_err if agreement else None,
-        "topk_agreement": agreement.topk_agreement if agreement else None,
-        "topk_boundary_ties": agreement.topk_ties if agreement else None,
+        "topk_agreement": agreement.topk_agreement if agreement and selects else None,
+        "topk_boundary_ties": agreement.topk_ties if agreement and selects else None,
         "cache_equal": agreement.cache_equal if agreement else None,
         "cache_max_abs_err": agreement.cache_max_abs_err if agreement else None,
         "problems": agreement.problems if agreement else [],

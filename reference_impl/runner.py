@@ -84,6 +84,9 @@ def run_prefill(
     if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool)
                                       and 0 < timeout_s < float("inf")):
         raise ConfigError(f"timeout_s={timeout_s!r}: need a positive, finite number of seconds")
+    if not isinstance(tensors, bool):
+        raise ConfigError(f"tensors={tensors!r}: need a bool, got {type(tensors).__name__}")
+    _check_progress(progress)
     result = _run_all([run], timeout_s, progress)[0]
     if result is None:  # a torchrun rank other than 0: rank 0 reports
         return None  # type: ignore[return-value]
@@ -106,7 +109,15 @@ def run_prefills(
     for position, run in enumerate(runs):
         if not isinstance(run, RunConfig):
             raise ConfigError(f"runs[{position}]={run!r:.80}: need a RunConfig, got {type(run).__name__}")
+    _check_progress(progress)
     return [None if result is None else result.report for result in _run_all(runs, timeout_s, progress)]  # type: ignore[misc]
+
+
+def _check_progress(progress: object) -> None:
+    """``progress`` is ``None`` or a callable (:data:`Progress`), refused by name before any rank starts."""
+    if progress is not None and not callable(progress):
+        raise ConfigError(f"progress={progress!r:.80}: need a callable progress(stage, done, total) or None, "
+                          f"got {type(progress).__name__}")
 
 
 def preflight(run: RunConfig, extra_process: int = 0) -> None:

@@ -30,9 +30,11 @@ def format_table(reports: list[dict[str, Any]]) -> str:
             + (" (ranks share one device)" if rep["ranks_share_device"] else "")
         )
         if rep["matches_oracle"] is not None:
+            topk = "" if rep["topk_agreement"] is None else (  # no layer selects keys (DeepSeek-V4, sliding only)
+                f", top-k agreement {rep['topk_agreement']:.4f} (+{rep['topk_boundary_ties']} boundary ties)")
             lines.append(
-                f"  {verdict}: max abs err {rep['max_abs_err']:.2e}, top-k agreement {rep['topk_agreement']:.4f}"
-                f" (+{rep['topk_boundary_ties']} boundary ties), cache equal {rep['cache_equal']}, tail {rep['tail_mode']}"
+                f"  {verdict}: max abs err {rep['max_abs_err']:.2e}{topk}, cache equal {rep['cache_equal']}, "
+                f"tail {rep['tail_mode']}"
             )
         header = ["rank", "tokens", "kv", "index", "transient peak", "gather", "materialized", "tail gather", "colls", "layer ms"]
         rows = [

@@ -38,7 +38,7 @@ BAD_INPUT: list[tuple[list[str], dict[str, str], str]] = [
     (["run", "--requests", "4000000+64"], {}, "needs up to"),
     (["run", "--requests", "0+2000000000,0+2000000000"], {}, "the requests hold 4,000,000,000 tokens"),
     (["run", "--batches", "0+64;0+99999999999"], {}, "batch 1's requests hold"),
-    (["run", "--requests", "0+1000000", "--chunk-size", "8"], {}, "chunk_size=8 cuts the run into 125,000 chunks"),
+    (["run", "--requests", "0+1000000", "--chunk-size", "8"], {}, "--chunk-size=8 cuts the run into 125,000 chunks"),
     (["pd", "--requests", "0+100000000"], {}, "needs up to"),
     (["pd", "--requests", "0+99999999999"], {}, "at most 2,147,483,647"),
     (["split", "--cp", "4", "--extend", "99999999999999"], {}, "--extend: 99,999,999,999,999 tokens"),
@@ -53,8 +53,8 @@ BAD_INPUT: list[tuple[list[str], dict[str, str], str]] = [
     (["run"], {"DSACP_SEED": "99999999999999999999999999"}, "DSACP_SEED: 99999999999999999999999999 is above"),
     # ranks or devices this machine cannot run, refused before any starts
     (["run", "--device", "cuda"], {}, "no CUDA device is visible; use --device cpu"),
-    (["run", "--cp-size", str(MANY_RANKS), "--requests", f"0+{4 * MANY_RANKS}"], {}, f"cp_size={MANY_RANKS}: "),
-    (["run", "--cp-size", "512", "--requests", "0+1024"], {"DSACP_RANK_THREADS": "1"}, "cp_size=512"),
+    (["run", "--cp-size", str(MANY_RANKS), "--requests", f"0+{4 * MANY_RANKS}"], {}, f"--cp-size={MANY_RANKS}: "),
+    (["run", "--cp-size", "512", "--requests", "0+1024"], {"DSACP_RANK_THREADS": "1"}, "--cp-size=512: "),
     (["run"], {"DSACP_RANK_THREADS": "99999"}, "DSACP_RANK_THREADS='99999': at most"),
     (["run"], {"DSACP_RANK_THREADS": "0"}, "DSACP_RANK_THREADS='0': need an integer >= 1"),
     (["pd", "--device", "cuda"], {}, "no CUDA device is visible"),
@@ -84,8 +84,8 @@ BAD_INPUT: list[tuple[list[str], dict[str, str], str]] = [
     # impossible runs
     (["run", "--cp-size", "8", "--requests", "5"], {}, "larger than the tokens allow"),
     (["run", "--split-mode", "round-robin", "--phases", "4"], {}, "round-robin split cannot run phase 4"),
-    (["run", "--kv-interleave", "8"], {}, "kv_interleave shapes KV sharded at rest: it needs phase 2"),
-    (["run", "--phases", "2", "--kv-interleave", "3"], {}, "kv_interleave=3 must be a power of two"),
+    (["run", "--kv-interleave", "8"], {}, "--kv-interleave shapes KV sharded at rest: it needs phase 2"),
+    (["run", "--phases", "2", "--kv-interleave", "3"], {}, "--kv-interleave=3 must be a power of two"),
     (["run", "--phases", "5", "--kv-interleave", "1"], {}, "phase 5 (compute-owner layout) allocates whole pages"),
     (["run", "--split-mode", "round-robin", "--cp-size", "4", "--requests", "0+1,0+2", "--phases", "2"], {},
      "leave rank(s) [2, 3] without a token"),
@@ -123,19 +123,69 @@ BAD_INPUT: list[tuple[list[str], dict[str, str], str]] = [
     (["pd", "--backend", "nccl"], {}, "pd: --backend nccl: the prefill ranks and the decode talk over gloo"),
     (["pd"], {"DSACP_BACKEND": "nccl"}, "pd: DSACP_BACKEND nccl"),
     (["run", "--requests", "0+9", "--batches", "0+9"], {}, "give it or --requests, not both"),
-    (["pd", "--kv-design", "rotated-shard", "--phases", "1"], {}, "kv_design=rotated-shard: the PD transfer ships"),
+    (["pd", "--kv-design", "rotated-shard", "--phases", "1"], {}, "--kv-design=rotated-shard: the PD transfer ships"),
     # the model family's knobs: empty, contradictory, or of no use to the preset
-    (["run", "--index-topk-pattern", ""], {}, "index_topk_pattern='': empty"),
-    (["run"], {"DSACP_INDEX_TOPK_PATTERN": ""}, "index_topk_pattern='': empty"),
-    (["run", "--mla-scale-fmt", "fp32", "--kv-dtype", "bf16"], {}, "kv_dtype=bf16 stores no scales"),
+    (["run", "--index-topk-pattern", ""], {}, "--index-topk-pattern: '' is empty"),
+    (["run"], {"DSACP_INDEX_TOPK_PATTERN": ""}, "DSACP_INDEX_TOPK_PATTERN: '' is empty"),
+    (["plan", "--index-topk-pattern", ""], {}, "--index-topk-pattern: '' is empty"),  # as `run` refuses it
+    (["run", "--mla-scale-fmt", "fp32", "--kv-dtype", "bf16"], {}, "--mla-scale-fmt=fp32: the scale format is the "
+     "FP8 cache's; --kv-dtype=bf16 stores no scales"),
     (["run", "--preset", "tiny-v4", "--cpu-widths"], {}, "tiny-v4 is already small enough for a CPU: drop the flag"),
     (["run", "--preset", "tiny-v4"], {"DSACP_FP8_PROJECTIONS": "1"}, "DSACP_FP8_PROJECTIONS=1: tiny-v4's projections"),
     (["plan", "--preset", "tiny-v4"], {}, "python -m reference_impl.planner.v4 --preset tiny-v4"),
+    # a size whose config would be built per layer, refused by its stated maximum
+    (["run", "--n-layers", "1000000000"], {}, "--n-layers: 1000000000 is above 1024"),
+    (["run"], {"DSACP_N_LAYERS": "1000000000"}, "DSACP_N_LAYERS: 1000000000 is above 1024"),
+    # the config's checks, named as the user typed the knob: its flag or its variable
+    (["run"], {"DSACP_PAGE_SIZE": "48"}, "DSACP_PAGE_SIZE=48 must be a power of two"),
+    (["run"], {"DSACP_PAGE_SIZE": "2"}, "DSACP_PAGE_SIZE=2 is below 4"),
+    (["run"], {"DSACP_KV_INTERLEAVE": "8"}, "DSACP_KV_INTERLEAVE shapes KV sharded at rest"),
+    (["run"], {"DSACP_PHASES": "2", "DSACP_KV_INTERLEAVE": "3"}, "DSACP_KV_INTERLEAVE=3 must be a power of two"),
+    (["run"], {"DSACP_INDEX_TOPK_PATTERN": "FX"}, "DSACP_INDEX_TOPK_PATTERN='FX': use one letter per layer"),
+    (["run"], {"DSACP_INDEX_TOPK_PATTERN": "FSF"}, "DSACP_INDEX_TOPK_PATTERN='FSF' has 3 letters for 2 layers"),
+    (["run"], {"DSACP_REQUESTS": "0+1000000", "DSACP_CHUNK_SIZE": "8"}, "DSACP_CHUNK_SIZE=8 cuts the run into"),
+    (["run"], {"DSACP_MLA_SCALE_FMT": "fp32", "DSACP_KV_DTYPE": "bf16"}, "DSACP_MLA_SCALE_FMT=fp32: the scale format"),
+    (["run"], {"DSACP_PRESET": "tiny-v4", "DSACP_CPU_WIDTHS": "1"}, "DSACP_CPU_WIDTHS: tiny-v4 has no CPU-width"),
+    (["pd"], {"DSACP_KV_DESIGN": "rotated-shard", "DSACP_PHASES": "1"}, "DSACP_KV_DESIGN=rotated-shard: the PD"),
+    (["pd"], {"DSACP_TRANSPORT": "x"}, "DSACP_TRANSPORT='x': use torch, mooncake"),
+    (["run", "--index-topk-pattern", "FSF"], {}, "--index-topk-pattern='FSF' has 3 letters for 2 layers"),
+    # one case rule for every enumerated knob: the exact spelling
+    (["run", "--index-topk-pattern", "fs"], {}, "--index-topk-pattern='fs': use one letter per layer, F (runs the "
+     "indexer) or S (reuses the previous F layer's top-k), upper case; found 'f', 's'"),
+    (["run", "--preset", "TINY-V4"], {}, "--preset: unknown preset 'TINY-V4'"),
+    (["run", "--kv-design", "LAYER-SPLIT"], {}, "--kv-design: unknown kv design 'LAYER-SPLIT'"),
+    (["pd", "--transport", "Mooncake"], {}, "--transport='Mooncake': use torch, mooncake"),
+    # digits of other scripts: int('٣') is 3 in Python, not here
+    (["run", "--cp-size", "٣"], {}, "--cp-size: '٣' is not an integer (ASCII digits only)"),
+    (["run"], {"DSACP_CP_SIZE": "٣"}, "DSACP_CP_SIZE: '٣' is not an integer (ASCII digits only)"),
+    (["run", "--timeout-s", "٣"], {}, "--timeout-s: '٣' is not a number (ASCII digits only)"),
+    (["run", "--requests", "0+٣"], {}, "--requests: '0+٣' is not ASCII"),
+    (["run"], {"DSACP_PHASES": "٣"}, "DSACP_PHASES: '٣' is not ASCII"),
+    (["split", "--cp", "2", "--extend", "٨"], {}, "--extend: '٨' is not ASCII"),
+    (["plan", "--contexts", "٨K"], {}, "--contexts: '٨K' is not ASCII"),
+    (["run"], {"DSACP_RANK_THREADS": "١"}, "DSACP_RANK_THREADS='١': need an integer"),
+    # results that would overflow: a stated minimum
+    (["plan", "--interconnect-gbps", "1e-300"], {}, "--interconnect-gbps: 1e-300 is below 0.001"),
+    (["plan"], {"DSACP_INTERCONNECT_GBPS": "1e-300"}, "DSACP_INTERCONNECT_GBPS: 1e-300 is below 0.001"),
+    # a torchrun-style environment that an env:// rendezvous could not use, refused by the variable
+    (["run"], {"RANK": "0", "WORLD_SIZE": "abc", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
+     "WORLD_SIZE='abc': need an integer"),
+    (["run"], {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}, "environment without MASTER_PORT"),
+    (["run"], {"WORLD_SIZE": "abc"}, "without RANK, MASTER_ADDR, MASTER_PORT"),
+    (["run"], {"RANK": "3", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
+     "RANK=3: need 0 <= RANK <= 1"),
+    (["run"], {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "99999"},
+     "MASTER_PORT=99999: need 1 <= MASTER_PORT <= 65535"),
 ]
 # Every enumerated run knob's variable, empty or outside its set; every boolean's, empty or "maybe".
-for _field in ("preset", "kv_dtype", "split_mode", "device", "backend", "compute_dtype"):
-    _env = knob_names(_field)[2]
-    BAD_INPUT += [(["run"], {_env: ""}, f"{_env}: unknown"), (["run"], {_env: "maybe"}, f"{_env}: unknown")]
+# Each in another case too: one rule for every enumerated knob, the exact spelling.
+_SPELLED = {"preset": "tiny", "kv_dtype": "fp8", "split_mode": "in-seq", "device": "cpu", "backend": "gloo",
+            "compute_dtype": "fp32", "kv_design": "layer-split", "mla_scale_fmt": "fp32"}
+for _field, _value in _SPELLED.items():
+    _, _flag, _env = knob_names(_field)
+    BAD_INPUT += [(["run"], {_env: ""}, f"{_env}: unknown"), (["run"], {_env: "maybe"}, f"{_env}: unknown"),
+                  (["run"], {_env: _value.upper()}, f"{_env}: unknown"),
+                  (["run", _flag, _value.upper()], {}, f"{_flag}: unknown")]
 for _field in ("check", "input_logprobs", "return_hidden_states"):
     _env = knob_names(_field)[2]
     BAD_INPUT += [(["run"], {_env: ""}, f"{_env}=''"), (["run"], {_env: "maybe"}, f"{_env}='maybe'")]
@@ -156,6 +206,8 @@ def test_bad_input_is_one_line_exit_2(capsys, monkeypatch, argv: list[str], env:
     err = capsys.readouterr().err
     assert err.startswith("error: ") and words in err and err.count("\n") == 1, err
     assert "Traceback" not in err
+    if len(argv) == 1 and env:  # set by the environment alone: the line names the variable the user set
+        assert any(name in err for name in env), err
     assert elapsed < LIMIT_S, f"refused after {elapsed:.1f} s"
 
 
@@ -217,13 +269,36 @@ def test_a_timeout_while_ranks_start_is_one_line_exit_3() -> None:
 # ---- the Python API ----------------------------------------------------------------------------
 
 
+def _make_model_from_a_text_file() -> None:
+    """``make_model`` given a file that exists and is no safetensors file (its header length is text)."""
+    import tempfile
+
+    import reference_impl as ri
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "model.safetensors"
+        path.write_text("not a checkpoint")
+        ri.make_model("tiny", checkpoint=path)
+
+
 def _api_misuse() -> list[tuple[str, object, str]]:
     import torch
 
     import reference_impl as ri
 
     tiny = ri.get_preset("tiny")
+    layout = ri.KVLayout.from_config(tiny, "fp8", 64)
     return [
+        ("make_model checkpoint not safetensors", _make_model_from_a_text_file, "model.safetensors: not a safetensors file"),
+        ("make_model n_layers huge", lambda: ri.make_model("tiny", n_layers=10**9), "n_layers=1000000000: need"),
+        ("RunConfig n_layers huge", lambda: ri.RunConfig(n_layers=10**9), "n_layers=1000000000: need"),
+        ("RunConfig pattern case", lambda: ri.RunConfig(index_topk_pattern="fs"), "upper case; found 'f', 's'"),
+        ("LayerCache.empty tpu", lambda: ri.LayerCache.empty(layout, "tpu"), "device='tpu'"),
+        ("LayerCache.empty cuda", lambda: ri.LayerCache.empty(layout, "cuda:99"), "device='cuda:99'"),
+        ("LayerCache.empty layout", lambda: ri.LayerCache.empty("fp8", "cpu"), "layout='fp8'"),
+        ("run_prefill progress int", lambda: ri.run_prefill(ri.RunConfig(), progress=5), "progress=5"),
+        ("run_prefill tensors str", lambda: ri.run_prefill(ri.RunConfig(), tensors="yes"), "tensors='yes'"),
+        ("run_prefills progress str", lambda: ri.run_prefills([ri.RunConfig()], progress="bar"), "progress='bar'"),
         ("make_model dtype str", lambda: ri.make_model("tiny", dtype="float32"), "dtype='float32'"),
         ("make_model n_layers str", lambda: ri.make_model("tiny", n_layers="2"), "n_layers='2'"),
         ("make_model n_layers 0", lambda: ri.make_model("tiny", n_layers=0), "n_layers=0"),
@@ -318,3 +393,17 @@ def test_the_machine_rules_name_cores_and_file_descriptors() -> None:
     with pytest.raises(ConfigError, match=r"file descriptors .* over this process's limit of 1024 \(ulimit -n\)"):
         check_machine(plan(too_many), 1, cores=1024, fd_limit=1024)
     check_machine(plan(1), 99, cores=1, fd_limit=1)  # one rank runs in this process: no rule applies
+
+
+def test_plan_refuses_a_boolean_rate_naming_the_file_and_field(tmp_path, capsys, monkeypatch) -> None:
+    """``{"interconnect_gbps": true}`` is no rate (read as a number it would be 1 GB/s)."""
+    path = tmp_path / "rates.json"
+    path.write_text(json.dumps({"interconnect_gbps": True}))
+    assert main(["plan", "--rates", str(path)]) == 2
+    assert capsys.readouterr().err == f"error: --rates {path}: interconnect_gbps is true, a boolean; a rate is a number\n"
+    monkeypatch.setenv("DSACP_RATES", str(path))
+    assert main(["plan"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: DSACP_RATES {path}: interconnect_gbps is true")
+    path.write_text(json.dumps({"interconnect_gbps": 123.0}))  # a number is taken
+    assert main(["plan", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["rates"]["interconnect_gbps"]["value"] == 123.0

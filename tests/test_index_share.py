@@ -53,7 +53,8 @@ def test_bad_patterns_are_refused_by_name() -> None:
         RunConfig(index_topk_pattern="FSF")
     with pytest.raises(ConfigError, match="index_topk_pattern=3"):
         RunConfig(index_topk_pattern=3)  # type: ignore[arg-type]
-    assert RunConfig(index_topk_pattern="fs").model.index_share.pattern == "FS"  # any case
+    with pytest.raises(ConfigError, match="upper case; found 'f', 's'"):
+        RunConfig(index_topk_pattern="fs")  # exact case, as every enumerated knob
     assert RunConfig(preset="glm-5.2", n_layers=8).model.index_share.pattern == "FFFSSSFS"
 
 

@@ -266,7 +266,7 @@ class ToyFamily:
         return Agreement(not problems, err, logits_err, 1.0, 0, cache_ok, cache_err, problems)
 
     def report_fields(self, run: RunConfig, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
-        return {"attention_kernel": "toy-dense", "index_topk_pattern": None}
+        return {"attention_kernel": "toy-dense", "index_topk_pattern": None, "selects": False}
 
     def check_pd(self, run: RunConfig) -> None:
         raise ri.ConfigError(f"{run.preset}: no PD transfer")

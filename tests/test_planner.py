@@ -184,7 +184,7 @@ def test_parse_contexts() -> None:
         (["plan", "--hbm-gib", "-1"], "--hbm-gib: -1 is not positive"),
         (["plan", "--preset", "nope"], "unknown preset 'nope'"),
         (["plan", "--hbm-gib", "80", "--reserved-gib", "90"], "no HBM left for the KV cache"),
-        (["plan", "--kv-budget-fraction", "1.5"], "kv_budget_fraction=1.5: need a fraction in (0, 1]"),
+        (["plan", "--kv-budget-fraction", "1.5"], "--kv-budget-fraction=1.5: need a fraction in (0, 1]"),
         (["plan", "--contexts", "8K,lots"], "malformed context 'lots'"),
         (["plan", "--cp", "8", "--contexts", "10"], "at least 2C = 16 tokens"),
         (["plan", "--kv-dtype", "int4"], "--kv-dtype: unknown kv dtype 'int4'"),

@@ -205,7 +205,8 @@ class ModelFamily(Protocol):
     # ---- the rest of the run -------------------------------------------------------------------
     def report_fields(self, run: RunConfig, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
         """Family-specific fields of the run report: ``attention_kernel`` (the path the dispatch takes on
-        ``device`` for ``dtype``) and ``index_topk_pattern`` (IndexShare, or None)."""
+        ``device`` for ``dtype``), ``index_topk_pattern`` (IndexShare, or None) and ``selects`` (whether any
+        layer selects keys: without, the report gives no top-k figure)."""
         ...
 
     def check_pd(self, run: RunConfig) -> None:

@@ -12,8 +12,28 @@ from dataclasses import dataclass
 
 import torch
 
+from reference_impl.errors import ConfigError
 from reference_impl.kvcache.layout import KVLayout
 from reference_impl.model.attention import DSAAttention, Projection
+
+
+def check_device(device: object, name: str = "device") -> torch.device:
+    """``device`` as a ``torch.device`` of a kind this package runs on (cpu, cuda, meta), CUDA only where
+    visible; anything else is a :class:`ConfigError` naming the argument ``name``."""
+    if not isinstance(device, (str, torch.device)):
+        raise ConfigError(f"{name}={device!r}: need 'cpu', 'cuda' or a torch.device, got {type(device).__name__}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ConfigError(f"{name}={device!r}: not a device; use 'cpu' or 'cuda'") from None
+    if dev.type not in ("cpu", "cuda", "meta"):
+        raise ConfigError(f"{name}={device!r}: use 'cpu' or 'cuda'")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"{name}={device!r}: no CUDA device is visible; use 'cpu'")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"{name}={device!r}: {torch.cuda.device_count()} CUDA device(s) are visible")
+    return dev
 
 
 @dataclass
@@ -32,6 +52,12 @@ class LayerCache:
 
     @classmethod
     def empty(cls, layout: KVLayout, device: torch.device | str, with_index: bool = True) -> "LayerCache":
+        if not isinstance(layout, KVLayout):
+            raise ConfigError(f"layout={layout!r:.80}: need a KVLayout (KVLayout.from_config), "
+                              f"got {type(layout).__name__}")
+        device = check_device(device)
+        if not isinstance(with_index, bool):
+            raise ConfigError(f"with_index={with_index!r}: need a bool, got {type(with_index).__name__}")
         d = layout.index_head_dim
         return cls(
             layout,

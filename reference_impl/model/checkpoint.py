@@ -76,7 +76,11 @@ def dequantize_fp8_weight(weight: torch.Tensor, scale_inv: torch.Tensor) -> torc
 
 
 def _reader(source: str | Path | Mapping[str, torch.Tensor]) -> tuple[Callable[[str], torch.Tensor | None], str]:
-    """``(get(name) -> tensor or None, description)`` over a mapping, a file or a sharded directory."""
+    """``(get(name) -> tensor or None, description)`` over a mapping, a file or a sharded directory.
+
+    Every file is checked here, before a tensor is read: it exists and is a safetensors file (its header
+    parses), and a directory's ``model.safetensors.index.json`` is a JSON weight map of existing shards.
+    """
     if isinstance(source, Mapping):
         return source.get, "the given tensors"
     path = Path(source)
@@ -90,7 +94,9 @@ def _reader(source: str | Path | Mapping[str, torch.Tensor]) -> tuple[Callable[[
                 raise ConfigError(f"{path}: no model.safetensors.index.json and {len(files)} .safetensors files")
             path = files[0]
         else:
-            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            weight_map = _weight_map(index)
+            for shard in sorted(set(weight_map.values())):
+                _check_safetensors(path / shard)
 
             def get_sharded(name: str) -> torch.Tensor | None:
                 shard = weight_map.get(name)
@@ -102,12 +108,43 @@ def _reader(source: str | Path | Mapping[str, torch.Tensor]) -> tuple[Callable[[
             return get_sharded, str(path)
     if not path.exists():
         raise ConfigError(f"checkpoint {path} does not exist")
+    _check_safetensors(path)
 
     def get_file(name: str) -> torch.Tensor | None:
         with safe_open(str(path), framework="pt") as f:
             return f.get_tensor(name) if name in f.keys() else None
 
     return get_file, str(path)
+
+
+def check_checkpoint(source: str | Path | Mapping[str, torch.Tensor]) -> None:
+    """Raise :class:`ConfigError` unless ``source`` can be read as a checkpoint (see :func:`_reader`);
+    cheap (file headers only), so a caller checks it before building a model."""
+    _reader(source)
+
+
+def _check_safetensors(path: Path) -> None:
+    """A :class:`ConfigError` naming ``path`` unless it is a readable safetensors file (its header is read)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            f.keys()
+    except FileNotFoundError:
+        raise ConfigError(f"checkpoint {path} does not exist") from None
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise ConfigError(f"checkpoint {path}: not a safetensors file ({exc})") from None
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """The ``weight_map`` (tensor name -> shard file) of a sharded checkpoint's index, or a ConfigError naming it."""
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ConfigError(f"checkpoint index {index}: not a JSON object ({exc})") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ConfigError(f"checkpoint index {index}: no weight_map of tensor name -> shard file")
+    return weight_map
 
 
 @torch.no_grad()

@@ -24,6 +24,7 @@ why it cannot be imported, or ``None``.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 from pathlib import Path
@@ -31,6 +32,7 @@ from typing import Any
 
 import torch
 
+from reference_impl.config import env_flag
 from reference_impl.errors import ConfigError
 
 MAX_BATCH = 1024  # entries per batch call: the engine refuses batches of a few thousand entries
@@ -41,15 +43,46 @@ class MooncakeError(RuntimeError):
 
 
 def mooncake_unavailable() -> str | None:
-    """Why ``mooncake.engine`` cannot be imported here, or ``None`` when it can."""
-    # Mooncake logs at INFO to stderr unless told otherwise (read when the library loads); a
-    # library stays quiet unless asked: ``MC_LOG_LEVEL=INFO`` brings them back.
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    """Why ``mooncake.engine`` cannot be imported here, or ``None`` when it can.
+
+    A library stays quiet unless asked. Mooncake logs through glog to stderr: at INFO by default, and
+    even at its quietest (``MC_LOG_LEVEL=ERROR``, read when the library loads; glog's own
+    ``GLOG_minloglevel`` is overridden by it) a successful start logs ``Local segment descriptor not
+    found`` at ERROR, once per process. So unless ``MC_LOG_LEVEL`` is set or ``DSACP_DEBUG`` is on
+    (``--debug`` sets ``MC_LOG_LEVEL=INFO``), it loads at ERROR and then glog's level is raised to FATAL.
+    """
+    quiet = "MC_LOG_LEVEL" not in os.environ and not env_flag("debug")
+    if quiet:  # for the load only: a process started from this one decides again, from the same environment
+        os.environ["MC_LOG_LEVEL"] = "ERROR"
     try:
         import mooncake.engine  # noqa: F401
     except ImportError as exc:
         return f"the Mooncake Transfer Engine does not import ({exc}); install it with scripts/setup.sh"
+    finally:
+        if quiet:
+            del os.environ["MC_LOG_LEVEL"]
+    if quiet:
+        _glog_fatal_only()
     return None
+
+
+GLOG_FATAL = 3  # glog's severities: 0 INFO, 1 WARNING, 2 ERROR, 3 FATAL
+_GLOG_MIN_LEVEL = "_ZN3fLI17FLAGS_minloglevelE"  # glog's gflag ``minloglevel`` (namespace fLI), C++-mangled
+
+
+def _glog_fatal_only() -> None:
+    """Set ``FLAGS_minloglevel`` to FATAL in the glog that Mooncake loaded (the wheel bundles its own
+    ``libglog-*.so``); where it cannot be found (another build, not Linux) the logs stay as they are."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if os.path.basename(line.split()[-1]).startswith("libglog")}
+    except OSError:
+        return
+    for path in sorted(paths):
+        try:
+            ctypes.c_int.in_dll(ctypes.CDLL(path), _GLOG_MIN_LEVEL).value = GLOG_FATAL
+        except (OSError, ValueError):
+            continue
 
 
 def _engine_module() -> Any:

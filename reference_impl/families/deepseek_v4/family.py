@@ -160,7 +160,9 @@ class DeepSeekV4Family:
     def report_fields(self, run: RunConfig, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
         from reference_impl.families.deepseek_v4.kernels.dispatch import attention_kernel_name
 
-        return {"attention_kernel": "v4-" + attention_kernel_name(device), "index_topk_pattern": None}
+        # Only CSA layers select entries (sliding-window and HCA layers attend to every entry they hold).
+        return {"attention_kernel": "v4-" + attention_kernel_name(device), "index_topk_pattern": None,
+                "selects": run.model.count("csa") > 0}
 
     def check_pd(self, run: RunConfig) -> None:
         raise ConfigError(f"{run.preset}: the PD transfer moves DeepSeek-V3.2's KV layout; DeepSeek-V4's entries "

@@ -168,7 +168,7 @@ class DSAFamily:
         d_v, d_qk = run.model.kv_lora_rank, run.model.kv_lora_rank + run.model.qk_rope_head_dim
         probe = torch.empty(0, 1, d_qk, device=device, dtype=dtype)  # allocates nothing
         return {"attention_kernel": sparse_mla_kernel(probe, probe[:, 0], d_v),
-                "index_topk_pattern": run.model.index_share.pattern}
+                "index_topk_pattern": run.model.index_share.pattern, "selects": True}
 
     def check_pd(self, run: RunConfig) -> None:
         """Every DSA run ships: MLA rows and index keys (full layers only with IndexShare)."""
