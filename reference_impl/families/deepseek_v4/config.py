@@ -153,10 +153,5 @@ V4_PRESETS: dict[str, V4ModelConfig] = {
 }
 
 
-def is_v4(cfg: object) -> bool:
-    """Whether a model config is DeepSeek-V4's (the engine and the checks branch on this once)."""
-    return isinstance(cfg, V4ModelConfig)
-
-
 CONFIG_TYPE = V4ModelConfig  # the registry's entries (reference_impl.families)
 PRESETS = V4_PRESETS
