@@ -12,8 +12,8 @@ import re
 from typing import Any
 
 #: An inline script that imports code from the network (``import("https://...")``).
-_NETWORK_LOADER = re.compile(r"<script\b[^>]*>(?:(?!</script>).)*?\bimport\s*\(\s*[\"'](?:https?:)?//(?:(?!</script>).)*</script>",
-                             re.S | re.I)
+_NETWORK_LOADER = re.compile(
+    r"<script\b[^>]*>(?:(?!</script>).)*?\bimport\s*\(\s*[\"'](?:https?:)?//(?:(?!</script>).)*</script>", re.S | re.I)
 
 
 def drop_network_loaders(html: str) -> str:

@@ -101,7 +101,8 @@ def _gpu_per_rank(progress: bool) -> dict[str, Any]:
     prefix, extend = GPU_WORKLOAD
     with _levels_bar(levels, "per-rank time and memory (rank 0 of C=8, warm)", progress) as bar:
         return measure(
-            "deepseek-v3.2", Workload("mixed", prefix, extend), levels, cp_size=8, rank=0, n_layers=GPU_LAYERS, device="cuda",
+            "deepseek-v3.2", Workload("mixed", prefix, extend), levels, cp_size=8, rank=0, n_layers=GPU_LAYERS,
+            device="cuda",
             wire_gbps=GPU_WIRE_GBPS, prefetch_repeats=2, on_level=lambda level: bar.update(1),
         )
 
@@ -256,13 +257,14 @@ def format_demo(result: dict[str, Any]) -> str:
         pr = result["per_rank"]
         lines.append(f"per rank: {pr['how']}; prefix {pr['workload']['prefix']} + {pr['workload']['extend']} new tokens")
         # Two runs: the checked one (its store path beside the verdict) and the timed one (its own store path).
-        header = ["level", "oracle (checked store)", "timed store", "KV at rest", "peak (measured)", "materialized / layer",
-                  "layer ms (warm)"]
+        header = ["level", "oracle (checked store)", "timed store", "KV at rest", "peak (measured)",
+                  "materialized / layer", "layer ms (warm)"]
         n_layers = pr.get("n_layers", GPU_LAYERS)
-        rows = [[str(r["level"]), f"{'match' if r['matches_oracle'] else 'DIFFERS'} ({r['store_path']})", r["per_rank_store_path"],
-                 f"{r['kv_at_rest_bytes'] / MIB:,.1f} MiB", f"{(r['measured_peak_bytes'] or 0) / MIB:,.0f} MiB",
-                 materialized_per_layer(r["materialized_bytes"], r["per_rank_store_path"], n_layers), f"{r['layer_ms']:.2f}"]
-                for r in result["levels"]]
+        rows = [[str(r["level"]), f"{'match' if r['matches_oracle'] else 'DIFFERS'} ({r['store_path']})",
+                 r["per_rank_store_path"], f"{r['kv_at_rest_bytes'] / MIB:,.1f} MiB",
+                 f"{(r['measured_peak_bytes'] or 0) / MIB:,.0f} MiB",
+                 materialized_per_layer(r["materialized_bytes"], r["per_rank_store_path"], n_layers),
+                 f"{r['layer_ms']:.2f}"] for r in result["levels"]]
     else:
         lines.append("times: CPU, cold, a few hundred tokens: they say nothing about a GPU")
         header = ["level", "oracle", "store", "KV at rest", "transient peak", "tail gather", "layer ms (CPU, cold)"]

@@ -28,7 +28,8 @@ _SOURCE_LINK = re.compile(r"\]\((?![a-z]+:)([^)\s]*\.md(?:#[^)\s]*)?)\)")
 def source_links(notebook: nbformat.NotebookNode) -> list[str]:
     """The links of the notebook's Markdown cells that point at a ``.md`` source instead of a built page
     (``../../phases/phase7-fused-kernels/#measured-results``, not ``../phases/phase7-fused-kernels.md#...``)."""
-    return [m.group(1) for cell in notebook.cells if cell.cell_type == "markdown" for m in _SOURCE_LINK.finditer(cell.source)]
+    return [m.group(1) for cell in notebook.cells if cell.cell_type == "markdown"
+            for m in _SOURCE_LINK.finditer(cell.source)]
 
 
 def execute(source: Path) -> Path:

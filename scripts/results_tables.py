@@ -184,8 +184,8 @@ def layer(doc: dict) -> str:
         planner = "planner" in w["levels"][0]
         split = f", {w['split_mode']} split" if "split_mode" in w else ""
         lines += ["", f"**{wl['name']}**{split}: one request, {wl['prefix']:,} cached + {wl['extend']:,} new tokens.", ""]
-        head = ("| level | layer time ms | store path | KV at rest MiB | transient MiB | measured peak MiB | gathered MiB / layer "
-                "| materialized MiB / layer |")
+        head = ("| level | layer time ms | store path | KV at rest MiB | transient MiB | measured peak MiB "
+                "| gathered MiB / layer | materialized MiB / layer |")
         rule = "| --- | --- | --- | --- | --- | --- | --- | --- |"
         if planner:
             head += " planner ms (err) | planner peak MiB (err) |"
@@ -247,8 +247,10 @@ def demo(doc: dict) -> str:
     for row in doc["levels"]:
         lines.append(
             f"| {row['level']} | {'match' if row['matches_oracle'] else 'DIFFERS'} ({row['store_path']}) "
-            f"| {row['per_rank_store_path']} | {row['kv_at_rest_bytes'] / 2**20:,.1f} | {_mib(row['measured_peak_bytes'])} | "
-            f"{materialized_mib(row['materialized_bytes'], row['per_rank_store_path'], n_layers)} | {row['layer_ms']:.2f} |"
+            f"| {row['per_rank_store_path']} | {row['kv_at_rest_bytes'] / 2**20:,.1f} "
+            f"| {_mib(row['measured_peak_bytes'])} "
+            f"| {materialized_mib(row['materialized_bytes'], row['per_rank_store_path'], n_layers)} "
+            f"| {row['layer_ms']:.2f} |"
         )
     lines += ["", "The oracle check and the timed run are two runs: the oracle column names the store path of the run "
               "that was compared with the oracle; the timed run's store path is the one its memory and time measured."]
@@ -301,15 +303,16 @@ def phases(doc: dict) -> str:
     levels = work["levels"]
     inputs = plan["inputs"]
     lines = [
-        "| level | adds | KV at rest, GiB | max context, tokens | gathered, MiB per layer | materialized, MiB per layer "
-        "| tail wall time, ms | layer time, ms | change, ms |",
+        "| level | adds | KV at rest, GiB | max context, tokens | gathered, MiB per layer "
+        "| materialized, MiB per layer | tail wall time, ms | layer time, ms | change, ms |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for k, (row, planned) in enumerate(zip(levels, plan["levels"])):
         at = next(c for c in planned["contexts"] if c["context"] == tokens)
         lines.append(
             f"| {row['level']} | {planned['adds']} | {at['kv_bytes_per_rank'] / 2**30:.2f} | {planned['max_context']:,} "
-            f"| {per_layer_mib(row['gather_bytes'], n_layers)} | {materialized_mib(row['materialized_bytes'], row['store_path'], n_layers)} "
+            f"| {per_layer_mib(row['gather_bytes'], n_layers)} "
+            f"| {materialized_mib(row['materialized_bytes'], row['store_path'], n_layers)} "
             f"| {row['tail_ms']:.1f} | {row['layer_ms_median']:.1f} | {level_change(levels, k, run_spread)} |"
         )
     beyond = [f"level {k} ({level_change(levels, k, run_spread).split(' ')[0]} ms)" for k in range(1, len(levels))
@@ -393,7 +396,8 @@ def kv_designs(doc: dict) -> str:
             shown_ms = "-" if modeled else f"{r['layer_ms']:.2f}"  # a modeled time goes in the planner column only
             row = (f"| {w['name']} {w['prefix']:,}+{w['extend']:,} | {r['design']}{modeled} | {shown_ms} {spread}"
                    f"| {at_rest / 2**30:.2f} | {_mib(r['bytes_moved_per_layer'])} "
-                   f"| {_mib(r['history_bytes_moved_per_layer'])} | {materialized_mib(r['bytes_materialized_per_layer'])} "
+                   f"| {_mib(r['history_bytes_moved_per_layer'])} "
+                   f"| {materialized_mib(r['bytes_materialized_per_layer'])} "
                    f"| {r['collectives_per_layer']:g} | {r['host_syncs_per_layer']:g} | {peak} |")
             if measured:
                 planned = r["planner"]["layer_ms"] if "planner" in r else r["layer_ms"] if modeled else None

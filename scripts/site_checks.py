@@ -237,7 +237,7 @@ def broken_links(site: Path, page: str, html: str) -> list[str]:
     found = []
     here = (site / page).parent
     for href in structure(html).hrefs:
-        if not href or href.startswith(("#", "mailto:", "data:", "javascript:")) or re.match(r"^[a-z][a-z0-9+.-]*:|^//", href, re.I):
+        if not href or href.startswith("#") or re.match(r"^[a-z][a-z0-9+.-]*:|^//", href, re.I):  # external
             continue
         target, _, anchor = href.partition("#")
         path = (here / target.split("?")[0]).resolve()
@@ -297,7 +297,8 @@ def host_paths_in_commands(html: str) -> list[str]:
     commands = [code for code in parsed.code_spans if _COMMAND.match(code)]
     text = visible_text(html)
     commands += [m.group(1) for m in re.finditer(r"\bCommand:\s*([^\n]+)", text)]
-    return sorted({f"{m.group(0)} in `{command.strip()[:100]}`" for command in commands for m in _HOST_PATH.finditer(command)})
+    return sorted({f"{m.group(0)} in `{command.strip()[:100]}`"
+                   for command in commands for m in _HOST_PATH.finditer(command)})
 
 
 #: The README is the repository's front page: what to run, the status, the links; detail lives on the site.
@@ -312,7 +313,8 @@ def readme_over_budget(text: str, budget: int = README_BUDGET) -> int:
 def structure_findings(site: Path) -> Iterator[tuple[str, str, str]]:
     """``(page, what, finding)`` of the structural checks over every page of a built site."""
     for page, html in html_pages(site):
-        for what, hits in (("broken link", broken_links(site, page, html)), ("list rendered as a paragraph", run_on_lists(html)),
+        for what, hits in (("broken link", broken_links(site, page, html)),
+                           ("list rendered as a paragraph", run_on_lists(html)),
                            ("script from the network", network_scripts(html)),
                            ("host path in a recorded command", host_paths_in_commands(html))):
             for hit in hits:

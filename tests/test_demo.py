@@ -35,11 +35,12 @@ def test_the_gpu_table_names_the_checked_and_the_timed_store_paths() -> None:
     replicated level (a local read of the replica, no materialization)."""
     def level(k: int, checked: str, timed: str, materialized: int) -> dict:
         return {"level": k, "matches_oracle": True, "store_path": checked, "per_rank_store_path": timed,
-                "kv_at_rest_bytes": 2**20, "measured_peak_bytes": 2**30, "materialized_bytes": materialized, "layer_ms": 1.0,
-                "problems": [], "fallbacks": []}
+                "kv_at_rest_bytes": 2**20, "measured_peak_bytes": 2**30, "materialized_bytes": materialized,
+                "layer_ms": 1.0, "problems": [], "fallbacks": []}
 
     result = {"device": "gpu", "out_dir": "x",
-              "check": {"how": "2 ranks", "preset": "deepseek-v3.2", "n_layers": 2, "compute_dtype": "bfloat16", "requests": []},
+              "check": {"how": "2 ranks", "preset": "deepseek-v3.2", "n_layers": 2, "compute_dtype": "bfloat16",
+                        "requests": []},
               "per_rank": {"how": "rank 0 of C=8, 4 layers", "n_layers": 4, "workload": {"prefix": 1, "extend": 2}},
               "levels": [level(0, "replicated", "replicated", 8 * 2**20), level(5, "gathered", "direct", 8 * 2**20)]}
     header, replicated, level5 = format_demo(result).splitlines()[2:5]

@@ -134,7 +134,8 @@ def test_the_tables_quote_each_metric_as_the_glossary_defines_it() -> None:
            for name in ("layer_bench", "capacity_deepseek_v32_c8", "layer_bench_8k", "demo_h200", "kv_designs_h200")}
     phases = results_tables.phases({"layer": doc["layer_bench"], "capacity": doc["capacity_deepseek_v32_c8"],
                                     "repeats": doc["layer_bench_8k"]})
-    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in phases.splitlines() if line[:4] in ("| 0 ", "| 2 ")}
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ")
+            for line in phases.splitlines() if line[:4] in ("| 0 ", "| 2 ")}
     assert "gathered, MiB per layer" in phases and "moved" not in phases
     assert rows["0"][5] == results_tables.NONE and rows["2"][5] == "98.5"
     demo = results_tables.demo(doc["demo_h200"])
@@ -143,7 +144,8 @@ def test_the_tables_quote_each_metric_as_the_glossary_defines_it() -> None:
     assert "oracle check (its store path)" in demo and "timed run: store path" in demo
     designs = results_tables.kv_designs(doc["kv_designs_h200"])
     assert "received MiB / layer" in designs and "moved" not in designs
-    assert results_tables.materialized_mib(5 * 2**20, "replicated") == results_tables.materialized_mib(0) == results_tables.NONE
+    none = results_tables.NONE
+    assert results_tables.materialized_mib(5 * 2**20, "replicated") == results_tables.materialized_mib(0) == none
     assert results_tables.materialized_mib(8 * 2**20, "gathered", 4) == "2.0"
 
 
@@ -154,4 +156,4 @@ def test_the_glossary_defines_every_metric_the_tables_quote() -> None:
     for name, field in (("layer time", "layer_ms_median"), ("tail wall time", "tail_ms"), ("KV at rest", "kv_bytes"),
                         ("gathered", "gather_bytes"), ("received", "bytes_moved_per_layer"),
                         ("materialized", "materialized_bytes"), ("measured peak", "measured_peak_bytes")):
-        assert name in rows and f"`{field}`" in rows[name], f"docs/glossary.md#metrics: no row {name!r} naming `{field}`"
+        assert name in rows and f"`{field}`" in rows[name], f"glossary.md#metrics: no row {name!r} naming `{field}`"

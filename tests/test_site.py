@@ -97,7 +97,8 @@ def test_diagrams_render_offline(site: Path) -> None:
 
 def test_every_relative_link_of_every_page_leads_to_a_page(site: Path) -> None:
     """The strict build checks the Markdown pages' links; this follows every page's, the notebooks' included."""
-    found = {page: hits for page, html in site_checks.html_pages(site) if (hits := site_checks.broken_links(site, page, html))}
+    found = {page: hits for page, html in site_checks.html_pages(site)
+             if (hits := site_checks.broken_links(site, page, html))}
     assert not found, "broken links:\n" + "\n".join(f"{p}: {h}" for p, hits in found.items() for h in hits)
 
 
@@ -109,8 +110,10 @@ def test_no_list_renders_as_a_paragraph(site: Path) -> None:
 
 def test_no_recorded_command_shows_a_host_path(site: Path) -> None:
     """A recorded command names paths a reader has (``$OUT/...``), not the benchmark machine's folders."""
-    found = {page: hits for page, html in site_checks.html_pages(site) if (hits := site_checks.host_paths_in_commands(html))}
-    assert not found, "host paths in recorded commands:\n" + "\n".join(f"{p}: {h}" for p, hits in found.items() for h in hits)
+    found = {page: hits for page, html in site_checks.html_pages(site)
+             if (hits := site_checks.host_paths_in_commands(html))}
+    assert not found, "host paths in recorded commands:\n" + "\n".join(
+        f"{p}: {h}" for p, hits in found.items() for h in hits)
 
 
 def test_the_readme_keeps_its_budget() -> None:
@@ -175,10 +178,11 @@ def test_every_design_page_opens_with_what_it_changes_buys_and_costs() -> None:
     wrong = []
     for page in pages:
         lines = [line for line in page.read_text().splitlines() if line.strip()]
-        if not (lines[0].startswith("# ") and [line.split(":**")[0] for line in lines[1:4]] == ["- **Changes", "- **Buys", "- **Costs"]):
+        labels = [line.split(":**")[0] for line in lines[1:4]]
+        if not (lines[0].startswith("# ") and labels == ["- **Changes", "- **Buys", "- **Costs"]):
             wrong.append(page.relative_to(docs).as_posix())
-    assert not wrong, ("open with a list of three items under the title, `- **Changes:**` / `- **Buys:**` / `- **Costs:**` "
-                       "(three plain lines render as one paragraph): " + ", ".join(wrong))
+    assert not wrong, ("open with a list of three items under the title, `- **Changes:**` / `- **Buys:**` / "
+                       "`- **Costs:**` (three plain lines render as one paragraph): " + ", ".join(wrong))
 
 
 def test_every_page_keeps_its_prose_budget() -> None:
@@ -207,7 +211,8 @@ def test_the_link_check_sees_a_source_path_and_a_missing_anchor(tmp_path: Path) 
     (tmp_path / "phases" / "x" / "index.html").write_text('<h2 id="measured-results">M</h2>')
     (tmp_path / "notebooks" / "nb").mkdir(parents=True)
     page = "notebooks/nb/index.html"
-    good = '<a href="../../phases/x/#measured-results">x</a> <a href="https://example.org/a.md">e</a> <a href="#top">t</a>'
+    good = ('<a href="../../phases/x/#measured-results">x</a> <a href="https://example.org/a.md">e</a>'
+            ' <a href="#top">t</a>')
     assert site_checks.broken_links(tmp_path, page, good) == []
     assert site_checks.broken_links(tmp_path, page, '<a href="../phases/x.md#measured-results">x</a>') == [
         "../phases/x.md#measured-results: no such page"]
@@ -242,10 +247,12 @@ def test_the_list_check_sees_a_swallowed_list_and_a_run_on_header() -> None:
 
 
 def test_the_script_check_sees_a_network_script_and_a_network_import() -> None:
-    assert site_checks.network_scripts('<script src="https://cdn.example/m.js"></script>') == ["https://cdn.example/m.js"]
-    loader = '<script type="module">const m = (await import("https://cdnjs.example/mermaid.esm.min.mjs")).default;</script>'
-    assert site_checks.network_scripts(loader) == ["https://cdnjs.example/mermaid.esm.min.mjs"]
-    assert site_checks.network_scripts('<script src="../../javascripts/mermaid.min.js"></script><script>x()</script>') == []
+    cdn = "https://cdn.example/m.js"
+    assert site_checks.network_scripts(f'<script src="{cdn}"></script>') == [cdn]
+    loader = '<script type="module">const m = (await import("https://cdnjs.example/m.esm.mjs")).default;</script>'
+    assert site_checks.network_scripts(loader) == ["https://cdnjs.example/m.esm.mjs"]
+    local = '<script src="../../javascripts/mermaid.min.js"></script><script>x()</script>'
+    assert site_checks.network_scripts(local) == []
 
 
 def test_the_notebook_hook_drops_the_network_loader() -> None:
