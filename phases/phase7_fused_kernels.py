@@ -88,4 +88,4 @@ print(format_table(result))
 # configs are the best byte-exact ones of `python -m reference_impl.bench.kernels --sweep`; the FP8
 # store got there by dividing with a reciprocal and one FMA correction (`fast_div`, the same
 # quotients) and by loading a whole row
-# before its first store (`one_pass`). See the [phase 7 page](../phases/phase7-fused-kernels.md#measured-results).
+# before its first store (`one_pass`). See the [phase 7 page](../../phases/phase7-fused-kernels/#measured-results).

@@ -145,7 +145,7 @@ else:
 # The planner (`python -m reference_impl plan`) predicts the same rank's layer time from the
 # measured kernel rates with the interconnect at the same 450 GB/s, and its KV bytes from the
 # layouts. The errors are `predicted / measured - 1`. The 131,072-token run of the same harness
-# is on the [benchmarks page](../benchmarks.md) (`docs/results/layer_bench.json`).
+# is on the [benchmarks page](../../benchmarks/) (`docs/results/layer_bench.json`).
 #
 # The committed outputs below were printed by the planner of their day, before it gained its
 # elementwise term (`planner.elementwise`, a per-local-token rate fitted on the H200 and stored in

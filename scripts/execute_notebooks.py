@@ -8,6 +8,7 @@ Run on a CUDA box to record the GPU figures that the committed notebooks show:
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
@@ -17,6 +18,18 @@ import nbformat
 from nbclient import NotebookClient
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+#: A Markdown link to a page's source (``.md``): the site serves a notebook at ``notebooks/NAME/`` and a page at
+#: ``PAGE/``, and the strict build does not check links inside notebooks, so such a link breaks unseen.
+_SOURCE_LINK = re.compile(r"\]\((?![a-z]+:)([^)\s]*\.md(?:#[^)\s]*)?)\)")
+
+
+def source_links(notebook: nbformat.NotebookNode) -> list[str]:
+    """The links of the notebook's Markdown cells that point at a ``.md`` source instead of a built page
+    (``../../phases/phase7-fused-kernels/#measured-results``, not ``../phases/phase7-fused-kernels.md#...``)."""
+    return [m.group(1) for cell in notebook.cells if cell.cell_type == "markdown"
+            for m in _SOURCE_LINK.finditer(cell.source)]
 
 
 def execute(source: Path) -> Path:
@@ -45,6 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     missing = [str(p) for p in sources if not p.is_file() or p.suffix != ".py"]
     if missing:
         print(f"error: not a walkthrough (phases/*.py): {', '.join(missing)}", file=sys.stderr)
+        return 2
+    linked = [f"{p}: {link}" for p in sources for link in source_links(jupytext.read(p))]
+    if linked:
+        print("error: a walkthrough links a page's .md source; link the built page (../../PAGE/): "
+              + "; ".join(linked), file=sys.stderr)
         return 2
     for src in sources:
         execute(src.resolve())

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import sys
 
@@ -154,6 +155,22 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:,.0f}"
 
 
+#: What a table shows where a metric does not exist (docs/glossary.md#metrics).
+NONE = "—"
+
+
+def per_layer_mib(n_bytes: float, n_layers: int = 1) -> str:
+    """``n_bytes`` over ``n_layers`` layers, in MiB per layer (docs/glossary.md#metrics)."""
+    return f"{n_bytes / n_layers / 2**20:,.1f}"
+
+
+def materialized_mib(n_bytes: float, store_path: str | None = None, n_layers: int = 1) -> str:
+    """Materialized MiB per layer, or ``—`` where nothing is materialized: a replicated store (levels 0-1) reads
+    its replica locally (its ``materialized_bytes`` counts those reads), and a sharded store with no history
+    to gather materializes no byte."""
+    return NONE if store_path == "replicated" or not n_bytes else per_layer_mib(n_bytes, n_layers)
+
+
 def layer(doc: dict) -> str:
     lines = [
         f"Device: {doc['device']}, torch {doc['torch']}; {doc['preset']}, {doc['n_layers']} layers; "
@@ -167,7 +184,8 @@ def layer(doc: dict) -> str:
         planner = "planner" in w["levels"][0]
         split = f", {w['split_mode']} split" if "split_mode" in w else ""
         lines += ["", f"**{wl['name']}**{split}: one request, {wl['prefix']:,} cached + {wl['extend']:,} new tokens.", ""]
-        head = "| level | layer ms | store path | KV at rest MiB | transient MiB | measured peak MiB | gathered MiB | materialized MiB |"
+        head = ("| level | layer time ms | store path | KV at rest MiB | transient MiB | measured peak MiB "
+                "| gathered MiB / layer | materialized MiB / layer |")
         rule = "| --- | --- | --- | --- | --- | --- | --- | --- |"
         if planner:
             head += " planner ms (err) | planner peak MiB (err) |"
@@ -176,8 +194,9 @@ def layer(doc: dict) -> str:
         for p in w["levels"]:
             row = (
                 f"| {p['level']} | {p['layer_ms_median']:.2f} | {p['store_path']} | {_mib(p['kv_bytes'])} | "
-                f"{_mib(p['transient_peak_bytes'])} | {_mib(p['measured_peak_bytes'] or 0)} | {_mib(p['gather_bytes'])} | "
-                f"{_mib(p['materialized_bytes'])} |"
+                f"{_mib(p['transient_peak_bytes'])} | {_mib(p['measured_peak_bytes'] or 0)} | "
+                f"{per_layer_mib(p['gather_bytes'], doc['n_layers'])} | "
+                f"{materialized_mib(p['materialized_bytes'], p['store_path'], doc['n_layers'])} |"
             )
             if planner:
                 e, pl = p["planner_error"], p["planner"]
@@ -199,6 +218,17 @@ def layer(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def demo_timed_layers(per_rank: dict) -> int:
+    """The layer count of the main job's timed run: its ``n_layers``, or, in a record from before that field,
+    the count its ``how`` states ("..., 4 layers, ...")."""
+    if "n_layers" in per_rank:
+        return int(per_rank["n_layers"])
+    found = re.search(r"(\d+) layers", per_rank["how"])
+    if found is None:
+        raise ValueError(f"the timed run states no layer count: {per_rank['how']!r}")
+    return int(found.group(1))
+
+
 def demo(doc: dict) -> str:
     """The main job's result (``python -m reference_impl demo``) on a CUDA machine."""
     check, per_rank, versions = doc["check"], doc["per_rank"], doc["versions"]
@@ -209,15 +239,21 @@ def demo(doc: dict) -> str:
         f"requests (prefix, new) {', '.join(f'({p:,}, {e:,})' for p, e in check['requests'])}. "
         f"Per rank: {per_rank['how']}; {wl['prefix']:,} cached + {wl['extend']:,} new tokens; {per_rank['timing']}.",
         "",
-        "| level | oracle | store path | KV at rest MiB | measured peak MiB | materialized MiB | layer ms (warm) |",
+        "| level | oracle check (its store path) | timed run: store path | KV at rest MiB | measured peak MiB "
+        "| materialized MiB / layer | layer time ms (warm) |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
+    n_layers = demo_timed_layers(per_rank)
     for row in doc["levels"]:
         lines.append(
-            f"| {row['level']} | {'match' if row['matches_oracle'] else 'DIFFERS'} | {row['per_rank_store_path']} | "
-            f"{row['kv_at_rest_bytes'] / 2**20:,.1f} | {_mib(row['measured_peak_bytes'])} | "
-            f"{row['materialized_bytes'] / 2**20:,.1f} | {row['layer_ms']:.2f} |"
+            f"| {row['level']} | {'match' if row['matches_oracle'] else 'DIFFERS'} ({row['store_path']}) "
+            f"| {row['per_rank_store_path']} | {row['kv_at_rest_bytes'] / 2**20:,.1f} "
+            f"| {_mib(row['measured_peak_bytes'])} "
+            f"| {materialized_mib(row['materialized_bytes'], row['per_rank_store_path'], n_layers)} "
+            f"| {row['layer_ms']:.2f} |"
         )
+    lines += ["", "The oracle check and the timed run are two runs: the oracle column names the store path of the run "
+              "that was compared with the oracle; the timed run's store path is the one its memory and time measured."]
     lines += ["", f"Phase 8: history payload {pf['payload_ms']:.2f} ms per layer; the main stream stalls "
               f"{pf['exposed_wait_ms_median'] * 1e3:.0f} us at the wait (median), "
               f"{pf['hidden_fraction_direct']:.0%} of the payload hidden."]
@@ -267,15 +303,16 @@ def phases(doc: dict) -> str:
     levels = work["levels"]
     inputs = plan["inputs"]
     lines = [
-        "| level | adds | KV at rest, GiB | max context, tokens | moved, MiB per layer | materialized, MiB per layer "
-        "| tail, ms | layer, ms | change, ms |",
+        "| level | adds | KV at rest, GiB | max context, tokens | gathered, MiB per layer "
+        "| materialized, MiB per layer | tail wall time, ms | layer time, ms | change, ms |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for k, (row, planned) in enumerate(zip(levels, plan["levels"])):
         at = next(c for c in planned["contexts"] if c["context"] == tokens)
         lines.append(
             f"| {row['level']} | {planned['adds']} | {at['kv_bytes_per_rank'] / 2**30:.2f} | {planned['max_context']:,} "
-            f"| {row['gather_bytes'] / n_layers / 2**20:,.1f} | {row['materialized_bytes'] / n_layers / 2**20:,.1f} "
+            f"| {per_layer_mib(row['gather_bytes'], n_layers)} "
+            f"| {materialized_mib(row['materialized_bytes'], row['store_path'], n_layers)} "
             f"| {row['tail_ms']:.1f} | {row['layer_ms_median']:.1f} | {level_change(levels, k, run_spread)} |"
         )
     beyond = [f"level {k} ({level_change(levels, k, run_spread).split(' ')[0]} ms)" for k in range(1, len(levels))
@@ -286,8 +323,10 @@ def phases(doc: dict) -> str:
         "Layer time changes beyond noise: " + (", ".join(beyond) if beyond else "none") + ".",
         "",
         f"Per rank, {bench['preset']}, one request of {tokens:,} new tokens. KV at rest and max context: the "
-        f"planner's arithmetic for all {inputs['n_layers']} layers, KV budget {inputs['budget_rule']}. Moved (all-gather "
-        f"#1 and materialize), materialized, tail (once per forward) and layer time: rank {bench['rank']} of "
+        f"planner's arithmetic for all {inputs['n_layers']} layers, KV budget {inputs['budget_rule']}. Gathered (the "
+        f"padded buffers of all-gather #1 and materialize), materialized ({NONE}: nothing is; levels 0-1 read a local "
+        f"replica), tail wall time (once per forward, host clock to a device sync, so it holds layer work still "
+        f"queued; not the collective alone) and layer time, as the glossary defines them: rank {bench['rank']} of "
         f"C={bench['cp_size']} on an {bench['device']} alone in one process with a modeled {bench['wire_gbps']:g} GB/s "
         f"wire, {n_layers} layers, one run per level. Change: against the level before; noise when smaller than "
         f"the spread between either level's layers or than {run_spread:.0%} of the layer, the median spread between "
@@ -340,7 +379,7 @@ def kv_designs(doc: dict) -> str:
                 f"{doc['peer_gbps']:g} GB/s (assumed), kernel rates from `docs/results`. Command: `{doc['source']}`.")
     lines = [head, "",
              "| workload | design | layer ms |" + (" min-max ms |" if measured else "")
-             + " KV at rest per rank, GiB (whole model) | moved MiB / layer | of it history "
+             + " KV at rest per rank, GiB (whole model) | received MiB / layer | of it history "
              "| materialized MiB / layer | collectives / layer | host syncs / layer | peak MiB |" + (" planner ms |" if measured else ""),
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- | --- |" if measured else "")]
     for w in doc["workloads"]:
@@ -357,7 +396,8 @@ def kv_designs(doc: dict) -> str:
             shown_ms = "-" if modeled else f"{r['layer_ms']:.2f}"  # a modeled time goes in the planner column only
             row = (f"| {w['name']} {w['prefix']:,}+{w['extend']:,} | {r['design']}{modeled} | {shown_ms} {spread}"
                    f"| {at_rest / 2**30:.2f} | {_mib(r['bytes_moved_per_layer'])} "
-                   f"| {_mib(r['history_bytes_moved_per_layer'])} | {_mib(r['bytes_materialized_per_layer'])} "
+                   f"| {_mib(r['history_bytes_moved_per_layer'])} "
+                   f"| {materialized_mib(r['bytes_materialized_per_layer'])} "
                    f"| {r['collectives_per_layer']:g} | {r['host_syncs_per_layer']:g} | {peak} |")
             if measured:
                 planned = r["planner"]["layer_ms"] if "planner" in r else r["layer_ms"] if modeled else None

@@ -121,3 +121,39 @@ def test_console_normalization_keeps_everything_but_wall_time_and_architecture()
     b = "x | cpu (aarch64) / gloo\n  rank  tokens  layer ms\n     0      88    101.07\n"
     c = "x | cpu (aarch64) / gloo\n  rank  tokens  layer ms\n     0      89    101.07\n"
     assert normalize_console(a) == normalize_console(b) != normalize_console(c)
+
+
+def test_the_tables_quote_each_metric_as_the_glossary_defines_it() -> None:
+    """Materialized is per layer and "—" where nothing is materialized (a replica read locally, or no history);
+    the main job's table names the store path of the run it checked beside the verdict, apart from the timed run's;
+    the KV-designs table calls its wire bytes "received", the phases table its buffers "gathered"."""
+    import results_tables
+
+    results = ROOT / "docs" / "results"
+    doc = {name: json.loads((results / f"{name}.json").read_text())
+           for name in ("layer_bench", "capacity_deepseek_v32_c8", "layer_bench_8k", "demo_h200", "kv_designs_h200")}
+    phases = results_tables.phases({"layer": doc["layer_bench"], "capacity": doc["capacity_deepseek_v32_c8"],
+                                    "repeats": doc["layer_bench_8k"]})
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ")
+            for line in phases.splitlines() if line[:4] in ("| 0 ", "| 2 ")}
+    assert "gathered, MiB per layer" in phases and "moved" not in phases
+    assert rows["0"][5] == results_tables.NONE and rows["2"][5] == "98.5"
+    demo = results_tables.demo(doc["demo_h200"])
+    level5 = next(line for line in demo.splitlines() if line.startswith("| 5 |"))
+    assert level5.split(" | ")[1:3] == ["match (gathered)", "direct"]
+    assert "oracle check (its store path)" in demo and "timed run: store path" in demo
+    designs = results_tables.kv_designs(doc["kv_designs_h200"])
+    assert "received MiB / layer" in designs and "moved" not in designs
+    none = results_tables.NONE
+    assert results_tables.materialized_mib(5 * 2**20, "replicated") == results_tables.materialized_mib(0) == none
+    assert results_tables.materialized_mib(8 * 2**20, "gathered", 4) == "2.0"
+
+
+def test_the_glossary_defines_every_metric_the_tables_quote() -> None:
+    text = (ROOT / "docs" / "glossary.md").read_text()
+    metrics = text[text.index("## Metrics"):].split("\n## ")[0]
+    rows = {line.split(" | ")[0].strip("| "): line for line in metrics.splitlines() if line.startswith("| ")}
+    for name, field in (("layer time", "layer_ms_median"), ("tail wall time", "tail_ms"), ("KV at rest", "kv_bytes"),
+                        ("gathered", "gather_bytes"), ("received", "bytes_moved_per_layer"),
+                        ("materialized", "materialized_bytes"), ("measured peak", "measured_peak_bytes")):
+        assert name in rows and f"`{field}`" in rows[name], f"glossary.md#metrics: no row {name!r} naming `{field}`"

@@ -81,13 +81,44 @@ def test_no_docstring_or_comment_cites_the_projects_own_tickets_or_notes() -> No
 
 
 def test_diagrams_render_offline(site: Path) -> None:
-    """Every page with a diagram loads the bundled diagram library, and no page loads a script from the network."""
+    """Every page with a diagram loads the bundled diagram library, and no page loads a script from the network:
+    neither a ``<script src="http...">`` nor an ``import("http...")`` inside a script (nbconvert's diagram loader
+    on the notebook pages)."""
     assert (site / "javascripts" / "mermaid.min.js").stat().st_size > 1_000_000
+    found = {}
     for path in site.rglob("*.html"):
         html = path.read_text(encoding="utf-8")
         if 'class="mermaid"' in html:
             assert "javascripts/mermaid.min.js" in html, path
-        assert "<script src=\"http" not in html and "<script src=\"//" not in html, path
+        if hits := site_checks.network_scripts(html):
+            found[path.relative_to(site).as_posix()] = hits
+    assert not found, "scripts loaded from the network:\n" + "\n".join(f"{p}: {h}" for p, h in found.items())
+
+
+def test_every_relative_link_of_every_page_leads_to_a_page(site: Path) -> None:
+    """The strict build checks the Markdown pages' links; this follows every page's, the notebooks' included."""
+    found = {page: hits for page, html in site_checks.html_pages(site)
+             if (hits := site_checks.broken_links(site, page, html))}
+    assert not found, "broken links:\n" + "\n".join(f"{p}: {h}" for p, hits in found.items() for h in hits)
+
+
+def test_no_list_renders_as_a_paragraph(site: Path) -> None:
+    found = {page: hits for page, html in site_checks.html_pages(site) if (hits := site_checks.run_on_lists(html))}
+    assert not found, ("lists that render as paragraphs (a list needs a blank line before it):\n"
+                       + "\n".join(f"{p}: {h}" for p, hits in found.items() for h in hits))
+
+
+def test_no_recorded_command_shows_a_host_path(site: Path) -> None:
+    """A recorded command names paths a reader has (``$OUT/...``), not the benchmark machine's folders."""
+    found = {page: hits for page, html in site_checks.html_pages(site)
+             if (hits := site_checks.host_paths_in_commands(html))}
+    assert not found, "host paths in recorded commands:\n" + "\n".join(
+        f"{p}: {h}" for p, hits in found.items() for h in hits)
+
+
+def test_the_readme_keeps_its_budget() -> None:
+    over = site_checks.readme_over_budget((ROOT / "README.md").read_text(encoding="utf-8"))
+    assert not over, f"README.md is {over:,} characters over {site_checks.README_BUDGET:,}: move detail to a docs page"
 
 
 # ------------------------------------------------------------------------- figures and plots
@@ -147,9 +178,11 @@ def test_every_design_page_opens_with_what_it_changes_buys_and_costs() -> None:
     wrong = []
     for page in pages:
         lines = [line for line in page.read_text().splitlines() if line.strip()]
-        if not (lines[0].startswith("# ") and [line.split(":**")[0] for line in lines[1:4]] == ["**Changes", "**Buys", "**Costs"]):
+        labels = [line.split(":**")[0] for line in lines[1:4]]
+        if not (lines[0].startswith("# ") and labels == ["- **Changes", "- **Buys", "- **Costs"]):
             wrong.append(page.relative_to(docs).as_posix())
-    assert not wrong, "open with the three lines **Changes:** / **Buys:** / **Costs:** under the title: " + ", ".join(wrong)
+    assert not wrong, ("open with a list of three items under the title, `- **Changes:**` / `- **Buys:**` / "
+                       "`- **Costs:**` (three plain lines render as one paragraph): " + ", ".join(wrong))
 
 
 def test_every_page_keeps_its_prose_budget() -> None:
@@ -170,6 +203,79 @@ def test_the_checks_see_a_cut_marker_a_missing_test_and_an_internal_reference() 
     assert [hit for hit in site_checks.internal_references(text) if "issue 17" in hit] == site_checks.internal_references(text) != []
     assert site_checks.internal_references("the BRIEF, commit 9d862d2, the seed notes") and not site_checks.internal_references(
         "the seed is fixed; every rank issues the same collectives")
+
+
+def test_the_link_check_sees_a_source_path_and_a_missing_anchor(tmp_path: Path) -> None:
+    """A notebook page that links ``../phases/x.md`` (the source, not the built page) or an anchor the page lacks."""
+    (tmp_path / "phases" / "x").mkdir(parents=True)
+    (tmp_path / "phases" / "x" / "index.html").write_text('<h2 id="measured-results">M</h2>')
+    (tmp_path / "notebooks" / "nb").mkdir(parents=True)
+    page = "notebooks/nb/index.html"
+    good = ('<a href="../../phases/x/#measured-results">x</a> <a href="https://example.org/a.md">e</a>'
+            ' <a href="#top">t</a>')
+    assert site_checks.broken_links(tmp_path, page, good) == []
+    assert site_checks.broken_links(tmp_path, page, '<a href="../phases/x.md#measured-results">x</a>') == [
+        "../phases/x.md#measured-results: no such page"]
+    assert site_checks.broken_links(tmp_path, page, '<a href="../../phases/x/#results">x</a>') == [
+        "../../phases/x/#results: no anchor #results on that page"]
+
+
+def test_the_walkthrough_check_sees_a_link_to_a_page_source() -> None:
+    import nbformat
+    from execute_notebooks import source_links
+
+    cell = nbformat.v4.new_markdown_cell
+    notebook = nbformat.v4.new_notebook(cells=[cell("See the [page](../phases/p7.md#measured-results)."),
+                                               cell("[built](../../phases/p7/) and [ext](https://x.org/r.md)")])
+    assert source_links(notebook) == ["../phases/p7.md#measured-results"]
+
+
+def test_the_list_check_sees_a_swallowed_list_and_a_run_on_header() -> None:
+    import markdown
+
+    def html(source: str) -> str:
+        return markdown.markdown(source)
+
+    swallowed = "### Operations\n\n1. **Store** every layer.\n\n    Indented paragraph.\n2. **Read** the view.\n"
+    assert site_checks.run_on_lists(html(swallowed)) != []
+    assert site_checks.run_on_lists(html(swallowed.replace("paragraph.\n2.", "paragraph.\n\n2."))) == []
+    assert site_checks.run_on_lists(html("Some text:\n- first\n- second\n")) != []
+    header = "# Page\n\n**Changes:** a.\n**Buys:** b.\n**Costs:** c.\n"
+    assert site_checks.run_on_lists(html(header)) != []
+    assert site_checks.run_on_lists(html(header.replace("\n**", "\n- **"))) == []
+    assert site_checks.run_on_lists(html("A sentence that wraps at a dash\nand a **bold:** word, 1 - 2.\n")) == []
+
+
+def test_the_script_check_sees_a_network_script_and_a_network_import() -> None:
+    cdn = "https://cdn.example/m.js"
+    assert site_checks.network_scripts(f'<script src="{cdn}"></script>') == [cdn]
+    loader = '<script type="module">const m = (await import("https://cdnjs.example/m.esm.mjs")).default;</script>'
+    assert site_checks.network_scripts(loader) == ["https://cdnjs.example/m.esm.mjs"]
+    local = '<script src="../../javascripts/mermaid.min.js"></script><script>x()</script>'
+    assert site_checks.network_scripts(local) == []
+
+
+def test_the_notebook_hook_drops_the_network_loader() -> None:
+    sys.path.insert(0, str(ROOT / "docs"))
+    from offline_notebooks import drop_network_loaders
+
+    loader = '<script type="module">\n  const m = (await import("https://cdnjs.example/m.mjs")).default;\n</script>'
+    page = f'<script>keep()</script>{loader}<p>text</p>'
+    assert site_checks.network_scripts(page) and not site_checks.network_scripts(drop_network_loaders(page))
+    assert drop_network_loaders(page) == "<script>keep()</script><p>text</p>"
+
+
+def test_the_command_check_sees_a_host_path() -> None:
+    line = "<p>Command: <code>python -m reference_impl.bench.layer --out {} --wire-gbps 450</code>.</p>"
+    assert site_checks.host_paths_in_commands(line.format("/root/out/layer_bench.json")) != []
+    assert site_checks.host_paths_in_commands("<p><code>python -m x --libs /tmp/mcdeps</code></p>") != []
+    assert site_checks.host_paths_in_commands(line.format("$OUT/layer_bench.json")) == []
+    assert site_checks.host_paths_in_commands("<pre><code>json.load(open('/tmp/walkthrough.json'))</code></pre>") == []
+
+
+def test_the_readme_budget_check_counts_characters() -> None:
+    assert site_checks.readme_over_budget("x" * 12_000) == 0
+    assert site_checks.readme_over_budget("x" * 12_001) == 1
 
 
 def test_the_budget_counts_prose_not_tables_code_or_figures() -> None:

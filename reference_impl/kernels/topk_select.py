@@ -34,10 +34,12 @@ Three kernels, each row's keys read twice in all:
    and as tight (about ``visible / G`` keys per column either way). Shorter rows read their keys.
    Off by default: on the H200 the logits kernel, already out of registers, slows by more than the
    bound's pass costs (``python -m reference_impl.bench.topk`` times both).
+
 2. **Candidates** (``_topk_select_compact_kernel``, ``S`` programs per row, each a segment of the
    row; read 4 B per key, write 4 B per candidate): the columns of the keys ``>= L``, in column
    order, into the segment's own ``G`` slots, and the segment's count. Segment order is column
    order, so the row's candidates are in column order without a sort or an atomic.
+
 3. **The k-th key and the result** (``_topk_select_finish_kernel``, one program per row). (a) When
    the row's candidates fit in ``G`` slots (the common case): the exact k-th key among them, in
    registers, then the keys above it and the lowest-column ties at it. (b) When ties at ``L``
