@@ -11,7 +11,7 @@ Reads ``layer_bench.json`` (and ``layer_bench_8k.json``, ``prefetch_bench_*gbps.
   planner peak);
 * ``prefetch.svg``: level 7 against level 8 per-layer time and the payload, for every prefix-heavy
   run, with the hidden share by both measures;
-* ``kv_designs.svg``: the competing KV designs per workload (layer time, bytes moved per layer) and
+* ``kv_designs.svg``: the competing KV designs per workload (layer time, bytes received per layer) and
   their KV at rest per rank, from ``kv_designs_h200.json`` (measured) or, until it exists,
   ``kv_designs_modeled.json`` (the planner's).
 * ``long_context.svg``: one rank's layer time (the last chunk of a chunked prefill) and its
@@ -153,7 +153,7 @@ def draw_prefetch(data: dict[str, Any], out: Path) -> None:
 
 
 def designs_data(docs: list[dict[str, Any]]) -> dict[str, Any]:
-    """What ``kv_designs.svg`` draws: per workload, each design's layer time and bytes moved per layer;
+    """What ``kv_designs.svg`` draws: per workload, each design's layer time and bytes received per layer;
     KV at rest per rank at the last workload."""
     doc = docs[0]
     workloads = doc["workloads"]
@@ -183,7 +183,7 @@ def draw_designs(data: dict[str, Any], out: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
     width = 0.8 / len(designs)
     x = range(len(labels))
-    for panel, (key, title) in zip(axes[:2], (("layer_ms", "ms per layer"), ("moved_mib", "MiB moved per layer"))):
+    for panel, (key, title) in zip(axes[:2], (("layer_ms", "ms per layer"), ("moved_mib", "MiB received per layer"))):
         for i, design in enumerate(designs):
             panel.bar([j + (i - (len(designs) - 1) / 2) * width for j in x], data[key][design], width, label=design)
         panel.set_xticks(list(x), labels, fontsize=8)
