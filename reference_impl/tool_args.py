@@ -26,8 +26,14 @@ from typing import Any, Callable, NoReturn, Sequence
 import torch
 
 from reference_impl.errors import ConfigError
+from reference_impl.presets import PRESETS
+from reference_impl.presets_v4 import V4_PRESETS
 
 GIB = 1 << 30
+# The DSA presets (DeepSeek-V3.2, GLM and the tiny test model): what the DSA benchmarks and planner model;
+# DeepSeek-V4's have their own (python -m reference_impl.bench.v4, python -m reference_impl.planner.v4).
+DSA_PRESETS: tuple[str, ...] = tuple(name for name in PRESETS if name not in V4_PRESETS)
+MAX_LAYERS = 128  # layers a benchmark runs or the planner models: more than any preset has (GLM-5: 78)
 MAX_REPEATS = 1000  # timed runs per point: past it a benchmark runs for days, not a measurement anyone waits for
 
 
@@ -146,6 +152,20 @@ class ToolParser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
         super().__init__(prog=prog, description=description, **kwargs)
 
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        """As argparse's, but an unknown flag is named first (argparse would say a required one is missing)."""
+        given = list(sys.argv[1:] if args is None else args)
+        flags = [flag for action in self._actions for flag in action.option_strings]
+        for arg in given:
+            if arg == "--":
+                break
+            name = arg.split("=", 1)[0]
+            if not name.startswith("-") or name == "-" or name.lstrip("-").replace(".", "", 1).isdigit():
+                continue  # a value (a negative number included)
+            if name not in flags and not (name.startswith("--") and any(f.startswith(name) for f in flags)):
+                self.error(f"unrecognized arguments: {arg}")
+        return super().parse_args(given, namespace)
+
     def error(self, message: str) -> NoReturn:
         raise ConfigError(f"{self.prog}: {message}")
 
@@ -201,6 +221,15 @@ def choice_arg(choices: Sequence[str], what: str, hint: str = "") -> Callable[[s
         return text
 
     return parse
+
+
+# --device of a benchmark: cuda, or cpu for a dry run of its logic.
+device_arg = choice_arg(("cuda", "cpu"), "device")
+
+
+def dsa_preset_arg() -> Callable[[str], str]:
+    """``--preset``'s type in a DSA benchmark: a V4 preset is refused with the benchmark that runs it."""
+    return choice_arg(DSA_PRESETS, "preset", "DeepSeek-V4: python -m reference_impl.bench.v4")
 
 
 def rank_of(rank: int, cp_size: int, rank_flag: str = "--rank", cp_flag: str = "--cp-size") -> int:

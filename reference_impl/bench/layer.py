@@ -40,7 +40,6 @@ cancels drifts slower than a repeat.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -53,8 +52,9 @@ from typing import Any
 
 import torch
 
-from reference_impl.config import (MAX_BATCH_TOKENS, MAX_PLAN_CP, PRESETS, SPLIT_MODES, ConfigError, PhaseSet, Request,
-                                   RunConfig, get_preset)
+from reference_impl.config import (
+    MAX_BATCH_TOKENS, MAX_PLAN_CP, SPLIT_MODES, ConfigError, PhaseSet, Request, RunConfig, get_preset,
+)
 from reference_impl.cp.capacity import kv_bytes_per_rank
 from reference_impl.cp.kv_sharded import ShardedKV
 from reference_impl.cp.loopback import LoopbackGroup
@@ -64,15 +64,12 @@ from reference_impl.planner.model import activation_bytes, local_queries, transi
 from reference_impl.planner.plan import MAX_CONTEXT
 from reference_impl.presets_v4 import V4_PRESETS
 from reference_impl.tool_args import (
-    MAX_REPEATS, NUMBER, OPTIONAL_NUMBER, OPTIONAL_POSITIVE, POSITIVE, ToolParser, choice_arg, choice_field, float_arg,
-    input_json, int_arg, int_field, int_list, output_file, rank_fits, rank_of, refusing, require_cuda, stored_fields,
+    DSA_PRESETS, MAX_LAYERS, MAX_REPEATS, OPTIONAL_NUMBER, OPTIONAL_POSITIVE, POSITIVE, ToolParser, choice_field, device_arg,
+    dsa_preset_arg, float_arg, input_json, int_arg, int_field, int_list, output_file, rank_fits, rank_of, refusing, require_cuda, stored_fields,
 )
 from reference_impl.bench.record import loopback_cp, run_record
 
 PROG = "python -m reference_impl.bench.layer"
-# The DSA presets (DeepSeek-V3.2, GLM and the tiny test model): what this bench and the planner model.
-DSA_PRESETS: tuple[str, ...] = tuple(name for name in PRESETS if name not in V4_PRESETS)
-MAX_LAYERS = 128  # layers a bench runs: more than any preset has (GLM-5: 78)
 
 
 @dataclass(frozen=True)
@@ -134,11 +131,6 @@ def split_fits(extend: int, chunk: int | None, cp_size: int, what: str) -> None:
         which = "its last chunk holds" if smallest < extend else "it holds"
         raise ConfigError(f"{what}: {which} {smallest:,} new tokens, fewer than the {cp_size} ranks (--cp-size): "
                           "every rank needs one")
-
-
-def dsa_preset_arg() -> Any:
-    """``--preset``'s type: a DSA preset; a V4 one is refused with the bench that runs it."""
-    return choice_arg(DSA_PRESETS, "preset", "DeepSeek-V4: python -m reference_impl.bench.v4")
 
 
 def _run(run: RunConfig, group: LoopbackGroup, keep_store: bool = False, empty_cache: bool = True) -> Any:
@@ -359,7 +351,7 @@ def build_parser() -> ToolParser:
                         help="extra alternating level 7 / 8 runs")
     parser.add_argument("--level-repeats", type=int_arg(1, MAX_REPEATS), default=1,
                         help="runs per level (median over all their layers)")
-    parser.add_argument("--device", type=choice_arg(("cuda", "cpu"), "device"), default="cuda",
+    parser.add_argument("--device", type=device_arg, default="cuda",
                         help="cuda, or cpu: a dry run")
     parser.add_argument("--split-modes", default="in-seq",
                         help="comma-separated: in-seq, round-robin (round-robin levels drop phases 4 and 5)")

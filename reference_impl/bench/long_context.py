@@ -36,7 +36,6 @@ render until a GPU run exists).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -48,7 +47,7 @@ from typing import Any
 import torch
 
 from reference_impl.bench.layer import (
-    DSA_PRESETS, MAX_LAYERS, dsa_preset_arg, parse_levels, phases_at, planner_point, split_fits, warm_up,
+    MAX_LAYERS, parse_levels, phases_at, planner_point, split_fits, warm_up,
 )
 from reference_impl.config import MAX_BATCH_TOKENS, MAX_PLAN_CP, ConfigError, Request, RunConfig
 from reference_impl.cp.loopback import LoopbackGroup
@@ -56,7 +55,8 @@ from reference_impl.engine import run_rank
 from reference_impl.planner import rank_ranges, zigzag_blocks
 from reference_impl.bench.record import run_record
 from reference_impl.tool_args import (
-    LIST, OBJECT, OPTIONAL_NUMBER, POSITIVE, ToolParser, choice_arg, choice_field, float_arg, input_json, int_arg,
+    DSA_PRESETS, LIST, OBJECT, OPTIONAL_NUMBER, POSITIVE, ToolParser, choice_field, device_arg,
+    dsa_preset_arg, float_arg, input_json, int_arg,
     int_field, int_list, output_file, rank_fits, rank_of, refusing, require_cuda, stored_fields,
 )
 
@@ -333,7 +333,7 @@ def build_parser() -> ToolParser:
     parser.add_argument("--rank", type=int_arg(0), default=0, help="the rank this process plays, 0..C-1")
     parser.add_argument("--slow-ms", type=float_arg(), default=250.0, help="components above this: 3 event-timed runs")
     parser.add_argument("--no-components", action="store_true", help="skip the per-component timings")
-    parser.add_argument("--device", type=choice_arg(("cuda", "cpu"), "device"), default="cuda", help="cuda, or cpu: a dry run")
+    parser.add_argument("--device", type=device_arg, default="cuda", help="cuda, or cpu: a dry run")
     parser.add_argument("--modeled", action="store_true", help="write the planner's figures only (no device)")
     return parser
 

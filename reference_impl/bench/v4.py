@@ -25,7 +25,6 @@ V3.2 figures at the same context and level (:mod:`reference_impl.planner.v4`).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
@@ -38,14 +37,15 @@ from typing import Any
 import torch
 
 from reference_impl import engine
-from reference_impl.bench.layer import DSA_PRESETS, Workload, layers_arg, parse_levels, parse_workloads, split_fits
+from reference_impl.bench.layer import Workload, layers_arg, parse_levels, parse_workloads, split_fits
 from reference_impl.config import MAX_PLAN_CP, ConfigError, PhaseSet, Request, RunConfig, get_preset
 from reference_impl.cp.loopback import LoopbackGroup
 from reference_impl.cp.v4.store import install_synthetic_prefixes
 from reference_impl.planner.v4 import plan_v4
 from reference_impl.presets_v4 import V4_PRESETS
 from reference_impl.tool_args import (
-    MAX_REPEATS, ToolParser, choice_arg, float_arg, int_arg, output_file, rank_fits, rank_of, refusing, require_cuda,
+    DSA_PRESETS, MAX_REPEATS, ToolParser, choice_arg, device_arg, float_arg, int_arg, output_file, rank_fits, rank_of,
+    refusing, require_cuda,
 )
 from reference_impl.bench.record import loopback_cp, run_record
 
@@ -118,7 +118,7 @@ def build_parser() -> ToolParser:
     parser.add_argument("--repeats", type=int_arg(1, MAX_REPEATS), default=2, help="timed runs per level")
     parser.add_argument("--wire-gbps", type=float_arg(), default=None,
                         help="model the interconnect, GB/s (CUDA only; e.g. 450; default: none, no wire time)")
-    parser.add_argument("--device", type=choice_arg(("cuda", "cpu"), "device"), default="cuda", help="cuda, or cpu: a dry run")
+    parser.add_argument("--device", type=device_arg, default="cuda", help="cuda, or cpu: a dry run")
     return parser
 
 

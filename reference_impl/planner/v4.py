@@ -33,7 +33,6 @@ wire (bytes above / interconnect GB/s). Not modeled: elementwise work, the store
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from typing import Any
