@@ -23,8 +23,6 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Sequence
 
-import torch
-
 from reference_impl.errors import ConfigError
 from reference_impl.presets import PRESETS
 from reference_impl.presets_v4 import V4_PRESETS
@@ -51,8 +49,38 @@ def refusing(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | N
     return wrapped
 
 
+class Refused(SystemExit):
+    """The exit (code 2) of a script whose ``main`` returns a document, not an exit code, after its
+    one error line was printed; its text is that line."""
+
+    def __init__(self, line: str) -> None:
+        super().__init__(2)
+        self.line = line
+
+    def __str__(self) -> str:
+        return self.line
+
+
+def refusing_exit(main: Callable[..., Any]) -> Callable[..., Any]:
+    """:func:`refusing` for a ``main(argv)`` that returns a document: a :class:`ConfigError` is
+    printed as one line and ends the process with exit 2 (:class:`Refused`)."""
+
+    @functools.wraps(main)
+    def wrapped(argv: list[str] | None = None) -> Any:
+        try:
+            return main(argv)
+        except ConfigError as exc:
+            line = f"error: {(str(exc).splitlines() or [''])[0]}"
+            print(line, file=sys.stderr)
+            raise Refused(line) from None
+
+    return wrapped
+
+
 def require_cuda(device: str) -> None:
     """Refuse ``--device cuda`` on a machine without a visible CUDA device."""
+    import torch  # here, not at the top: the scripts that never touch a device start without it
+
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("this benchmark needs a CUDA device (--device cpu: a dry run)")
 
@@ -76,6 +104,28 @@ def output_file(path: str | None, flag: str = "--out") -> Path:
     if not existed:
         out.unlink(missing_ok=True)
     return out
+
+
+def output_folder(path: str, flag: str = "--out") -> Path:
+    """``path`` as a folder to write into, created (with its parents) when missing."""
+    if not str(path).strip():
+        raise ConfigError(f"{flag}: need a folder path")
+    folder = Path(path)
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"{flag} {str(path)!r}: exists and is not a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{flag} {str(path)!r}: cannot create it ({exc.strerror or exc})") from None
+    return folder
+
+
+def input_folder(path: str, flag: str) -> Path:
+    """``path`` when it is an existing folder."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ConfigError(f"{flag} {str(path)!r}: {'not a folder' if folder.exists() else 'no such folder'}")
+    return folder
 
 
 def input_json(path: str, flag: str) -> dict[str, Any]:
