@@ -195,8 +195,9 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 class ToolParser(argparse.ArgumentParser):
     """argparse for a benchmark or planner script: ``prog`` is the command as typed
-    (``python -m reference_impl.bench.layer``), help shows defaults, and a parse error is a
-    :class:`ConfigError` (one line under :func:`refusing`, exit 2) instead of usage and a message."""
+    (``python -m reference_impl.bench.layer``), help shows defaults, and a parse error is one line
+    ``error: PROG: message`` on stderr, then exit 2 (:class:`Refused`, a ``SystemExit`` as argparse's
+    own errors are; the usage block is left out)."""
 
     def __init__(self, prog: str, description: str | None = None, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
@@ -217,7 +218,9 @@ class ToolParser(argparse.ArgumentParser):
         return super().parse_args(given, namespace)
 
     def error(self, message: str) -> NoReturn:
-        raise ConfigError(f"{self.prog}: {message}")
+        line = f"error: {self.prog}: {message.splitlines()[0] if message else message}"
+        print(line, file=sys.stderr)
+        raise Refused(line)
 
 
 # ---- typed flag values: each refuses what it cannot use; argparse names the flag ---------------------

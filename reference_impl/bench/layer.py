@@ -344,12 +344,12 @@ def build_parser() -> ToolParser:
         default="current-only:0+32768,current-only:0+131072,prefix-heavy:131072+8192,prefix-heavy:131072+2048",
         help="name:prefix+extend, comma separated",
     )
-    parser.add_argument("--layers", type=int_arg(1, MAX_LAYERS, "more than any preset's"), default=4, help="layers run")
+    parser.add_argument("--layers", type=int_arg(None, MAX_LAYERS, "more than any preset's"), default=4, help="layers run")
     parser.add_argument("--wire-gbps", type=float_arg(), default=None,
                         help="model the interconnect, GB/s (CUDA only; default: none, no wire time)")
-    parser.add_argument("--prefetch-repeats", type=int_arg(1, MAX_REPEATS), default=6,
+    parser.add_argument("--prefetch-repeats", type=int_arg(None, MAX_REPEATS), default=6,
                         help="extra alternating level 7 / 8 runs")
-    parser.add_argument("--level-repeats", type=int_arg(1, MAX_REPEATS), default=1,
+    parser.add_argument("--level-repeats", type=int_arg(None, MAX_REPEATS), default=1,
                         help="runs per level (median over all their layers)")
     parser.add_argument("--device", type=device_arg, default="cuda",
                         help="cuda, or cpu: a dry run")
@@ -360,7 +360,12 @@ def build_parser() -> ToolParser:
 
 @refusing
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for flag, value in (("--prefetch-repeats", args.prefetch_repeats), ("--level-repeats", args.level_repeats),
+                        ("--layers", args.layers)):
+        if value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
     if args.replan:
         stored = stored_run(args.replan)
         out = output_file(args.out or args.replan)

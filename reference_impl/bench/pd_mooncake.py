@@ -61,7 +61,7 @@ from typing import Any
 import torch
 
 from reference_impl.bench.layer import Workload
-from reference_impl.bench.pd_stream import DECODE_RANK, parse_stream_args, stream_parser, streamed_prefill
+from reference_impl.bench.pd_stream import DECODE_RANK, parse_stream_args, runs_fit, stream_parser, streamed_prefill
 from reference_impl.config import ConfigError, PhaseSet, Request, RunConfig
 from reference_impl.cp.loopback import LoopbackGroup
 from reference_impl.engine import request_locs, run_rank
@@ -330,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
                            "import_error": error}
         if error is not None:
             raise RuntimeError(error)
+        runs_fit(args)  # after the load: a wheel that does not load is recorded whatever the sizes
         stage = "start engines"
         engines = (MooncakeEngine.start(), MooncakeEngine.start())
         doc["mooncake"]["protocol"] = engines[0].protocol
@@ -344,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
             print("end to end: pd --transport mooncake", file=sys.stderr, flush=True)
             doc["end_to_end"] = end_to_end(args.device)
         doc["ok"] = True
+    except ConfigError:  # a run this machine cannot hold: refused in one line, not recorded as a result
+        raise
     except Exception as exc:  # noqa: BLE001 (the failure is the result: recorded, not a crash)
         doc["failure"] = {"stage": stage, "error": f"{type(exc).__name__}: {exc}",
                           "traceback": traceback.format_exc().splitlines()[-12:]}

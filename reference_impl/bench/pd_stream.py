@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from reference_impl.bench.layer import Workload, parse_workloads, split_fits
-from reference_impl.config import MAX_PLAN_CP, ConfigError, PhaseSet, Request, RunConfig
+from reference_impl.config import MAX_PLAN_CP, PhaseSet, Request, RunConfig
 from reference_impl.cp.loopback import LoopbackGroup
 from reference_impl.engine import request_locs, run_rank
 from reference_impl.pd.stream import LayerStreamer
@@ -135,13 +135,13 @@ def stream_parser(prog: str, description: str) -> ToolParser:
 
 def parse_stream_args(parser: ToolParser, argv: list[str] | None) -> argparse.Namespace:
     """Parse and check everything before anything runs: a level with KV sharded at rest, at least 2
-    layers, the rank among the ranks, the workloads (each split over every rank), the output file,
-    the device, and the memory of the largest run (on a CPU)."""
+    layers, the rank among the ranks, the workloads (each split over every rank, their runs in
+    ``args.runs``), the output file and the device. The memory: :func:`runs_fit`."""
     args = parser.parse_args(argv)
     if args.level < 2:
-        raise ConfigError(f"--level {args.level}: the layer-wise send needs KV sharded at rest, levels 2-8")
+        parser.error(f"--level {args.level}: the layer-wise send needs KV sharded at rest, levels 2-8")
     if args.layers < 2:
-        raise ConfigError(f"--layers {args.layers}: at least 2 (each run's first layer is left out of the medians)")
+        parser.error(f"--layers {args.layers}: at least 2 (each run's first layer is left out of the medians)")
     args.out = output_file(args.out)
     rank_of(args.rank, args.cp_size)
     args.workloads = parse_workloads(args.workloads)
@@ -151,13 +151,19 @@ def parse_stream_args(parser: ToolParser, argv: list[str] | None) -> argparse.Na
         runs.append(RunConfig(preset=args.preset, n_layers=args.layers, cp_size=args.cp_size, check=False,
                               requests=(Request(w.prefix, w.extend),), device=args.device, phases=PhaseSet.level(args.level)))
     require_cuda(args.device)
-    rank_fits(runs, args.rank, args.device, "--workloads / --layers")
+    args.runs = runs
     return args
+
+
+def runs_fit(args: argparse.Namespace) -> None:
+    """Refuse the runs of :func:`parse_stream_args` when the largest cannot fit (on a CPU)."""
+    rank_fits(args.runs, args.rank, args.device, "--workloads / --layers")
 
 
 @refusing
 def main(argv: list[str] | None = None) -> int:
     args = parse_stream_args(stream_parser(PROG, __doc__.split("\n\n")[0]), argv)
+    runs_fit(args)
     results: list[dict[str, Any]] = []
     on_cuda = args.device == "cuda"
     doc = {
