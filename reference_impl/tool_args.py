@@ -5,11 +5,12 @@ one ``error: ...`` line naming the flag, exit 2, before any work starts.
 Contract: each check raises :class:`~reference_impl.errors.ConfigError` naming the flag; a script's
 ``main`` runs under :func:`refusing`, which turns that error into the line and the exit code. Its
 parser is a :class:`ToolParser`: usage names the command as it is typed, ``--help`` shows every
-flag's default, and argparse's own errors (an unknown flag, a value of the wrong type) are that
-same one line. Scalar flags are typed with :func:`int_arg`, :func:`float_arg` and
-:func:`choice_arg` (refused while parsing, naming the flag); a stored file's fields are checked
-with :func:`stored_fields`; a benchmark that runs one rank in this process checks its memory with
-:func:`rank_fits` before it starts.
+flag's default, and argparse's own errors (an unknown flag, a value of the wrong type) are one
+line too, then exit 2 (a ``SystemExit``, as argparse's are). Scalar flags are typed with
+:func:`int_arg`, :func:`float_arg` and :func:`choice_arg` (refused while parsing, naming the flag);
+a stored file's fields are checked with :func:`stored_fields`; a benchmark that runs one rank in
+this process checks its memory with :func:`rank_fits` before it starts. The scripts under
+``scripts/`` use the same parser and checks.
 """
 
 from __future__ import annotations
@@ -307,7 +308,10 @@ def _is_int(value: Any) -> bool:
 
 
 def _is_number(value: Any) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)) and math.isfinite(value)
+    """A finite JSON number that converts to a float (an integer of 400 digits does not)."""
+    if _is_int(value):
+        return abs(value) < 1 << 63
+    return isinstance(value, float) and math.isfinite(value)
 
 
 def int_field(minimum: int, maximum: int | None = None) -> Field:
@@ -395,6 +399,6 @@ def rank_fits(runs: Iterable[Any], rank: int, device: str, flags: str) -> None:
     tokens = sum(r.total for r in largest.requests)
     raise ConfigError(
         f"{flags}: rank {rank} of C={largest.cp_size} at {tokens:,} tokens ({largest.preset}, {largest.model.n_layers} "
-        f"layers) needs up to {need / GIB:,.1f} GiB on {device}, which has {free / GIB:,.1f} GiB free: use fewer tokens "
-        "or layers, or a smaller preset"
+        f"layers) needs up to {need / GIB:,.1f} GiB on {device}, which has {free / GIB:,.1f} GiB free: use fewer "
+        "tokens or layers, or a smaller preset"
     )

@@ -27,8 +27,10 @@ from reference_impl.tool_args import NUMBER, OBJECT, Field, ToolParser, input_js
 TARGET = Path(fused_configs.__file__)
 PROG = "python3 scripts/apply_sweep.py"
 # What main reads from a results file: a compute sweep's rows, or each swept kernel's best config and its gain.
-COMPUTE_SWEEP = {"attention": [OBJECT], "indexer": [OBJECT], "gluon?": Field("a list or null", lambda v: v is None or isinstance(v, list))}
-KERNEL_SWEEP = {"best": Field("null or an object", lambda v: v is None or isinstance(v, dict)), "fraction_of_copy?": NUMBER}
+COMPUTE_SWEEP = {"attention": [OBJECT], "indexer": [OBJECT],
+                 "gluon?": Field("a list or null", lambda v: v is None or isinstance(v, list))}
+KERNEL_SWEEP = {"best": Field("null or an object", lambda v: v is None or isinstance(v, dict)),
+                "fraction_of_copy?": NUMBER}
 
 def render(configs: dict[str, dict[str, int | bool]]) -> str:
     lines = ["GPU_CONFIGS: dict[str, LaunchConfig] = {"]

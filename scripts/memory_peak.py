@@ -106,8 +106,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from reference_impl.cp.loopback import LoopbackGroup
     from reference_impl.engine import run_rank
 
-    parser = one_rank_parser(__doc__.split("\n\n")[0], level=8, rows=12, json_help="also write the peak and every site here",
-                             prog="python3 scripts/memory_peak.py")
+    parser = one_rank_parser(__doc__.split("\n\n")[0], level=8, rows=12,
+                             json_help="also write the peak and every site here", prog="python3 scripts/memory_peak.py")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise ConfigError("the allocator trace needs a CUDA device")

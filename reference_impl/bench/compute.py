@@ -70,10 +70,12 @@ def build_parser() -> ToolParser:
     parser.add_argument("--topk", type=int_arg(1, MAX_BATCH_TOKENS), default=2048, help="keys each query attends to")
     parser.add_argument("--index-heads", type=int_arg(1, MAX_WIDTH), default=64, help="indexer heads Hi")
     parser.add_argument("--index-dim", type=int_arg(1, MAX_WIDTH), default=128, help="indexer key width D")
-    parser.add_argument("--cp-size", type=int_arg(1, MAX_PLAN_CP), default=8, help="the per-rank row: C of the zigzag split")
+    parser.add_argument("--cp-size", type=int_arg(1, MAX_PLAN_CP), default=8,
+                        help="the per-rank row: C of the zigzag split")
     parser.add_argument("--cp-context", type=int_arg(1, MAX_BATCH_TOKENS), default=131072,
                         help="the per-rank row: tokens of the request")
-    parser.add_argument("--torch-max-tokens", type=int_arg(0), default=16384, help="time the torch references up to this T")
+    parser.add_argument("--torch-max-tokens", type=int_arg(0), default=16384,
+                        help="time the torch references up to this T")
     parser.add_argument("--check-rows", type=int_arg(1), default=48, help="rows checked against the torch reference")
     parser.add_argument("--slow-ms", type=float_arg(), default=250.0, help="above this, time with 3 event-timed runs")
     parser.add_argument("--sweep", action="store_true", help="sweep launch configs at the per-rank shape first")

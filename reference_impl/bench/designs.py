@@ -169,7 +169,8 @@ PROG = "python -m reference_impl.bench.designs"
 @refusing
 def main(argv: list[str] | None = None) -> int:
     parser = one_rank_parser(PROG, __doc__.split("\n\n")[0], 4, "layers run (the layer bench's slice)")
-    parser.add_argument("--repeats", type=int_arg(1, MAX_REPEATS), default=2, help="timed runs per design after a warm-up run")
+    parser.add_argument("--repeats", type=int_arg(1, MAX_REPEATS), default=2,
+                        help="timed runs per design after a warm-up run")
     parser.add_argument("--workloads", default=DEFAULT_WORKLOADS, help="name:prefix+extend, comma separated")
     parser.add_argument("--designs", default=",".join(MEASURED_DESIGNS), help="comma separated")
     parser.add_argument("--wire-gbps", type=float_arg(), default=None,

@@ -144,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     out_path = output_file(args.out)
     on_gpu = args.device == "cuda"
     tokens = int_list(args.tokens or ("32768,131072" if on_gpu else "64"), "--tokens", 1, MAX_BATCH_TOKENS)
-    sweep_tokens = int_list(args.sweep_tokens, "--sweep-tokens", 1, MAX_BATCH_TOKENS) if args.sweep_tokens else [max(tokens)]
+    sweep_tokens = (int_list(args.sweep_tokens, "--sweep-tokens", 1, MAX_BATCH_TOKENS) if args.sweep_tokens
+                    else [max(tokens)])
     try:
         validate_page_size(args.page_size)
     except ConfigError as exc:

@@ -64,8 +64,9 @@ from reference_impl.planner.model import activation_bytes, local_queries, transi
 from reference_impl.planner.plan import MAX_CONTEXT
 from reference_impl.presets_v4 import V4_PRESETS
 from reference_impl.tool_args import (
-    DSA_PRESETS, MAX_LAYERS, MAX_REPEATS, OPTIONAL_NUMBER, OPTIONAL_POSITIVE, POSITIVE, ToolParser, choice_field, device_arg,
-    dsa_preset_arg, float_arg, input_json, int_arg, int_field, int_list, output_file, rank_fits, rank_of, refusing, require_cuda, stored_fields,
+    DSA_PRESETS, MAX_LAYERS, MAX_REPEATS, OPTIONAL_NUMBER, OPTIONAL_POSITIVE, POSITIVE, ToolParser, choice_field,
+    device_arg, dsa_preset_arg, float_arg, input_json, int_arg, int_field, int_list, output_file, rank_fits, rank_of,
+    refusing, require_cuda, stored_fields,
 )
 from reference_impl.bench.record import loopback_cp, run_record
 
@@ -310,7 +311,7 @@ def measure(
 
 # What --replan reads from a stored run (measured fields the planner's errors divide by included).
 REPLAN_FIELDS = {
-    "preset": choice_field(DSA_PRESETS), "n_layers": int_field(1), "cp_size": int_field(1, MAX_PLAN_CP),
+    "preset": choice_field(DSA_PRESETS), "n_layers": int_field(1, MAX_LAYERS), "cp_size": int_field(1, MAX_PLAN_CP),
     "rank": int_field(0), "wire_gbps": OPTIONAL_POSITIVE,
     "workloads": [{
         "workload": {"prefix": int_field(0, MAX_CONTEXT), "extend": int_field(1, MAX_CONTEXT)},
@@ -344,7 +345,8 @@ def build_parser() -> ToolParser:
         default="current-only:0+32768,current-only:0+131072,prefix-heavy:131072+8192,prefix-heavy:131072+2048",
         help="name:prefix+extend, comma separated",
     )
-    parser.add_argument("--layers", type=int_arg(None, MAX_LAYERS, "more than any preset's"), default=4, help="layers run")
+    parser.add_argument("--layers", type=int_arg(None, MAX_LAYERS, "more than any preset's"), default=4,
+                        help="layers run")
     parser.add_argument("--wire-gbps", type=float_arg(), default=None,
                         help="model the interconnect, GB/s (CUDA only; default: none, no wire time)")
     parser.add_argument("--prefetch-repeats", type=int_arg(None, MAX_REPEATS), default=6,

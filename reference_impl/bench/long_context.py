@@ -46,18 +46,16 @@ from typing import Any
 
 import torch
 
-from reference_impl.bench.layer import (
-    MAX_LAYERS, parse_levels, phases_at, planner_point, split_fits, warm_up,
-)
+from reference_impl.bench.layer import parse_levels, phases_at, planner_point, split_fits, warm_up
 from reference_impl.config import MAX_BATCH_TOKENS, MAX_PLAN_CP, ConfigError, Request, RunConfig
 from reference_impl.cp.loopback import LoopbackGroup
 from reference_impl.engine import run_rank
 from reference_impl.planner import rank_ranges, zigzag_blocks
 from reference_impl.bench.record import run_record
 from reference_impl.tool_args import (
-    DSA_PRESETS, LIST, OBJECT, OPTIONAL_NUMBER, POSITIVE, ToolParser, choice_field, device_arg,
-    dsa_preset_arg, float_arg, input_json, int_arg,
-    int_field, int_list, output_file, rank_fits, rank_of, refusing, require_cuda, stored_fields,
+    DSA_PRESETS, LIST, MAX_LAYERS, OBJECT, OPTIONAL_NUMBER, POSITIVE, ToolParser, choice_field, device_arg,
+    dsa_preset_arg, float_arg, input_json, int_arg, int_field, int_list, output_file, rank_fits, rank_of, refusing,
+    require_cuda, stored_fields,
 )
 
 PROG = "python -m reference_impl.bench.long_context"
@@ -300,8 +298,8 @@ def walk_fits(contexts: list[int], chunk: int, levels: list[int], cp_size: int, 
     or whose last chunk of a context leaves a rank without a token."""
     points = sum(-(-context // chunk) for context in contexts) * len(levels)
     if points > MAX_CHUNK_POINTS:
-        raise ConfigError(f"{what}: {points:,} chunks x levels; at most {MAX_CHUNK_POINTS:,} (each is planned, and run, "
-                          "one by one): use a larger chunk, fewer contexts or levels")
+        raise ConfigError(f"{what}: {points:,} chunks x levels; at most {MAX_CHUNK_POINTS:,} (each is planned, and "
+                          "run, one by one): use a larger chunk, fewer contexts or levels")
     for context in contexts:
         split_fits(context, chunk, cp_size, f"{what}: context {context:,} in chunks of {chunk:,}")
 
@@ -312,8 +310,8 @@ def stored_run(path: str) -> dict[str, Any]:
     where = f"--replan {path!r}"
     stored_fields(doc, REPLAN_FIELDS, where)
     rank_of(doc["rank"], doc["cp_size"], f"{where}: field rank", "cp_size")
-    walk_fits([r["context"] for r in doc["runs"]], doc["chunk_tokens"], [0] * max(len(r["levels"]) for r in doc["runs"]),
-              doc["cp_size"], where)
+    levels = [0] * max(len(r["levels"]) for r in doc["runs"])  # the most levels a context ran
+    walk_fits([r["context"] for r in doc["runs"]], doc["chunk_tokens"], levels, doc["cp_size"], where)
     return doc
 
 

@@ -149,7 +149,8 @@ def parse_stream_args(parser: ToolParser, argv: list[str] | None) -> argparse.Na
     for w in args.workloads:
         split_fits(w.extend, None, args.cp_size, f"--workloads {w.name}:{w.prefix}+{w.extend}")
         runs.append(RunConfig(preset=args.preset, n_layers=args.layers, cp_size=args.cp_size, check=False,
-                              requests=(Request(w.prefix, w.extend),), device=args.device, phases=PhaseSet.level(args.level)))
+                              requests=(Request(w.prefix, w.extend),), device=args.device,
+                              phases=PhaseSet.level(args.level)))
     require_cuda(args.device)
     args.runs = runs
     return args

@@ -34,12 +34,13 @@ from typing import Any
 
 import torch
 
-from reference_impl.bench.layer import MAX_LAYERS, Workload, parse_levels, parse_workloads, planner_point, split_fits
+from reference_impl.bench.layer import Workload, parse_levels, parse_workloads, planner_point, split_fits
 from reference_impl.config import MAX_PLAN_CP, PhaseSet, Request, RunConfig
 from reference_impl.planner import load_rates
 from reference_impl.runner import run_prefills
 from reference_impl.tool_args import (
-    DSA_PRESETS, ToolParser, device_arg, dsa_preset_arg, float_arg, int_arg, output_file, refusing, require_cuda,
+    DSA_PRESETS, MAX_LAYERS, ToolParser, device_arg, dsa_preset_arg, float_arg, int_arg, output_file, refusing,
+    require_cuda,
 )
 
 RANK_FIELDS = ("rank", "tokens", "layer_ms_median", "tail_ms", "measured_peak_bytes", "kv_bytes", "index_bytes",

@@ -113,7 +113,8 @@ def build_parser() -> ToolParser:
     parser.add_argument("--cp-size", type=int_arg(1, MAX_PLAN_CP), default=8, help="CP ranks C")
     parser.add_argument("--rank", type=int_arg(0), default=0, help="the rank this process plays, 0..C-1")
     parser.add_argument("--levels", default="0,2,3,8", help="phase levels: a range 0-8 or a list 0,2,3,8")
-    parser.add_argument("--workloads", default="128k:0+131072,1m:1040384+8192", help="name:prefix+extend, comma separated")
+    parser.add_argument("--workloads", default="128k:0+131072,1m:1040384+8192",
+                        help="name:prefix+extend, comma separated")
     parser.add_argument("--layers", type=int_arg(1), default=4, help="the preset's first layers (tiny-v4 has 3)")
     parser.add_argument("--repeats", type=int_arg(1, MAX_REPEATS), default=2, help="timed runs per level")
     parser.add_argument("--wire-gbps", type=float_arg(), default=None,
@@ -131,9 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = get_preset(args.preset)
     levels = parse_levels(args.levels)
     workloads = parse_workloads(args.workloads)
-    bases = {w: workload_run(args.preset, w, args.layers, args.cp_size, args.device) for w in workloads}
+    bases = [(w, workload_run(args.preset, w, args.layers, args.cp_size, args.device)) for w in workloads]
     require_cuda(args.device)
-    runs = [base.replace(phases=PhaseSet.level(level)) for base in bases.values() for level in levels]
+    runs = [base.replace(phases=PhaseSet.level(level)) for _, base in bases for level in levels]
     rank_fits(runs, args.rank, args.device, "--workloads / --layers")
     doc: dict[str, Any] = {
         **run_record("v4", argv, args.device),
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         "wire_gbps": args.wire_gbps, "workloads": [],
     }
     with synthetic_prefixes():
-        for w, base in bases.items():
+        for w, base in bases:
             print(f"{w.name} {w.prefix}+{w.extend}: levels {levels}", file=sys.stderr, flush=True)
             engine.run_rank(LoopbackGroup(args.rank, args.cp_size, torch.device(args.device), args.wire_gbps),
                             base.replace(phases=PhaseSet.level(max(levels))))  # warm-up: compiles the kernels

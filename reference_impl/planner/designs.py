@@ -237,7 +237,8 @@ def one_rank_parser(prog: str, description: str, layers: int | None, layers_help
     parser.add_argument("--preset", type=dsa_preset_arg(), default="deepseek-v3.2", help=", ".join(DSA_PRESETS))
     parser.add_argument("--cp-size", type=int_arg(1, MAX_PLAN_CP), default=8, help="CP ranks C")
     parser.add_argument("--rank", type=int_arg(0), default=0, help="the rank modeled, 0..C-1")
-    parser.add_argument("--layers", type=int_arg(1, MAX_LAYERS, "more than any preset's"), default=layers, help=layers_help)
+    parser.add_argument("--layers", type=int_arg(1, MAX_LAYERS, "more than any preset's"), default=layers,
+                        help=layers_help)
     return parser
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from reference_impl.config import MAX_PLAN_CP
+from reference_impl.config import MAX_BATCH_TOKENS, MAX_PLAN_CP
 from reference_impl.errors import ConfigError
 from reference_impl.planner.model import local_queries
 from reference_impl.tool_args import (
@@ -32,7 +32,7 @@ from reference_impl.tool_args import (
 PROG = "python -m reference_impl.planner.elementwise"
 # What elementwise_rate reads from a ``profile_layer.py --json`` document.
 PROFILE_FIELDS = {
-    "args": {"layers": int_field(1), "extend": int_field(1), "cp_size": int_field(1, MAX_PLAN_CP),
+    "args": {"layers": int_field(1), "extend": int_field(1, MAX_BATCH_TOKENS), "cp_size": int_field(1, MAX_PLAN_CP),
              "level": int_field(0, 8), "rank": int_field(0), "prefix?": int_field(0)},
     "ops": [{"name": TEXT, "device_ms": NUMBER}],
 }

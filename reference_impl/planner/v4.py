@@ -159,12 +159,15 @@ def plan_v4(preset: str, cp_size: int, contexts: list[int], levels: list[int], k
                           "(DeepSeek-V3.2 and GLM: python -m reference_impl plan)")
     if isinstance(cp_size, bool) or not isinstance(cp_size, int) or not 1 <= cp_size <= MAX_PLAN_CP:
         raise ConfigError(f"cp_size={cp_size!r}: need an integer within 1..{MAX_PLAN_CP}")
-    if not contexts or any(isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= MAX_CONTEXT for c in contexts):
+    if not contexts or any(isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= MAX_CONTEXT
+                           for c in contexts):
         raise ConfigError(f"contexts={str(contexts)[:80]}: need token counts within 1..{MAX_CONTEXT:,}")
     if not levels or any(isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 8 for k in levels):
         raise ConfigError(f"levels={str(levels)[:80]}: need phase levels within 0..8")
-    if isinstance(kv_budget_gib, bool) or not isinstance(kv_budget_gib, (int, float)) or not 0 < kv_budget_gib <= MAX_HBM_GIB:
-        raise ConfigError(f"kv_budget_gib={kv_budget_gib!r}: need a finite number above 0, at most {MAX_HBM_GIB:,} (1 PiB)")
+    if (isinstance(kv_budget_gib, bool) or not isinstance(kv_budget_gib, (int, float))
+            or not 0 < kv_budget_gib <= MAX_HBM_GIB):
+        raise ConfigError(f"kv_budget_gib={kv_budget_gib!r}: need a finite number above 0, at most {MAX_HBM_GIB:,} "
+                          "(1 PiB)")
     if len(contexts) * len(levels) * cp_size > MAX_RANK_POINTS:
         raise ConfigError(f"contexts x levels x cp_size = {len(contexts)} x {len(levels)} x {cp_size}: at most "
                           f"{MAX_RANK_POINTS:,} ranks to walk")
