@@ -17,13 +17,20 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 
 from reference_impl.bench import compute_sweep
+from reference_impl.errors import ConfigError
 from reference_impl.kernels import fused_configs, indexer_triton, sparse_mla_gluon, sparse_mla_triton
+from reference_impl.tool_args import NUMBER, OBJECT, Field, ToolParser, input_json, refusing, stored_fields
 
 TARGET = Path(fused_configs.__file__)
+PROG = "python3 scripts/apply_sweep.py"
+# What main reads from a results file: a compute sweep's rows, or each swept kernel's best config and its gain.
+COMPUTE_SWEEP = {"attention": [OBJECT], "indexer": [OBJECT],
+                 "gluon?": Field("a list or null", lambda v: v is None or isinstance(v, list))}
+KERNEL_SWEEP = {"best": Field("null or an object", lambda v: v is None or isinstance(v, dict)),
+                "fraction_of_copy?": NUMBER}
 
 def render(configs: dict[str, dict[str, int | bool]]) -> str:
     lines = ["GPU_CONFIGS: dict[str, LaunchConfig] = {"]
@@ -73,5 +80,25 @@ def main(path: str) -> None:
     TARGET.write_text(block.sub(lambda _: render(configs), text, count=1))
 
 
+@refusing
+def cli(argv: list[str] | None = None) -> int:
+    """The command line: check the results file's sweep (one error line naming the field), then :func:`main`."""
+    parser = ToolParser(PROG, __doc__.split("\n\n")[0])
+    parser.add_argument("results", help="a results JSON written with --sweep (bench.compute or bench.kernels)")
+    args = parser.parse_args(argv)
+    doc = input_json(args.results, "results")
+    where = f"results {args.results!r}"
+    stored_fields(doc, {"sweep": OBJECT}, where)
+    if "attention" in doc["sweep"]:
+        stored_fields(doc, {"sweep": COMPUTE_SWEEP}, where)
+    else:
+        stored_fields(doc, {"sweep": {name: KERNEL_SWEEP for name in doc["sweep"]}}, where)
+    try:
+        main(args.results)
+    except (KeyError, TypeError) as exc:  # a row without a field the pick reads
+        raise ConfigError(f"{where}: a sweep row lacks what it needs ({type(exc).__name__}: {exc})") from None
+    return 0
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    raise SystemExit(cli())

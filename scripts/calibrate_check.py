@@ -11,16 +11,18 @@ few percent and keys near the k-th trade places; the next layer inherits the dri
 
 from __future__ import annotations
 
-import argparse
 import json
 import shlex
 import sys
-from pathlib import Path
 
 import torch
 
 from reference_impl.config import PhaseSet, Request, RunConfig
+from reference_impl.errors import ConfigError
 from reference_impl.runner import run_prefill
+from reference_impl.tool_args import ToolParser, output_file, refusing
+
+PROG = "python3 scripts/calibrate_check.py"
 
 REQUESTS = (Request(1000, 2100), Request(64, 900))
 
@@ -65,19 +67,20 @@ def drift(dtype: str) -> dict:
     return stats
 
 
+@refusing
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True)
+    parser = ToolParser(PROG, __doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="JSON file to write")
     args = parser.parse_args(argv)
+    out = output_file(args.out)
     if not torch.cuda.is_available():
-        print("error: needs a CUDA device (a CPU run is bitwise equal to the oracle)", file=sys.stderr)
-        return 2
+        raise ConfigError("needs a CUDA device (a CPU run is bitwise equal to the oracle)")
     doc = {
         "command": "PYTHONPATH=. python3 scripts/calibrate_check.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
         "device": f"{torch.cuda.get_device_name(0)} (torch {torch.__version__})",
         "by_compute_dtype": {dtype: drift(dtype) for dtype in ("fp32", "bf16")},
     }
-    Path(args.out).write_text(json.dumps(doc, indent=1))
+    out.write_text(json.dumps(doc, indent=1))
     return 0
 
 

@@ -10,7 +10,6 @@ planner's rates; nothing runs on a device) with the command that produced it. Th
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -22,6 +21,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from reference_impl.figures import same_up_to_rounding  # noqa: E402
+from reference_impl.tool_args import ToolParser, output_file, refusing  # noqa: E402
+
+PROG = "python3 scripts/capacity_plan.py"
 
 OUT = ROOT / "docs" / "results" / "capacity_deepseek_v32_c8.json"
 #: DeepSeek-V3.2 at C = 8 on an H200 (141 GiB), the planner's default reservation for weights and activations.
@@ -37,20 +39,28 @@ def planned() -> dict[str, Any]:
             "plan": json.loads(out)}
 
 
+@refusing
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ToolParser(PROG, __doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="compare with the committed file instead of writing it")
-    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--out", default=None, help=f"the results file (default: {OUT.relative_to(ROOT)})")
     args = parser.parse_args(argv)
+    out = Path(args.out) if args.out is not None else OUT
+    shown = out.resolve().relative_to(ROOT) if out.resolve().is_relative_to(ROOT) else out
+    if not args.check:
+        output_file(str(out))
     doc = planned()
     if args.check:
-        committed = json.loads(args.out.read_text()) if args.out.is_file() else None
+        try:
+            committed = json.loads(out.read_text()) if out.is_file() else None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            committed = None
         if committed is None or not same_up_to_rounding(committed, doc):
-            print(f"{args.out.relative_to(ROOT)} is not what the planner says now: python3 scripts/capacity_plan.py")
+            print(f"{shown} is not what the planner says now: python3 scripts/capacity_plan.py")
             return 1
         return 0
-    args.out.write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"wrote {args.out.relative_to(ROOT)}")
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {shown}")
     return 0
 
 

@@ -18,7 +18,6 @@ so the test command finds a diagram whose sources changed.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections.abc import Callable
@@ -29,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from reference_impl import figures  # noqa: E402
+from reference_impl.tool_args import ToolParser, output_folder, refusing  # noqa: E402
 
 OUT = ROOT / "docs" / "diagrams"
 RESULTS = ROOT / "docs" / "results"
@@ -294,9 +294,10 @@ def stale(out: Path = OUT) -> list[str]:
             if not (out / name).is_file() or figures.embedded(out / name) != figures.expected(data_of())]
 
 
+@refusing
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=OUT)
+    parser = ToolParser("python3 scripts/draw_diagrams.py", __doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=OUT, help="folder for the SVGs")
     parser.add_argument("--check", action="store_true", help="check the committed diagrams instead of drawing them")
     args = parser.parse_args(argv)
     if args.check:
@@ -304,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             print(f"{args.out / name} is not what its sources say: python3 scripts/draw_diagrams.py")
         return 1 if names else 0
-    args.out.mkdir(parents=True, exist_ok=True)
+    output_folder(str(args.out))
     for name, (data_of, draw) in DIAGRAMS.items():
         draw(data_of(), args.out / name)
     print(f"wrote {len(DIAGRAMS)} diagrams to {args.out}")

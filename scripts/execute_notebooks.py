@@ -7,7 +7,6 @@ Run on a CUDA box to record the GPU figures that the committed notebooks show:
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 import time
@@ -18,6 +17,12 @@ import nbformat
 from nbclient import NotebookClient
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from reference_impl.errors import ConfigError  # noqa: E402
+from reference_impl.tool_args import ToolParser, refusing  # noqa: E402
+
+PROG = "python3 scripts/execute_notebooks.py"
 
 
 #: A Markdown link to a page's source (``.md``): the site serves a notebook at ``notebooks/NAME/`` and a page at
@@ -50,20 +55,19 @@ def execute(source: Path) -> Path:
     return target
 
 
+@refusing
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ToolParser(PROG, __doc__.splitlines()[0])
     parser.add_argument("walkthroughs", nargs="*", type=Path, help="phases/*.py files (default: all)")
     args = parser.parse_args(argv)
     sources = args.walkthroughs or sorted((ROOT / "phases").glob("*.py"))
     missing = [str(p) for p in sources if not p.is_file() or p.suffix != ".py"]
     if missing:
-        print(f"error: not a walkthrough (phases/*.py): {', '.join(missing)}", file=sys.stderr)
-        return 2
+        raise ConfigError(f"walkthroughs: not a walkthrough (phases/*.py): {', '.join(missing)}")
     linked = [f"{p}: {link}" for p in sources for link in source_links(jupytext.read(p))]
     if linked:
-        print("error: a walkthrough links a page's .md source; link the built page (../../PAGE/): "
-              + "; ".join(linked), file=sys.stderr)
-        return 2
+        raise ConfigError("a walkthrough links a page's .md source; link the built page (../../PAGE/): "
+                          + "; ".join(linked))
     for src in sources:
         execute(src.resolve())
     return 0

@@ -15,7 +15,6 @@ measured rates.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -26,6 +25,9 @@ sys.path.insert(0, str(ROOT))
 
 from reference_impl.planner import PlannerConfig, load_rates, plan_capacity  # noqa: E402
 from reference_impl.planner.model import allgather1_bytes, zigzag_blocks  # noqa: E402
+from reference_impl.tool_args import ToolParser, output_file, refusing  # noqa: E402
+
+PROG = "python3 scripts/index_share_plan.py"
 
 PRESETS = ("glm-5", "glm-5.2")
 CONTEXTS = (131072, 1048576)
@@ -53,10 +55,12 @@ def preset_plan(preset: str) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "index_share_plan.json")
+@refusing
+def main(argv: list[str] | None = None) -> int:
+    parser = ToolParser(PROG, __doc__.splitlines()[0])
+    parser.add_argument("--out", default=None, help="JSON file to write (default: docs/results/index_share_plan.json)")
     args = parser.parse_args(argv)
+    out = output_file(args.out or str(ROOT / "docs" / "results" / "index_share_plan.json"))
     doc = {
         "command": COMMAND,
         "what": "capacity-planner predictions (no device run): GLM-5 vs GLM-5.2 (IndexShare), C = 8, fp8 KV, page 64",
@@ -64,8 +68,8 @@ def main(argv: list[str]) -> int:
         "contexts": list(CONTEXTS),
         "presets": {preset: preset_plan(preset) for preset in PRESETS},
     }
-    args.out.write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {out}")
     return 0
 
 

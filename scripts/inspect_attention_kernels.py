@@ -25,6 +25,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from reference_impl.kernels import sparse_mla_gluon, sparse_mla_gluon_ws, sparse_mla_triton
+from reference_impl.tool_args import ToolParser, refusing
 
 ARGS = ["q_ptr", "kv_ptr", "idx_ptr", "out_ptr", "lse_ptr", "n_heads", "n_kv", "topk", "n_head_blocks",
         "stride_qt", "stride_qh", "stride_kv", "stride_it", "stride_ot", "stride_oh", "stride_lt", "qk_scale_log2"]
@@ -64,7 +65,9 @@ def report(name: str, kernel: Any) -> None:
     print(f"  shared memory: {kernel.metadata.shared} B")
 
 
-def main() -> None:
+@refusing
+def main(argv: list[str] | None = None) -> int:
+    ToolParser("python3 scripts/inspect_attention_kernels.py", __doc__.split("\n\n")[0]).parse_args(argv)  # no flags
     from triton.experimental.gluon._runtime import GluonASTSource
 
     block_h, block_k, warps, stages, *switches = sparse_mla_triton.GPU_DEFAULT_CONFIG
@@ -92,7 +95,8 @@ def main() -> None:
     )
     report(f"Warp-specialized Gluon kernel, PIPELINE_QK={sparse_mla_gluon_ws.GPU_PIPELINE_QK}", ws_kernel)
     print(f"(Triton {triton.__version__}, target sm_90a)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -15,7 +15,6 @@ with its NVIDIA backend (the ptxas it ships); no CUDA device or driver.
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 from pathlib import Path
@@ -26,6 +25,7 @@ from inspect_attention_kernels import TARGET, ptxas_verbose
 from triton.compiler import ASTSource
 
 from reference_impl.kernels import indexer_triton
+from reference_impl.tool_args import ToolParser, output_file, refusing_exit
 
 ARGS = {
     "q_ptr": "*fp8e4nv", "w_ptr": "*fp32", "k_ptr": "*fp8e4nv", "k_scale_ptr": "*fp32", "key_start_ptr": "*i64",
@@ -55,10 +55,13 @@ def build(block_t: int, block_s: int, warps: int, stages: int, dot: str, write_m
     }
 
 
+@refusing_exit
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ToolParser("python3 scripts/inspect_logits_kernel.py", __doc__.split("\n\n")[0])
     parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args(argv)
+    if args.json is not None:
+        output_file(args.json, "--json")
     block_t, block_s, warps, stages, dot = indexer_triton.GPU_DEFAULT_CONFIG
     variants = [(warps, False, False), (warps, True, False), (warps, False, True), (8, False, False), (8, False, True)]
     rows = []

@@ -23,6 +23,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from reference_impl.errors import ConfigError
+from reference_impl.tool_args import refusing_exit
+
 MARKER_BYTES = 3 * (1 << 20) + 512  # sizes no tensor of the run has: where the engine resets the peak,
 LAYER_MARKER_BYTES = 3 * (1 << 20) + 1024  # and each mark of its layer clock (before and after each layer)
 
@@ -94,19 +97,21 @@ def live_at_peak(
     }
 
 
+@refusing_exit
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     import torch
-    from profile_layer import one_rank_parser, one_rank_run  # scripts/, on the path when run as a script
+    from profile_layer import checked_run, one_rank_parser  # scripts/, on the path when run as a script
 
     from reference_impl import engine
     from reference_impl.cp.loopback import LoopbackGroup
     from reference_impl.engine import run_rank
 
-    parser = one_rank_parser(__doc__.split("\n\n")[0], level=8, rows=12, json_help="also write the peak and every site here")
+    parser = one_rank_parser(__doc__.split("\n\n")[0], level=8, rows=12,
+                             json_help="also write the peak and every site here", prog="python3 scripts/memory_peak.py")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("error: the allocator trace needs a CUDA device")
-    run = one_rank_run(args, "cuda")
+        raise ConfigError("the allocator trace needs a CUDA device")
+    run = checked_run(args, "cuda")
     run_rank(LoopbackGroup(args.rank, args.cp_size, "cuda"), run)  # warm-up: compiles the kernels
     reset = torch.cuda.reset_peak_memory_stats
 

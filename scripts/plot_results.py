@@ -28,7 +28,6 @@ element ids, so an unchanged input rewrites identical files.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections.abc import Callable
@@ -38,6 +37,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from reference_impl import figures as figure_data  # noqa: E402
+from reference_impl.tool_args import ToolParser, input_folder, output_folder, refusing  # noqa: E402
 
 MIB = 2**20
 
@@ -268,20 +268,20 @@ def stale(results: Path, figures: Path) -> list[str]:
             if docs[kind] and figure_data.embedded(figures / name) != figure_data.expected(data_of(docs[kind]))]
 
 
+@refusing
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--results", default="docs/results")
+    parser = ToolParser("python3 scripts/plot_results.py", __doc__.split("\n\n")[0])
+    parser.add_argument("--results", default="docs/results", help="folder of the results JSON files")
     parser.add_argument("--out", default=None, help="folder for the SVGs (default: --results)")
     parser.add_argument("--check", action="store_true", help="check the committed plots instead of drawing them")
     args = parser.parse_args(argv)
-    results = Path(args.results)
-    out = Path(args.out or args.results)
+    results = input_folder(args.results, "--results")
+    out = Path(args.out or args.results) if args.check else output_folder(args.out or args.results)
     if args.check:
         names = stale(results, out)
         for name in names:
             print(f"{out / name} is not what its results say: python3 scripts/plot_results.py")
         return 1 if names else 0
-    out.mkdir(parents=True, exist_ok=True)
     docs = inputs(results)
     drawn = [name for name, (kind, _, _) in FIGURES.items() if docs[kind]]
     for name in drawn:

@@ -25,12 +25,19 @@ import csv
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from reference_impl.config import MAX_BATCH_TOKENS
+from reference_impl.errors import ConfigError
+from reference_impl.tool_args import ToolParser, int_list, output_file, refusing
+
+PROG = "python3 scripts/profile_fused_kernels.py"
 
 METRICS = {
     "gpu__time_duration.sum": "duration_ns",
@@ -118,25 +125,28 @@ def worker(tokens: list[int], order_path: Path) -> None:
     order_path.write_text(json.dumps(order))
 
 
+@refusing
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", help="JSON file to write")
-    parser.add_argument("--tokens", default="32768,131072")
+    parser = ToolParser(PROG, __doc__.split("\n\n")[0])
+    parser.add_argument("--out", help="JSON file to write (required)")
+    parser.add_argument("--tokens", default="32768,131072", help="token counts, comma separated")
     parser.add_argument("--ncu", default="ncu", help="the Nsight Compute command line")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--order", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
+    tokens = int_list(args.tokens, "--tokens", 1, MAX_BATCH_TOKENS)
     if args.worker:
         worker(tokens, Path(args.order))
         return 0
     if not args.out:
-        parser.error("--out is required")
+        raise ConfigError("--out FILE: where to write the profile")
+    out = output_file(args.out)
+    if shutil.which(args.ncu) is None:
+        raise ConfigError(f"--ncu {args.ncu!r}: no such command (Nsight Compute's ncu)")
     import torch
 
     if not torch.cuda.is_available():
-        print("error: this profile needs a CUDA device and Nsight Compute", file=sys.stderr)
-        return 2
+        raise ConfigError("this profile needs a CUDA device and Nsight Compute")
     with tempfile.TemporaryDirectory() as tmp:
         order_path = Path(tmp) / "order.json"
         command = [
@@ -166,8 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         "payload (torch.neg over fp32), each alone under ncu with caches flushed before it and clocks as found",
         "rows": pair_rows(order, parse_ncu_csv(done.stdout)),
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    out.write_text(json.dumps(result, indent=1))
     print(f"{'op':<16}{'T':>8}{'us':>8}{'DRAM/payload':>14}{'DRAM GB/s':>11}{'DRAM %peak':>11}{'occupancy':>10}")
     for r in result["rows"]:
         print(f"{r['op']:<16}{r['T']:>8}{r['duration_ns'] / 1e3:>8.1f}{r['dram_bytes_over_payload']:>14.2f}"

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -29,10 +28,17 @@ from typing import Any
 
 from torch.profiler import ProfilerActivity, profile
 
-from reference_impl.config import PhaseSet, Request, RunConfig
+from reference_impl.config import MAX_BATCH_TOKENS, MAX_PLAN_CP, PhaseSet, Request, RunConfig
 from reference_impl.cp.loopback import LoopbackGroup
 from reference_impl.engine import LAYER_LOOP_RANGE, run_rank
 from reference_impl.errors import ConfigError
+from reference_impl.presets import preset_names
+from reference_impl.tool_args import (
+    MAX_LAYERS, ToolParser, choice_arg, device_arg, float_arg, int_arg, output_file, rank_fits, rank_of,
+    refusing_exit, require_cuda,
+)
+
+PROG = "python3 scripts/profile_layer.py"
 
 
 def loop_ops(events: Any, device: str) -> tuple[dict[str, float], dict[str, int], float]:
@@ -110,19 +116,20 @@ def loop_kernels(events: Iterable[TraceEvent]) -> tuple[dict[str, float], dict[s
     return dict(ms), dict(calls), sum(b - a for a, b in ranges) / 1e6
 
 
-def one_rank_parser(description: str, level: int, rows: int, json_help: str) -> argparse.ArgumentParser:
+def one_rank_parser(description: str, level: int, rows: int, json_help: str, prog: str = PROG) -> ToolParser:
     """The arguments of the one-rank diagnostics (this script and ``memory_peak.py``): the preset, the
     phase level, one request ``--prefix + --extend``, rank ``--rank`` of ``--cp-size``, ``--layers``,
     the rows printed and a ``--json`` output."""
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--preset", default="deepseek-v3.2")
-    parser.add_argument("--level", type=int, default=level)
-    parser.add_argument("--prefix", type=int, default=0)
-    parser.add_argument("--extend", type=int, default=131072)
-    parser.add_argument("--cp-size", type=int, default=8)
-    parser.add_argument("--rank", type=int, default=0)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--rows", type=int, default=rows)
+    parser = ToolParser(prog, description)
+    parser.add_argument("--preset", type=choice_arg(preset_names(), "preset"), default="deepseek-v3.2",
+                        help=", ".join(preset_names()))
+    parser.add_argument("--level", type=int_arg(0, 8), default=level, help="phase level 0..8")
+    parser.add_argument("--prefix", type=int_arg(0, MAX_BATCH_TOKENS), default=0, help="cached tokens of the request")
+    parser.add_argument("--extend", type=int_arg(1, MAX_BATCH_TOKENS), default=131072, help="new tokens of the request")
+    parser.add_argument("--cp-size", type=int_arg(1, MAX_PLAN_CP), default=8, help="CP ranks C")
+    parser.add_argument("--rank", type=int_arg(0), default=0, help="the rank this process plays, 0..C-1")
+    parser.add_argument("--layers", type=int_arg(1, MAX_LAYERS, "more than any preset's"), default=2, help="layers run")
+    parser.add_argument("--rows", type=int_arg(1), default=rows, help="rows printed")
     parser.add_argument("--json", default=None, help=json_help)
     return parser
 
@@ -131,6 +138,26 @@ def one_rank_run(args: argparse.Namespace, device: str) -> RunConfig:
     """The run those arguments describe: one request, the level's phases, no oracle check."""
     return RunConfig(preset=args.preset, n_layers=args.layers, cp_size=args.cp_size, check=False, device=device,
                      requests=(Request(args.prefix, args.extend),), phases=PhaseSet.level(args.level))
+
+
+def checked_run(args: argparse.Namespace, device: str) -> RunConfig:
+    """:func:`one_rank_run`, after everything the run would refuse once started is refused naming its
+    flag: the rank, the output file, the split, the device and (on a CPU) the memory."""
+    from reference_impl.bench.layer import split_fits
+
+    rank_of(args.rank, args.cp_size)
+    if args.prefix + args.extend > MAX_BATCH_TOKENS:
+        raise ConfigError(f"--prefix + --extend: {args.prefix + args.extend:,} tokens; at most {MAX_BATCH_TOKENS:,}")
+    if args.json is not None:
+        output_file(args.json, "--json")
+    split_fits(args.extend, None, args.cp_size, f"--extend {args.extend}")
+    try:
+        run = one_rank_run(args, device)
+    except ConfigError as exc:
+        raise ConfigError(f"--preset {args.preset} / --layers {args.layers} / --level {args.level}: {exc}") from None
+    require_cuda(device)
+    rank_fits([run], args.rank, device, "--extend / --layers")
+    return run
 
 
 def kernel_kind(name: str) -> str:
@@ -156,12 +183,14 @@ def by_kind(ms: dict[str, float], calls: dict[str, int]) -> list[dict[str, Any]]
     return [{"kind": k, "ms": v[0], "count": int(v[1]), "share": v[0] / total} for k, v in sorted(kinds.items(), key=lambda kv: -kv[1][0])]
 
 
+@refusing_exit
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = one_rank_parser(__doc__.split("\n\n")[0], level=7, rows=30, json_help="also write every op's time and count here")
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    parser.add_argument("--wire-gbps", type=float, default=None)
+    parser.add_argument("--device", type=device_arg, default="cuda", help="cuda, or cpu: a dry run")
+    parser.add_argument("--wire-gbps", type=float_arg(), default=None,
+                        help="model the interconnect, GB/s (CUDA only; default: none, no wire time)")
     args = parser.parse_args(argv)
-    run = one_rank_run(args, args.device)
+    run = checked_run(args, args.device)
     group = lambda: LoopbackGroup(args.rank, args.cp_size, args.device, args.wire_gbps)  # noqa: E731
     run_rank(group(), run)  # warm-up: compiles the kernels
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if args.device == "cuda" else [ProfilerActivity.CPU]
@@ -193,8 +222,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except ConfigError as exc:  # a preset, level or layer count the run refuses: one line, exit 2
-        print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+    main()

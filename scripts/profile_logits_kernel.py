@@ -22,11 +22,17 @@ import argparse
 import csv
 import json
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from reference_impl.errors import ConfigError
+from reference_impl.tool_args import ToolParser, output_file, refusing
+
+PROG = "python3 scripts/profile_logits_kernel.py"
 
 SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "WarpStateStats", "SchedulerStats", "Occupancy")
 #: Beside the sections: each stall reason per issued instruction, and the tensor pipes' busy share.
@@ -90,9 +96,10 @@ def worker(order_path: Path) -> None:
     order_path.write_text(json.dumps(order))
 
 
+@refusing
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out")
+    parser = ToolParser(PROG, __doc__.split("\n\n")[0])
+    parser.add_argument("--out", help="JSON file to write (required)")
     parser.add_argument("--ncu", default="ncu", help="the Nsight Compute command line")
     parser.add_argument("--worker", metavar="ORDER_JSON", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -100,7 +107,10 @@ def main(argv: list[str] | None = None) -> int:
         worker(Path(args.worker))
         return 0
     if not args.out:
-        parser.error("--out FILE is required")
+        raise ConfigError("--out FILE: where to write the profile")
+    out = output_file(args.out)
+    if shutil.which(args.ncu) is None:
+        raise ConfigError(f"--ncu {args.ncu!r}: no such command (Nsight Compute's ncu)")
     with tempfile.TemporaryDirectory() as tmp:
         order_path = Path(tmp) / "order.json"
         command = [args.ncu, "--clock-control", "none", "--profile-from-start", "off", "--csv", "--page", "details",
@@ -133,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                 "one launch per variant under ncu, clocks as found, caches flushed before it (ncu's default)",
         "launches": [dict(o, **launch) for o, launch in zip(order, launches)],
     }
-    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    out.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 

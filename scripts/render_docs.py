@@ -43,7 +43,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import difflib
 import json
 import os
@@ -61,6 +60,9 @@ sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 
 import results_tables  # noqa: E402
+
+from reference_impl.errors import ConfigError  # noqa: E402
+from reference_impl.tool_args import ToolParser, refusing  # noqa: E402
 
 PAGES = ("README.md", "docs")
 FIG = re.compile(r"<!-- fig(?::(?P<fmt>\S*))? (?P<spec>.+?) -->(?P<text>.*?)<!-- /fig -->", re.S)
@@ -389,14 +391,19 @@ def render_all(sources: Sources, console: bool, write: bool, only: Iterable[Path
     return differences
 
 
+@refusing
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ToolParser("python3 scripts/render_docs.py", __doc__.split("\n\n")[0])
     parser.add_argument("--write", action="store_true", help="rewrite the pages from the results")
     parser.add_argument("--no-console", action="store_true", help="skip the console examples")
     parser.add_argument("--upgrade", action="store_true",
                         help="rewrite old `<!-- fig EXPR | FORMAT -->` markers as `<!-- fig:FORMAT EXPR -->`, then exit")
     parser.add_argument("pages", nargs="*", type=Path, help="only these pages (default: README.md and docs/)")
     args = parser.parse_args(argv)
+    site = set(page_paths())
+    strays = [str(p) for p in args.pages if p.resolve() not in site]
+    if strays:
+        raise ConfigError(f"pages: not a page of the site (README.md or docs/**/*.md): {', '.join(strays)}")
     if args.upgrade:
         for path in page_paths(args.pages):
             text = path.read_text()

@@ -12,9 +12,10 @@ from __future__ import annotations
 import json
 import re
 import statistics
-import sys
 
 from reference_impl.bench.compute_sweep import ATTENTION_KEYS, GLUON_KEYS
+from reference_impl.errors import ConfigError
+from reference_impl.tool_args import ToolParser, choice_arg, input_json, refusing
 
 
 def _ms(value: float | None) -> str:
@@ -335,11 +336,6 @@ def phases(doc: dict) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
-    kind, path = sys.argv[1], sys.argv[2]
-    print({"compute": compute, "kernels": kernels, "layer": layer, "demo": demo, "fused_profile": fused_profile}[kind](json.load(open(path))))
-
-
 def pd_stream(doc: dict) -> str:
     """``bench/pd_stream.py``: the layer-wise send against the prefill, per workload."""
     lines = [
@@ -483,3 +479,25 @@ def v4(doc: dict) -> str:
                 f"| {(p['window_bytes'] + p['compressor_state_bytes']) / 2**10:,.0f} "
                 f"| {p['gather_bytes'] / 2**20:.1f} | {p['materialized_bytes'] / 2**20:.1f} |")
     return "\n".join(lines)
+
+
+PROG = "python3 scripts/results_tables.py"
+
+
+@refusing
+def main(argv: list[str] | None = None) -> int:
+    tables = {"compute": compute, "kernels": kernels, "layer": layer, "demo": demo, "fused_profile": fused_profile}
+    parser = ToolParser(PROG, __doc__.splitlines()[0])
+    parser.add_argument("kind", type=choice_arg(tuple(tables), "table"), help=", ".join(tables))
+    parser.add_argument("path", help="the benchmark's results JSON")
+    args = parser.parse_args(argv)
+    doc = input_json(args.path, "path")
+    try:
+        print(tables[args.kind](doc))
+    except (KeyError, TypeError, IndexError) as exc:  # a field the table reads is missing or of another kind
+        raise ConfigError(f"path {args.path!r}: not a {args.kind} results file ({type(exc).__name__}: {exc})") from None
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -10,10 +10,12 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 from pathlib import Path
+
+from reference_impl.errors import ConfigError
+from reference_impl.tool_args import ToolParser, float_arg, input_folder, output_file, refusing
 
 _OUTCOMES = ("passed", "failed", "skipped", "deselected", "error", "errors", "xfailed", "xpassed")
 _OUTCOME = "|".join(_OUTCOMES)
@@ -51,13 +53,19 @@ def environment() -> dict[str, str]:
     return {"device": device, "torch": torch.__version__, "triton": triton.__version__}
 
 
+@refusing
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("log_dir", type=Path)
-    parser.add_argument("--seconds", type=float, required=True, help="the whole command's wall time")
-    parser.add_argument("--out", type=Path, required=True)
+    parser = ToolParser("python3 scripts/summarize_test_run.py", __doc__.splitlines()[0])
+    parser.add_argument("log_dir", help="the folder of the jobs' logs")
+    parser.add_argument("--seconds", type=float_arg(), required=True, help="the whole command's wall time")
+    parser.add_argument("--out", required=True, help="JSON file to write")
     args = parser.parse_args(argv)
-    args.out.write_text(json.dumps(summarize(args.log_dir, args.seconds, environment()), indent=1) + "\n")
+    log_dir, out = input_folder(args.log_dir, "log_dir"), output_file(args.out)
+    try:
+        summary = summarize(log_dir, args.seconds, environment())
+    except LookupError as exc:  # a job's log without pytest's final line
+        raise ConfigError(f"log_dir {args.log_dir!r}: {exc}") from None
+    out.write_text(json.dumps(summary, indent=1) + "\n")
     return 0
 
 

@@ -36,11 +36,14 @@ import platform
 import shlex
 import sys
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from reference_impl.config import MAX_BATCH_TOKENS, MAX_PLAN_CP, MAX_SEED, ConfigError
+from reference_impl.tool_args import (
+    ToolParser, device_arg, float_arg, int_arg, int_list, output_file, refusing, require_cuda,
+)
 from reference_impl.bench.compute_cases import (
     D_QK,
     D_V,
@@ -55,27 +58,42 @@ from reference_impl.bench.compute_cases import (
 # ---- driver -----------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+PROG = "python -m reference_impl.bench.compute"
+MAX_WIDTH = 1 << 12  # heads, index heads and head widths: past any model's (128 heads, 128-wide index keys)
+
+
+def build_parser() -> ToolParser:
+    parser = ToolParser(PROG, __doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="JSON file to write")
     parser.add_argument("--tokens", default="8192,32768,131072", help="query counts T (S = T), comma separated")
-    parser.add_argument("--heads", type=int, default=128)
-    parser.add_argument("--topk", type=int, default=2048)
-    parser.add_argument("--index-heads", type=int, default=64)
-    parser.add_argument("--index-dim", type=int, default=128)
-    parser.add_argument("--cp-size", type=int, default=8, help="the per-rank row: C of the zigzag split")
-    parser.add_argument("--cp-context", type=int, default=131072, help="the per-rank row: tokens of the request")
-    parser.add_argument("--torch-max-tokens", type=int, default=16384, help="time the torch references up to this T")
-    parser.add_argument("--check-rows", type=int, default=48, help="rows checked against the torch reference")
-    parser.add_argument("--slow-ms", type=float, default=250.0, help="above this, time with 3 event-timed runs")
+    parser.add_argument("--heads", type=int_arg(1, MAX_WIDTH), default=128, help="attention heads H")
+    parser.add_argument("--topk", type=int_arg(1, MAX_BATCH_TOKENS), default=2048, help="keys each query attends to")
+    parser.add_argument("--index-heads", type=int_arg(1, MAX_WIDTH), default=64, help="indexer heads Hi")
+    parser.add_argument("--index-dim", type=int_arg(1, MAX_WIDTH), default=128, help="indexer key width D")
+    parser.add_argument("--cp-size", type=int_arg(1, MAX_PLAN_CP), default=8,
+                        help="the per-rank row: C of the zigzag split")
+    parser.add_argument("--cp-context", type=int_arg(1, MAX_BATCH_TOKENS), default=131072,
+                        help="the per-rank row: tokens of the request")
+    parser.add_argument("--torch-max-tokens", type=int_arg(0), default=16384,
+                        help="time the torch references up to this T")
+    parser.add_argument("--check-rows", type=int_arg(1), default=48, help="rows checked against the torch reference")
+    parser.add_argument("--slow-ms", type=float_arg(), default=250.0, help="above this, time with 3 event-timed runs")
     parser.add_argument("--sweep", action="store_true", help="sweep launch configs at the per-rank shape first")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help=argparse.SUPPRESS)  # cpu: dry run
-    args = parser.parse_args(argv)
+    parser.add_argument("--seed", type=int_arg(0, MAX_SEED), default=0, help="inputs' random seed")
+    parser.add_argument("--device", type=device_arg, default="cuda",
+                        help=argparse.SUPPRESS)  # cpu: dry run
+    return parser
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("error: this benchmark needs a CUDA device", file=sys.stderr)
-        return 2
+
+@refusing
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    out_path = output_file(args.out)
+    tokens = int_list(args.tokens, "--tokens", 1, MAX_BATCH_TOKENS)
+    if args.cp_context < 2 * args.cp_size:
+        raise ConfigError(f"--cp-context {args.cp_context}: the zigzag split of C={args.cp_size} ranks (--cp-size) "
+                          f"needs at least {2 * args.cp_size} tokens")
+    require_cuda(args.device)
     if args.device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # dry run of the script's logic at toy sizes
     import triton
@@ -85,8 +103,6 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
-    out_path = Path(args.out)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
     on_gpu = args.device == "cuda"
     result: dict[str, Any] = {
         "command": "python -m reference_impl.bench.compute " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
@@ -121,7 +137,6 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # recorded, not fatal: the kernels are timed directly below
         result["dispatch_smoke"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
     save()
-    tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
     attn_cfg = compute_sweep.attention_config(sparse_mla_triton.GPU_DEFAULT_CONFIG)
     idx_cfg = compute_sweep.indexer_config(indexer_triton.GPU_DEFAULT_CONFIG)
     gluon_default: tuple[Any, ...] | None = None

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from reference_impl.bench.layer import Workload
+from reference_impl.bench.layer import Workload, parse_workloads, split_fits
 from reference_impl.config import ConfigError, PhaseSet, Request, RunConfig, get_preset
 from reference_impl.cp.designs import layer_shard_range
 from reference_impl.cp.loopback import LoopbackGroup
@@ -47,6 +47,9 @@ from reference_impl.engine import per_layer_tags, run_rank
 from reference_impl.planner.designs import design_layer, kv_bytes_at_rest, one_rank_parser
 from reference_impl.planner.rates import PlannerRates, load_rates
 from reference_impl.bench.record import loopback_cp, run_record
+from reference_impl.tool_args import (
+    MAX_REPEATS, device_arg, float_arg, int_arg, output_file, rank_fits, rank_of, refusing, require_cuda,
+)
 
 MEASURED_DESIGNS = ("phases", "layer-split", "rotated-shard", "dcp-gather")
 DEFAULT_WORKLOADS = "current-only:0+32768,current-only:0+131072,prefix-heavy:24576+8192,prefix-heavy:122880+8192"
@@ -160,27 +163,37 @@ def measure(preset: str, workloads: list[Workload], designs: list[str], cp_size:
     return doc
 
 
+PROG = "python -m reference_impl.bench.designs"
+
+
+@refusing
 def main(argv: list[str] | None = None) -> int:
-    parser = one_rank_parser(__doc__.split("\n\n")[0], 4, "layers run (the layer bench's slice)")
-    parser.add_argument("--repeats", type=int, default=2, help="timed runs per design after a warm-up run")
-    parser.add_argument("--workloads", default=DEFAULT_WORKLOADS)
-    parser.add_argument("--designs", default=",".join(MEASURED_DESIGNS))
-    parser.add_argument("--wire-gbps", type=float, default=None, help="model the interconnect (CUDA only)")
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser = one_rank_parser(PROG, __doc__.split("\n\n")[0], 4, "layers run (the layer bench's slice)")
+    parser.add_argument("--repeats", type=int_arg(1, MAX_REPEATS), default=2,
+                        help="timed runs per design after a warm-up run")
+    parser.add_argument("--workloads", default=DEFAULT_WORKLOADS, help="name:prefix+extend, comma separated")
+    parser.add_argument("--designs", default=",".join(MEASURED_DESIGNS), help="comma separated")
+    parser.add_argument("--wire-gbps", type=float_arg(), default=None,
+                        help="model the interconnect, GB/s (CUDA only; default: none, no wire time)")
+    parser.add_argument("--device", type=device_arg, default="cuda", help="cuda, or cpu: a dry run")
     args = parser.parse_args(argv)
-    try:
-        workloads = [Workload.parse(w) for w in args.workloads.split(",")]
-        designs = [d.strip() for d in args.designs.split(",")]
-        bad = [d for d in designs if d not in MEASURED_DESIGNS]
-        if bad or not designs:
-            raise ConfigError(f"--designs {args.designs!r}: measure from {', '.join(MEASURED_DESIGNS)}")
-        if args.repeats < 1 or args.layers < 1:
-            raise ConfigError("--repeats and --layers must be at least 1")
-        if args.device == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("this benchmark needs a CUDA device (--device cpu: a dry run)")
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    out = output_file(args.out)
+    rank_of(args.rank, args.cp_size)
+    workloads = parse_workloads(args.workloads)
+    designs = [d.strip() for d in args.designs.split(",")]
+    if any(d not in MEASURED_DESIGNS for d in designs) or len(set(designs)) < len(designs):
+        raise ConfigError(f"--designs {args.designs!r}: measure from {', '.join(MEASURED_DESIGNS)}")
+    runs = []
+    for w in workloads:
+        what = f"--workloads {w.name}:{w.prefix}+{w.extend}"
+        split_fits(w.extend, None, args.cp_size, what)
+        for design in designs:
+            try:
+                runs.append(run_config(args.preset, design, w, args.cp_size, args.layers, args.device))
+            except ConfigError as exc:
+                raise ConfigError(f"{what}, design {design}: {exc}") from None
+    require_cuda(args.device)
+    rank_fits(runs, args.rank, args.device, "--workloads / --layers")
     estimate = estimate_s(args.preset, workloads, designs, args.cp_size, args.rank, args.layers, args.repeats,
                           args.wire_gbps)
     print(f"estimated device time on an H200: {estimate:.0f} s", file=sys.stderr, flush=True)
@@ -197,9 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     start = time.perf_counter()
     measure(args.preset, workloads, designs, args.cp_size, args.rank, args.layers, args.device, args.wire_gbps,
-            args.repeats, Path(args.out), doc)
+            args.repeats, out, doc)
     doc["wall_s"] = time.perf_counter() - start
-    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    out.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {args.out} in {doc['wall_s']:.0f} s", file=sys.stderr)
     return 0
 

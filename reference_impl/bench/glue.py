@@ -31,18 +31,19 @@ import shlex
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from reference_impl.bench.timing import median_ms_timer, ready_for
+from reference_impl.config import MAX_BATCH_TOKENS, MAX_PLAN_CP, MAX_SEED, ConfigError
 from reference_impl.fp8 import hadamard_matrix
 from reference_impl.kvcache.layout import KVLayout
 from reference_impl.model import norm
 from reference_impl.model import query_prep as ref
 from reference_impl.model.rope import rope_cos_sin, rope_frequencies
 from reference_impl.presets import get_preset
+from reference_impl.tool_args import ToolParser, device_arg, int_arg, int_list, output_file, refusing, require_cuda
 
 Bench = Callable[[Callable[[], object]], float]
 
@@ -142,16 +143,31 @@ def bench_tokens(n_tokens: int, cp_size: int, device: str, bench: Bench, seed: i
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+PROG = "python -m reference_impl.bench.glue"
+
+
+def build_parser() -> ToolParser:
+    parser = ToolParser(PROG, __doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="JSON file to write")
     parser.add_argument("--tokens", default="4096,16384", help="local token counts T, comma separated")
-    parser.add_argument("--cp-size", type=int, default=8, help="C: the gathered chunk of fill_current is C x T tokens")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help=argparse.SUPPRESS)  # cpu: dry run
-    args = parser.parse_args(argv)
-    if not ready_for(args.device):
-        return 2
+    parser.add_argument("--cp-size", type=int_arg(1, MAX_PLAN_CP), default=8,
+                        help="C: the gathered chunk of fill_current is C x T tokens")
+    parser.add_argument("--seed", type=int_arg(0, MAX_SEED), default=0, help="inputs' random seed")
+    parser.add_argument("--device", type=device_arg, default="cuda",
+                        help=argparse.SUPPRESS)  # cpu: dry run
+    return parser
+
+
+@refusing
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    out = output_file(args.out)
+    tokens = int_list(args.tokens, "--tokens", 1)
+    if max(tokens) * args.cp_size > MAX_BATCH_TOKENS:
+        raise ConfigError(f"--tokens {max(tokens)} x --cp-size {args.cp_size}: the gathered chunk holds more than "
+                          f"{MAX_BATCH_TOKENS:,} tokens")
+    require_cuda(args.device)
+    ready_for(args.device)  # a CPU dry run: Triton's interpreter, before triton is imported
     import triton
 
     on_gpu = args.device == "cuda"
@@ -166,10 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "timing": "median of triton.testing.do_bench (warmup 25 ms, rep 100 ms)" if on_gpu else "one CPU call",
         "bytes": "what the kernel must read plus write; copy_gbps: a device copy of as many bytes",
-        "rows": [row for t in args.tokens.split(",") for row in bench_tokens(int(t), args.cp_size, args.device, bench, args.seed)],
+        "rows": [row for t in tokens for row in bench_tokens(t, args.cp_size, args.device, bench, args.seed)],
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     for r in result["rows"]:
         print(

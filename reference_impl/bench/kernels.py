@@ -58,11 +58,15 @@ import platform
 import shlex
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from reference_impl.config import MAX_BATCH_TOKENS, MAX_PLAN_CP, MAX_SEED, ConfigError, validate_page_size
+from reference_impl.tool_args import (
+    DSA_PRESETS, MAX_REPEATS, ToolParser, device_arg, dsa_preset_arg, int_arg, int_list, output_file, refusing,
+    require_cuda,
+)
 from reference_impl.bench.kernel_cases import (
     BAR_FRACTION,
     BAR_MIN_TOKENS,
@@ -107,21 +111,20 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _token_list(text: str) -> list[int]:
-    return [int(t) for t in text.split(",") if t.strip()]
+PROG = "python -m reference_impl.bench.kernels"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def build_parser() -> ToolParser:
+    parser = ToolParser(PROG, __doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="JSON file to write")
     parser.add_argument("--tokens", default=None, help="token counts, comma separated (default 32768,131072; cpu: 64)")
-    parser.add_argument("--cp-size", type=int, default=8)
-    parser.add_argument("--page-size", type=int, default=64)
-    parser.add_argument("--preset", default="deepseek-v3.2")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--cpu-repeats", type=int, default=1, help=argparse.SUPPRESS)
-    parser.add_argument("--repeats", type=int, default=1, help="timings per row (median kept; default 1)")
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: interpreter dry run")
+    parser.add_argument("--cp-size", type=int_arg(1, MAX_PLAN_CP), default=8, help="CP ranks C")
+    parser.add_argument("--page-size", type=int_arg(1), default=64, help="tokens per KV page (a power of two, 4..4096)")
+    parser.add_argument("--preset", type=dsa_preset_arg(), default="deepseek-v3.2", help=", ".join(DSA_PRESETS))
+    parser.add_argument("--seed", type=int_arg(0, MAX_SEED), default=0, help="inputs' random seed")
+    parser.add_argument("--cpu-repeats", type=int_arg(1, MAX_REPEATS), default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--repeats", type=int_arg(1, MAX_REPEATS), default=1, help="timings per row (median kept)")
+    parser.add_argument("--device", type=device_arg, default="cuda", help="cuda, or cpu: interpreter dry run")
     parser.add_argument(
         "--sweep",
         action="store_true",
@@ -132,12 +135,22 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="token counts of the sweep, comma separated (default: the largest --tokens value)",
     )
-    args = parser.parse_args(argv)
-    if args.repeats < 1:
-        parser.error(f"--repeats {args.repeats}: at least 1")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("error: this benchmark needs a CUDA device (use --device cpu for a dry run)", file=sys.stderr)
-        return 2
+    return parser
+
+
+@refusing
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    out_path = output_file(args.out)
+    on_gpu = args.device == "cuda"
+    tokens = int_list(args.tokens or ("32768,131072" if on_gpu else "64"), "--tokens", 1, MAX_BATCH_TOKENS)
+    sweep_tokens = (int_list(args.sweep_tokens, "--sweep-tokens", 1, MAX_BATCH_TOKENS) if args.sweep_tokens
+                    else [max(tokens)])
+    try:
+        validate_page_size(args.page_size)
+    except ConfigError as exc:
+        raise ConfigError(f"--page-size: {exc}") from None
+    require_cuda(args.device)
     if args.device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernel modules import triton
     import triton
@@ -145,14 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     from reference_impl.bench import kernel_sweep
     from reference_impl.kernels.fused_configs import KERNELS, default_config
 
-    on_gpu = args.device == "cuda"
-    tokens = _token_list(args.tokens or ("32768,131072" if on_gpu else "64"))
-    sweep_tokens = _token_list(args.sweep_tokens) if args.sweep_tokens else [max(tokens)]
     device = torch.device(args.device)
     time_ms = make_timer(device, args.cpu_repeats)
     configs = {kernel: default_config(kernel, device) for kernel in KERNELS}
-    out_path = Path(args.out)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {
         "command": "python -m reference_impl.bench.kernels "
         + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),

@@ -40,7 +40,6 @@ cancels drifts slower than a repeat.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -53,15 +52,25 @@ from typing import Any
 
 import torch
 
-from reference_impl.config import ConfigError, PhaseSet, Request, RunConfig, get_preset
+from reference_impl.config import (
+    MAX_BATCH_TOKENS, MAX_PLAN_CP, SPLIT_MODES, ConfigError, PhaseSet, Request, RunConfig, get_preset,
+)
 from reference_impl.cp.capacity import kv_bytes_per_rank
 from reference_impl.cp.kv_sharded import ShardedKV
 from reference_impl.cp.loopback import LoopbackGroup
 from reference_impl.engine import run_rank
 from reference_impl.planner import layer_terms, load_rates
 from reference_impl.planner.model import activation_bytes, local_queries, transient_bytes
-from reference_impl.tool_args import input_json, output_file, refusing, require_cuda
+from reference_impl.planner.plan import MAX_CONTEXT
+from reference_impl.presets_v4 import V4_PRESETS
+from reference_impl.tool_args import (
+    DSA_PRESETS, MAX_LAYERS, MAX_REPEATS, OPTIONAL_NUMBER, OPTIONAL_POSITIVE, POSITIVE, ToolParser, choice_field,
+    device_arg, dsa_preset_arg, float_arg, input_json, int_arg, int_field, int_list, output_file, rank_fits, rank_of,
+    refusing, require_cuda, stored_fields,
+)
 from reference_impl.bench.record import loopback_cp, run_record
+
+PROG = "python -m reference_impl.bench.layer"
 
 
 @dataclass(frozen=True)
@@ -73,22 +82,56 @@ class Workload:
     extend: int
 
     @classmethod
-    def parse(cls, spec: str) -> Workload:
-        """``name:prefix+extend``, e.g. ``prefix-heavy:65536+8192``."""
+    def parse(cls, spec: str, flag: str = "--workloads") -> Workload:
+        """``name:prefix+extend``, e.g. ``prefix-heavy:65536+8192``; the error names ``flag``."""
         try:
             name, sizes = spec.split(":")
             prefix, extend = (int(v) for v in sizes.split("+"))
         except ValueError:
-            raise ConfigError(f"workload {spec!r}: expected name:prefix+extend, e.g. current-only:0+131072") from None
+            raise ConfigError(f"{flag} {spec!r}: expected name:prefix+extend, e.g. current-only:0+131072") from None
+        if not name.strip() or prefix < 0 or extend < 1 or prefix + extend > MAX_BATCH_TOKENS:
+            raise ConfigError(f"{flag} {spec!r}: need a name, prefix >= 0, extend >= 1 and prefix + extend at most "
+                              f"{MAX_BATCH_TOKENS:,} tokens")
         return cls(name, prefix, extend)
 
 
-def parse_levels(spec: str) -> list[int]:
-    """``0-8`` or ``0,2,7,8`` -> sorted levels."""
+def parse_workloads(spec: str, flag: str = "--workloads") -> list[Workload]:
+    """Comma-separated ``name:prefix+extend`` workloads (at least one)."""
+    return [Workload.parse(part.strip(), flag) for part in spec.split(",")]
+
+
+def parse_levels(spec: str, flag: str = "--levels") -> list[int]:
+    """``0-8`` or ``0,2,7,8`` -> sorted distinct levels within 0..8; the error names ``flag``."""
     if "-" in spec:
-        lo, hi = (int(v) for v in spec.split("-"))
-        return list(range(lo, hi + 1))
-    return sorted(int(v) for v in spec.split(","))
+        lo, _, hi = spec.partition("-")
+        bounds = int_list(f"{lo},{hi}", flag, 0, 8)
+        if bounds[0] > bounds[1]:
+            raise ConfigError(f"{flag} {spec!r}: the range runs downward")
+        return list(range(bounds[0], bounds[1] + 1))
+    return sorted(set(int_list(spec, flag, 0, 8)))
+
+
+def layers_arg(preset: str, layers: int, flag: str = "--layers", preset_flag: str = "--preset") -> int:
+    """``layers`` when a bench can run that many of ``preset``'s layers: a V4 preset's own count at
+    most (each layer has its compress ratio); a DSA preset repeats its layer, up to :data:`MAX_LAYERS`."""
+    most = get_preset(preset).n_layers if preset in V4_PRESETS else MAX_LAYERS
+    if layers > most:
+        why = f"{preset_flag} {preset} has {most} layers" if preset in V4_PRESETS else \
+            f"at most {MAX_LAYERS} (more than any preset's)"
+        raise ConfigError(f"{flag} {layers}: {why}")
+    return layers
+
+
+def split_fits(extend: int, chunk: int | None, cp_size: int, what: str) -> None:
+    """Refuse one request of ``extend`` new tokens, prefilled in chunks of ``chunk`` (``None``: one),
+    whose smallest chunk leaves one of ``cp_size`` ranks without a token (either split needs a token
+    per rank): what the engine refuses once it runs, said before anything starts."""
+    step = chunk or extend
+    smallest = extend % step or step
+    if smallest < cp_size:
+        which = "its last chunk holds" if smallest < extend else "it holds"
+        raise ConfigError(f"{what}: {which} {smallest:,} new tokens, fewer than the {cp_size} ranks (--cp-size): "
+                          "every rank needs one")
 
 
 def _run(run: RunConfig, group: LoopbackGroup, keep_store: bool = False, empty_cache: bool = True) -> Any:
@@ -266,46 +309,84 @@ def measure(
     return out
 
 
-@refusing
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", help="JSON file to write (with --replan: defaults to the file replanned)")
+# What --replan reads from a stored run (measured fields the planner's errors divide by included).
+REPLAN_FIELDS = {
+    "preset": choice_field(DSA_PRESETS), "n_layers": int_field(1, MAX_LAYERS), "cp_size": int_field(1, MAX_PLAN_CP),
+    "rank": int_field(0), "wire_gbps": OPTIONAL_POSITIVE,
+    "workloads": [{
+        "workload": {"prefix": int_field(0, MAX_CONTEXT), "extend": int_field(1, MAX_CONTEXT)},
+        "split_mode?": choice_field(SPLIT_MODES),
+        "levels": [{"level": int_field(0, 8), "layer_ms_median": POSITIVE, "kv_bytes": POSITIVE,
+                    "transient_peak_bytes": POSITIVE, "measured_peak_bytes?": OPTIONAL_NUMBER}],
+    }],
+}
+
+
+def stored_run(path: str) -> dict[str, Any]:
+    """The stored run ``--replan`` names, with every field :func:`replan` reads (or one error naming it)."""
+    doc = input_json(path, "--replan")
+    where = f"--replan {path!r}"
+    stored_fields(doc, REPLAN_FIELDS, where)
+    rank_of(doc["rank"], doc["cp_size"], f"{where}: field rank", "cp_size")
+    layers_arg(doc["preset"], doc["n_layers"], f"{where}: field n_layers", "preset")
+    return doc
+
+
+def build_parser() -> ToolParser:
+    parser = ToolParser(PROG, __doc__.split("\n\n")[0])
+    parser.add_argument("--out", help="JSON file to write (with --replan: default the file replanned)")
     parser.add_argument("--replan", metavar="FILE", help="recompute the planner columns of a stored run (no device)")
-    parser.add_argument("--preset", default="deepseek-v3.2")
-    parser.add_argument("--cp-size", type=int, default=8)
-    parser.add_argument("--rank", type=int, default=0)
-    parser.add_argument("--levels", default="0-8")
+    parser.add_argument("--preset", type=dsa_preset_arg(), default="deepseek-v3.2", help=", ".join(DSA_PRESETS))
+    parser.add_argument("--cp-size", type=int_arg(1, MAX_PLAN_CP), default=8, help="CP ranks C")
+    parser.add_argument("--rank", type=int_arg(0), default=0, help="the rank this process plays, 0..C-1")
+    parser.add_argument("--levels", default="0-8", help="phase levels: a range 0-8 or a list 0,7,8")
     parser.add_argument(
         "--workloads",
         default="current-only:0+32768,current-only:0+131072,prefix-heavy:131072+8192,prefix-heavy:131072+2048",
+        help="name:prefix+extend, comma separated",
     )
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--wire-gbps", type=float, default=None, help="model the interconnect (CUDA only)")
-    parser.add_argument("--prefetch-repeats", type=int, default=6, help="extra alternating level 7 / 8 runs")
-    parser.add_argument("--level-repeats", type=int, default=1, help="runs per level (median over all their layers)")
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--layers", type=int_arg(None, MAX_LAYERS, "more than any preset's"), default=4,
+                        help="layers run")
+    parser.add_argument("--wire-gbps", type=float_arg(), default=None,
+                        help="model the interconnect, GB/s (CUDA only; default: none, no wire time)")
+    parser.add_argument("--prefetch-repeats", type=int_arg(None, MAX_REPEATS), default=6,
+                        help="extra alternating level 7 / 8 runs")
+    parser.add_argument("--level-repeats", type=int_arg(None, MAX_REPEATS), default=1,
+                        help="runs per level (median over all their layers)")
+    parser.add_argument("--device", type=device_arg, default="cuda",
+                        help="cuda, or cpu: a dry run")
     parser.add_argument("--split-modes", default="in-seq",
                         help="comma-separated: in-seq, round-robin (round-robin levels drop phases 4 and 5)")
+    return parser
+
+
+@refusing
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    for flag, value in (("--prefetch-repeats", args.prefetch_repeats), ("--level-repeats", args.level_repeats),
+                        ("--layers", args.layers)):
+        if value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
     if args.replan:
-        stored = input_json(args.replan, "--replan")
+        stored = stored_run(args.replan)
         out = output_file(args.out or args.replan)
         out.write_text(json.dumps(replan(stored), indent=1))
         print(f"wrote {out}", file=sys.stderr)
         return 0
     if not args.out:
-        parser.error("--out is required")
+        raise ConfigError("--out FILE: where to write the results (or --replan FILE)")
     output_file(args.out)
-    require_cuda(args.device)
-    for flag, value in (("--prefetch-repeats", args.prefetch_repeats), ("--level-repeats", args.level_repeats),
-                        ("--layers", args.layers)):
-        if value < 1:
-            parser.error(f"{flag} must be at least 1, got {value}")
-    workloads = [Workload.parse(w) for w in args.workloads.split(",")]
+    rank_of(args.rank, args.cp_size)
+    workloads = parse_workloads(args.workloads)
     levels = parse_levels(args.levels)
     split_modes = [m.strip() for m in args.split_modes.split(",")]
-    if not split_modes or any(m not in ("in-seq", "round-robin") for m in split_modes):
-        parser.error(f"--split-modes {args.split_modes!r}: use in-seq, round-robin or both")
+    if any(m not in SPLIT_MODES for m in split_modes) or len(set(split_modes)) < len(split_modes):
+        raise ConfigError(f"--split-modes {args.split_modes!r}: use in-seq, round-robin or both")
+    require_cuda(args.device)
+    runs = [bench_run(args.preset, w, args.cp_size, args.layers, args.device, mode, level, "--workloads")
+            for w in workloads for mode in split_modes for level in levels]
+    rank_fits(runs, args.rank, args.device, "--workloads / --layers")
     results: list[dict[str, Any]] = []
     doc = {
         **run_record("layer", argv, args.device),
@@ -330,6 +411,20 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.out).write_text(json.dumps(doc, indent=1))
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
+
+
+def bench_run(preset: str, workload: Workload, cp_size: int, n_layers: int, device: str, split_mode: str, level: int,
+              flag: str) -> RunConfig:
+    """The run :func:`measure` makes of one workload at one level, built before anything runs: what
+    :class:`RunConfig` refuses (ranks without a token, say) is refused up front, naming ``flag``."""
+    what = f"{flag} {workload.name}:{workload.prefix}+{workload.extend}"
+    split_fits(workload.extend, None, cp_size, what)
+    try:
+        return RunConfig(preset=preset, n_layers=n_layers, cp_size=cp_size, check=False, device=device,
+                         requests=(Request(workload.prefix, workload.extend),), phases=phases_at(level, split_mode),
+                         split_mode=split_mode)
+    except ConfigError as exc:
+        raise ConfigError(f"{what} at level {level} ({split_mode}): {exc}") from None
 
 
 if __name__ == "__main__":

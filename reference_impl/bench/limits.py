@@ -30,16 +30,18 @@ checked against its reference before it is timed):
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
+
+from reference_impl.tool_args import (
+    MAX_LAYERS, MAX_REPEATS, ToolParser, device_arg, float_arg, int_arg, output_file, refusing, require_cuda,
+)
 
 DEEPSEEK_PROJECTIONS = {  # (in_features, out_features) of DeepSeek-V3.2's attention projections
     "wq_a": (7168, 1536), "wq_b": (1536, 24576), "wkv_a": (7168, 576), "wo": (16384, 7168),
@@ -213,30 +215,38 @@ def layer_128k(device: str, layers: int, level_repeats: int, wire_gbps: float | 
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+PROG = "python -m reference_impl.bench.limits"
+
+
+def build_parser() -> ToolParser:
+    parser = ToolParser(PROG, __doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="JSON to write (a superset of compute_bench.json)")
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--level-repeats", type=int, default=3)
-    parser.add_argument("--wire-gbps", type=float, default=450.0, help="the layer's modeled interconnect")
-    parser.add_argument("--slow-ms", type=float, default=250.0)
+    parser.add_argument("--device", type=device_arg, default="cuda", help="cuda, or cpu: a dry run at toy sizes")
+    parser.add_argument("--layers", type=int_arg(1, MAX_LAYERS, "more than any preset's"), default=4,
+                        help="layers of section 4's rank")
+    parser.add_argument("--level-repeats", type=int_arg(1, MAX_REPEATS), default=3, help="section 4's runs per variant")
+    parser.add_argument("--wire-gbps", type=float_arg(), default=450.0, help="the layer's modeled interconnect, GB/s")
+    parser.add_argument("--slow-ms", type=float_arg(), default=250.0, help="above this, time with 3 event-timed runs")
     parser.add_argument("--skip-compute", action="store_true", help="skip section 1 (the compute benchmark)")
     parser.add_argument("--emulated-errors", action="store_true",
                         help="only write the FP8 projections' error against bf16 from the CPU emulation (no device)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+@refusing
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    out = output_file(args.out)
     if args.emulated_errors:
         doc = emulated_errors()
         doc["command"] = "python -m reference_impl.bench.limits --emulated-errors --out " + args.out
-        Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+        out.write_text(json.dumps(doc, indent=1) + "\n")
         return 0
     from reference_impl.bench import compute
     from reference_impl.bench.timing import ready_for
 
-    if not ready_for(args.device):
-        return 2
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    require_cuda(args.device)
+    ready_for(args.device)  # a CPU dry run: Triton's interpreter, before triton is imported
     started = time.time()
     if not args.skip_compute:
         compute_args = ["--out", str(out), "--sweep"]

@@ -36,7 +36,6 @@ render until a GPU run exists).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -47,16 +46,24 @@ from typing import Any
 
 import torch
 
-from reference_impl.bench.layer import phases_at, planner_point, warm_up
-from reference_impl.config import ConfigError, Request, RunConfig
+from reference_impl.bench.layer import parse_levels, phases_at, planner_point, split_fits, warm_up
+from reference_impl.config import MAX_BATCH_TOKENS, MAX_PLAN_CP, ConfigError, Request, RunConfig
 from reference_impl.cp.loopback import LoopbackGroup
 from reference_impl.engine import run_rank
 from reference_impl.planner import rank_ranges, zigzag_blocks
 from reference_impl.bench.record import run_record
-from reference_impl.tool_args import input_json, output_file, refusing
+from reference_impl.tool_args import (
+    DSA_PRESETS, LIST, MAX_LAYERS, OBJECT, OPTIONAL_NUMBER, POSITIVE, ToolParser, choice_field, device_arg,
+    dsa_preset_arg, float_arg, input_json, int_arg, int_field, int_list, output_file, rank_fits, rank_of, refusing,
+    require_cuda, stored_fields,
+)
 
+PROG = "python -m reference_impl.bench.long_context"
 DEFAULT_CONTEXTS = (131072, 524288, 1048576)
 DEFAULT_CHUNK = 131072
+# Chunks x levels, summed over the contexts: the planner walks each (a few ms apiece) for the estimate
+# and the planner columns, and each is a run of the layers on the device.
+MAX_CHUNK_POINTS = 4096
 
 
 def chunk_contexts(context: int, chunk: int) -> list[int]:
@@ -274,49 +281,88 @@ def transient_ratio(runs: list[dict[str, Any]], level: int) -> float | None:
     return peaks[-1] / peaks[0] if len(peaks) > 1 and all(peaks) else None
 
 
+# What --replan reads from a stored run (measured fields the planner's errors divide by included).
+REPLAN_FIELDS = {
+    "preset": choice_field(DSA_PRESETS), "cp_size": int_field(1, MAX_PLAN_CP), "rank": int_field(0),
+    "n_layers": int_field(1, MAX_LAYERS), "chunk_tokens": int_field(1, MAX_BATCH_TOKENS),
+    "runs": [{
+        "context": int_field(1, MAX_BATCH_TOKENS), "components?": OBJECT,
+        "levels": [{"level": int_field(0, 8), "chunk_contexts": LIST, "last_chunk_layer_ms": POSITIVE,
+                    "prefill_ms_per_layer": POSITIVE, "kv_bytes": POSITIVE, "measured_peak_bytes": OPTIONAL_NUMBER}],
+    }],
+}
+
+
+def walk_fits(contexts: list[int], chunk: int, levels: list[int], cp_size: int, what: str) -> None:
+    """Refuse a benchmark (or its stored run, ``what``) whose chunks x levels exceed :data:`MAX_CHUNK_POINTS`,
+    or whose last chunk of a context leaves a rank without a token."""
+    points = sum(-(-context // chunk) for context in contexts) * len(levels)
+    if points > MAX_CHUNK_POINTS:
+        raise ConfigError(f"{what}: {points:,} chunks x levels; at most {MAX_CHUNK_POINTS:,} (each is planned, and "
+                          "run, one by one): use a larger chunk, fewer contexts or levels")
+    for context in contexts:
+        split_fits(context, chunk, cp_size, f"{what}: context {context:,} in chunks of {chunk:,}")
+
+
+def stored_run(path: str) -> dict[str, Any]:
+    """The stored run ``--replan`` names, with every field :func:`replan` reads (or one error naming it)."""
+    doc = input_json(path, "--replan")
+    where = f"--replan {path!r}"
+    stored_fields(doc, REPLAN_FIELDS, where)
+    rank_of(doc["rank"], doc["cp_size"], f"{where}: field rank", "cp_size")
+    levels = [0] * max(len(r["levels"]) for r in doc["runs"])  # the most levels a context ran
+    walk_fits([r["context"] for r in doc["runs"]], doc["chunk_tokens"], levels, doc["cp_size"], where)
+    return doc
+
+
+def build_parser() -> ToolParser:
+    parser = ToolParser(PROG, __doc__.split("\n\n")[0])
+    parser.add_argument("--out", help="JSON file to write (rewritten after each context; with --replan: default "
+                        "the file replanned)")
+    parser.add_argument("--replan", metavar="FILE", help="recompute the planner fields of a stored run (no device)")
+    parser.add_argument("--preset", type=dsa_preset_arg(), default="deepseek-v3.2", help=", ".join(DSA_PRESETS))
+    parser.add_argument("--contexts", default=",".join(str(c) for c in DEFAULT_CONTEXTS),
+                        help="tokens of the request, comma separated")
+    parser.add_argument("--chunk", type=int_arg(1, MAX_BATCH_TOKENS), default=DEFAULT_CHUNK,
+                        help="tokens per chunk of the prefill (CP group)")
+    parser.add_argument("--levels", default="0,7,8", help="phase levels: a list 0,7,8 or a range 0-8")
+    parser.add_argument("--layers", type=int_arg(1, MAX_LAYERS, "more than any preset's"), default=2, help="layers run")
+    parser.add_argument("--cp-size", type=int_arg(1, MAX_PLAN_CP), default=8, help="CP ranks C")
+    parser.add_argument("--rank", type=int_arg(0), default=0, help="the rank this process plays, 0..C-1")
+    parser.add_argument("--slow-ms", type=float_arg(), default=250.0, help="components above this: 3 event-timed runs")
+    parser.add_argument("--no-components", action="store_true", help="skip the per-component timings")
+    parser.add_argument("--device", type=device_arg, default="cuda", help="cuda, or cpu: a dry run")
+    parser.add_argument("--modeled", action="store_true", help="write the planner's figures only (no device)")
+    return parser
+
+
 @refusing
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", help="JSON file to write (rewritten after each context; with --replan: defaults "
-                        "to the file replanned)")
-    parser.add_argument("--replan", metavar="FILE", help="recompute the planner fields of a stored run (no device)")
-    parser.add_argument("--preset", default="deepseek-v3.2")
-    parser.add_argument("--contexts", default=",".join(str(c) for c in DEFAULT_CONTEXTS))
-    parser.add_argument("--chunk", type=int, default=DEFAULT_CHUNK, help="tokens per chunk of the prefill (CP group)")
-    parser.add_argument("--levels", default="0,7,8")
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--cp-size", type=int, default=8)
-    parser.add_argument("--rank", type=int, default=0)
-    parser.add_argument("--slow-ms", type=float, default=250.0, help="components above this: 3 event-timed runs")
-    parser.add_argument("--no-components", action="store_true", help="skip the per-component timings")
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    parser.add_argument("--modeled", action="store_true", help="write the planner's figures only (no device)")
-    args = parser.parse_args(argv)
-    from reference_impl.bench.timing import ready_for
-
+    args = build_parser().parse_args(argv)
     if args.replan:
-        stored = input_json(args.replan, "--replan")
+        stored = stored_run(args.replan)
         out = output_file(args.out or args.replan)
         out.write_text(json.dumps(replan(stored), indent=1) + "\n")
         print(f"wrote {out} (replanned)", file=sys.stderr)
         return 0
     if args.out is None:
-        raise ConfigError("--out FILE: where to write the results")
+        raise ConfigError("--out FILE: where to write the results (or --replan FILE)")
     output_file(args.out)
-    try:
-        contexts = sorted(int(c) for c in args.contexts.split(","))
-        levels = sorted(int(v) for v in args.levels.split(","))
-    except ValueError:
-        raise ConfigError(f"--contexts {args.contexts!r} / --levels {args.levels!r}: comma-separated integers") from None
-    if args.chunk < 1 or args.layers < 1 or not contexts or contexts[0] < 1:
-        raise ConfigError("--chunk, --layers and every context must be at least 1")
+    contexts = sorted(set(int_list(args.contexts, "--contexts", 1, MAX_BATCH_TOKENS)))
+    levels = parse_levels(args.levels)
+    rank_of(args.rank, args.cp_size)
+    walk_fits(contexts, args.chunk, levels, args.cp_size, "--contexts / --chunk / --levels")
     if args.modeled:
         doc = modeled_doc(args.preset, contexts, args.chunk, levels, args.cp_size, args.rank, args.layers)
         Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
         print(f"wrote {args.out} (modeled)", file=sys.stderr)
         return 0
-    if not ready_for(args.device):
-        return 2
+    require_cuda(args.device)
+    rank_fits((_run_config(args.preset, context, args.chunk, level, args.cp_size, args.layers, args.device)
+               for context in contexts for level in levels), args.rank, args.device, "--contexts / --chunk / --layers")
+    from reference_impl.bench.timing import ready_for
+
+    ready_for(args.device)  # a CPU dry run: Triton's interpreter on, before the kernels import it
     estimate = estimate_seconds(args.preset, contexts, args.chunk, levels, args.cp_size, args.rank, args.layers)
     print(f"planner estimate of the measured device time: {estimate:.0f} s (plus compilation and host work)",
           file=sys.stderr, flush=True)
@@ -338,7 +384,6 @@ def main(argv: list[str] | None = None) -> int:
         "runs": runs,
     }
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     for context in contexts:
         print(f"context {context}: {len(chunk_contexts(context, args.chunk))} chunks, levels {levels}", file=sys.stderr, flush=True)
         entry: dict[str, Any] = {"context": context, "prefix_of_last_chunk": last_prefix(context, args.chunk), "levels": []}

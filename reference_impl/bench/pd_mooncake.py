@@ -61,8 +61,8 @@ from typing import Any
 import torch
 
 from reference_impl.bench.layer import Workload
-from reference_impl.bench.pd_stream import DECODE_RANK, parse_stream_args, stream_parser, streamed_prefill
-from reference_impl.config import PhaseSet, Request, RunConfig
+from reference_impl.bench.pd_stream import DECODE_RANK, parse_stream_args, runs_fit, stream_parser, streamed_prefill
+from reference_impl.config import ConfigError, PhaseSet, Request, RunConfig
 from reference_impl.cp.loopback import LoopbackGroup
 from reference_impl.engine import request_locs, run_rank
 from reference_impl.kvcache.layout import KVLayout
@@ -70,9 +70,10 @@ from reference_impl.pd.dcp import DcpDecodeShard, DcpLayout
 from reference_impl.pd.mooncake import MooncakeReceiver, MooncakeTransport
 from reference_impl.pd.mooncake_engine import MooncakeEngine, mooncake_unavailable
 from reference_impl.pd.stream import LayerStreamer
-from reference_impl.tool_args import output_file, refusing, require_cuda
+from reference_impl.tool_args import refusing
 from reference_impl.bench.record import run_record
 
+PROG = "python -m reference_impl.bench.pd_mooncake"
 LIB_LINKS = Path(tempfile.gettempdir()) / "dsacp-mooncake-libs"  # the loaded ones, for LD_LIBRARY_PATH
 MISSING_LIB = re.compile(r"(lib[\w.+-]+\.so[\w.]*): cannot open shared object file")
 VARIANTS = ("plain", "torch", "mooncake_host", "mooncake_gpu")
@@ -296,14 +297,15 @@ def end_to_end(device: str) -> dict[str, Any]:
 
 @refusing
 def main(argv: list[str] | None = None) -> int:
-    parser = stream_parser(__doc__.split("\n\n")[0])
+    parser = stream_parser(PROG, __doc__.split("\n\n")[0])
     parser.add_argument("--libs", action="append", default=[], metavar="DIR",
                         help="a folder of shared libraries to load the ones the wheel misses from (repeatable)")
     parser.add_argument("--no-end-to-end", dest="end_to_end", action="store_false",
-                        help="skip the multi-process pd run")
+                        help="skip the multi-process pd run (default: run it)")
     args = parse_stream_args(parser, argv)
-    output_file(args.out)
-    require_cuda(args.device)
+    missing = [d for d in args.libs if not Path(d).is_dir()]
+    if missing:
+        raise ConfigError(f"--libs {missing[0]!r}: not a folder")
     on_cuda = args.device == "cuda"
     doc: dict[str, Any] = {
         "ok": False, "failure": None,
@@ -316,10 +318,9 @@ def main(argv: list[str] | None = None) -> int:
         "preset": args.preset, "cp_size": args.cp_size, "rank": args.rank, "n_layers": args.layers,
         "repeats": args.repeats, "wire_gbps": args.wire_gbps, "mooncake": {}, "workloads": [], "end_to_end": None,
     }
-    out = Path(args.out)
+    out = args.out
 
     def write() -> None:
-        out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(doc, indent=1))
 
     stage = "load"
@@ -329,11 +330,12 @@ def main(argv: list[str] | None = None) -> int:
                            "import_error": error}
         if error is not None:
             raise RuntimeError(error)
+        runs_fit(args)  # after the load: a wheel that does not load is recorded whatever the sizes
         stage = "start engines"
         engines = (MooncakeEngine.start(), MooncakeEngine.start())
         doc["mooncake"]["protocol"] = engines[0].protocol
         variants = list(VARIANTS) if on_cuda else ["plain", "torch", "mooncake_host"]
-        for w in (Workload.parse(spec) for spec in args.workloads.split(",")):
+        for w in args.workloads:
             stage = f"workload {w.name}"
             print(f"{w.name} {w.prefix}+{w.extend}", file=sys.stderr, flush=True)
             doc["workloads"].append(measure(args, w, engines, variants))
@@ -343,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
             print("end to end: pd --transport mooncake", file=sys.stderr, flush=True)
             doc["end_to_end"] = end_to_end(args.device)
         doc["ok"] = True
+    except ConfigError:  # a run this machine cannot hold: refused in one line, not recorded as a result
+        raise
     except Exception as exc:  # noqa: BLE001 (the failure is the result: recorded, not a crash)
         doc["failure"] = {"stage": stage, "error": f"{type(exc).__name__}: {exc}",
                           "traceback": traceback.format_exc().splitlines()[-12:]}

@@ -29,19 +29,23 @@ import argparse
 import json
 import statistics
 import sys
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from reference_impl.bench.layer import Workload
-from reference_impl.config import PhaseSet, Request, RunConfig
+from reference_impl.bench.layer import Workload, parse_workloads, split_fits
+from reference_impl.config import MAX_PLAN_CP, PhaseSet, Request, RunConfig
 from reference_impl.cp.loopback import LoopbackGroup
 from reference_impl.engine import request_locs, run_rank
 from reference_impl.pd.stream import LayerStreamer
 from reference_impl.pd.transport import InProcessTransport
-from reference_impl.tool_args import output_file, refusing, require_cuda
+from reference_impl.tool_args import (
+    DSA_PRESETS, MAX_LAYERS, MAX_REPEATS, ToolParser, device_arg, dsa_preset_arg, float_arg, int_arg, output_file,
+    rank_fits, rank_of, refusing, require_cuda,
+)
 from reference_impl.bench.record import loopback_cp, run_record
+
+PROG = "python -m reference_impl.bench.pd_stream"
 
 DECODE_RANK = -1  # the in-process decode's mailbox key
 
@@ -110,39 +114,57 @@ def measure(preset: str, workload: Workload, cp_size: int, rank: int, level: int
     }
 
 
-def stream_parser(description: str) -> argparse.ArgumentParser:
+def stream_parser(prog: str, description: str) -> ToolParser:
     """The arguments of a layer-wise send benchmark (this one and :mod:`reference_impl.bench.pd_mooncake`)."""
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--preset", default="deepseek-v3.2")
-    parser.add_argument("--cp-size", type=int, default=8)
-    parser.add_argument("--rank", type=int, default=0)
-    parser.add_argument("--level", type=int, default=8, help="a phase level with KV sharded at rest (2-8)")
-    parser.add_argument("--workloads", default="32k:0+32768,128k:0+131072,prefix-heavy:131072+2048")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--wire-gbps", type=float, default=None, help="model the CP all-gathers' interconnect (CUDA only)")
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser = ToolParser(prog, description)
+    parser.add_argument("--out", required=True, help="JSON file to write")
+    parser.add_argument("--preset", type=dsa_preset_arg(), default="deepseek-v3.2", help=", ".join(DSA_PRESETS))
+    parser.add_argument("--cp-size", type=int_arg(1, MAX_PLAN_CP), default=8, help="CP ranks C")
+    parser.add_argument("--rank", type=int_arg(0), default=0, help="the prefill rank this process plays, 0..C-1")
+    parser.add_argument("--level", type=int_arg(0, 8), default=8, help="a phase level with KV sharded at rest (2-8)")
+    parser.add_argument("--workloads", default="32k:0+32768,128k:0+131072,prefix-heavy:131072+2048",
+                        help="name:prefix+extend, comma separated")
+    parser.add_argument("--layers", type=int_arg(1, MAX_LAYERS, "more than any preset's"), default=4,
+                        help="layers run (at least 2)")
+    parser.add_argument("--repeats", type=int_arg(1, MAX_REPEATS), default=3, help="runs per variant")
+    parser.add_argument("--wire-gbps", type=float_arg(), default=None,
+                        help="model the CP all-gathers' interconnect, GB/s (CUDA only; default: none, no wire time)")
+    parser.add_argument("--device", type=device_arg, default="cuda", help="cuda, or cpu: a dry run")
     return parser
 
 
-def parse_stream_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
-    """Parse, refusing a level without KV sharded at rest, fewer than 2 layers or no repeat."""
+def parse_stream_args(parser: ToolParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse and check everything before anything runs: a level with KV sharded at rest, at least 2
+    layers, the rank among the ranks, the workloads (each split over every rank, their runs in
+    ``args.runs``), the output file and the device. The memory: :func:`runs_fit`."""
     args = parser.parse_args(argv)
-    if args.level < 2 or args.level > 8:
+    if args.level < 2:
         parser.error(f"--level {args.level}: the layer-wise send needs KV sharded at rest, levels 2-8")
     if args.layers < 2:
         parser.error(f"--layers {args.layers}: at least 2 (each run's first layer is left out of the medians)")
-    if args.repeats < 1:
-        parser.error(f"--repeats {args.repeats}: at least 1")
+    args.out = output_file(args.out)
+    rank_of(args.rank, args.cp_size)
+    args.workloads = parse_workloads(args.workloads)
+    runs = []
+    for w in args.workloads:
+        split_fits(w.extend, None, args.cp_size, f"--workloads {w.name}:{w.prefix}+{w.extend}")
+        runs.append(RunConfig(preset=args.preset, n_layers=args.layers, cp_size=args.cp_size, check=False,
+                              requests=(Request(w.prefix, w.extend),), device=args.device,
+                              phases=PhaseSet.level(args.level)))
+    require_cuda(args.device)
+    args.runs = runs
     return args
+
+
+def runs_fit(args: argparse.Namespace) -> None:
+    """Refuse the runs of :func:`parse_stream_args` when the largest cannot fit (on a CPU)."""
+    rank_fits(args.runs, args.rank, args.device, "--workloads / --layers")
 
 
 @refusing
 def main(argv: list[str] | None = None) -> int:
-    args = parse_stream_args(stream_parser(__doc__.split("\n\n")[0]), argv)
-    output_file(args.out)
-    require_cuda(args.device)
+    args = parse_stream_args(stream_parser(PROG, __doc__.split("\n\n")[0]), argv)
+    runs_fit(args)
     results: list[dict[str, Any]] = []
     on_cuda = args.device == "cuda"
     doc = {
@@ -156,11 +178,11 @@ def main(argv: list[str] | None = None) -> int:
         "wire_gbps": args.wire_gbps, "repeats": args.repeats,
         "workloads": results,
     }
-    for w in (Workload.parse(spec) for spec in args.workloads.split(",")):
+    for w in args.workloads:
         print(f"{w.name} {w.prefix}+{w.extend}", file=sys.stderr, flush=True)
         results.append(measure(args.preset, w, args.cp_size, args.rank, args.level, args.layers, args.device,
                                args.wire_gbps, args.repeats))
-        Path(args.out).write_text(json.dumps(doc, indent=1))
+        args.out.write_text(json.dumps(doc, indent=1))
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 

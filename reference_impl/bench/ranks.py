@@ -25,21 +25,23 @@ machine the difference between the two is what the modeled wire of ``bench.layer
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import shlex
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from reference_impl.bench.layer import Workload, parse_levels, planner_point
-from reference_impl.config import PhaseSet, Request, RunConfig
+from reference_impl.bench.layer import Workload, parse_levels, parse_workloads, planner_point, split_fits
+from reference_impl.config import MAX_PLAN_CP, PhaseSet, Request, RunConfig
 from reference_impl.planner import load_rates
 from reference_impl.runner import run_prefills
+from reference_impl.tool_args import (
+    DSA_PRESETS, MAX_LAYERS, ToolParser, device_arg, dsa_preset_arg, float_arg, int_arg, output_file, refusing,
+    require_cuda,
+)
 
 RANK_FIELDS = ("rank", "tokens", "layer_ms_median", "tail_ms", "measured_peak_bytes", "kv_bytes", "index_bytes",
                "transient_peak_bytes", "gather_bytes", "materialized_bytes", "collectives")
@@ -106,25 +108,34 @@ def format_table(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+PROG = "python -m reference_impl.bench.ranks"
+
+
+def build_parser() -> ToolParser:
+    parser = ToolParser(PROG, __doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="JSON file to write")
-    parser.add_argument("--preset", default="deepseek-v3.2")
-    parser.add_argument("--cp-size", type=int, default=8)
-    parser.add_argument("--levels", default="0,7,8", help="e.g. 0-8 or 0,7,8")
-    parser.add_argument("--workloads", default="current-only:0+131072",
-                        help="name:prefix+extend, comma separated")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    parser.add_argument("--timeout-s", type=float, default=None, help="bound on the launch (default: the runs' own)")
-    args = parser.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("error: --device cuda needs a CUDA device (use --device cpu for a dry run)", file=sys.stderr)
-        return 2
-    workloads = [Workload.parse(spec) for spec in args.workloads.split(",") if spec.strip()]
+    parser.add_argument("--preset", type=dsa_preset_arg(), default="deepseek-v3.2", help=", ".join(DSA_PRESETS))
+    parser.add_argument("--cp-size", type=int_arg(1, MAX_PLAN_CP), default=8, help="CP ranks C (processes)")
+    parser.add_argument("--levels", default="0,7,8", help="phase levels: a range 0-8 or a list 0,7,8")
+    parser.add_argument("--workloads", default="current-only:0+131072", help="name:prefix+extend, comma separated")
+    parser.add_argument("--layers", type=int_arg(1, MAX_LAYERS, "more than any preset's"), default=4, help="layers run")
+    parser.add_argument("--device", type=device_arg, default="cuda", help="cuda, or cpu: a dry run")
+    parser.add_argument("--timeout-s", type=float_arg(), default=None,
+                        help="bound on the launch, seconds (default: the runs' own)")
+    return parser
+
+
+@refusing
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    out = output_file(args.out)
+    workloads = parse_workloads(args.workloads)
+    levels = parse_levels(args.levels)
+    for w in workloads:
+        split_fits(w.extend, None, args.cp_size, f"--workloads {w.name}:{w.prefix}+{w.extend}")
+    require_cuda(args.device)
     started = time.strftime("%Y-%m-%dT%H:%M:%S")
-    how, points = measure(args.preset, workloads, parse_levels(args.levels), args.cp_size, args.layers, args.device,
-                          args.timeout_s)
+    how, points = measure(args.preset, workloads, levels, args.cp_size, args.layers, args.device, args.timeout_s)
     doc = {
         "command": "python -m reference_impl.bench.ranks "
         + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
@@ -136,8 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                   "warm-up run; a point's layer_ms_median is the slowest rank's",
         "workloads": points,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(doc, indent=1))
+    out.write_text(json.dumps(doc, indent=1))
     print(format_table(doc))
     return 0
 

@@ -32,12 +32,13 @@ import shlex
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
 from reference_impl.bench.timing import median_ms_timer, ready_for
+from reference_impl.config import MAX_BATCH_TOKENS, MAX_PLAN_CP, MAX_SEED, ConfigError
+from reference_impl.tool_args import ToolParser, device_arg, int_arg, output_file, refusing, require_cuda
 
 # Changes to GPU_CONFIG that --sweep times (the compact kernel's block, warps and segment size go together).
 SWEEP: list[dict[str, int]] = [
@@ -149,20 +150,33 @@ def measure(
     return row
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+PROG = "python -m reference_impl.bench.topk"
+MAX_WIDTH = 1 << 12  # index heads and key width: past any model's (64 heads x 128)
+
+
+def build_parser() -> ToolParser:
+    parser = ToolParser(PROG, __doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="JSON file to write")
-    parser.add_argument("--context", type=int, default=131072, help="tokens of the request")
-    parser.add_argument("--cp-size", type=int, default=8, help="C: rank 0 of C ranks")
-    parser.add_argument("--topk", type=int, default=2048)
-    parser.add_argument("--index-heads", type=int, default=64)
-    parser.add_argument("--index-dim", type=int, default=128)
+    parser.add_argument("--context", type=int_arg(1, MAX_BATCH_TOKENS), default=131072, help="tokens of the request")
+    parser.add_argument("--cp-size", type=int_arg(1, MAX_PLAN_CP), default=8, help="C: rank 0 of C ranks")
+    parser.add_argument("--topk", type=int_arg(1, MAX_BATCH_TOKENS), default=2048, help="keys each query selects")
+    parser.add_argument("--index-heads", type=int_arg(1, MAX_WIDTH), default=64, help="indexer heads Hi")
+    parser.add_argument("--index-dim", type=int_arg(1, MAX_WIDTH), default=128, help="indexer key width D")
     parser.add_argument("--sweep", action="store_true", help="also time every candidate config of SWEEP")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help=argparse.SUPPRESS)  # cpu: dry run
-    args = parser.parse_args(argv)
-    if not ready_for(args.device):
-        return 2
+    parser.add_argument("--seed", type=int_arg(0, MAX_SEED), default=0, help="inputs' random seed")
+    parser.add_argument("--device", type=device_arg, default="cuda", help=argparse.SUPPRESS)  # cpu: dry run
+    return parser
+
+
+@refusing
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    out = output_file(args.out)
+    if args.context < 2 * args.cp_size:
+        raise ConfigError(f"--context {args.context}: the zigzag split of C={args.cp_size} ranks (--cp-size) "
+                          f"needs at least {2 * args.cp_size} tokens")
+    require_cuda(args.device)
+    ready_for(args.device)  # a CPU dry run: Triton's interpreter, before triton is imported
     import triton
 
     from reference_impl.kernels.topk_select import CPU_CONFIG, GPU_CONFIG
@@ -195,8 +209,6 @@ def main(argv: list[str] | None = None) -> int:
         result["sweep"] = [
             measure(chunks, expected, args.topk, dataclasses.replace(config, **change), bench) for change in SWEEP
         ]
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     rows = [result["default"], result["fused_bound"], *result.get("sweep", [])]
     for row in rows:

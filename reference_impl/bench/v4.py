@@ -3,7 +3,7 @@
 Usage::
 
     python -m reference_impl.bench.v4 --out docs/results/v4_h200.json          # H200: ~3 minutes
-    python -m reference_impl.bench.v4 --out dry.json --device cpu --preset tiny-v4 \\
+    python -m reference_impl.bench.v4 --out dry.json --device cpu --preset tiny-v4 --layers 3 \\
         --workloads 128k:0+1021,1m:3000+301 --levels 0,2                      # CPU dry run
 
 **How CP runs here** (as :mod:`reference_impl.bench.layer`): one process plays rank ``--rank`` of
@@ -25,7 +25,6 @@ V3.2 figures at the same context and level (:mod:`reference_impl.planner.v4`).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
@@ -38,14 +37,19 @@ from typing import Any
 import torch
 
 from reference_impl import engine
-from reference_impl.bench.layer import Workload, parse_levels
-from reference_impl.config import PhaseSet, Request, RunConfig, get_preset
+from reference_impl.bench.layer import Workload, layers_arg, parse_levels, parse_workloads, split_fits
+from reference_impl.config import MAX_PLAN_CP, ConfigError, PhaseSet, Request, RunConfig, get_preset
 from reference_impl.cp.loopback import LoopbackGroup
 from reference_impl.families.deepseek_v4.cp.store import install_synthetic_prefixes
 from reference_impl.planner.v4 import plan_v4
-from reference_impl.tool_args import output_file, refusing, require_cuda
+from reference_impl.presets_v4 import V4_PRESETS
+from reference_impl.tool_args import (
+    DSA_PRESETS, MAX_REPEATS, ToolParser, choice_arg, device_arg, float_arg, int_arg, output_file, rank_fits, rank_of,
+    refusing, require_cuda,
+)
 from reference_impl.bench.record import loopback_cp, run_record
 
+PROG = "python -m reference_impl.bench.v4"
 DTYPE_BYTES = {"uint8": 1, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4}
 
 
@@ -100,25 +104,38 @@ def measure(run: RunConfig, rank: int, wire_gbps: float | None, repeats: int) ->
     }
 
 
+def build_parser() -> ToolParser:
+    parser = ToolParser(PROG, __doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="JSON file to write (rewritten after each workload)")
+    parser.add_argument("--preset", type=choice_arg(tuple(V4_PRESETS), "V4 preset",
+                                                   f"{', '.join(DSA_PRESETS)}: python -m reference_impl.bench.layer"),
+                        default="deepseek-v4-flash", help=", ".join(V4_PRESETS))
+    parser.add_argument("--cp-size", type=int_arg(1, MAX_PLAN_CP), default=8, help="CP ranks C")
+    parser.add_argument("--rank", type=int_arg(0), default=0, help="the rank this process plays, 0..C-1")
+    parser.add_argument("--levels", default="0,2,3,8", help="phase levels: a range 0-8 or a list 0,2,3,8")
+    parser.add_argument("--workloads", default="128k:0+131072,1m:1040384+8192",
+                        help="name:prefix+extend, comma separated")
+    parser.add_argument("--layers", type=int_arg(1), default=4, help="the preset's first layers (tiny-v4 has 3)")
+    parser.add_argument("--repeats", type=int_arg(1, MAX_REPEATS), default=2, help="timed runs per level")
+    parser.add_argument("--wire-gbps", type=float_arg(), default=None,
+                        help="model the interconnect, GB/s (CUDA only; e.g. 450; default: none, no wire time)")
+    parser.add_argument("--device", type=device_arg, default="cuda", help="cuda, or cpu: a dry run")
+    return parser
+
+
 @refusing
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--preset", default="deepseek-v4-flash")
-    parser.add_argument("--cp-size", type=int, default=8)
-    parser.add_argument("--rank", type=int, default=0)
-    parser.add_argument("--levels", default="0,2,3,8")
-    parser.add_argument("--workloads", default="128k:0+131072,1m:1040384+8192")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--wire-gbps", type=float, default=None, help="model the interconnect (CUDA only; e.g. 450)")
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     output_file(args.out)
-    require_cuda(args.device)
+    rank_of(args.rank, args.cp_size)
+    layers_arg(args.preset, args.layers)
     cfg = get_preset(args.preset)
     levels = parse_levels(args.levels)
-    workloads = [Workload.parse(w) for w in args.workloads.split(",")]
+    workloads = parse_workloads(args.workloads)
+    bases = [(w, workload_run(args.preset, w, args.layers, args.cp_size, args.device)) for w in workloads]
+    require_cuda(args.device)
+    runs = [base.replace(phases=PhaseSet.level(level)) for _, base in bases for level in levels]
+    rank_fits(runs, args.rank, args.device, "--workloads / --layers")
     doc: dict[str, Any] = {
         **run_record("v4", argv, args.device),
         "preset": args.preset, "cp_size": args.cp_size, "rank": args.rank, "n_layers": args.layers,
@@ -129,9 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         "wire_gbps": args.wire_gbps, "workloads": [],
     }
     with synthetic_prefixes():
-        for w in workloads:
-            base = RunConfig(preset=args.preset, n_layers=args.layers, cp_size=args.cp_size, check=False, device=args.device,
-                             requests=(Request(w.prefix, w.extend),))
+        for w, base in bases:
             print(f"{w.name} {w.prefix}+{w.extend}: levels {levels}", file=sys.stderr, flush=True)
             engine.run_rank(LoopbackGroup(args.rank, args.cp_size, torch.device(args.device), args.wire_gbps),
                             base.replace(phases=PhaseSet.level(max(levels))))  # warm-up: compiles the kernels
@@ -143,6 +158,18 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")  # a run cut short keeps what finished
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
+
+
+def workload_run(preset: str, w: Workload, n_layers: int, cp_size: int, device: str) -> RunConfig:
+    """One workload's run (its level set later), built before anything runs: what :class:`RunConfig`
+    refuses is refused up front, naming the workload."""
+    what = f"--workloads {w.name}:{w.prefix}+{w.extend}"
+    split_fits(w.extend, None, cp_size, what)
+    try:
+        return RunConfig(preset=preset, n_layers=n_layers, cp_size=cp_size, check=False, device=device,
+                         requests=(Request(w.prefix, w.extend),))
+    except ConfigError as exc:
+        raise ConfigError(f"{what}: {exc}") from None
 
 
 if __name__ == "__main__":

@@ -37,13 +37,11 @@ layer split the one pool-sized scratch layer SGLang reserves beside the owned on
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
-from reference_impl.config import KVDtype
+from reference_impl.config import MAX_HBM_GIB, MAX_PLAN_CP, KVDtype
 from reference_impl.cp.capacity import page_bytes
 from reference_impl.cp.designs import layer_shard_range
 from reference_impl.cp.split import in_seq_block_sizes
@@ -62,7 +60,11 @@ from reference_impl.planner.model import (
 )
 from reference_impl.planner.rates import PlannerRates, load_rates
 from reference_impl.presets import ModelConfig, get_preset
-from reference_impl.tool_args import output_file, refusing
+from reference_impl.tool_args import (
+    DSA_PRESETS, MAX_LAYERS, ToolParser, dsa_preset_arg, float_arg, int_arg, output_file, rank_of, refusing,
+)
+
+PROG = "python -m reference_impl.planner.designs"
 
 PLANNED_DESIGNS = ("phases", "layer-split", "rotated-shard", "dcp-gather", "shared-vmm")
 BUILT = frozenset({"phases", "layer-split", "rotated-shard", "dcp-gather"})
@@ -228,27 +230,31 @@ def plan_designs(
     }
 
 
-def one_rank_parser(description: str, layers: int | None, layers_help: str) -> argparse.ArgumentParser:
+def one_rank_parser(prog: str, description: str, layers: int | None, layers_help: str) -> ToolParser:
     """The flags the designs' planner and benchmark share: ``--out``, ``--preset``, ``--cp-size``, ``--rank``, ``--layers``."""
-    parser = argparse.ArgumentParser(description=description)
+    parser = ToolParser(prog, description)
     parser.add_argument("--out", required=True, help="JSON file to write")
-    parser.add_argument("--preset", default="deepseek-v3.2")
-    parser.add_argument("--cp-size", type=int, default=8)
-    parser.add_argument("--rank", type=int, default=0)
-    parser.add_argument("--layers", type=int, default=layers, help=layers_help)
+    parser.add_argument("--preset", type=dsa_preset_arg(), default="deepseek-v3.2", help=", ".join(DSA_PRESETS))
+    parser.add_argument("--cp-size", type=int_arg(1, MAX_PLAN_CP), default=8, help="CP ranks C")
+    parser.add_argument("--rank", type=int_arg(0), default=0, help="the rank modeled, 0..C-1")
+    parser.add_argument("--layers", type=int_arg(1, MAX_LAYERS, "more than any preset's"), default=layers,
+                        help=layers_help)
     return parser
 
 
 @refusing
 def main(argv: list[str] | None = None) -> int:
-    parser = one_rank_parser(__doc__.split("\n\n")[0], None, "model layers (default: the preset's)")
-    parser.add_argument("--peer-gbps", type=float, default=None, help="shared VMM peer-read rate (default: the wire's)")
-    parser.add_argument("--budget-gib", type=float, default=48.0, help="KV budget per GPU for max_context")
+    parser = one_rank_parser(PROG, __doc__.split("\n\n")[0], None, "model layers (default: the preset's)")
+    parser.add_argument("--peer-gbps", type=float_arg(), default=None,
+                        help="shared VMM peer-read rate, GB/s (default: the wire's)")
+    parser.add_argument("--budget-gib", type=float_arg(MAX_HBM_GIB, "1 PiB"), default=48.0,
+                        help="KV budget per GPU for max_context, GiB")
     args = parser.parse_args(argv)
-    output_file(args.out)
+    out = output_file(args.out)
+    rank_of(args.rank, args.cp_size)
     doc = plan_designs(args.preset, args.cp_size, args.rank, args.layers, peer_gbps=args.peer_gbps, budget_gib=args.budget_gib)
-    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"wrote {args.out}", file=sys.stderr)
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {out}", file=sys.stderr)
     return 0
 
 

@@ -18,12 +18,24 @@ grow with the tokens (the weights' initialization kernels of the profiled run, f
 
 from __future__ import annotations
 
-import argparse
 import json
-from pathlib import Path
 from typing import Any
 
+from reference_impl.config import MAX_BATCH_TOKENS, MAX_PLAN_CP
+from reference_impl.errors import ConfigError
 from reference_impl.planner.model import local_queries
+from reference_impl.tool_args import (
+    NUMBER, TEXT, ToolParser, input_json, int_field, output_file, rank_of, refusing,
+    stored_fields,
+)
+
+PROG = "python -m reference_impl.planner.elementwise"
+# What elementwise_rate reads from a ``profile_layer.py --json`` document.
+PROFILE_FIELDS = {
+    "args": {"layers": int_field(1), "extend": int_field(1, MAX_BATCH_TOKENS), "cp_size": int_field(1, MAX_PLAN_CP),
+             "level": int_field(0, 8), "rank": int_field(0), "prefix?": int_field(0)},
+    "ops": [{"name": TEXT, "device_ms": NUMBER}],
+}
 
 # Kernel-name fragments of each modeled category, first match wins; everything else is elementwise.
 CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -76,14 +88,29 @@ def elementwise_rate(profiles: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="elementwise us per local token from two layer profiles")
+def build_parser() -> ToolParser:
+    parser = ToolParser(PROG, "elementwise us per local token from two layer profiles")
     parser.add_argument("profiles", nargs="+", help="profile_layer.py --json files (current-only, two sizes)")
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
-    rate = elementwise_rate([json.loads(Path(p).read_text()) for p in args.profiles])
+    parser.add_argument("--out", required=True, help="JSON file to write")
+    return parser
+
+
+@refusing
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    out = output_file(args.out)
+    profiles = []
+    for path in args.profiles:
+        profile = input_json(path, "profile")
+        stored_fields(profile, PROFILE_FIELDS, f"profile {path!r}")
+        rank_of(profile["args"]["rank"], profile["args"]["cp_size"], f"profile {path!r}: field args.rank", "cp_size")
+        profiles.append(profile)
+    try:
+        rate = elementwise_rate(profiles)
+    except ValueError as exc:  # one size only, or a profile with a prefix
+        raise ConfigError(f"profiles {' '.join(args.profiles)}: {exc}") from None
     rate["profiles"] = args.profiles
-    Path(args.out).write_text(json.dumps(rate, indent=1))
+    out.write_text(json.dumps(rate, indent=1))
     print(f"elementwise: {rate['elementwise_us_per_token']:.3f} us per local token")
     return 0
 

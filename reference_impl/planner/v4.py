@@ -33,22 +33,27 @@ wire (bytes above / interconnect GB/s). Not modeled: elementwise work, the store
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from typing import Any
 
+from reference_impl.config import MAX_HBM_GIB, MAX_PLAN_CP
 from reference_impl.cp.capacity import kv_bytes_per_rank
 from reference_impl.families.deepseek_v4.cache_layout import index_entry_bytes, main_entry_bytes
 from reference_impl.families.deepseek_v4.model.compressor import state_start
 from reference_impl.planner.model import local_queries, ms_for_bytes, ms_for_flops, rank_ranges, slowest_rank, zigzag_blocks
+from reference_impl.planner.plan import MAX_CONTEXT
 from reference_impl.planner.rates import PlannerRates, load_rates
 from reference_impl.presets import get_preset
 from reference_impl.families.deepseek_v4.config import V4_PRESETS, V4ModelConfig
 from reference_impl.errors import ConfigError
-from reference_impl.tool_args import int_list, output_file, positive, refusing
+from reference_impl.tool_args import ToolParser, choice_arg, float_arg, int_arg, int_list, output_file, refusing
 
+PROG = "python -m reference_impl.planner.v4"
 GIB = 1 << 30
+# contexts x levels x cp_size: the planner walks every rank of every point (V3.2's terms beside V4's),
+# about 0.3 ms a rank; past this a plan takes minutes.
+MAX_RANK_POINTS = 1 << 16
 LAYER_KINDS = {"sliding": 0, "csa": 4, "hca": 128}
 
 
@@ -147,18 +152,25 @@ def plan_v4(preset: str, cp_size: int, contexts: list[int], levels: list[int], k
     """The V4 terms at each context and level, with DeepSeek-V3.2 beside (the planner's own terms).
 
     Raises :class:`ConfigError` naming the argument: a preset that is not a V4 preset, ``cp_size``
-    below 1, a context below 1, a level outside 0..8, a KV budget that is not a positive number."""
+    outside 1..4096, a context outside 1..128M, a level outside 0..8, a KV budget that is not a
+    positive number of at most 1 PiB, more than :data:`MAX_RANK_POINTS` ranks to walk."""
     if preset not in V4_PRESETS:
         raise ConfigError(f"preset={preset!r}: the V4 planner takes {', '.join(V4_PRESETS)} "
                           "(DeepSeek-V3.2 and GLM: python -m reference_impl plan)")
-    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
-        raise ConfigError(f"cp_size={cp_size!r}: need an integer of at least 1")
-    if not contexts or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in contexts):
-        raise ConfigError(f"contexts={contexts!r}: need token counts of at least 1")
+    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or not 1 <= cp_size <= MAX_PLAN_CP:
+        raise ConfigError(f"cp_size={cp_size!r}: need an integer within 1..{MAX_PLAN_CP}")
+    if not contexts or any(isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= MAX_CONTEXT
+                           for c in contexts):
+        raise ConfigError(f"contexts={str(contexts)[:80]}: need token counts within 1..{MAX_CONTEXT:,}")
     if not levels or any(isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 8 for k in levels):
-        raise ConfigError(f"levels={levels!r}: need phase levels within 0..8")
-    if isinstance(kv_budget_gib, bool) or not isinstance(kv_budget_gib, (int, float)) or not 0 < kv_budget_gib < float("inf"):
-        raise ConfigError(f"kv_budget_gib={kv_budget_gib!r}: need a finite number above 0")
+        raise ConfigError(f"levels={str(levels)[:80]}: need phase levels within 0..8")
+    if (isinstance(kv_budget_gib, bool) or not isinstance(kv_budget_gib, (int, float))
+            or not 0 < kv_budget_gib <= MAX_HBM_GIB):
+        raise ConfigError(f"kv_budget_gib={kv_budget_gib!r}: need a finite number above 0, at most {MAX_HBM_GIB:,} "
+                          "(1 PiB)")
+    if len(contexts) * len(levels) * cp_size > MAX_RANK_POINTS:
+        raise ConfigError(f"contexts x levels x cp_size = {len(contexts)} x {len(levels)} x {cp_size}: at most "
+                          f"{MAX_RANK_POINTS:,} ranks to walk")
     cfg = get_preset(preset)
     v32 = get_preset("deepseek-v3.2")
     rates = rates or load_rates()
@@ -203,19 +215,33 @@ def plan_v4(preset: str, cp_size: int, contexts: list[int], levels: list[int], k
     }
 
 
+def build_parser() -> ToolParser:
+    parser = ToolParser(PROG, __doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=None, help="JSON file to write (default: print it)")
+    parser.add_argument("--preset", type=choice_arg(tuple(V4_PRESETS), "V4 preset",
+                                                   "DeepSeek-V3.2 and GLM: python -m reference_impl plan"),
+                        default="deepseek-v4-flash", help=", ".join(V4_PRESETS))
+    parser.add_argument("--cp-size", type=int_arg(1, MAX_PLAN_CP, "the planner walks every rank"), default=8,
+                        help=f"CP ranks C, at most {MAX_PLAN_CP}")
+    parser.add_argument("--contexts", default="131072,1048576", help=f"request lengths in tokens, comma separated "
+                        f"(each at most {MAX_CONTEXT:,})")
+    parser.add_argument("--levels", default="0,2,3,4,8", help="phase levels 0..8, comma separated")
+    parser.add_argument("--kv-budget-gib", type=float_arg(MAX_HBM_GIB, "1 PiB"), default=48.0,
+                        help="KV budget per GPU, GiB (the V3.2 planner's default)")
+    return parser
+
+
 @refusing
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=None, help="JSON file to write (default: print it)")
-    parser.add_argument("--preset", default="deepseek-v4-flash", help=", ".join(V4_PRESETS))
-    parser.add_argument("--cp-size", type=int, default=8)
-    parser.add_argument("--contexts", default="131072,1048576")
-    parser.add_argument("--levels", default="0,2,3,4,8")
-    parser.add_argument("--kv-budget-gib", type=float, default=48.0, help="KV budget per GPU (the V3.2 planner's default)")
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     out = output_file(args.out) if args.out is not None else None
-    doc = plan_v4(args.preset, args.cp_size, int_list(args.contexts, "--contexts", 1),
-                  int_list(args.levels, "--levels", 0, 8), positive(args.kv_budget_gib, "--kv-budget-gib"))
+    contexts = int_list(args.contexts, "--contexts", 1, MAX_CONTEXT)
+    levels = sorted(set(int_list(args.levels, "--levels", 0, 8)))
+    walked = len(contexts) * len(levels) * args.cp_size
+    if walked > MAX_RANK_POINTS:
+        raise ConfigError(f"--contexts x --levels x --cp-size = {len(contexts)} x {len(levels)} x {args.cp_size} = "
+                          f"{walked:,} ranks to walk: at most {MAX_RANK_POINTS:,} (a plan of minutes)")
+    doc = plan_v4(args.preset, args.cp_size, contexts, levels, args.kv_budget_gib)
     doc["command"] = "python -m reference_impl.planner.v4 " + " ".join(argv if argv is not None else sys.argv[1:])
     text = json.dumps(doc, indent=1) + "\n"
     if out is None:
