@@ -25,13 +25,12 @@ from pathlib import Path
 from typing import Any, Callable, NoReturn, Sequence
 
 from reference_impl.errors import ConfigError
-from reference_impl.presets import PRESETS
-from reference_impl.presets_v4 import V4_PRESETS
+from reference_impl.families import family_presets
 
 GIB = 1 << 30
 # The DSA presets (DeepSeek-V3.2, GLM and the tiny test model): what the DSA benchmarks and planner model;
 # DeepSeek-V4's have their own (python -m reference_impl.bench.v4, python -m reference_impl.planner.v4).
-DSA_PRESETS: tuple[str, ...] = tuple(name for name in PRESETS if name not in V4_PRESETS)
+DSA_PRESETS: tuple[str, ...] = family_presets("dsa")
 MAX_LAYERS = 128  # layers a benchmark runs or the planner models: more than any preset has (GLM-5: 78)
 MAX_REPEATS = 1000  # timed runs per point: past it a benchmark runs for days, not a measurement anyone waits for
 

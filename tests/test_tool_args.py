@@ -11,8 +11,8 @@ import torch
 from reference_impl.bench import layer, long_context, pd_mooncake, pd_stream, v4
 from reference_impl.errors import ConfigError
 from reference_impl.planner import designs as planner_designs
-from reference_impl.planner import v4 as planner_v4
-from reference_impl.planner.v4 import plan_v4
+from reference_impl.families.deepseek_v4 import planner as planner_v4
+from reference_impl.families.deepseek_v4.planner import plan_v4
 from reference_impl.tool_args import input_json, int_list, output_file
 
 NO_CUDA = not torch.cuda.is_available()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from reference_impl.bench import v4 as bench_v4
-from reference_impl.planner import v4 as planner_v4
+from reference_impl.families.deepseek_v4 import bench as bench_v4
+from reference_impl.families.deepseek_v4 import planner as planner_v4
 from reference_impl.presets import get_preset
 
 

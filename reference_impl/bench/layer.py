@@ -62,7 +62,6 @@ from reference_impl.engine import run_rank
 from reference_impl.planner import layer_terms, load_rates
 from reference_impl.planner.model import activation_bytes, local_queries, transient_bytes
 from reference_impl.planner.plan import MAX_CONTEXT
-from reference_impl.presets_v4 import V4_PRESETS
 from reference_impl.tool_args import (
     DSA_PRESETS, MAX_LAYERS, MAX_REPEATS, OPTIONAL_NUMBER, OPTIONAL_POSITIVE, POSITIVE, ToolParser, choice_field,
     device_arg, dsa_preset_arg, float_arg, input_json, int_arg, int_field, int_list, output_file, rank_fits, rank_of,
@@ -114,9 +113,10 @@ def parse_levels(spec: str, flag: str = "--levels") -> list[int]:
 def layers_arg(preset: str, layers: int, flag: str = "--layers", preset_flag: str = "--preset") -> int:
     """``layers`` when a bench can run that many of ``preset``'s layers: a V4 preset's own count at
     most (each layer has its compress ratio); a DSA preset repeats its layer, up to :data:`MAX_LAYERS`."""
-    most = get_preset(preset).n_layers if preset in V4_PRESETS else MAX_LAYERS
+    repeats = preset in DSA_PRESETS  # a DSA preset's layers are alike; another family's each have their own type
+    most = MAX_LAYERS if repeats else get_preset(preset).n_layers
     if layers > most:
-        why = f"{preset_flag} {preset} has {most} layers" if preset in V4_PRESETS else \
+        why = f"{preset_flag} {preset} has {most} layers" if not repeats else \
             f"at most {MAX_LAYERS} (more than any preset's)"
         raise ConfigError(f"{flag} {layers}: {why}")
     return layers

@@ -23,7 +23,7 @@ from reference_impl.families.base import ChunkInputs, ChunkStep, ModelFamily, Ra
 
 __all__ = [
     "ChunkInputs", "ChunkStep", "ModelFamily", "RankStore", "BUILTIN", "register", "unregister", "families",
-    "family_of", "family_named", "get_preset", "preset_names", "all_presets", "is_model_config", "register_family",
+    "family_of", "family_named", "get_preset", "preset_names", "all_presets", "is_model_config", "register_family", "family_presets",
 ]
 
 BUILTIN: dict[str, str] = {  # family name -> its package (imported when first asked)
@@ -127,6 +127,14 @@ def family_of(cfg: object) -> ModelFamily:
 def all_presets() -> dict[str, Any]:
     """Every preset of every family, by name (the built-in families' first, in their order)."""
     return {name: cfg for entry in _entries().values() for name, cfg in entry.presets.items()}
+
+
+def family_presets(name: str) -> tuple[str, ...]:
+    """The preset names of the family ``name`` (from its light config module: no model is imported)."""
+    entries = _entries()
+    if name not in entries:
+        raise ConfigError(f"unknown model family {name!r}; known: {', '.join(entries)}")
+    return tuple(entries[name].presets)
 
 
 def preset_names() -> tuple[str, ...]:
