@@ -372,6 +372,9 @@ def test_load_rates_takes_a_path_or_a_list(tmp_path) -> None:
     path.write_text(json.dumps({"interconnect_gbps": -1}))
     with pytest.raises(ri.ConfigError, match="must be positive, finite numbers"):
         ri.load_rates(path)
+    path.write_text(json.dumps({"interconnect_gbps": True}))
+    with pytest.raises(ri.ConfigError, match=r"\['interconnect_gbps'\] are booleans"):
+        ri.load_rates(path)
 
 
 # ---- ranks the machine cannot run --------------------------------------------------------------

@@ -123,6 +123,9 @@ class PlannerRates:
         unknown = sorted(set(values) - set(self.values()))
         if unknown:
             raise ConfigError(f"{source}: unknown rate(s) {unknown}; known: {', '.join(sorted(self.values()))}")
+        booleans = sorted(k for k, v in values.items() if isinstance(v, bool))
+        if booleans:  # float(True) is 1.0: a boolean is no rate
+            raise ConfigError(f"{source}: rate(s) {booleans} are booleans; a rate is a number")
         try:
             sourced = {k: (float(v), f"{source}: {k}") for k, v in values.items()}
         except (TypeError, ValueError):
