@@ -23,7 +23,13 @@ from typing import Any
 import torch
 
 from reference_impl.config import (
-    KV_DTYPES, MAX_LAYERS, MAX_SEED, ConfigError, Request, check_choice, validate_page_size,
+    KV_DTYPES,
+    MAX_LAYERS,
+    MAX_SEED,
+    ConfigError,
+    Request,
+    check_choice,
+    validate_page_size,
 )
 from reference_impl.families import family_of, get_preset, is_model_config, preset_names
 from reference_impl.footprint import GIB, SAFETY, free_bytes, weight_bytes
@@ -70,11 +76,15 @@ def make_model(
         if not isinstance(flag, bool):
             raise ConfigError(f"{name}={flag!r}: need a bool, got {type(flag).__name__}")
     if checkpoint is not None and not isinstance(checkpoint, (str, Path, Mapping)):
-        raise ConfigError(f"checkpoint={checkpoint!r}: need a path or a mapping of tensors, got {type(checkpoint).__name__}")
+        raise ConfigError(
+            f"checkpoint={checkpoint!r}: need a path or a mapping of tensors, got {type(checkpoint).__name__}"
+        )
     if checkpoint is not None:
         check_checkpoint(checkpoint)  # a missing or foreign file, before the model is built
     params, draw = weight_bytes(cfg, dtype.itemsize)
-    _check_fits(f"make_model({cfg.name!r}, n_layers={cfg.n_layers}, dtype={dtype})", int(SAFETY * (params + draw)), device)
+    _check_fits(
+        f"make_model({cfg.name!r}, n_layers={cfg.n_layers}, dtype={dtype})", int(SAFETY * (params + draw)), device
+    )
     family = family_of(cfg)  # the DSA family's DSAModel, DeepSeek-V4's V4Model, ...
     model = family.build_model(cfg, dtype, seed, device, kernels)
     if checkpoint is not None:
@@ -83,20 +93,29 @@ def make_model(
 
 
 def make_inputs(
-    cfg: ModelConfigLike, requests: Sequence[Request], *, seed: int = 0, device: torch.device | str = "cpu",
+    cfg: ModelConfigLike,
+    requests: Sequence[Request],
+    *,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.bfloat16,
 ) -> list[torch.Tensor]:
     """Layer-0 hidden states per request, ``[prefix + extend, dim]`` ~ N(0, 1): the inputs a
     ``RunConfig`` with this ``seed`` builds (``seed + 1`` seeds the generator)."""
     if not is_model_config(cfg):
-        raise ConfigError(f"cfg={cfg!r}: need a ModelConfig (e.g. get_preset('tiny') or model.cfg), got {type(cfg).__name__}")
+        raise ConfigError(
+            f"cfg={cfg!r}: need a ModelConfig (e.g. get_preset('tiny') or model.cfg), got {type(cfg).__name__}"
+        )
     requests = _check_requests(requests)
     _check_int("seed", seed, 0, MAX_SEED)
     device = _check_device(device)
     dtype = _check_dtype(dtype)
     tokens = sum(r.total for r in requests)
-    _check_fits(f"make_inputs of {tokens:,} tokens", int(SAFETY * (tokens * cfg.dim * dtype.itemsize
-                                                                   + max(r.total for r in requests) * cfg.dim * 4)), device)
+    _check_fits(
+        f"make_inputs of {tokens:,} tokens",
+        int(SAFETY * (tokens * cfg.dim * dtype.itemsize + max(r.total for r in requests) * cfg.dim * 4)),
+        device,
+    )
     gen = torch.Generator(device=device).manual_seed(seed + 1)
     return [torch.randn(r.total, cfg.dim, generator=gen, device=device).to(dtype) for r in requests]
 
@@ -121,8 +140,11 @@ def oracle(
     if not (isinstance(model, torch.nn.Module) and is_model_config(getattr(model, "cfg", None))):
         raise ConfigError(f"model={model!r}: need a model from make_model, got {type(model).__name__}")
     requests = _check_requests(requests)
-    if isinstance(inputs, torch.Tensor) or not isinstance(inputs, Sequence) or not all(
-            isinstance(x, torch.Tensor) for x in inputs):
+    if (
+        isinstance(inputs, torch.Tensor)
+        or not isinstance(inputs, Sequence)
+        or not all(isinstance(x, torch.Tensor) for x in inputs)
+    ):
         raise ConfigError("inputs: need a list of tensors, one [prefix + extend, dim] per request (make_inputs)")
     check_choice("kv_dtype", kv_dtype, KV_DTYPES)
     _check_int("page_size", page_size, 1)
@@ -135,8 +157,9 @@ def oracle(
         if tuple(x.shape) != (r.total, model.cfg.dim):
             raise ConfigError(f"inputs[{i}] is {tuple(x.shape)}, request {i} needs ({r.total}, {model.cfg.dim})")
     view = torch.float32 if fp32 else torch.bfloat16
-    return family_of(model.cfg).oracle(model, [r.prefix for r in requests], list(inputs), kv_dtype, page_size,
-                                       chunk_size, view)
+    return family_of(model.cfg).oracle(
+        model, [r.prefix for r in requests], list(inputs), kv_dtype, page_size, chunk_size, view
+    )
 
 
 # ---- argument checks: a wrong type or size is a ConfigError naming the argument ----------------
@@ -156,8 +179,10 @@ def _model_config(preset: object) -> ModelConfigLike:
         return preset  # type: ignore[return-value]
     if isinstance(preset, str):
         return get_preset(preset)
-    raise ConfigError(f"preset={preset!r}: need a preset name ({', '.join(preset_names())}) or a ModelConfig, "
-                      f"got {type(preset).__name__}")
+    raise ConfigError(
+        f"preset={preset!r}: need a preset name ({', '.join(preset_names())}) or a ModelConfig, "
+        f"got {type(preset).__name__}"
+    )
 
 
 _check_device = check_device  # cpu, cuda (where visible) or meta, else a ConfigError naming ``device``
@@ -173,7 +198,9 @@ def _check_dtype(dtype: object) -> torch.dtype:
 
 def _check_requests(requests: object) -> list[Request]:
     if isinstance(requests, str):
-        raise ConfigError(f"requests={requests!r}: need a list of Request (from a spec string: parse_requests({requests!r}))")
+        raise ConfigError(
+            f"requests={requests!r}: need a list of Request (from a spec string: parse_requests({requests!r}))"
+        )
     if not isinstance(requests, Sequence) or not requests or not all(isinstance(r, Request) for r in requests):
         raise ConfigError(f"requests={requests!r}: need a non-empty list of Request")
     return list(requests)
@@ -185,5 +212,7 @@ def _check_fits(what: str, need: int, device: torch.device) -> None:
         return
     free = free_bytes(device.type)
     if free is not None and need > free:
-        raise ConfigError(f"{what} needs about {need / GIB:,.1f} GiB on {device.type}, which has {free / GIB:,.1f} GiB "
-                          "free: use fewer layers, tokens or a smaller dtype")
+        raise ConfigError(
+            f"{what} needs about {need / GIB:,.1f} GiB on {device.type}, which has {free / GIB:,.1f} GiB "
+            "free: use fewer layers, tokens or a smaller dtype"
+        )

@@ -94,7 +94,11 @@ def _topk_rows_agree(got: torch.Tensor, ref: torch.Tensor, scores: torch.Tensor 
 
 
 def compare_outputs(
-    meta: SplitMetadata, model: torch.nn.Module, ref_hidden: torch.Tensor, results: list[RankResult], tol: float,
+    meta: SplitMetadata,
+    model: torch.nn.Module,
+    ref_hidden: torch.Tensor,
+    results: list[RankResult],
+    tol: float,
     problems: list[str],
 ) -> tuple[float, float]:
     """Every token's final hidden state and every rank's output rows and logits against the oracle's
@@ -138,7 +142,9 @@ def compare(
 
     rows_total = rows_equal = ties = 0
     n_layers = len(oracle.topk)
-    per_layer = [_assemble(results, [r.local_topk[layer] for r in results], meta.total_tokens) for layer in range(n_layers)]
+    per_layer = [
+        _assemble(results, [r.local_topk[layer] for r in results], meta.total_tokens) for layer in range(n_layers)
+    ]
     for layer in range(n_layers):
         for g in range(meta.total_tokens):
             req, j = meta.token_request[g], meta.token_position[g] - meta.prefix_lens[meta.token_request[g]]
@@ -146,7 +152,9 @@ def compare(
             rows_total += 1
             if set(got[got >= 0].tolist()) == set(ref[ref >= 0].tolist()):
                 rows_equal += 1
-            elif _topk_rows_agree(got, ref, oracle.index_scores(layer, req, j)[: meta.token_position[g] + 1].cpu(), exact):
+            elif _topk_rows_agree(
+                got, ref, oracle.index_scores(layer, req, j)[: meta.token_position[g] + 1].cpu(), exact
+            ):
                 ties += 1
             else:
                 problems.append(f"layer {layer} token {g}: top-k sets differ beyond boundary ties")
@@ -185,11 +193,15 @@ def _compare_caches(
                 pos, rows, k_bytes, k_scale = r.stored[layer][req]
                 if (k_bytes is not None) != cache.with_index:  # IndexShare: index K on full layers only
                     equal = False
-                    problems.append(f"layer {layer} request {req}: rank {r.rank} keeps index K where the oracle "
-                                    f"{'keeps' if cache.with_index else 'keeps none'}")
+                    problems.append(
+                        f"layer {layer} request {req}: rank {r.rank} keeps index K where the oracle "
+                        f"{'keeps' if cache.with_index else 'keeps none'}"
+                    )
                     continue
                 same = torch.equal(rows, cache.mla_rows[pos].cpu()) and (
-                    k_bytes is None or k_scale is None or (
+                    k_bytes is None
+                    or k_scale is None
+                    or (
                         torch.equal(k_bytes, cache.index_fp8[pos].cpu().view(torch.uint8))
                         and torch.equal(k_scale, cache.index_scale[pos].cpu())
                     )
@@ -203,7 +215,9 @@ def _compare_caches(
                         err = max(err, (k - ref_k[pos]).abs().max().item())
                     worst = max(worst, err)
                     if not err <= tol * max(1.0, ref_kv.abs().max().item()):
-                        problems.append(f"layer {layer} request {req}: rank {r.rank}'s cache differs (max abs err {err:.3g})")
+                        problems.append(
+                            f"layer {layer} request {req}: rank {r.rank}'s cache differs (max abs err {err:.3g})"
+                        )
                 covered[pos] = True
             if not bool(covered.all()):
                 equal = False

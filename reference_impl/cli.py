@@ -29,12 +29,12 @@ from reference_impl.config import (
     BACKENDS,
     COMPUTE_DTYPES,
     DEVICES,
+    KV_DESIGNS,
     KV_DTYPES,
     MAX_HBM_GIB,
+    MAX_LAYERS,
     MAX_PLAN_CP,
     MAX_SEED,
-    MAX_LAYERS,
-    KV_DESIGNS,
     SCALE_FMTS,
     SPLIT_MODES,
     ConfigError,
@@ -117,8 +117,9 @@ def _choice_arg(choices: Sequence[str], what: str) -> Callable[[str], str]:
     return parse
 
 
-def _float_arg(positive: bool = True, maximum: float | None = None, why: str = "",
-               minimum: float | None = None) -> Callable[[str], float]:
+def _float_arg(
+    positive: bool = True, maximum: float | None = None, why: str = "", minimum: float | None = None
+) -> Callable[[str], float]:
     def parse(text: str) -> float:
         try:
             if not text.isascii():
@@ -151,8 +152,9 @@ def _ascii_text(text: str) -> str:
 def _pattern_arg(text: str) -> str:
     """An IndexShare pattern: not empty (the letters and their count are the config's checks)."""
     if not text.strip():
-        raise argparse.ArgumentTypeError(f"{text!r} is empty: give one letter per layer (F or S), or leave it out "
-                                         "for the preset's own pattern")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is empty: give one letter per layer (F or S), or leave it out for the preset's own pattern"
+        )
     return text
 
 
@@ -171,10 +173,15 @@ _RUN_KNOBS: dict[str, tuple[Callable[[str], Any], str]] = {
     "phases": (_ascii_text, "a cumulative level 0..8 (e.g. 1) or an explicit list (e.g. 1,2)"),
     "split_mode": (_choice_arg(SPLIT_MODES, "split mode"), " | ".join(SPLIT_MODES)),
     "page_size": (_int_arg(1), "tokens per KV page (a power of two, 4..4096)"),
-    "kv_interleave": (_int_arg(1), "KV sharded at rest: consecutive tokens per rank (a power of two dividing the page "
-                      "size)"),
-    "kv_design": (_choice_arg(KV_DESIGNS, "kv design"), f"how the KV is kept and gathered: {' | '.join(KV_DESIGNS)} "
-                  "(a design replaces phases 2, 3, 5, 6 and 8: run it with --phases 1,7 or fewer)"),
+    "kv_interleave": (
+        _int_arg(1),
+        "KV sharded at rest: consecutive tokens per rank (a power of two dividing the page size)",
+    ),
+    "kv_design": (
+        _choice_arg(KV_DESIGNS, "kv design"),
+        f"how the KV is kept and gathered: {' | '.join(KV_DESIGNS)} "
+        "(a design replaces phases 2, 3, 5, 6 and 8: run it with --phases 1,7 or fewer)",
+    ),
     "n_layers": (_int_arg(1, MAX_LAYERS, "the deepest DSA model has 78"), "layers"),
     "chunk_size": (_int_arg(1), "chunked prefill: extend tokens per request per chunk"),
     "seed": (_int_arg(0, MAX_SEED, "2**63 - 2"), "weights and inputs"),
@@ -182,10 +189,14 @@ _RUN_KNOBS: dict[str, tuple[Callable[[str], Any], str]] = {
     "backend": (_choice_arg(BACKENDS, "backend"), " | ".join(BACKENDS)),
     "compute_dtype": (_choice_arg(COMPUTE_DTYPES, "compute dtype"), " | ".join(COMPUTE_DTYPES)),
     "timeout_s": (_float_arg(), "seconds a run may take before its ranks are stopped"),
-    "mla_scale_fmt": (_choice_arg(SCALE_FMTS, "MLA scale format"), "FP8 MLA cache scales: ue8m0 (powers of two, "
-                      "DeepSeek's) | fp32 (amax / 448, SGLang's); same 656-byte rows"),
-    "index_topk_pattern": (_pattern_arg, "IndexShare: one letter per layer, F (runs the indexer) or S (reuses the "
-                           "previous F layer's top-k), e.g. FFFS"),
+    "mla_scale_fmt": (
+        _choice_arg(SCALE_FMTS, "MLA scale format"),
+        "FP8 MLA cache scales: ue8m0 (powers of two, DeepSeek's) | fp32 (amax / 448, SGLang's); same 656-byte rows",
+    ),
+    "index_topk_pattern": (
+        _pattern_arg,
+        "IndexShare: one letter per layer, F (runs the indexer) or S (reuses the previous F layer's top-k), e.g. FFFS",
+    ),
 }
 _RUN_SWITCHES: dict[str, str] = {
     "debug": "syncing diagnostics, collective recorder; third-party logs (Mooncake's) too",
@@ -193,7 +204,7 @@ _RUN_SWITCHES: dict[str, str] = {
     "input_logprobs": "needs every row: full tail gather",
     "return_hidden_states": "needs every row: full tail gather",
     "cpu_widths": "a real preset on a CPU: tiny's widths (hidden, heads, q_lora, indexer heads, top-k, vocab), the "
-                  "preset's head dims, byte layouts and semantics",
+    "preset's head dims, byte layouts and semantics",
 }
 # The defaults that are no literal value of RunConfig (None there: decided from the rest).
 _RUN_DEFAULT_WORDS: dict[str, str] = {
@@ -222,17 +233,31 @@ def _run_default(field: str, defaults: dict[str, str]) -> str:
 def _add_run_flags(p: argparse.ArgumentParser, **defaults: str) -> None:
     defaults = {"requests": "0+96,40+70", "phases": "0", **defaults}
     for field, (parse, help_text) in _RUN_KNOBS.items():
-        p.add_argument(_flag(field), type=parse, default=None,
-                       help=f"{help_text} (default {_run_default(field, defaults)}; env {knob_names(field)[2]})")
+        p.add_argument(
+            _flag(field),
+            type=parse,
+            default=None,
+            help=f"{help_text} (default {_run_default(field, defaults)}; env {knob_names(field)[2]})",
+        )
     for field, help_text in _RUN_SWITCHES.items():
-        p.add_argument(_flag(field), action=argparse.BooleanOptionalAction, default=None,
-                       help=f"{help_text} (default {_run_default(field, defaults)}; env {knob_names(field)[2]})")
-    p.add_argument("--batches", type=_ascii_text, default=None, metavar="B1;B2;...",
-                   help="several batches in sequence on one pool per rank, each a requests spec; requests are numbered "
-                        "across the run (r0, r1, ...) and rN:P+E starts with the first P tokens of request N "
-                        "(default: one batch, --requests; env DSACP_BATCHES)")
-    p.add_argument("--json", action="store_true",
-                   help="print the JSON report instead of the table (default: the table)")
+        p.add_argument(
+            _flag(field),
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help=f"{help_text} (default {_run_default(field, defaults)}; env {knob_names(field)[2]})",
+        )
+    p.add_argument(
+        "--batches",
+        type=_ascii_text,
+        default=None,
+        metavar="B1;B2;...",
+        help="several batches in sequence on one pool per rank, each a requests spec; requests are numbered "
+        "across the run (r0, r1, ...) and rN:P+E starts with the first P tokens of request N "
+        "(default: one batch, --requests; env DSACP_BATCHES)",
+    )
+    p.add_argument(
+        "--json", action="store_true", help="print the JSON report instead of the table (default: the table)"
+    )
 
 
 def _knob(args: argparse.Namespace, field: str, default: Any) -> Any:
@@ -260,8 +285,12 @@ def _source(args: argparse.Namespace, field: str) -> str:
 def _cli_names(args: argparse.Namespace, fields: Sequence[str]) -> dict[str, str]:
     """Field -> what the user typed to set it: its flag, else its variable, and for a field left at its
     default the flag (what would set it here)."""
-    return {field: knob_names(field)[2] if getattr(args, field, None) is None and env_value(field) is not None
-            else knob_names(field)[1] for field in fields}
+    return {
+        field: knob_names(field)[2]
+        if getattr(args, field, None) is None and env_value(field) is not None
+        else knob_names(field)[1]
+        for field in fields
+    }
 
 
 @contextmanager
@@ -359,8 +388,10 @@ def _cmd_pd(args: argparse.Namespace) -> int:
         run = _run_config(args, phases="2")
         args.debug = run.debug
         if run.backend not in ("auto", "gloo"):
-            raise ConfigError(f"pd: {_source(args, 'backend')} {run.backend}: the prefill ranks and the decode talk "
-                              "over gloo (point-to-point sends); leave the backend out or use gloo")
+            raise ConfigError(
+                f"pd: {_source(args, 'backend')} {run.backend}: the prefill ranks and the decode talk "
+                "over gloo (point-to-point sends); leave the backend out or use gloo"
+            )
         transport = _enumerated(args, "transport", TRANSPORTS, "torch")
         with _mooncake_logs(run.debug):
             result = run_prefill_and_decode(run, timeout_s=run.timeout_s, transfer=args.transfer, transport=transport)
@@ -384,9 +415,7 @@ def _mooncake_logs(debug: bool) -> Iterator[None]:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from reference_impl.demo import format_demo, run_demo
-
-    from reference_impl.demo import prepare_out_dir
+    from reference_impl.demo import format_demo, prepare_out_dir, run_demo
 
     device = args.device if args.device is not None else env_choice("device", DEVICES, "auto")
     if args.out is not None:
@@ -409,19 +438,24 @@ def _cmd_split(args: argparse.Namespace) -> int:
     if len(prefix) != len(extend):
         raise ConfigError(f"--prefix has {len(prefix)} values but --extend has {len(extend)}")
     if sum(extend) > MAX_SPLIT_TOKENS:
-        raise ConfigError(f"--extend: {sum(extend):,} tokens; split prints every token's rank, at most "
-                          f"{MAX_SPLIT_TOKENS:,} (a run takes more: `run --requests`)")
+        raise ConfigError(
+            f"--extend: {sum(extend):,} tokens; split prints every token's rank, at most "
+            f"{MAX_SPLIT_TOKENS:,} (a run takes more: `run --requests`)"
+        )
     with _as_typed({field: _flag(field) for field in ("split_mode", "cp_size", "page_size")}):  # flags only
         validate_page_size(args.page_size)
-        meta = build_split(args.split_mode, args.cp_size, extend, prefix, args.page_size,
-                           page_aligned=args.page_aligned)
+        meta = build_split(
+            args.split_mode, args.cp_size, extend, prefix, args.page_size, page_aligned=args.page_aligned
+        )
     doc = meta.to_json()
     if args.json:
         _out(json.dumps(doc))
         return EXIT_OK
     aligned = f", page-aligned: {meta.page_aligned}" if args.page_aligned else ""
-    lines = [f"{meta.mode} split, C={meta.cp_size}{aligned}, requests (prefix+extend): "
-             + ", ".join(f"{p}+{e}" for p, e in zip(prefix, extend))]
+    lines = [
+        f"{meta.mode} split, C={meta.cp_size}{aligned}, requests (prefix+extend): "
+        + ", ".join(f"{p}+{e}" for p, e in zip(prefix, extend))
+    ]
     if meta.block_sizes:
         lines.append(f"  block sizes per request: {[list(b) for b in meta.block_sizes]}")
     lines += [f"  rank {rank['rank']} ({rank['length']} tokens): {rank['tokens']}" for rank in doc["ranks"]]
@@ -449,8 +483,19 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         except (argparse.ArgumentTypeError, ConfigError) as exc:
             raise ConfigError(f"{knob_names(field)[2]}: {exc}") from None
 
-    fields = ("preset", "cp_size", "hbm_gib", "reserved_gib", "kv_budget_fraction", "contexts", "kv_dtype", "page_size",
-              "split_mode", "index_topk_pattern", "interconnect_gbps")
+    fields = (
+        "preset",
+        "cp_size",
+        "hbm_gib",
+        "reserved_gib",
+        "kv_budget_fraction",
+        "contexts",
+        "kv_dtype",
+        "page_size",
+        "split_mode",
+        "index_topk_pattern",
+        "interconnect_gbps",
+    )
     with _as_typed(_cli_names(args, fields)):
         config = PlannerConfig(
             preset=knob("preset", _choice_arg(preset_names(), "preset"), "deepseek-v3.2"),
@@ -503,41 +548,99 @@ def _refuse_boolean_rates(paths: Sequence[str], what: str) -> None:
 def _add_plan_flags(p: argparse.ArgumentParser) -> None:
     env = lambda field: knob_names(field)[2]  # noqa: E731
     planners = {name: family_of(get_preset(name)).planner_command for name in preset_names()}
-    elsewhere = "; ".join(sorted({f"{', '.join(n for n in planners if planners[n] == c)}: {c}"
-                                  for c in planners.values() if c != PLAN_COMMAND}))
-    p.add_argument(_flag("preset"), type=_choice_arg(preset_names(), "preset"), default=None,
-                   help=f"{' | '.join(n for n in planners if planners[n] == PLAN_COMMAND)} (default deepseek-v3.2; "
-                   f"env {env('preset')}" + (f"; {elsewhere})" if elsewhere else ")"))
-    p.add_argument(_flag("cp_size"), "--cp", dest="cp_size", type=_int_arg(1, MAX_PLAN_CP), default=None,
-                   help=f"CP ranks C (default 8; env {env('cp_size')})")
-    p.add_argument(_flag("hbm_gib"), type=_float_arg(maximum=MAX_HBM_GIB, why="1 PiB"), default=None,
-                   help=f"HBM per GPU, GiB (default 141; env {env('hbm_gib')})")
+    elsewhere = "; ".join(
+        sorted(
+            {
+                f"{', '.join(n for n in planners if planners[n] == c)}: {c}"
+                for c in planners.values()
+                if c != PLAN_COMMAND
+            }
+        )
+    )
+    p.add_argument(
+        _flag("preset"),
+        type=_choice_arg(preset_names(), "preset"),
+        default=None,
+        help=f"{' | '.join(n for n in planners if planners[n] == PLAN_COMMAND)} (default deepseek-v3.2; "
+        f"env {env('preset')}" + (f"; {elsewhere})" if elsewhere else ")"),
+    )
+    p.add_argument(
+        _flag("cp_size"),
+        "--cp",
+        dest="cp_size",
+        type=_int_arg(1, MAX_PLAN_CP),
+        default=None,
+        help=f"CP ranks C (default 8; env {env('cp_size')})",
+    )
+    p.add_argument(
+        _flag("hbm_gib"),
+        type=_float_arg(maximum=MAX_HBM_GIB, why="1 PiB"),
+        default=None,
+        help=f"HBM per GPU, GiB (default 141; env {env('hbm_gib')})",
+    )
     budget = p.add_mutually_exclusive_group()
-    budget.add_argument(_flag("reserved_gib"), type=_float_arg(positive=False, maximum=MAX_HBM_GIB, why="1 PiB"), default=None,
-                        help="GiB of HBM kept for weights, activations and workspace; KV gets the rest "
-                        f"(default 93; env {env('reserved_gib')})")
-    budget.add_argument(_flag("kv_budget_fraction"), type=_float_arg(), default=None,
-                        help="instead of --reserved-gib: the fraction of HBM given to the KV cache "
-                        f"(default none: --reserved-gib decides; env {env('kv_budget_fraction')})")
-    p.add_argument(_flag("contexts"), type=_ascii_text, default=None,
-                   help="request lengths, comma separated (K = 1024, M = 1024^2) "
-                   f"(default 8192,131072,1048576; env {env('contexts')})")
-    p.add_argument(_flag("kv_dtype"), type=_choice_arg(KV_DTYPES, "kv dtype"), default=None,
-                   help=f"{' | '.join(KV_DTYPES)} (default fp8; env {env('kv_dtype')})")
-    p.add_argument(_flag("page_size"), type=_int_arg(1), default=None,
-                   help=f"tokens per KV page (default 64; env {env('page_size')})")
-    p.add_argument(_flag("split_mode"), type=_choice_arg(SPLIT_MODES, "split mode"), default=None,
-                   help="in-seq | round-robin (KV sharded at interleave 1; its levels skip 4 and 5) "
-                   f"(default in-seq; env {env('split_mode')})")
-    p.add_argument(_flag("index_topk_pattern"), type=_pattern_arg, default=None,
-                   help="IndexShare: F / S per layer of the preset "
-                   f"(default the preset's; glm-5.2 shares; env {env('index_topk_pattern')})")
-    p.add_argument(_flag("rates"), action="append", default=None, metavar="FILE.json",
-                   help="override rates: a compute_bench.json, a kernels_bench.json or {field: value}; repeatable "
-                   f"(default: the stored results in docs/results/ where present; env {env('rates')}, one file)")
-    p.add_argument(_flag("interconnect_gbps"), type=_interconnect_arg, default=None,
-                   help="all-gather bandwidth per GPU per direction, GB/s, at least "
-                   f"{MIN_INTERCONNECT_GBPS:g} (default 450: NVLink 4; env {env('interconnect_gbps')})")
+    budget.add_argument(
+        _flag("reserved_gib"),
+        type=_float_arg(positive=False, maximum=MAX_HBM_GIB, why="1 PiB"),
+        default=None,
+        help="GiB of HBM kept for weights, activations and workspace; KV gets the rest "
+        f"(default 93; env {env('reserved_gib')})",
+    )
+    budget.add_argument(
+        _flag("kv_budget_fraction"),
+        type=_float_arg(),
+        default=None,
+        help="instead of --reserved-gib: the fraction of HBM given to the KV cache "
+        f"(default none: --reserved-gib decides; env {env('kv_budget_fraction')})",
+    )
+    p.add_argument(
+        _flag("contexts"),
+        type=_ascii_text,
+        default=None,
+        help="request lengths, comma separated (K = 1024, M = 1024^2) "
+        f"(default 8192,131072,1048576; env {env('contexts')})",
+    )
+    p.add_argument(
+        _flag("kv_dtype"),
+        type=_choice_arg(KV_DTYPES, "kv dtype"),
+        default=None,
+        help=f"{' | '.join(KV_DTYPES)} (default fp8; env {env('kv_dtype')})",
+    )
+    p.add_argument(
+        _flag("page_size"),
+        type=_int_arg(1),
+        default=None,
+        help=f"tokens per KV page (default 64; env {env('page_size')})",
+    )
+    p.add_argument(
+        _flag("split_mode"),
+        type=_choice_arg(SPLIT_MODES, "split mode"),
+        default=None,
+        help="in-seq | round-robin (KV sharded at interleave 1; its levels skip 4 and 5) "
+        f"(default in-seq; env {env('split_mode')})",
+    )
+    p.add_argument(
+        _flag("index_topk_pattern"),
+        type=_pattern_arg,
+        default=None,
+        help="IndexShare: F / S per layer of the preset "
+        f"(default the preset's; glm-5.2 shares; env {env('index_topk_pattern')})",
+    )
+    p.add_argument(
+        _flag("rates"),
+        action="append",
+        default=None,
+        metavar="FILE.json",
+        help="override rates: a compute_bench.json, a kernels_bench.json or {field: value}; repeatable "
+        f"(default: the stored results in docs/results/ where present; env {env('rates')}, one file)",
+    )
+    p.add_argument(
+        _flag("interconnect_gbps"),
+        type=_interconnect_arg,
+        default=None,
+        help="all-gather bandwidth per GPU per direction, GB/s, at least "
+        f"{MIN_INTERCONNECT_GBPS:g} (default 450: NVLink 4; env {env('interconnect_gbps')})",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON (default: the table)")
 
 
@@ -557,41 +660,72 @@ def _invoked_as() -> str:
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
-    parser = _Parser(prog=prog or _invoked_as(), description="Context-parallel prefill of DSA models: one run, a "
-                     "prefill -> decode transfer, the demo, a split, the capacity planner.",
-                     epilog=_plain(" ".join(__doc__.split("\n\n")[1].split())))
+    parser = _Parser(
+        prog=prog or _invoked_as(),
+        description="Context-parallel prefill of DSA models: one run, a "
+        "prefill -> decode transfer, the demo, a split, the capacity planner.",
+        epilog=_plain(" ".join(__doc__.split("\n\n")[1].split())),
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO (default WARNING)")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_run_flags(sub.add_parser("run", help="one CP prefill, compared with the oracle"))
-    pd = sub.add_parser("pd", help="prefill on C ranks, transfer the KV to a decode process (gloo; --device cuda: rows "
-                        "staged on a side stream)")
-    _add_run_flags(pd, phases="2", device="auto: the CPU; --device cuda for the GPUs",
-                   backend="auto: gloo, which the prefill ranks and the decode talk over")
-    pd.add_argument("--transfer", default="rows", choices=["rows", "pages"],
-                    help="rows: the decode allocates its own pages; pages: it mirrors the prefill's page ids "
-                         "(default rows)")
-    pd.add_argument(_flag("transport"), default=None,
-                    help="torch: gloo point-to-point; mooncake: one-sided writes into the decode's registered pool "
-                         "through the Mooncake Transfer Engine, rows only "
-                         f"(default torch; env {knob_names('transport')[2]})")
+    pd = sub.add_parser(
+        "pd",
+        help="prefill on C ranks, transfer the KV to a decode process (gloo; --device cuda: rows "
+        "staged on a side stream)",
+    )
+    _add_run_flags(
+        pd,
+        phases="2",
+        device="auto: the CPU; --device cuda for the GPUs",
+        backend="auto: gloo, which the prefill ranks and the decode talk over",
+    )
+    pd.add_argument(
+        "--transfer",
+        default="rows",
+        choices=["rows", "pages"],
+        help="rows: the decode allocates its own pages; pages: it mirrors the prefill's page ids (default rows)",
+    )
+    pd.add_argument(
+        _flag("transport"),
+        default=None,
+        help="torch: gloo point-to-point; mooncake: one-sided writes into the decode's registered pool "
+        "through the Mooncake Transfer Engine, rows only "
+        f"(default torch; env {knob_names('transport')[2]})",
+    )
     demo = sub.add_parser("demo", help="the main job: every phase level, what each buys (memory, time), one folder")
-    demo.add_argument("--device", type=_choice_arg(DEVICES, "device"), default=None,
-                      help=f"{' | '.join(DEVICES)} (default auto; env DSACP_DEVICE)")
+    demo.add_argument(
+        "--device",
+        type=_choice_arg(DEVICES, "device"),
+        default=None,
+        help=f"{' | '.join(DEVICES)} (default auto; env DSACP_DEVICE)",
+    )
     demo.add_argument("--out", default=None, help="results folder (default results/demo-<device>-<time>)")
     demo.add_argument("--json", action="store_true", help="print the JSON instead of the table (default: the table)")
     sp = sub.add_parser("split", help="show how a batch is split over CP ranks")
-    sp.add_argument("--split-mode", "--mode", dest="split_mode", type=_choice_arg(SPLIT_MODES, "split mode"),
-                    default="in-seq", help=f"{' | '.join(SPLIT_MODES)} (default in-seq)")
-    sp.add_argument("--cp-size", "--cp", dest="cp_size", type=_int_arg(1), required=True,
-                    help="CP ranks C (required: no default)")
-    sp.add_argument("--extend", type=_ascii_text, required=True,
-                    help="extend lengths, comma separated (required: no default)")
-    sp.add_argument("--prefix", type=_ascii_text, default=None,
-                    help="prefix lengths, comma separated (default 0 for each request)")
-    sp.add_argument("--page-size", type=_int_arg(1), default=64,
-                    help="tokens per KV page, a power of two 4..4096 (default 64)")
-    sp.add_argument("--page-aligned", action="store_true",
-                    help="phase 4: blocks on absolute page boundaries (default off)")
+    sp.add_argument(
+        "--split-mode",
+        "--mode",
+        dest="split_mode",
+        type=_choice_arg(SPLIT_MODES, "split mode"),
+        default="in-seq",
+        help=f"{' | '.join(SPLIT_MODES)} (default in-seq)",
+    )
+    sp.add_argument(
+        "--cp-size", "--cp", dest="cp_size", type=_int_arg(1), required=True, help="CP ranks C (required: no default)"
+    )
+    sp.add_argument(
+        "--extend", type=_ascii_text, required=True, help="extend lengths, comma separated (required: no default)"
+    )
+    sp.add_argument(
+        "--prefix", type=_ascii_text, default=None, help="prefix lengths, comma separated (default 0 for each request)"
+    )
+    sp.add_argument(
+        "--page-size", type=_int_arg(1), default=64, help="tokens per KV page, a power of two 4..4096 (default 64)"
+    )
+    sp.add_argument(
+        "--page-aligned", action="store_true", help="phase 4: blocks on absolute page boundaries (default off)"
+    )
     sp.add_argument("--json", action="store_true", help="print the split as JSON (default: text)")
     _add_plan_flags(sub.add_parser("plan", help="capacity planner: KV per rank, max context, per-layer time per level"))
     return parser
@@ -607,13 +741,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args, unknown = parser.parse_known_args(argv)
         if unknown:
-            hint = " (the demo runs every level; --phases is a flag of `run`)" if args.command == "demo" and any(
-                u.startswith("--phases") for u in unknown) else ""
+            hint = (
+                " (the demo runs every level; --phases is a flag of `run`)"
+                if args.command == "demo" and any(u.startswith("--phases") for u in unknown)
+                else ""
+            )
             raise ConfigError(f"{args.command}: unrecognized arguments: {' '.join(unknown)}{hint}")
         check_environment()  # every DSACP_* the library reads, whichever command runs
-        logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                            format="%(levelname)s %(name)s: %(message)s")
-        command = {"run": _cmd_run, "pd": _cmd_pd, "demo": _cmd_demo, "split": _cmd_split, "plan": _cmd_plan}[args.command]
+        logging.basicConfig(
+            level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+        )
+        command = {"run": _cmd_run, "pd": _cmd_pd, "demo": _cmd_demo, "split": _cmd_split, "plan": _cmd_plan}[
+            args.command
+        ]
         return command(args)
     except ConfigError as exc:
         print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
@@ -668,7 +808,7 @@ class _ProgressBar:
         self.bar: Any = None
         self.stage = ""
 
-    def __enter__(self) -> "_ProgressBar":
+    def __enter__(self) -> _ProgressBar:
         return self
 
     def update(self, stage: str, done: int, total: int) -> None:

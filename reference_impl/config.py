@@ -17,19 +17,52 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from reference_impl.errors import ConfigError
-from reference_impl.machine import cpu_cores
-from reference_impl.phases import PhaseSet, available_levels
 from reference_impl.families import ModelFamily, family_of, get_preset
 from reference_impl.fp8 import SCALE_FMTS
+from reference_impl.machine import cpu_cores
+from reference_impl.phases import PhaseSet, available_levels
 
 __all__ = [
-    "BACKENDS", "COMPUTE_DTYPES", "DESIGN_PHASES", "DEVICES", "KV_DESIGNS", "KV_DTYPES", "LIBRARY_ENV",
-    "MAX_BATCH_TOKENS", "MAX_CHUNKS", "MAX_HBM_GIB", "MAX_LAYERS", "MAX_PLAN_CP", "MAX_SEED", "SPLIT_MODES",
-    "ConfigError", "EnvKnob", "KVDesign", "KVDtype", "PhaseSet", "Request", "RunConfig", "SplitMode",
-    "available_levels", "ascii_int",
-    "check_choice", "check_environment", "env_choice", "env_flag", "env_int", "env_knob", "env_value", "get_preset",
-    "knob_names", "parse_batches", "parse_int_list", "parse_requests", "validate_interleave", "validate_kv_design",
-    "SCALE_FMTS", "validate_scale_fmt",
+    "BACKENDS",
+    "COMPUTE_DTYPES",
+    "DESIGN_PHASES",
+    "DEVICES",
+    "KV_DESIGNS",
+    "KV_DTYPES",
+    "LIBRARY_ENV",
+    "MAX_BATCH_TOKENS",
+    "MAX_CHUNKS",
+    "MAX_HBM_GIB",
+    "MAX_LAYERS",
+    "MAX_PLAN_CP",
+    "MAX_SEED",
+    "SPLIT_MODES",
+    "ConfigError",
+    "EnvKnob",
+    "KVDesign",
+    "KVDtype",
+    "PhaseSet",
+    "Request",
+    "RunConfig",
+    "SplitMode",
+    "available_levels",
+    "ascii_int",
+    "check_choice",
+    "check_environment",
+    "env_choice",
+    "env_flag",
+    "env_int",
+    "env_knob",
+    "env_value",
+    "get_preset",
+    "knob_names",
+    "parse_batches",
+    "parse_int_list",
+    "parse_requests",
+    "validate_interleave",
+    "validate_kv_design",
+    "SCALE_FMTS",
+    "validate_scale_fmt",
     "validate_page_size",
 ]
 
@@ -151,7 +184,9 @@ class Request:
         if self.shares is not None:
             _check_type("Request.shares", self.shares, int)
             if self.shares < 0 or self.prefix < 1:
-                raise ConfigError(f"request r{self.shares}:{self.prefix}+{self.extend}: need N >= 0 and a prefix of at least 1")
+                raise ConfigError(
+                    f"request r{self.shares}:{self.prefix}+{self.extend}: need N >= 0 and a prefix of at least 1"
+                )
 
     @property
     def total(self) -> int:
@@ -278,13 +313,17 @@ class RunConfig:
         check_choice("kv_dtype", self.kv_dtype, KV_DTYPES)
         check_choice("split_mode", self.split_mode, SPLIT_MODES)
         if not 0 <= self.seed <= MAX_SEED:
-            raise ConfigError(f"seed={self.seed}: need 0 <= seed <= {MAX_SEED} (2**63 - 2: the inputs' generator takes "
-                              "seed + 1, a signed 64-bit value)")
+            raise ConfigError(
+                f"seed={self.seed}: need 0 <= seed <= {MAX_SEED} (2**63 - 2: the inputs' generator takes "
+                "seed + 1, a signed 64-bit value)"
+            )
         validate_page_size(self.page_size)
         if not self.requests:
             raise ConfigError("a batch needs at least one request")
         if self.split_mode == "round-robin" and self.phases.page_aligned:
-            raise ConfigError("round-robin split cannot run phase 4 (page-aligned split): it is an in-seq split; use --split-mode in-seq")
+            raise ConfigError(
+                "round-robin split cannot run phase 4 (page-aligned split): it is an in-seq split; use --split-mode in-seq"
+            )
         validate_kv_design(self.kv_design)
         self._check_design()
         if self.kv_interleave is not None:
@@ -305,8 +344,10 @@ class RunConfig:
             raise ConfigError(f"chunk_size={self.chunk_size}: need at least one token per chunk")
         validate_scale_fmt(self.mla_scale_fmt)
         if self.mla_scale_fmt != "ue8m0" and self.kv_dtype == "bf16":
-            raise ConfigError(f"mla_scale_fmt={self.mla_scale_fmt}: the scale format is the FP8 cache's; "
-                              "kv_dtype=bf16 stores no scales: drop one of the two")
+            raise ConfigError(
+                f"mla_scale_fmt={self.mla_scale_fmt}: the scale format is the FP8 cache's; "
+                "kv_dtype=bf16 stores no scales: drop one of the two"
+            )
         self.family.check_run(self)  # the knobs the run's model family has no use for, by name
         _ = self.model  # the indexer pattern against the layer count, by name
         self._check_batches()
@@ -330,37 +371,57 @@ class RunConfig:
         """Wrong types fail here, by name, not later inside a rank."""
         if isinstance(self.requests, list):  # a list of requests is fine: keep the config hashable
             object.__setattr__(self, "requests", tuple(self.requests))
-        if isinstance(self.requests, str) or not isinstance(self.requests, tuple) or not all(
-            isinstance(r, Request) for r in self.requests
+        if (
+            isinstance(self.requests, str)
+            or not isinstance(self.requests, tuple)
+            or not all(isinstance(r, Request) for r in self.requests)
         ):
             raise ConfigError(
                 f"requests={self.requests!r}: need a tuple of Request (from a spec string: parse_requests({self.requests!r}))"
-                if isinstance(self.requests, str) else f"requests={self.requests!r}: need a tuple of Request"
+                if isinstance(self.requests, str)
+                else f"requests={self.requests!r}: need a tuple of Request"
             )
         if not isinstance(self.phases, PhaseSet):
             hint = f" (e.g. PhaseSet.level({self.phases}))" if isinstance(self.phases, int) else ""
             raise ConfigError(f"phases={self.phases!r}: need a PhaseSet{hint}")
-        for name, kind in (("preset", str), ("kv_dtype", str), ("split_mode", str), ("device", str),
-                           ("compute_dtype", str), ("backend", str), ("mla_scale_fmt", str), ("cp_size", int),
-                           ("page_size", int),
-                           ("seed", int), ("debug", bool), ("check", bool), ("return_hidden_states", bool),
-                           ("input_logprobs", bool), ("cpu_widths", bool)):
+        for name, kind in (
+            ("preset", str),
+            ("kv_dtype", str),
+            ("split_mode", str),
+            ("device", str),
+            ("compute_dtype", str),
+            ("backend", str),
+            ("mla_scale_fmt", str),
+            ("cp_size", int),
+            ("page_size", int),
+            ("seed", int),
+            ("debug", bool),
+            ("check", bool),
+            ("return_hidden_states", bool),
+            ("input_logprobs", bool),
+            ("cpu_widths", bool),
+        ):
             _check_type(name, getattr(self, name), kind)
-        if not isinstance(self.timeout_s, (int, float)) or isinstance(self.timeout_s, bool) or not (
-            0 < self.timeout_s < float("inf")
+        if (
+            not isinstance(self.timeout_s, (int, float))
+            or isinstance(self.timeout_s, bool)
+            or not (0 < self.timeout_s < float("inf"))
         ):
             raise ConfigError(f"timeout_s={self.timeout_s!r}: need a positive, finite number of seconds")
         for name in ("n_layers", "chunk_size", "kv_interleave"):
             if getattr(self, name) is not None:
                 _check_type(name, getattr(self, name), int)
         if self.n_layers is not None and not 1 <= self.n_layers <= MAX_LAYERS:  # before the model is derived
-            raise ConfigError(f"n_layers={self.n_layers}: need 1 <= n_layers <= {MAX_LAYERS} (the deepest DSA model "
-                              "has 78 layers)")
+            raise ConfigError(
+                f"n_layers={self.n_layers}: need 1 <= n_layers <= {MAX_LAYERS} (the deepest DSA model has 78 layers)"
+            )
         if self.index_topk_pattern is not None:
             _check_type("index_topk_pattern", self.index_topk_pattern, str)
             if not self.index_topk_pattern.strip():
-                raise ConfigError("index_topk_pattern='': empty; give one letter per layer (F or S), or leave it "
-                                  "unset for the preset's own pattern")
+                raise ConfigError(
+                    "index_topk_pattern='': empty; give one letter per layer (F or S), or leave it "
+                    "unset for the preset's own pattern"
+                )
 
     def _check_batches(self) -> None:
         """Batch sizes that tile the requests; each shared prefix from an earlier batch, no longer than its source."""
@@ -448,7 +509,7 @@ class RunConfig:
         cfg = cfg.with_layers(self.n_layers) if self.n_layers is not None else cfg
         return family_of(cfg).model_for_run(cfg, self)
 
-    def replace(self, **changes: object) -> "RunConfig":
+    def replace(self, **changes: object) -> RunConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
 
@@ -492,7 +553,9 @@ def env_choice(field_name: str, choices: tuple[str, ...], default: str) -> str:
     return value.strip()
 
 
-def env_int(field_name: str, default: int | None, minimum: int = 1, maximum: int | None = None, why: str = "") -> int | None:
+def env_int(
+    field_name: str, default: int | None, minimum: int = 1, maximum: int | None = None, why: str = ""
+) -> int | None:
     """Read an integer knob from its environment variable, within ``[minimum, maximum]``; anything
     else, the empty string included, is a :class:`ConfigError` naming the variable (``why`` says
     where the maximum comes from)."""
@@ -539,7 +602,7 @@ class EnvKnob:
         bound, why = self.maximum() if self.maximum is not None else (None, "")
         return env_int(self.field, self.default, self.minimum, bound, why)  # type: ignore[arg-type]
 
-    def register(self) -> "EnvKnob":
+    def register(self) -> EnvKnob:
         LIBRARY_ENV[self.field] = self
         return self
 
@@ -566,8 +629,15 @@ def _cores() -> tuple[int, str]:
 
 
 for _knob in (
-    EnvKnob("debug", False), EnvKnob("force_torch", False), EnvKnob("no_gluon", False), EnvKnob("no_gluon_ws", False),
-    EnvKnob("triton_topk", True), EnvKnob("fused_bound", False), EnvKnob("no_fused_glue", False),
-    EnvKnob("notebook_smoke", False), EnvKnob("rank_threads", None, maximum=_cores), EnvKnob("fp8_projections", False),
+    EnvKnob("debug", False),
+    EnvKnob("force_torch", False),
+    EnvKnob("no_gluon", False),
+    EnvKnob("no_gluon_ws", False),
+    EnvKnob("triton_topk", True),
+    EnvKnob("fused_bound", False),
+    EnvKnob("no_fused_glue", False),
+    EnvKnob("notebook_smoke", False),
+    EnvKnob("rank_threads", None, maximum=_cores),
+    EnvKnob("fp8_projections", False),
 ):
     _knob.register()

@@ -45,14 +45,21 @@ MIB = 2**20
 # to C = 8), so the page-aligned split holds and phase 5 writes directly; any fallback a level takes
 # anyway is stated in its row (:func:`fallbacks`).
 GPU_CHECK = RunConfig(
-    preset="deepseek-v3.2", n_layers=2, requests=(Request(1024, 2100), Request(64, 1100)), page_size=64,
+    preset="deepseek-v3.2",
+    n_layers=2,
+    requests=(Request(1024, 2100), Request(64, 1100)),
+    page_size=64,
     device="cuda",
 )
 GPU_WORKLOAD = (32768, 32768)  # cached prefix, new tokens: history to materialize and queries to hide it behind
 GPU_WIRE_GBPS = 450.0
 GPU_LAYERS = 4  # the timed run's layers
 CPU_CHECK = RunConfig(
-    preset="tiny", cp_size=4, requests=(Request(0, 160), Request(48, 130), Request(0, 144)), page_size=16, device="cpu",
+    preset="tiny",
+    cp_size=4,
+    requests=(Request(0, 160), Request(48, 130), Request(0, 144)),
+    page_size=16,
+    device="cpu",
 )
 
 
@@ -102,9 +109,16 @@ def _gpu_per_rank(progress: bool) -> dict[str, Any]:
     prefix, extend = GPU_WORKLOAD
     with _levels_bar(levels, "per-rank time and memory (rank 0 of C=8, warm)", progress) as bar:
         return measure(
-            "deepseek-v3.2", Workload("mixed", prefix, extend), levels, cp_size=8, rank=0, n_layers=GPU_LAYERS,
+            "deepseek-v3.2",
+            Workload("mixed", prefix, extend),
+            levels,
+            cp_size=8,
+            rank=0,
+            n_layers=GPU_LAYERS,
             device="cuda",
-            wire_gbps=GPU_WIRE_GBPS, prefetch_repeats=2, on_level=lambda level: bar.update(1),
+            wire_gbps=GPU_WIRE_GBPS,
+            prefetch_repeats=2,
+            on_level=lambda level: bar.update(1),
         )
 
 
@@ -135,7 +149,9 @@ def run_demo(device: str = "auto", out_dir: str | Path | None = None, progress: 
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("demo --device cuda: no CUDA device is visible")
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = prepare_out_dir(out_dir if out_dir is not None else Path("results") / f"demo-{'cuda' if cuda else 'cpu'}-{stamp}")
+    out = prepare_out_dir(
+        out_dir if out_dir is not None else Path("results") / f"demo-{'cuda' if cuda else 'cpu'}-{stamp}"
+    )
     if cuda:
         base = GPU_CHECK.replace(cp_size=max(2, torch.cuda.device_count()))
     else:
@@ -146,36 +162,54 @@ def run_demo(device: str = "auto", out_dir: str | Path | None = None, progress: 
     for rep in reports:
         r0 = rep["per_rank"][0]
         row: dict[str, Any] = {
-            "level": rep["phase_level"], "phases": rep["phases"], "matches_oracle": rep["matches_oracle"],
-            "problems": rep["problems"], "store_path": rep["store_path"],
+            "level": rep["phase_level"],
+            "phases": rep["phases"],
+            "matches_oracle": rep["matches_oracle"],
+            "problems": rep["problems"],
+            "store_path": rep["store_path"],
             "fallbacks": fallbacks(rep, base.replace(phases=PhaseSet.level(rep["phase_level"])), cuda),
-            "check_kv_at_rest_bytes": r0["kv_bytes"] + r0["index_bytes"], "check_transient_peak_bytes": r0["transient_peak_bytes"],
-            "check_tail_gather_bytes": r0["output_gather_bytes"], "check_layer_ms": r0["layer_ms_median"],
+            "check_kv_at_rest_bytes": r0["kv_bytes"] + r0["index_bytes"],
+            "check_transient_peak_bytes": r0["transient_peak_bytes"],
+            "check_tail_gather_bytes": r0["output_gather_bytes"],
+            "check_layer_ms": r0["layer_ms_median"],
         }
         levels.append(row)
     if per_rank is not None:
         for row, point in zip(levels, per_rank["levels"]):
             if point["store_path"] != "direct" and row["level"] >= 5:
                 row["fallbacks"].append(f"per rank: phase 5: {point['store_path']} store")
-            row.update({
-                "layer_ms": point["layer_ms_median"], "kv_at_rest_bytes": point["kv_bytes"],
-                "measured_peak_bytes": point["measured_peak_bytes"], "transient_peak_bytes": point["transient_peak_bytes"],
-                "materialized_bytes": point["materialized_bytes"], "per_rank_store_path": point["store_path"],
-            })
+            row.update(
+                {
+                    "layer_ms": point["layer_ms_median"],
+                    "kv_at_rest_bytes": point["kv_bytes"],
+                    "measured_peak_bytes": point["measured_peak_bytes"],
+                    "transient_peak_bytes": point["transient_peak_bytes"],
+                    "materialized_bytes": point["materialized_bytes"],
+                    "per_rank_store_path": point["store_path"],
+                }
+            )
     result: dict[str, Any] = {
         "command": "python -m reference_impl demo " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["demo"] else []),
         "device": device_name(torch.device("cuda" if cuda else "cpu")),
         "versions": versions(),
         "check": {
-            "how": (f"{base.cp_size} ranks sharing the GPU over {reports[0]['backend']}" if cuda and reports[0]["ranks_share_device"]
-                    else f"{base.cp_size} ranks over {reports[0]['backend']}"),
-            "preset": base.preset, "cp_size": base.cp_size, "n_layers": base.model.n_layers, "requests": [[r.prefix, r.extend] for r in base.requests],
+            "how": (
+                f"{base.cp_size} ranks sharing the GPU over {reports[0]['backend']}"
+                if cuda and reports[0]["ranks_share_device"]
+                else f"{base.cp_size} ranks over {reports[0]['backend']}"
+            ),
+            "preset": base.preset,
+            "cp_size": base.cp_size,
+            "n_layers": base.model.n_layers,
+            "requests": [[r.prefix, r.extend] for r in base.requests],
             "compute_dtype": reports[0]["config"]["compute_dtype"],
             "times": "cold: one run per level, kernels compiling in it; not a performance figure",
         },
-        "per_rank": None if per_rank is None else {
+        "per_rank": None
+        if per_rank is None
+        else {
             "how": f"rank 0 of C=8 alone (LoopbackGroup), all-gathers as local copies plus a modeled "
-                   f"{GPU_WIRE_GBPS:g} GB/s wire, bf16, {GPU_LAYERS} layers, after a warm-up run",
+            f"{GPU_WIRE_GBPS:g} GB/s wire, bf16, {GPU_LAYERS} layers, after a warm-up run",
             "n_layers": GPU_LAYERS,
             "workload": {"prefix": GPU_WORKLOAD[0], "extend": GPU_WORKLOAD[1]},
             "timing": "CUDA events per layer, median over the run's layers",
@@ -203,7 +237,9 @@ def demo_figure_data(result: dict[str, Any]) -> dict[str, Any]:
         "peak_mib": [(row.get(peak_key) or 0) / MIB for row in rows],
         "layer_ms": [row[time_key] for row in rows],
         "peak_label": "measured peak during the prefill" if gpu else "transient peak (gather + view buffers)",
-        "memory_title": "rank 0 of C=8, 4 layers" if gpu else f"{result['check']['preset']} preset, rank 0 of C={result['check']['cp_size']}",
+        "memory_title": "rank 0 of C=8, 4 layers"
+        if gpu
+        else f"{result['check']['preset']} preset, rank 0 of C={result['check']['cp_size']}",
         "time_title": "warm, rank 0 of C=8, modeled 450 GB/s wire" if gpu else "CPU, cold: not a GPU figure",
         "title": f"{result['device']}: what each phase level buys",
     }
@@ -256,35 +292,63 @@ def format_demo(result: dict[str, Any]) -> str:
     ]
     if gpu:
         pr = result["per_rank"]
-        lines.append(f"per rank: {pr['how']}; prefix {pr['workload']['prefix']} + {pr['workload']['extend']} new tokens")
+        lines.append(
+            f"per rank: {pr['how']}; prefix {pr['workload']['prefix']} + {pr['workload']['extend']} new tokens"
+        )
         # Two runs: the checked one (its store path beside the verdict) and the timed one (its own store path).
-        header = ["level", "oracle (checked store)", "timed store", "KV at rest", "peak (measured)",
-                  "materialized / layer", "layer ms (warm)"]
+        header = [
+            "level",
+            "oracle (checked store)",
+            "timed store",
+            "KV at rest",
+            "peak (measured)",
+            "materialized / layer",
+            "layer ms (warm)",
+        ]
         n_layers = pr.get("n_layers", GPU_LAYERS)
-        rows = [[str(r["level"]), f"{'match' if r['matches_oracle'] else 'DIFFERS'} ({r['store_path']})",
-                 r["per_rank_store_path"], f"{r['kv_at_rest_bytes'] / MIB:,.1f} MiB",
-                 f"{(r['measured_peak_bytes'] or 0) / MIB:,.0f} MiB",
-                 materialized_per_layer(r["materialized_bytes"], r["per_rank_store_path"], n_layers),
-                 f"{r['layer_ms']:.2f}"] for r in result["levels"]]
+        rows = [
+            [
+                str(r["level"]),
+                f"{'match' if r['matches_oracle'] else 'DIFFERS'} ({r['store_path']})",
+                r["per_rank_store_path"],
+                f"{r['kv_at_rest_bytes'] / MIB:,.1f} MiB",
+                f"{(r['measured_peak_bytes'] or 0) / MIB:,.0f} MiB",
+                materialized_per_layer(r["materialized_bytes"], r["per_rank_store_path"], n_layers),
+                f"{r['layer_ms']:.2f}",
+            ]
+            for r in result["levels"]
+        ]
     else:
         lines.append("times: CPU, cold, a few hundred tokens: they say nothing about a GPU")
         header = ["level", "oracle", "store", "KV at rest", "transient peak", "tail gather", "layer ms (CPU, cold)"]
-        rows = [[str(r["level"]), "match" if r["matches_oracle"] else "DIFFERS", r["store_path"],
-                 f"{r['check_kv_at_rest_bytes']:,} B", f"{r['check_transient_peak_bytes']:,} B",
-                 f"{r['check_tail_gather_bytes']:,} B", f"{r['check_layer_ms']:.2f}"] for r in result["levels"]]
+        rows = [
+            [
+                str(r["level"]),
+                "match" if r["matches_oracle"] else "DIFFERS",
+                r["store_path"],
+                f"{r['check_kv_at_rest_bytes']:,} B",
+                f"{r['check_transient_peak_bytes']:,} B",
+                f"{r['check_tail_gather_bytes']:,} B",
+                f"{r['check_layer_ms']:.2f}",
+            ]
+            for r in result["levels"]
+        ]
     header.append("fallbacks")
     for row, level in zip(rows, result["levels"]):
         row.append("; ".join(level.get("fallbacks", [])) or "none")
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
     lines.append("  ".join(h.rjust(w) if i < len(header) - 1 else h for i, (h, w) in enumerate(zip(header, widths))))
-    lines.extend("  ".join(c.rjust(w) if i < len(row) - 1 else c for i, (c, w) in enumerate(zip(row, widths)))
-                 for row in rows)
+    lines.extend(
+        "  ".join(c.rjust(w) if i < len(row) - 1 else c for i, (c, w) in enumerate(zip(row, widths))) for row in rows
+    )
     prefetch = (result["per_rank"] or {}).get("prefetch")
     if prefetch:
         direct = prefetch["hidden_fraction_direct"]
-        lines.append(f"phase 8: history payload {prefetch['payload_ms']:.2f} ms per layer; stall at the wait "
-                     f"{(prefetch['exposed_wait_ms_median'] or 0) * 1e3:.0f} us -> "
-                     f"{'n/a' if direct is None else f'{direct:.0%}'} hidden (direct measure)")
+        lines.append(
+            f"phase 8: history payload {prefetch['payload_ms']:.2f} ms per layer; stall at the wait "
+            f"{(prefetch['exposed_wait_ms_median'] or 0) * 1e3:.0f} us -> "
+            f"{'n/a' if direct is None else f'{direct:.0%}'} hidden (direct measure)"
+        )
     for r in result["levels"]:
         for problem in r["problems"][:3]:
             lines.append(f"  ! level {r['level']}: {problem}")

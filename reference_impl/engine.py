@@ -46,6 +46,7 @@ from reference_impl.workload import build_inputs, build_model
 
 logger = logging.getLogger(__name__)
 
+
 def per_layer_tags(run: RunConfig) -> tuple[str, ...]:
     """The collectives' tags that count as per-layer gather traffic in this run's family."""
     return family_of(run.model).per_layer_tags
@@ -111,8 +112,13 @@ def make_kv_store(run: RunConfig, batch: BatchLocs, group: CPGroup) -> RankStore
 
 
 def install_prefixes(
-    run: RunConfig, model: Any, inputs: list[torch.Tensor], store: Any, chunk: Chunk | None = None,
-    shared_tokens: dict[int, int] | None = None, family: ModelFamily | None = None,
+    run: RunConfig,
+    model: Any,
+    inputs: list[torch.Tensor],
+    store: Any,
+    chunk: Chunk | None = None,
+    shared_tokens: dict[int, int] | None = None,
+    family: ModelFamily | None = None,
 ) -> None:
     """Fill the store with the cached prefixes of ``chunk``'s requests (default: the run's first chunk),
     as an earlier prefill left them (:meth:`~reference_impl.families.base.ModelFamily.install_prefixes`).
@@ -175,7 +181,11 @@ class HostSyncError(AssertionError):
 def chunk_metadata(run: RunConfig, chunk: Chunk) -> SplitMetadata:
     """The split of one chunk (identical on every rank); page-aligned with phase 4."""
     return build_split(
-        run.split_mode, run.cp_size, chunk.extend_lens, chunk.prefix_lens, run.page_size,
+        run.split_mode,
+        run.cp_size,
+        chunk.extend_lens,
+        chunk.prefix_lens,
+        run.page_size,
         page_aligned=run.phases.page_aligned,
     )
 
@@ -212,8 +222,16 @@ def replay_page_table(run: RunConfig, last_pages: dict[int, list[int]] | None = 
     table = new_run_page_table(run)
     shares = shares_of(run)
     for chunk in chunk_schedule(run):
-        BatchLocs.build(chunk_metadata(run, chunk), "cpu", run.phases.compute_owner, table=table, request_ids=chunk.requests,
-                        id_space=table.allocator.n_pages, shares=shares, page_lanes=design_page_lanes(run))
+        BatchLocs.build(
+            chunk_metadata(run, chunk),
+            "cpu",
+            run.phases.compute_owner,
+            table=table,
+            request_ids=chunk.requests,
+            id_space=table.allocator.n_pages,
+            shares=shares,
+            page_lanes=design_page_lanes(run),
+        )
         for req in requests_to_free(run, chunk):
             if last_pages is not None:
                 last_pages[req] = table.pages(req)
@@ -239,7 +257,11 @@ def run_id_space(table: RequestPageTable) -> int:
 
 @torch.no_grad()
 def run_rank(
-    group: CPGroup, run: RunConfig, *, keep_store: bool = False, on_layer_stored: LayerStoredHook | None = None,
+    group: CPGroup,
+    run: RunConfig,
+    *,
+    keep_store: bool = False,
+    on_layer_stored: LayerStoredHook | None = None,
     family: ModelFamily | None = None,
 ) -> RankResult:
     """Run the batch on this rank, chunk by chunk; see the module docstring for the per-layer steps.
@@ -266,8 +288,16 @@ def run_rank(
     for index, chunk in enumerate(chunks):
         meta = chunk_metadata(run, chunk)
         first_of_batch = index == 0 or chunks[index - 1].batch != chunk.batch
-        batch = BatchLocs.build(meta, device, run.phases.compute_owner, table=table, request_ids=chunk.requests,
-                                id_space=id_space, shares=shares, page_lanes=design_page_lanes(run))
+        batch = BatchLocs.build(
+            meta,
+            device,
+            run.phases.compute_owner,
+            table=table,
+            request_ids=chunk.requests,
+            id_space=id_space,
+            shares=shares,
+            page_lanes=design_page_lanes(run),
+        )
         # Tokens a new request found in the pool by reference (the whole pages of a shared prefix).
         shared_tokens = {req: table.shared_tokens(req) for req in chunk.requests} if first_of_batch else {}
         if store is None:
@@ -298,8 +328,13 @@ def run_rank(
                     stored[req] = _stored_rows(store, table.locs(req).to(device), run.model.n_layers)
                 table.free(req)
             acc.pool_occupancy.append(
-                {"batch": chunk.batch, "pages_in_use": in_use, "requests_freed": len(freed),
-                 "pages_in_use_after_frees": table.allocator.n_used, "pool_pages": id_space}
+                {
+                    "batch": chunk.batch,
+                    "pages_in_use": in_use,
+                    "requests_freed": len(freed),
+                    "pages_in_use_after_frees": table.allocator.n_used,
+                    "pool_pages": id_space,
+                }
             )
     assert store is not None
     total_ms = (time.perf_counter() - start) * 1e3
@@ -329,7 +364,10 @@ def run_rank(
         rank=group.rank,
         stats=stats,
         timings={
-            "total_ms": total_ms, "layer_ms": acc.layer_ms, "tail_ms": acc.tail_ms, "chunks": len(chunks),
+            "total_ms": total_ms,
+            "layer_ms": acc.layer_ms,
+            "tail_ms": acc.tail_ms,
+            "chunks": len(chunks),
             "prefetch_wait_ms": acc.prefetch_wait_ms,
         },
         tail_mode=acc.tail_mode,
@@ -351,7 +389,9 @@ def run_rank(
 
 def _stored_rows(store: RankStore, locs: torch.Tensor, n_layers: int) -> list[tuple[torch.Tensor | None, ...]]:
     """Per layer: what this rank stores of the request at ``locs`` (CPU tensors)."""
-    return [tuple(None if t is None else t.cpu() for t in store.stored_rows(layer, [locs])[0]) for layer in range(n_layers)]
+    return [
+        tuple(None if t is None else t.cpu() for t in store.stored_rows(layer, [locs])[0]) for layer in range(n_layers)
+    ]
 
 
 def local_inputs(
@@ -394,7 +434,9 @@ def _run_chunk(
     index = SplitIndex.build(meta, group.rank, device)  # device tensors the layer loop reuses
     positions = torch.tensor(meta.local_positions(group.rank), dtype=torch.long, device=device)
     x = local_inputs(inputs, chunk, meta, group.rank, positions)  # [T_local, dim]
-    step = family.chunk_step(ChunkInputs(group, run, model, store, chunk, meta, batch, index, positions, on_layer_stored))
+    step = family.chunk_step(
+        ChunkInputs(group, run, model, store, chunk, meta, batch, index, positions, on_layer_stored)
+    )
     clock = _LayerClock(device)
     topk_per_layer: list[torch.Tensor] = []
     audit = (

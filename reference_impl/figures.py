@@ -33,7 +33,12 @@ def same_up_to_rounding(a: Any, b: Any, rel: float = 1e-9) -> bool:
     if isinstance(a, list) and isinstance(b, list):
         return len(a) == len(b) and all(same_up_to_rounding(x, y, rel) for x, y in zip(a, b))
     if isinstance(a, float) or isinstance(b, float):
-        if isinstance(a, bool) or isinstance(b, bool) or not isinstance(a, (int, float)) or not isinstance(b, (int, float)):
+        if (
+            isinstance(a, bool)
+            or isinstance(b, bool)
+            or not isinstance(a, (int, float))
+            or not isinstance(b, (int, float))
+        ):
             return False
         return a == b or abs(a - b) <= rel * max(abs(a), abs(b))
     return a == b
@@ -64,24 +69,26 @@ def embedded(path: Path) -> dict[str, Any] | None:
     raw = path.read_bytes()
     if path.suffix == ".svg":
         m = re.search(rb"<dc:description>(.*?)</dc:description>", raw, re.S)
-        text = m and m.group(1).decode().replace("&quot;", '"').replace("&lt;", "<").replace("&gt;", ">").replace("&amp;", "&")
+        text = m and m.group(1).decode().replace("&quot;", '"').replace("&lt;", "<").replace("&gt;", ">").replace(
+            "&amp;", "&"
+        )
     else:
         text = _png_text(raw).get("Description")
     if not text or not text.startswith(PREFIX):
         return None
-    return json.loads(text[len(PREFIX):])
+    return json.loads(text[len(PREFIX) :])
 
 
 def expected(data: dict[str, Any]) -> dict[str, Any]:
     """``data`` as :func:`embedded` returns it after a round trip through a file."""
-    return json.loads(encode(data)[len(PREFIX):])
+    return json.loads(encode(data)[len(PREFIX) :])
 
 
 def _png_text(raw: bytes) -> dict[str, str]:
     chunks, pos = {}, 8
     while pos < len(raw):
-        length, kind = struct.unpack(">I4s", raw[pos:pos + 8])
-        body = raw[pos + 8:pos + 8 + length]
+        length, kind = struct.unpack(">I4s", raw[pos : pos + 8])
+        body = raw[pos + 8 : pos + 8 + length]
         if kind == b"tEXt":
             key, _, value = body.partition(b"\0")
             chunks[key.decode("latin-1")] = value.decode("latin-1")

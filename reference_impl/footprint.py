@@ -41,7 +41,6 @@ METADATA_PER_TOKEN = 160  # host bytes per token of the chunk schedule and split
 CHUNK_CAP = 512 * MIB  # the torch references' chunk budget (model/sparse_attention.py)
 
 
-
 @dataclass(frozen=True)
 class Footprint:
     """:func:`estimate`'s answer: each process's peak bytes (with :data:`SAFETY`), and the terms.
@@ -66,7 +65,6 @@ class Footprint:
         return max(sum(ranks) + self.parent_during, self.parent_after)
 
 
-
 def local_queries(run: RunConfig, extends: list[int]) -> int:
     """An upper bound of one rank's queries in one chunk: zigzag blocks (page-aligned ones hold up to
     a page more each), or round-robin's share of every request."""
@@ -77,15 +75,17 @@ def local_queries(run: RunConfig, extends: list[int]) -> int:
     return min(sum(extends), sum(2 * (-(-e // (2 * c)) + pad) for e in extends))
 
 
-
-
 def weight_bytes(cfg: Any, dtype_bytes: int) -> tuple[int, int]:
     """``(the parameters in the compute dtype, the transient of their initialization)`` of ``cfg``'s model."""
     return family_of(cfg).weight_bytes(cfg, dtype_bytes)
 
 
 def estimate(
-    run: RunConfig, device_type: str, start_method: str = "fork", cuda_devices: int = 1, extra_process: int = 0,
+    run: RunConfig,
+    device_type: str,
+    start_method: str = "fork",
+    cuda_devices: int = 1,
+    extra_process: int = 0,
 ) -> Footprint:
     """The run's peak memory per process, from its family's model. Arithmetic only.
 
@@ -111,7 +111,11 @@ def free_bytes(device_type: str) -> int | None:
 
 
 def check_fits(
-    run: RunConfig, device_type: str, start_method: str = "fork", cuda_devices: int = 1, extra_process: int = 0,
+    run: RunConfig,
+    device_type: str,
+    start_method: str = "fork",
+    cuda_devices: int = 1,
+    extra_process: int = 0,
 ) -> Footprint:
     """Raise :class:`~reference_impl.config.ConfigError` when the run cannot fit (see the module
     docstring); return the estimate otherwise."""

@@ -72,7 +72,7 @@ class IndexShare:
         object.__setattr__(self, "pattern", check_pattern(self.pattern, len(self.pattern)))
 
     @classmethod
-    def every_layer(cls, n_layers: int) -> "IndexShare":
+    def every_layer(cls, n_layers: int) -> IndexShare:
         """No sharing: every layer runs its indexer."""
         return cls(FULL * n_layers)
 
@@ -112,4 +112,6 @@ class IndexShare:
 
     def _check(self, layer: int) -> None:
         if not 0 <= layer < self.n_layers:
-            raise ConfigError(f"layer {layer} is outside the {self.n_layers} layers of IndexShare pattern {self.pattern}")
+            raise ConfigError(
+                f"layer {layer} is outside the {self.n_layers} layers of IndexShare pattern {self.pattern}"
+            )

@@ -67,9 +67,18 @@ from reference_impl.rank_processes import (
 )
 
 __all__ = [
-    "LaunchSpec", "RankFailedError", "RankTimeoutError", "RunStopped", "check_machine", "check_torchrun_env",
-    "choose_backend", "launch",
-    "plan_launch", "rank_cpu_threads", "run_under_torchrun", "under_torchrun",
+    "LaunchSpec",
+    "RankFailedError",
+    "RankTimeoutError",
+    "RunStopped",
+    "check_machine",
+    "check_torchrun_env",
+    "choose_backend",
+    "launch",
+    "plan_launch",
+    "rank_cpu_threads",
+    "run_under_torchrun",
+    "under_torchrun",
 ]
 
 logger = logging.getLogger(__name__)
@@ -253,8 +262,10 @@ def check_torchrun_env() -> None:
         return
     missing = [name for name in TORCHRUN_ENV if not os.environ.get(name, "").strip()]
     if missing:
-        raise ConfigError(f"a torchrun-style environment without {', '.join(missing)}: an env:// launch sets "
-                          f"{', '.join(TORCHRUN_ENV)} (unset RANK and WORLD_SIZE to run local ranks)")
+        raise ConfigError(
+            f"a torchrun-style environment without {', '.join(missing)}: an env:// launch sets "
+            f"{', '.join(TORCHRUN_ENV)} (unset RANK and WORLD_SIZE to run local ranks)"
+        )
     world = _env_int("WORLD_SIZE", 1)
     _env_int("RANK", 0, world - 1)
     if "LOCAL_RANK" in os.environ:
@@ -315,7 +326,13 @@ def launch(
         finally:
             report_progress_to(None)
     return run_rank_processes(
-        fn, payload, plan.backend, plan.device_per_rank, plan.start_method, timeout_s, debug,
+        fn,
+        payload,
+        plan.backend,
+        plan.device_per_rank,
+        plan.start_method,
+        timeout_s,
+        debug,
         rank_cpu_threads(len(plan.device_per_rank)),
         on_poll=None if on_steps is None else lambda progress: on_steps(progress.slowest_steps()),
     )
@@ -384,15 +401,23 @@ class _TorchrunWatchdog:
         if waiting and self._done.wait(_TORCHRUN_FOLLOW_S):
             return
         last = f"last entered: #{self.entered} {self.tag}" if self.entered else "none entered yet"
-        where = (f"waiting in collective #{self.entered} ({self.tag}) for a rank that did not reach it" if waiting
-                 else f"did not reach collective #{self.entered + 1} ({last})")
+        where = (
+            f"waiting in collective #{self.entered} ({self.tag}) for a rank that did not reach it"
+            if waiting
+            else f"did not reach collective #{self.entered + 1} ({last})"
+        )
         print(f"error: rank {self.rank}: no result within {self._timeout_s:g} s: {where}", file=sys.stderr, flush=True)
         os._exit(EXIT_RANK_FAILED)
 
 
 def _run_torchrun_rank(
-    fn: Callable[[CPGroup, Any], Any], payload: Any, device: str, backend: str, timeout_s: float,
-    debug: bool | None, gather: bool,
+    fn: Callable[[CPGroup, Any], Any],
+    payload: Any,
+    device: str,
+    backend: str,
+    timeout_s: float,
+    debug: bool | None,
+    gather: bool,
 ) -> Any:
     set_rank_env()
     if device not in ("auto", "cpu", "cuda"):

@@ -80,12 +80,11 @@ class PhaseSet:
         not_built = sorted(self.enabled - IMPLEMENTED_PHASES)
         if not_built:
             raise ConfigError(
-                f"phase(s) {not_built} are not implemented in this version; available: "
-                f"{sorted(IMPLEMENTED_PHASES)}"
+                f"phase(s) {not_built} are not implemented in this version; available: {sorted(IMPLEMENTED_PHASES)}"
             )
 
     @classmethod
-    def level(cls, k: int) -> "PhaseSet":
+    def level(cls, k: int) -> PhaseSet:
         """Cumulative phase level ``k``: phases 1..k on (level 0 is the baseline)."""
         if not isinstance(k, int) or isinstance(k, bool):
             hint = f" (a spec string: PhaseSet.parse({k!r}))" if isinstance(k, str) else ""
@@ -95,7 +94,7 @@ class PhaseSet:
         return cls(frozenset(range(1, k + 1)))
 
     @classmethod
-    def parse(cls, spec: str) -> "PhaseSet":
+    def parse(cls, spec: str) -> PhaseSet:
         """Parse ``"3"`` (a level), ``"1,3"`` or ``"+2,+3"`` (explicit phases), ``"0"``/``"baseline"``
         (no phase). An empty spec, or an empty entry (``"1,,2"``, ``"1,"``, ``","``), is refused."""
         if not isinstance(spec, str):
@@ -118,7 +117,7 @@ class PhaseSet:
                 raise
             raise ConfigError(f"malformed phase spec {spec!r}: use a level 0..8 or a list like '1,2'") from None
 
-    def for_split(self, split_mode: str) -> "PhaseSet":
+    def for_split(self, split_mode: str) -> PhaseSet:
         """These phases as ``split_mode`` runs them: round-robin drops :data:`IN_SEQ_ONLY`."""
         return PhaseSet(self.enabled - IN_SEQ_ONLY) if split_mode == "round-robin" else self
 

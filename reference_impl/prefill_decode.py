@@ -40,8 +40,9 @@ from reference_impl.config import ConfigError, RunConfig, check_environment
 from reference_impl.cp.comm import CPGroup
 from reference_impl.cp.kv_sharded import ShardedKV
 from reference_impl.engine import RankResult, build_metadata, replay_page_table, request_locs, run_id_space, run_rank
-from reference_impl.kvcache.layout import KVLayout
+from reference_impl.families import family_of
 from reference_impl.footprint import check_fits, decode_bytes
+from reference_impl.kvcache.layout import KVLayout
 from reference_impl.launch import launch, plan_launch, rank_cpu_threads
 from reference_impl.model.oracle import OracleResult, run_oracle
 from reference_impl.pd.dcp import DcpDecodeShard, DcpLayout
@@ -51,7 +52,6 @@ from reference_impl.pd.mooncake_engine import MooncakeEngine, mooncake_unavailab
 from reference_impl.pd.stream import LayerStreamer
 from reference_impl.pd.transfer import DecodeCache, RequestRows, receive_pages, send_owned_pages
 from reference_impl.pd.transport import TorchDistributedTransport
-from reference_impl.families import family_of
 from reference_impl.workload import build_inputs, build_model
 
 logger = logging.getLogger(__name__)
@@ -142,13 +142,16 @@ def _receive_rows(run: RunConfig, device: torch.device, transport: str, deadline
             for _ in range(n_layers * len(totals)):
                 shard.receive(wire.recv(src))
     shard.check_complete(n_layers)
-    rows = [{req: tuple(t.cpu() for t in shard.rows(layer, req)) for req in range(len(totals))} for layer in range(n_layers)]
+    rows = [
+        {req: tuple(t.cpu() for t in shard.rows(layer, req)) for req in range(len(totals))} for layer in range(n_layers)
+    ]
     pages = tuple(tuple(shard.table.pages(req)) for req in range(len(totals)))
     return _RoleResult([], rows=rows, bytes_received=shard.bytes_received, decode_pages=pages, protocol=protocol)
 
 
-def _prefill_transport(transport: str, cp_size: int,
-                       rank: int) -> tuple[TorchDistributedTransport | MooncakeTransport, str]:
+def _prefill_transport(
+    transport: str, cp_size: int, rank: int
+) -> tuple[TorchDistributedTransport | MooncakeTransport, str]:
     """A prefill rank's end of the row transfer, and the protocol that carries it."""
     if transport == "mooncake":
         box: list[Any] = [None]
@@ -174,12 +177,20 @@ def _pd_rank(world: CPGroup, job: tuple[RunConfig, str, str, float]) -> _RoleRes
             store, result.store = result.store, None
             assert isinstance(store, ShardedKV)
             o = streamer.overlap
-            sent = RankTransfer(cp_group.rank, streamer.bytes_sent, _bytes_at_rest(run, store, cp_group.rank),
-                                streamer.rows_sent, streamer.blocks_sent, streamer.blocks_sent, tuple(waits),
-                                staging_ms=o.staging_ms if o else None,
-                                staging_hidden_fraction=o.hidden_fraction if o else None,
-                                staging_exposed_ms=o.exposed_after_loop_ms if o else None,
-                                transport=transport_name, protocol=protocol)
+            sent = RankTransfer(
+                cp_group.rank,
+                streamer.bytes_sent,
+                _bytes_at_rest(run, store, cp_group.rank),
+                streamer.rows_sent,
+                streamer.blocks_sent,
+                streamer.blocks_sent,
+                tuple(waits),
+                staging_ms=o.staging_ms if o else None,
+                staging_hidden_fraction=o.hidden_fraction if o else None,
+                staging_exposed_ms=o.exposed_after_loop_ms if o else None,
+                transport=transport_name,
+                protocol=protocol,
+            )
             return _RoleResult([], prefill=result, sent=sent)
         result = run_rank(cp_group, run, keep_store=True)
         store, result.store = result.store, None  # the store stays in this process
@@ -232,14 +243,17 @@ def store_mismatches(rows: list[dict[int, RequestRows]], ranks_stored: list[list
                 for dst, src in zip(expect, parts):
                     dst[positions] = src.view(dst.dtype)
             if not bool((covered == 1).all()):
-                problems.append(f"layer {layer} request {req}: the prefill ranks do not hold every position exactly once")
+                problems.append(
+                    f"layer {layer} request {req}: the prefill ranks do not hold every position exactly once"
+                )
             elif not all(torch.equal(a.cpu(), b) for a, b in zip(got, expect)):
                 problems.append(f"layer {layer} request {req}: decode rows differ from the prefill ranks' rows at rest")
     return problems
 
 
-def run_prefill_and_decode(run: RunConfig, timeout_s: float = 300, *, transfer: str = "pages",
-                           transport: str = "torch") -> PDResult:
+def run_prefill_and_decode(
+    run: RunConfig, timeout_s: float = 300, *, transfer: str = "pages", transport: str = "torch"
+) -> PDResult:
     """Prefill ``run`` on ``run.cp_size`` CP ranks (phase 2), transfer the KV to a decode process.
 
     Launches ``C + 1`` processes over gloo (see the module docstring), on the GPUs when
@@ -262,11 +276,15 @@ def run_prefill_and_decode(run: RunConfig, timeout_s: float = 300, *, transfer: 
         if reason is not None:
             raise ConfigError(f"transport='mooncake': {reason}")
     if transfer == "pages" and run.batch_sizes is not None and len(run.batch_sizes) > 1:
-        raise ConfigError("the page transfer mirrors one batch's page ids; a run of several batches (--batches) sends "
-                          "rows: use transfer='rows'")
+        raise ConfigError(
+            "the page transfer mirrors one batch's page ids; a run of several batches (--batches) sends "
+            "rows: use transfer='rows'"
+        )
     if run.kv_design != "phases":
-        raise ConfigError(f"kv_design={run.kv_design}: the PD transfer ships the phases' layout (KV sharded by page "
-                          "from phase 2); the competing KV designs run under `run` only: drop the design")
+        raise ConfigError(
+            f"kv_design={run.kv_design}: the PD transfer ships the phases' layout (KV sharded by page "
+            "from phase 2); the competing KV designs run under `run` only: drop the design"
+        )
     if not run.phases.sharded_kv:
         raise ConfigError(f"PD transfer of owned pages needs phase 2 (KV sharded at rest); phases are {run.phases}")
     if run.model.index_share.shares:
@@ -288,14 +306,26 @@ def run_prefill_and_decode(run: RunConfig, timeout_s: float = 300, *, transfer: 
     # run, the memory (arithmetic, with the decode process), then the split in this process.
     check_environment()
     plan = plan_launch(world, run.device, "gloo")
-    check_fits(run, run.device, plan.start_method, cuda_devices=max(1, torch.cuda.device_count()) if on_cuda else 1,
-               extra_process=decode_bytes(run))
+    check_fits(
+        run,
+        run.device,
+        plan.start_method,
+        cuda_devices=max(1, torch.cuda.device_count()) if on_cuda else 1,
+        extra_process=decode_bytes(run),
+    )
     build_metadata(run)
     # On CUDA every process shares the GPUs over gloo (NCCL refuses two ranks on one device); the
     # row blocks travel from pinned host memory (pd/staging.py).
     # The decode gives up on missing completions before the launcher stops the ranks, naming them.
-    results = launch(_pd_rank, world, (run, transfer, transport, 0.9 * timeout_s), device=run.device, backend="gloo",
-                     timeout_s=timeout_s, debug=run.debug)
+    results = launch(
+        _pd_rank,
+        world,
+        (run, transfer, transport, 0.9 * timeout_s),
+        device=run.device,
+        backend="gloo",
+        timeout_s=timeout_s,
+        debug=run.debug,
+    )
     prefill, decode = results[: run.cp_size], results[run.cp_size]
     rows = decode.rows
     problems: list[str] = []
@@ -320,19 +350,38 @@ def run_prefill_and_decode(run: RunConfig, timeout_s: float = 300, *, transfer: 
         problems.append("the manifests the decode rank received differ from the ones the prefill ranks built")
     ranks = tuple(r.prefill for r in prefill if r.prefill is not None)
     sent = tuple(r.sent for r in prefill if r.sent is not None)
-    return PDResult(manifests, ranks, rows, decode.bytes_received, problems, transfer, sent, decode.decode_pages,
-                    oracle_checked=not on_cuda, transport=transport, protocol=decode.protocol)
+    return PDResult(
+        manifests,
+        ranks,
+        rows,
+        decode.bytes_received,
+        problems,
+        transfer,
+        sent,
+        decode.decode_pages,
+        oracle_checked=not on_cuda,
+        transport=transport,
+        protocol=decode.protocol,
+    )
 
 
 def pd_report(run: RunConfig, result: PDResult) -> dict[str, Any]:
     """The ``pd`` command's JSON: the decode's verdict and what each prefill rank sent."""
     if result.transfer == "rows":
         ranks = [
-            {"rank": s.rank, "bytes_sent": s.bytes_sent, "bytes_at_rest": s.bytes_at_rest, "rows_sent": s.rows_sent,
-             "blocks_sent": s.blocks_sent, "blocks_sent_in_layer_loop": s.blocks_sent_in_layer_loop,
-             "wait_ms_after_prefill": list(s.wait_ms_after_prefill), "staging_ms": s.staging_ms,
-             "staging_hidden_fraction": s.staging_hidden_fraction, "staging_exposed_ms": s.staging_exposed_ms,
-             "protocol": s.protocol}
+            {
+                "rank": s.rank,
+                "bytes_sent": s.bytes_sent,
+                "bytes_at_rest": s.bytes_at_rest,
+                "rows_sent": s.rows_sent,
+                "blocks_sent": s.blocks_sent,
+                "blocks_sent_in_layer_loop": s.blocks_sent_in_layer_loop,
+                "wait_ms_after_prefill": list(s.wait_ms_after_prefill),
+                "staging_ms": s.staging_ms,
+                "staging_hidden_fraction": s.staging_hidden_fraction,
+                "staging_exposed_ms": s.staging_exposed_ms,
+                "protocol": s.protocol,
+            }
             for s in result.sent
         ]
     else:
@@ -343,7 +392,10 @@ def pd_report(run: RunConfig, result: PDResult) -> dict[str, Any]:
         "transfer": result.transfer,
         "transport": result.transport,
         "protocol": result.protocol,
-        "cp_size": run.cp_size, "split_mode": run.split_mode, "phases": str(run.phases), "preset": run.preset,
+        "cp_size": run.cp_size,
+        "split_mode": run.split_mode,
+        "phases": str(run.phases),
+        "preset": run.preset,
         "requests": [[r.prefix, r.extend] for r in run.requests],
         "device": run.device,
         "decode_matches_oracle": result.matches_oracle if run.check and result.oracle_checked else None,
@@ -359,8 +411,11 @@ def pd_report(run: RunConfig, result: PDResult) -> dict[str, Any]:
 def format_pd(doc: dict[str, Any]) -> str:
     """The ``pd`` command's table."""
     verdict = {True: "MATCHES the oracle byte for byte", False: "DIFFERS from the oracle", None: "not checked"}
-    how = ("rows: the decode allocates its own pages" if doc["transfer"] == "rows"
-           else "pages: the decode mirrors the prefill's page ids")
+    how = (
+        "rows: the decode allocates its own pages"
+        if doc["transfer"] == "rows"
+        else "pages: the decode mirrors the prefill's page ids"
+    )
     if doc["transport"] != "torch":  # the default (gloo) line stays as it was; the JSON names both always
         how += f"; transport {doc['transport']} ({doc['protocol']})"
     lines = [
@@ -369,15 +424,23 @@ def format_pd(doc: dict[str, Any]) -> str:
         f"  decode {verdict[doc['decode_matches_oracle']]}; received {doc['bytes_received']:,} B",
     ]
     if doc["decode_matches_oracle"] is None and doc["decode_matches_prefill"] is not None:
-        lines[-1] = (f"  decode {'MATCHES' if doc['decode_matches_prefill'] else 'DIFFERS from'} the prefill ranks' rows at rest "
-                     f"byte for byte (on {doc['device']}: the GPU tier checks the prefill against the oracle); "
-                     f"received {doc['bytes_received']:,} B")
+        lines[-1] = (
+            f"  decode {'MATCHES' if doc['decode_matches_prefill'] else 'DIFFERS from'} the prefill ranks' rows at rest "
+            f"byte for byte (on {doc['device']}: the GPU tier checks the prefill against the oracle); "
+            f"received {doc['bytes_received']:,} B"
+        )
     unit = "rows_sent" if doc["transfer"] == "rows" else "pages_sent"
     streamed = doc["transfer"] == "rows"
-    header = ["rank", "bytes sent"] + (["bytes at rest"] if streamed else []) + [unit.replace("_", " ")] + (
-        ["blocks sent in the layer loop"] if streamed else [])
+    header = (
+        ["rank", "bytes sent"]
+        + (["bytes at rest"] if streamed else [])
+        + [unit.replace("_", " ")]
+        + (["blocks sent in the layer loop"] if streamed else [])
+    )
     rows = [
-        [str(r["rank"]), f"{r['bytes_sent']:,}"] + ([f"{r['bytes_at_rest']:,}"] if streamed else []) + [str(r[unit])]
+        [str(r["rank"]), f"{r['bytes_sent']:,}"]
+        + ([f"{r['bytes_at_rest']:,}"] if streamed else [])
+        + [str(r[unit])]
         + ([f"{r['blocks_sent_in_layer_loop']} of {r['blocks_sent']}"] if streamed else [])
         for r in doc["prefill_ranks"]
     ]
@@ -386,9 +449,11 @@ def format_pd(doc: dict[str, Any]) -> str:
     lines += ["  " + "  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
     for r in doc["prefill_ranks"]:
         if r.get("staging_ms") is not None:
-            lines.append(f"  rank {r['rank']}: the send's device leg (pool read + copy to pinned host, side stream) took "
-                         f"{r['staging_ms']:.2f} ms, {r['staging_hidden_fraction']:.0%} of it before the layer loop ended; "
-                         f"the last block landed {r['staging_exposed_ms']:.2f} ms after")
+            lines.append(
+                f"  rank {r['rank']}: the send's device leg (pool read + copy to pinned host, side stream) took "
+                f"{r['staging_ms']:.2f} ms, {r['staging_hidden_fraction']:.0%} of it before the layer loop ended; "
+                f"the last block landed {r['staging_exposed_ms']:.2f} ms after"
+            )
     if doc["decode_pages"]:
         lines.append(f"  decode page ids per request: {doc['decode_pages']} (prefill's: {doc['prefill_pages']})")
     lines += [f"  ! {p}" for p in doc["problems"]]

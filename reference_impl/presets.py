@@ -120,7 +120,7 @@ class ModelConfig:
         """MLA softmax scale ``qk_head_dim^-0.5 * mscale^2`` (192^-0.5 * mscale^2 for V3.2)."""
         return self.qk_head_dim**-0.5 * self.yarn_mscale**2
 
-    def with_layers(self, n_layers: int) -> "ModelConfig":
+    def with_layers(self, n_layers: int) -> ModelConfig:
         """The same model with ``n_layers`` layers: the first ones of an explicit indexer pattern,
         or the freq / offset rule over the new count."""
         pattern = self.index_topk_pattern
@@ -179,7 +179,12 @@ PRESETS: dict[str, ModelConfig] = {
     # GLM-5.2: GLM-5's layer with IndexShare (full layers 0, 1, 2, 6, 10, ..., 74: 21 of 78) and a
     # 1M-token window. Values from copies of its config.json (see the module docstring).
     "glm-5.2": dataclasses.replace(
-        _GLM5, name="glm-5.2", rope_theta=8_000_000.0, max_seq_len=1_048_576, index_topk_freq=4, index_skip_topk_offset=3
+        _GLM5,
+        name="glm-5.2",
+        rope_theta=8_000_000.0,
+        max_seq_len=1_048_576,
+        index_topk_freq=4,
+        index_skip_topk_offset=3,
     ),
     # Small enough for CPU tests, big enough that top-k (32) selects a strict subset.
     "tiny": ModelConfig(

@@ -128,8 +128,9 @@ def describe_hang(states: dict[int, tuple[int, int, str]], unfinished: list[int]
     behind = [r for r in unfinished if states[r][0] < furthest]
     if waiting and behind:
         tag = states[waiting[0]][2]
-        return (f"rank(s) {behind} did not reach collective #{furthest} ({tag}), which rank(s) {waiting} "
-                f"are waiting in"), behind
+        return (
+            f"rank(s) {behind} did not reach collective #{furthest} ({tag}), which rank(s) {waiting} are waiting in"
+        ), behind
     inside = {r: states[r] for r in unfinished if states[r][0] > states[r][1]}
     if inside:
         where = "; ".join(f"rank {r} in collective #{e} ({t})" for r, (e, _, t) in inside.items())
@@ -164,9 +165,18 @@ def _die_with_parent(parent: int) -> None:
 
 
 def rank_main(
-    rank: int, parent: int, backend: str, devices: tuple[str, ...], init_method: str,
-    fn: Callable[[CPGroup, Any], Any], payload: Any, results: Any, progress: SharedProgress,
-    timeout_s: float, debug: bool | None, cpu_threads: int,
+    rank: int,
+    parent: int,
+    backend: str,
+    devices: tuple[str, ...],
+    init_method: str,
+    fn: Callable[[CPGroup, Any], Any],
+    payload: Any,
+    results: Any,
+    progress: SharedProgress,
+    timeout_s: float,
+    debug: bool | None,
+    cpu_threads: int,
 ) -> None:
     """Body of one rank's process: init, run, send ``("ok", rank, pickled)`` or ``("error", rank, info)``."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a forked rank must not inherit the parent's orderly stop
@@ -188,7 +198,10 @@ def rank_main(
             torch.set_num_threads(cpu_threads)  # ranks share the cores; oversubscription slows everyone
         report_progress_to(progress.bind(rank))
         dist.init_process_group(
-            backend, init_method=init_method, rank=rank, world_size=world,
+            backend,
+            init_method=init_method,
+            rank=rank,
+            world_size=world,
             timeout=datetime.timedelta(seconds=max(timeout_s, 1.0)),
         )
         group = CPGroup(device=device, debug=debug)
@@ -198,8 +211,11 @@ def rank_main(
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
         info = {
             "type": type(exc).__qualname__,
-            "kind": "config" if isinstance(exc, ConfigError)
-            else "mismatch" if isinstance(exc, CollectiveMismatchError) else "other",
+            "kind": "config"
+            if isinstance(exc, ConfigError)
+            else "mismatch"
+            if isinstance(exc, CollectiveMismatchError)
+            else "other",
             "message": str(exc),
             "traceback": traceback.format_exc(),
         }
@@ -279,6 +295,7 @@ class _OrderlyStop:
     def __enter__(self) -> _OrderlyStop:
         self.previous = None
         if threading.current_thread() is threading.main_thread():
+
             def stop(signum: int, frame: Any) -> None:
                 raise RunStopped(signum)
 
@@ -291,8 +308,15 @@ class _OrderlyStop:
 
 
 def run_rank_processes(
-    fn: Callable[[CPGroup, Any], Any], payload: Any, backend: str, devices: tuple[str, ...], start_method: str,
-    timeout_s: float, debug: bool | None, cpu_threads: int, on_poll: Callable[[SharedProgress], None] | None = None,
+    fn: Callable[[CPGroup, Any], Any],
+    payload: Any,
+    backend: str,
+    devices: tuple[str, ...],
+    start_method: str,
+    timeout_s: float,
+    debug: bool | None,
+    cpu_threads: int,
+    on_poll: Callable[[SharedProgress], None] | None = None,
 ) -> list[Any]:
     """Run ``fn`` on one process per entry of ``devices``; results by rank (see the module docstring).
 
@@ -310,9 +334,23 @@ def run_rank_processes(
     group_timeout = timeout_s + 30.0
     processes = [
         ctx.Process(
-            target=rank_main, name=f"dsacp-rank{r}", daemon=True,
-            args=(r, os.getpid(), backend, devices, init_method, fn, payload, results, progress, group_timeout, debug,
-                  cpu_threads),
+            target=rank_main,
+            name=f"dsacp-rank{r}",
+            daemon=True,
+            args=(
+                r,
+                os.getpid(),
+                backend,
+                devices,
+                init_method,
+                fn,
+                payload,
+                results,
+                progress,
+                group_timeout,
+                debug,
+                cpu_threads,
+            ),
         )
         for r in range(world)
     ]

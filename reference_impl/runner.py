@@ -21,9 +21,9 @@ import torch
 from reference_impl.config import ConfigError, RunConfig, check_environment
 from reference_impl.cp.comm import CPGroup
 from reference_impl.engine import RankResult, build_metadata, chunk_metadata, run_rank
+from reference_impl.families import family_of
 from reference_impl.footprint import check_fits
 from reference_impl.launch import choose_backend, launch, plan_launch, rank_cpu_threads, under_torchrun
-from reference_impl.families import family_of
 from reference_impl.report import build_report
 from reference_impl.schedule import chunk_schedule
 from reference_impl.workload import build_inputs, build_model, compute_dtype, resolve_device
@@ -34,8 +34,12 @@ logger = logging.getLogger(__name__)
 def _launch_plan_line(run: RunConfig) -> tuple[str, bool]:
     cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
     plan = choose_backend(
-        run.cp_size, run.device, run.backend, cuda,
-        cuda_initialized=torch.cuda.is_initialized(), fork_available="fork" in mp.get_all_start_methods(),
+        run.cp_size,
+        run.device,
+        run.backend,
+        cuda,
+        cuda_initialized=torch.cuda.is_initialized(),
+        fork_available="fork" in mp.get_all_start_methods(),
     )
     return plan.backend, plan.shared_gpu
 
@@ -58,16 +62,28 @@ class PrefillResult:
 
 @overload
 def run_prefill(
-    run: RunConfig, timeout_s: float | None = None, *, tensors: Literal[False] = False, progress: Progress | None = None,
+    run: RunConfig,
+    timeout_s: float | None = None,
+    *,
+    tensors: Literal[False] = False,
+    progress: Progress | None = None,
 ) -> dict[str, Any]: ...
 @overload
 def run_prefill(
-    run: RunConfig, timeout_s: float | None = None, *, tensors: Literal[True], progress: Progress | None = None,
+    run: RunConfig,
+    timeout_s: float | None = None,
+    *,
+    tensors: Literal[True],
+    progress: Progress | None = None,
 ) -> PrefillResult: ...
 
 
 def run_prefill(
-    run: RunConfig, timeout_s: float | None = None, *, tensors: bool = False, progress: Progress | None = None,
+    run: RunConfig,
+    timeout_s: float | None = None,
+    *,
+    tensors: bool = False,
+    progress: Progress | None = None,
 ) -> dict[str, Any] | PrefillResult:
     """Run ``run`` on ``run.cp_size`` ranks and return the report (a JSON-ready dict), or with
     ``tensors=True`` a :class:`PrefillResult` (the report, the ranks' tensors, the oracle's).
@@ -81,8 +97,9 @@ def run_prefill(
     """
     if not isinstance(run, RunConfig):
         raise ConfigError(f"run={run!r}: need a RunConfig, got {type(run).__name__}")
-    if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool)
-                                      and 0 < timeout_s < float("inf")):
+    if timeout_s is not None and not (
+        isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool) and 0 < timeout_s < float("inf")
+    ):
         raise ConfigError(f"timeout_s={timeout_s!r}: need a positive, finite number of seconds")
     if not isinstance(tensors, bool):
         raise ConfigError(f"tensors={tensors!r}: need a bool, got {type(tensors).__name__}")
@@ -94,7 +111,9 @@ def run_prefill(
 
 
 def run_prefills(
-    runs: Sequence[RunConfig], timeout_s: float | None = None, progress: Progress | None = None,
+    runs: Sequence[RunConfig],
+    timeout_s: float | None = None,
+    progress: Progress | None = None,
 ) -> list[dict[str, Any]]:
     """Run several configurations and return their reports, in order.
 
@@ -116,8 +135,10 @@ def run_prefills(
 def _check_progress(progress: object) -> None:
     """``progress`` is ``None`` or a callable (:data:`Progress`), refused by name before any rank starts."""
     if progress is not None and not callable(progress):
-        raise ConfigError(f"progress={progress!r:.80}: need a callable progress(stage, done, total) or None, "
-                          f"got {type(progress).__name__}")
+        raise ConfigError(
+            f"progress={progress!r:.80}: need a callable progress(stage, done, total) or None, "
+            f"got {type(progress).__name__}"
+        )
 
 
 def preflight(run: RunConfig, extra_process: int = 0) -> None:
@@ -146,7 +167,9 @@ def _steps(run: RunConfig) -> int:
 
 
 def _run_all(
-    runs: Sequence[RunConfig], timeout_s: float | None, progress: Progress | None = None,
+    runs: Sequence[RunConfig],
+    timeout_s: float | None,
+    progress: Progress | None = None,
 ) -> list[PrefillResult | None]:
     for run in runs:
         preflight(run)
@@ -163,8 +186,9 @@ def _run_all(
             total = sum(_steps(run) for run in batch)
             progress("ranks", 0, total)
             on_steps = lambda done, total=total: progress("ranks", done, total)  # noqa: E731
-        per_rank = launch(_run_each, cp_size, batch, device=device, backend=backend, timeout_s=limit, debug=False,
-                          on_steps=on_steps)
+        per_rank = launch(
+            _run_each, cp_size, batch, device=device, backend=backend, timeout_s=limit, debug=False, on_steps=on_steps
+        )
         if on_steps is not None:
             on_steps(total)  # every rank is done
         if per_rank is None:  # under torchrun, on a rank other than 0: rank 0 runs the oracle and reports
@@ -183,7 +207,11 @@ def _run_each(group: CPGroup, runs: list[RunConfig]) -> list[RankResult]:
     """One rank's results for every run of a launch (each run gets its own view of the group)."""
     out = []
     for run in runs:
-        view = CPGroup.single(group.device, debug=run.debug) if group.is_trivial else CPGroup(device=group.device, debug=run.debug)
+        view = (
+            CPGroup.single(group.device, debug=run.debug)
+            if group.is_trivial
+            else CPGroup(device=group.device, debug=run.debug)
+        )
         out.append(run_rank(view, run))
     return out
 
@@ -195,12 +223,24 @@ def _oracle_threads(run: RunConfig, device: torch.device) -> int | None:
 
 def _oracle_key(run: RunConfig, device: torch.device) -> tuple[Any, ...]:
     """What the oracle's bits depend on (not the phases, split or debug)."""
-    return (run.model, run.requests, run.kv_dtype, run.page_size, run.chunk_size, run.seed,
-            compute_dtype(run, device), str(device), _oracle_threads(run, device))
+    return (
+        run.model,
+        run.requests,
+        run.kv_dtype,
+        run.page_size,
+        run.chunk_size,
+        run.seed,
+        compute_dtype(run, device),
+        str(device),
+        _oracle_threads(run, device),
+    )
 
 
 def _report(
-    run: RunConfig, results: list[RankResult], backend: str, shared_gpu: bool,
+    run: RunConfig,
+    results: list[RankResult],
+    backend: str,
+    shared_gpu: bool,
     oracles: dict[tuple[Any, ...], tuple[torch.nn.Module, Any]],
 ) -> tuple[dict[str, Any], Any]:
     meta = build_metadata(run)  # the whole batch's token numbering
@@ -217,8 +257,15 @@ def _report(
             try:
                 model = build_model(run, device)
                 prefixes = [r.prefix for r in run.requests]
-                result = family_of(run.model).oracle(model, prefixes, build_inputs(run, device), run.kv_dtype,
-                                                     run.page_size, run.chunk_size, torch.bfloat16)
+                result = family_of(run.model).oracle(
+                    model,
+                    prefixes,
+                    build_inputs(run, device),
+                    run.kv_dtype,
+                    run.page_size,
+                    run.chunk_size,
+                    torch.bfloat16,
+                )
                 oracles[key] = (model, result)
             finally:
                 torch.set_num_threads(threads)

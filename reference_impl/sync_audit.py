@@ -40,11 +40,28 @@ from torch.overrides import TorchFunctionMode
 _CUDA_SYNC_WARNING = "called a synchronizing CUDA operation"
 
 # Calls that synchronize whatever their arguments.
-_ALWAYS = frozenset({
-    "item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "__complex__",
-    "nonzero", "argwhere", "unique", "unique_consecutive", "masked_select", "equal", "allclose",
-    "tensor", "is_nonzero",
-})
+_ALWAYS = frozenset(
+    {
+        "item",
+        "tolist",
+        "cpu",
+        "numpy",
+        "__bool__",
+        "__int__",
+        "__float__",
+        "__index__",
+        "__complex__",
+        "nonzero",
+        "argwhere",
+        "unique",
+        "unique_consecutive",
+        "masked_select",
+        "equal",
+        "allclose",
+        "tensor",
+        "is_nonzero",
+    }
+)
 _INDEXING = frozenset({"__getitem__", "__setitem__", "index_put_", "index_put"})
 
 
@@ -95,7 +112,7 @@ class _State(threading.local):
     paused = 0  # depth of diagnostic()
     transport = 0  # depth of transport()
     in_flagged = False  # inside a call the API counter flagged
-    audit: "HostSyncAudit | None" = None
+    audit: HostSyncAudit | None = None
 
 
 _state = _State()
@@ -148,7 +165,7 @@ def _caller_site() -> str:
 
 
 class _ApiSyncMode(TorchFunctionMode):
-    def __init__(self, audit: "HostSyncAudit") -> None:
+    def __init__(self, audit: HostSyncAudit) -> None:
         super().__init__()
         self.audit = audit
 
@@ -207,7 +224,7 @@ class HostSyncAudit:
             return
         self._hit(f"CUDA sync at {filename}:{lineno}")
 
-    def __enter__(self) -> "HostSyncAudit":
+    def __enter__(self) -> HostSyncAudit:
         if _state.audit is not None:
             raise RuntimeError("HostSyncAudit regions do not nest")
         _state.audit = self

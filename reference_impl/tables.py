@@ -30,19 +30,40 @@ def format_table(reports: list[dict[str, Any]]) -> str:
             + (" (ranks share one device)" if rep["ranks_share_device"] else "")
         )
         if rep["matches_oracle"] is not None:
-            topk = "" if rep["topk_agreement"] is None else (  # no layer selects keys (DeepSeek-V4, sliding only)
-                f", top-k agreement {rep['topk_agreement']:.4f} (+{rep['topk_boundary_ties']} boundary ties)")
+            topk = (
+                ""
+                if rep["topk_agreement"] is None
+                # no layer selects keys (DeepSeek-V4, sliding only)
+                else (f", top-k agreement {rep['topk_agreement']:.4f} (+{rep['topk_boundary_ties']} boundary ties)")
+            )
             lines.append(
                 f"  {verdict}: max abs err {rep['max_abs_err']:.2e}{topk}, cache equal {rep['cache_equal']}, "
                 f"tail {rep['tail_mode']}"
             )
-        header = ["rank", "tokens", "kv", "index", "transient peak", "gather", "materialized", "tail gather", "colls", "layer ms"]
+        header = [
+            "rank",
+            "tokens",
+            "kv",
+            "index",
+            "transient peak",
+            "gather",
+            "materialized",
+            "tail gather",
+            "colls",
+            "layer ms",
+        ]
         rows = [
             [
-                str(p["rank"]), str(p["tokens"]), _human_bytes(p["kv_bytes"]), _human_bytes(p["index_bytes"]),
-                _human_bytes(p["transient_peak_bytes"]), _human_bytes(p["gather_bytes"]),
-                _human_bytes(p["materialized_bytes"]), _human_bytes(p["output_gather_bytes"]),
-                str(p["collectives"]), f"{p['layer_ms_median']:.2f}",
+                str(p["rank"]),
+                str(p["tokens"]),
+                _human_bytes(p["kv_bytes"]),
+                _human_bytes(p["index_bytes"]),
+                _human_bytes(p["transient_peak_bytes"]),
+                _human_bytes(p["gather_bytes"]),
+                _human_bytes(p["materialized_bytes"]),
+                _human_bytes(p["output_gather_bytes"]),
+                str(p["collectives"]),
+                f"{p['layer_ms_median']:.2f}",
             ]
             for p in rep["per_rank"]
         ]
@@ -51,11 +72,20 @@ def format_table(reports: list[dict[str, Any]]) -> str:
         lines.extend("  " + "  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)
         occupancy = rep.get("pool_occupancy") or []
         if len(occupancy) > 1:  # several batches on one pool
-            lines.append("  pool pages in use per batch (of " + str(occupancy[0]["pool_pages"]) + "): " + "; ".join(
-                f"batch {o['batch']}: {o['pages_in_use']}"
-                + (f", {o['pages_in_use_after_frees']} after freeing {o['requests_freed']} request(s)" if o["requests_freed"] else "")
-                for o in occupancy
-            ))
+            lines.append(
+                "  pool pages in use per batch (of "
+                + str(occupancy[0]["pool_pages"])
+                + "): "
+                + "; ".join(
+                    f"batch {o['batch']}: {o['pages_in_use']}"
+                    + (
+                        f", {o['pages_in_use_after_frees']} after freeing {o['requests_freed']} request(s)"
+                        if o["requests_freed"]
+                        else ""
+                    )
+                    for o in occupancy
+                )
+            )
         for problem in rep["problems"]:
             lines.append(f"  ! {problem}")
         for kernel, error in rep.get("kernel_fallbacks", {}).items():

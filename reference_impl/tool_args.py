@@ -20,9 +20,9 @@ import functools
 import json
 import math
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Callable, NoReturn, Sequence
+from typing import Any, NoReturn
 
 from reference_impl.errors import ConfigError
 from reference_impl.families import family_presets
@@ -181,8 +181,12 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if (not action.option_strings or action.required or action.default is argparse.SUPPRESS
-                or "default" in text.lower()):
+        if (
+            not action.option_strings
+            or action.required
+            or action.default is argparse.SUPPRESS
+            or "default" in text.lower()
+        ):
             return text
         if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
             shown = "on" if action.default else "off"
@@ -269,8 +273,9 @@ def choice_arg(choices: Sequence[str], what: str, hint: str = "") -> Callable[[s
 
     def parse(text: str) -> str:
         if text not in choices:
-            raise argparse.ArgumentTypeError(f"unknown {what} {text!r}: use {', '.join(choices)}"
-                                             + (f" ({hint})" if hint else ""))
+            raise argparse.ArgumentTypeError(
+                f"unknown {what} {text!r}: use {', '.join(choices)}" + (f" ({hint})" if hint else "")
+            )
         return text
 
     return parse

@@ -36,8 +36,9 @@ def build_model(run: RunConfig, device: torch.device) -> torch.nn.Module:
     DeepSeek runs its checkpoints (families without them refuse the variable); every rank and the
     oracle build the same model, so they still agree. Off by default: bf16 is the reference."""
     cfg = run.model
-    return family_of(cfg).build_model(cfg, compute_dtype(run, device), run.seed, device, kernels=True,
-                                      fp8_projections=env_flag("fp8_projections"))
+    return family_of(cfg).build_model(
+        cfg, compute_dtype(run, device), run.seed, device, kernels=True, fp8_projections=env_flag("fp8_projections")
+    )
 
 
 def build_inputs(run: RunConfig, device: torch.device) -> list[torch.Tensor]:

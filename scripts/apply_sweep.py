@@ -27,14 +27,23 @@ from reference_impl.tool_args import NUMBER, OBJECT, Field, ToolParser, input_js
 TARGET = Path(fused_configs.__file__)
 PROG = "python3 scripts/apply_sweep.py"
 # What main reads from a results file: a compute sweep's rows, or each swept kernel's best config and its gain.
-COMPUTE_SWEEP = {"attention": [OBJECT], "indexer": [OBJECT],
-                 "gluon?": Field("a list or null", lambda v: v is None or isinstance(v, list))}
-KERNEL_SWEEP = {"best": Field("null or an object", lambda v: v is None or isinstance(v, dict)),
-                "fraction_of_copy?": NUMBER}
+COMPUTE_SWEEP = {
+    "attention": [OBJECT],
+    "indexer": [OBJECT],
+    "gluon?": Field("a list or null", lambda v: v is None or isinstance(v, list)),
+}
+KERNEL_SWEEP = {
+    "best": Field("null or an object", lambda v: v is None or isinstance(v, dict)),
+    "fraction_of_copy?": NUMBER,
+}
+
 
 def render(configs: dict[str, dict[str, int | bool]]) -> str:
     lines = ["GPU_CONFIGS: dict[str, LaunchConfig] = {"]
-    lines += [f"    {name!r}: {{{', '.join(f'{k!r}: {v!r}' for k, v in cfg.items())}}},".replace("'", '"') for name, cfg in configs.items()]
+    lines += [
+        f"    {name!r}: {{{', '.join(f'{k!r}: {v!r}' for k, v in cfg.items())}}},".replace("'", '"')
+        for name, cfg in configs.items()
+    ]
     return "\n".join(lines + ["}"])
 
 
@@ -51,12 +60,16 @@ def _set_default(module: object, config: tuple[object, ...]) -> None:
 
 
 def apply_compute_sweep(
-    sweep: dict[str, list[dict[str, object]]], attention_module: object = sparse_mla_triton,
-    indexer_module: object = indexer_triton, gluon_module: object = sparse_mla_gluon,
+    sweep: dict[str, list[dict[str, object]]],
+    attention_module: object = sparse_mla_triton,
+    indexer_module: object = indexer_triton,
+    gluon_module: object = sparse_mla_gluon,
 ) -> None:
     """The compute benchmark's winners become the attention, indexer and Gluon GPU defaults (the
     modules' source files are rewritten; tests pass stand-ins)."""
-    _set_default(attention_module, compute_sweep.pick_attention(sweep["attention"], attention_module.GPU_DEFAULT_CONFIG))  # type: ignore[attr-defined]
+    _set_default(
+        attention_module, compute_sweep.pick_attention(sweep["attention"], attention_module.GPU_DEFAULT_CONFIG)
+    )  # type: ignore[attr-defined]
     _set_default(indexer_module, compute_sweep.pick_indexer(sweep["indexer"], indexer_module.GPU_DEFAULT_CONFIG))  # type: ignore[attr-defined]
     if sweep.get("gluon"):
         _set_default(gluon_module, compute_sweep.pick_gluon(sweep["gluon"], gluon_module.GPU_DEFAULT_CONFIG))  # type: ignore[attr-defined]
@@ -71,7 +84,9 @@ def main(path: str) -> None:
     for name, result in sweep.items():
         best = result.get("best")
         if name in configs and best and best != configs[name]:
-            print(f"{name}: {configs[name]} -> {best} ({result['default_fraction_of_copy']:.0%} -> {result['fraction_of_copy']:.0%} of copy)")
+            print(
+                f"{name}: {configs[name]} -> {best} ({result['default_fraction_of_copy']:.0%} -> {result['fraction_of_copy']:.0%} of copy)"
+            )
             configs[name] = {**configs[name], **best}
     text = TARGET.read_text()
     block = re.compile(r"GPU_CONFIGS: dict\[str, LaunchConfig\] = \{\n.*?\n\}", re.S)

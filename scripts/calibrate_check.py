@@ -32,8 +32,15 @@ def _p99(values: list[float]) -> float:
 
 
 def drift(dtype: str) -> dict:
-    run = RunConfig(preset="deepseek-v3.2", n_layers=2, cp_size=1, requests=REQUESTS, device="cuda",
-                    compute_dtype=dtype, phases=PhaseSet())
+    run = RunConfig(
+        preset="deepseek-v3.2",
+        n_layers=2,
+        cp_size=1,
+        requests=REQUESTS,
+        device="cuda",
+        compute_dtype=dtype,
+        phases=PhaseSet(),
+    )
     result = run_prefill(run, tensors=True)
     oracle, rank = result.oracle, result.ranks[0]
     stats: dict = {"matches": result.report["matches_oracle"], "topk_agreement": result.report["topk_agreement"]}
@@ -56,14 +63,23 @@ def drift(dtype: str) -> dict:
             gaps.append(float(((scores[swapped] - scores[order[len(b) - 1]]).abs() / scores[order[0]].abs()).max()))
             sizes.append(len(a ^ b))
         stats[f"layer{layer}"] = {
-            "rows": len(rank.token_ids), "rows_differ": differ, "rank_off_max": max(rank_off, default=0),
-            "rank_off_p99": _p99(rank_off), "elements_differ_max": max(sizes, default=0),
-            "score_gap_over_max_score_max": max(gaps, default=0.0), "score_gap_p99": _p99(gaps),
+            "rows": len(rank.token_ids),
+            "rows_differ": differ,
+            "rank_off_max": max(rank_off, default=0),
+            "rank_off_p99": _p99(rank_off),
+            "elements_differ_max": max(sizes, default=0),
+            "score_gap_over_max_score_max": max(gaps, default=0.0),
+            "score_gap_p99": _p99(gaps),
         }
     ref_rows = torch.cat([h.float().cpu() for h in oracle.hidden])[list(rank.token_ids)]
     err = (rank.local_hidden.float() - ref_rows).abs()
-    stats.update({"hidden_max_abs_err": float(err.max()), "hidden_max_abs": float(ref_rows.abs().max()),
-                  "hidden_rel_norm_err": float(err.norm() / ref_rows.norm())})
+    stats.update(
+        {
+            "hidden_max_abs_err": float(err.max()),
+            "hidden_max_abs": float(ref_rows.abs().max()),
+            "hidden_rel_norm_err": float(err.norm() / ref_rows.norm()),
+        }
+    )
     return stats
 
 
@@ -76,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         raise ConfigError("needs a CUDA device (a CPU run is bitwise equal to the oracle)")
     doc = {
-        "command": "PYTHONPATH=. python3 scripts/calibrate_check.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        "command": "PYTHONPATH=. python3 scripts/calibrate_check.py "
+        + shlex.join(argv if argv is not None else sys.argv[1:]),
         "device": f"{torch.cuda.get_device_name(0)} (torch {torch.__version__})",
         "by_compute_dtype": {dtype: drift(dtype) for dtype in ("fp32", "bf16")},
     }

@@ -32,11 +32,14 @@ ARGS = ("plan", "--preset", "deepseek-v3.2", "--cp-size", "8", "--hbm-gib", "141
 
 def planned() -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
-    out = subprocess.run([sys.executable, "-m", "reference_impl", *ARGS], check=True, capture_output=True,
-                         text=True, env=env, cwd=ROOT).stdout
-    return {"command": "python -m reference_impl " + " ".join(ARGS),
-            "what": "capacity planner prediction (KV layout arithmetic and planner rates; nothing measured)",
-            "plan": json.loads(out)}
+    out = subprocess.run(
+        [sys.executable, "-m", "reference_impl", *ARGS], check=True, capture_output=True, text=True, env=env, cwd=ROOT
+    ).stdout
+    return {
+        "command": "python -m reference_impl " + " ".join(ARGS),
+        "what": "capacity planner prediction (KV layout arithmetic and planner rates; nothing measured)",
+        "plan": json.loads(out),
+    }
 
 
 @refusing

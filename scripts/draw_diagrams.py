@@ -62,9 +62,11 @@ def one_layer_data() -> dict[str, Any]:
         ("proj", "att", "q, index q, weights\n(local tokens only)"),
         ("att", "res", ""),
     ]
-    return {"title": "One layer on rank r (baseline; every rank runs the same steps)",
-            "nodes": [{"id": i, "x": x, "y": y, "text": t} for i, x, y, t in nodes],
-            "edges": [{"from": a, "to": b, "label": label} for a, b, label in edges]}
+    return {
+        "title": "One layer on rank r (baseline; every rank runs the same steps)",
+        "nodes": [{"id": i, "x": x, "y": y, "text": t} for i, x, y, t in nodes],
+        "edges": [{"from": a, "to": b, "label": label} for a, b, label in edges],
+    }
 
 
 def splits_data() -> dict[str, Any]:
@@ -72,11 +74,15 @@ def splits_data() -> dict[str, Any]:
     import reference_impl as ri
 
     cases = [
-        ("in-seq (zigzag), one request of 19 tokens, C = 4: 2C blocks, rank r takes blocks r and 2C-1-r",
-         ri.build_split("in-seq", 4, [19])),
+        (
+            "in-seq (zigzag), one request of 19 tokens, C = 4: 2C blocks, rank r takes blocks r and 2C-1-r",
+            ri.build_split("in-seq", 4, [19]),
+        ),
         ("round-robin, the same request: token t on rank t % C", ri.build_split("round-robin", 4, [19])),
-        ("page-aligned in-seq (phase 4): 13 cached + 100 new tokens, page 16, C = 2: block ends on page ends",
-         ri.build_split("in-seq", 2, [100], [13], page_size=16, page_aligned=True)),
+        (
+            "page-aligned in-seq (phase 4): 13 cached + 100 new tokens, page 16, C = 2: block ends on page ends",
+            ri.build_split("in-seq", 2, [100], [13], page_size=16, page_aligned=True),
+        ),
     ]
     rows = []
     for title, split in cases:
@@ -86,9 +92,16 @@ def splits_data() -> dict[str, Any]:
             for t in split.local_tokens(rank):
                 owner[t] = rank
         prefix = split.prefix_lens[0] if split.prefix_lens else 0
-        rows.append({"title": title, "cp_size": split.cp_size, "rank_of_token": owner, "prefix": prefix,
-                     "page_size": split.page_size if split.page_aligned else None,
-                     "local": [list(split.local_tokens(r)) for r in range(split.cp_size)]})
+        rows.append(
+            {
+                "title": title,
+                "cp_size": split.cp_size,
+                "rank_of_token": owner,
+                "prefix": prefix,
+                "page_size": split.page_size if split.page_aligned else None,
+                "local": [list(split.local_tokens(r)) for r in range(split.cp_size)],
+            }
+        )
     return {"rows": rows}
 
 
@@ -105,9 +118,14 @@ def pages_data() -> dict[str, Any]:
     batch = BatchLocs.build(meta)
     requests = [sorted({int(p) for p in (locs // page).tolist()}) for locs in batch.request_locs]
     pages = torch.arange(batch.n_pages)
-    return {"cp_size": cp, "page_size": page, "requests": requests,
-            "owner": page_owner(pages, cp).tolist(), "physical": physical_page(pages, cp).tolist(),
-            "tokens": [[p, e] for p, e in zip([0, 40, 13], [96, 70, 37])]}
+    return {
+        "cp_size": cp,
+        "page_size": page,
+        "requests": requests,
+        "owner": page_owner(pages, cp).tolist(),
+        "physical": physical_page(pages, cp).tolist(),
+        "tokens": [[p, e] for p, e in zip([0, 40, 13], [96, 70, 37])],
+    }
 
 
 def prefetch_timeline_data(results: Path = RESULTS) -> dict[str, Any]:
@@ -115,9 +133,16 @@ def prefetch_timeline_data(results: Path = RESULTS) -> dict[str, Any]:
     doc = json.loads((results / "layer_bench.json").read_text())
     work = max((w for w in doc["workloads"] if "prefetch" in w), key=lambda w: w["workload"]["extend"])
     pf = work["prefetch"]
-    return {"prefix": work["workload"]["prefix"], "extend": work["workload"]["extend"], "wire_gbps": doc["wire_gbps"],
-            "level7_ms": pf["level7_ms"], "level8_ms": pf["level8_ms"], "payload_ms": pf["payload_ms"],
-            "stall_ms": pf["exposed_wait_ms_median"], "layers": 3}
+    return {
+        "prefix": work["workload"]["prefix"],
+        "extend": work["workload"]["extend"],
+        "wire_gbps": doc["wire_gbps"],
+        "level7_ms": pf["level7_ms"],
+        "level8_ms": pf["level8_ms"],
+        "payload_ms": pf["payload_ms"],
+        "stall_ms": pf["exposed_wait_ms_median"],
+        "layers": 3,
+    }
 
 
 # ---------------------------------------------------------------------------------- the drawing
@@ -143,8 +168,11 @@ def draw_one_layer(data: dict[str, Any], out: Path) -> None:
     w, h = 16.5, 12
     at = {n["id"]: n for n in data["nodes"]}
     for n in data["nodes"]:
-        ax.add_patch(FancyBboxPatch((n["x"] - w / 2, n["y"] - h / 2), w, h, boxstyle="round,pad=0.3",
-                                    fc="#EEF3FA", ec="#4C72B0", lw=1.1))
+        ax.add_patch(
+            FancyBboxPatch(
+                (n["x"] - w / 2, n["y"] - h / 2), w, h, boxstyle="round,pad=0.3", fc="#EEF3FA", ec="#4C72B0", lw=1.1
+            )
+        )
         ax.text(n["x"], n["y"], n["text"], ha="center", va="center", fontsize=8.4, linespacing=1.3)
     for e in data["edges"]:
         a, b = at[e["from"]], at[e["to"]]
@@ -182,8 +210,14 @@ def draw_splits(data: dict[str, Any], out: Path) -> None:
         for t, rank in enumerate(owner):
             ax.add_patch(Rectangle((t * cell, 0), cell, 1, fc=RANK_COLORS[rank], ec="white", lw=0.6 if n <= 40 else 0))
             if t % label_every == 0:
-                ax.text(t * cell + cell / 2, -0.35, str(t + row["prefix"]) if n > 40 else str(t), ha="center",
-                        va="top", fontsize=6.5 if n <= 40 else 6.5)
+                ax.text(
+                    t * cell + cell / 2,
+                    -0.35,
+                    str(t + row["prefix"]) if n > 40 else str(t),
+                    ha="center",
+                    va="top",
+                    fontsize=6.5 if n <= 40 else 6.5,
+                )
         if row["page_size"]:  # page boundaries on absolute positions
             first = -row["prefix"] % row["page_size"]
             for b in range(first, n + 1, row["page_size"]):
@@ -213,7 +247,9 @@ def draw_pages(data: dict[str, Any], out: Path) -> None:
     for i, (pages, (prefix, extend)) in enumerate(zip(data["requests"], data["tokens"])):
         lo, hi = min(pages), max(pages) + 1
         ax.plot([lo + 0.05, hi - 0.05], [1.25, 1.25], color="black", lw=1)
-        ax.text((lo + hi) / 2, 1.45, f"request {i}: {prefix} cached + {extend} new", ha="center", va="bottom", fontsize=7.5)
+        ax.text(
+            (lo + hi) / 2, 1.45, f"request {i}: {prefix} cached + {extend} new", ha="center", va="bottom", fontsize=7.5
+        )
     for rank in range(cp):
         y = -1.5 - rank * 1.3
         ax.text(-0.3, y + 0.5, f"rank {rank}\nphysical", ha="right", va="center", fontsize=8)
@@ -223,10 +259,19 @@ def draw_pages(data: dict[str, Any], out: Path) -> None:
             ax.add_patch(Rectangle((x, y), 1, 1, fc=RANK_COLORS[rank], ec="white", lw=1))
             ax.text(x + 0.5, y + 0.5, str(p), ha="center", va="center", fontsize=8, color="white")
             ax.text(x + 0.5, y - 0.12, str(x), ha="center", va="top", fontsize=6, color="#555555")
-    ax.set_title(f"Logical page p is stored on rank p % {cp}, at physical page p // {cp} (page size {data['page_size']} "
-                 "tokens); numbers in the cells are logical pages, below them physical pages", fontsize=8.5)
-    ax.legend(handles=[Patch(color=RANK_COLORS[r], label=f"rank {r}") for r in range(cp)], loc="upper right",
-              fontsize=7.5, ncol=cp, frameon=False, bbox_to_anchor=(1, 1.02))
+    ax.set_title(
+        f"Logical page p is stored on rank p % {cp}, at physical page p // {cp} (page size {data['page_size']} "
+        "tokens); numbers in the cells are logical pages, below them physical pages",
+        fontsize=8.5,
+    )
+    ax.legend(
+        handles=[Patch(color=RANK_COLORS[r], label=f"rank {r}") for r in range(cp)],
+        loc="upper right",
+        fontsize=7.5,
+        ncol=cp,
+        frameon=False,
+        bbox_to_anchor=(1, 1.02),
+    )
     fig.tight_layout()
     figures.save(fig, out, data)
     plt.close(fig)
@@ -248,22 +293,40 @@ def draw_prefetch_timeline(data: dict[str, Any], out: Path) -> None:
         ax.add_patch(Rectangle((t, 3.0), before, 0.6, fc="#4C72B0", ec="white"))
         ax.add_patch(Rectangle((t + before, 3.0), pay, 0.6, fc="#C44E52", ec="white"))
         ax.add_patch(Rectangle((t + before + pay, 3.0), compute7 - before, 0.6, fc="#4C72B0", ec="white"))
-        ax.text(t + before + pay + (compute7 - before) / 2, 3.3, f"layer {layer}", ha="center", va="center",
-                fontsize=7.5, color="white")
+        ax.text(
+            t + before + pay + (compute7 - before) / 2,
+            3.3,
+            f"layer {layer}",
+            ha="center",
+            va="center",
+            fontsize=7.5,
+            color="white",
+        )
     # Level 8: layer 0's history is launched before the loop, layer l + 1's at the start of layer l; the
     # main stream waits for a buffer where the layer reads it (after project, all-gather #1 and the store).
     length, use = data["level8_ms"], 0.35 * data["level8_ms"]
     for layer in range(layers):
         t = layer * length
         ax.add_patch(Rectangle((t, 1.6), length, 0.6, fc="#4C72B0", ec="white"))
-        ax.text(t + length / 2 + 0.6, 1.9, f"layer {layer}, reads buffer {'AB'[layer % 2]}", ha="center", va="center",
-                fontsize=7.5, color="white")
+        ax.text(
+            t + length / 2 + 0.6,
+            1.9,
+            f"layer {layer}, reads buffer {'AB'[layer % 2]}",
+            ha="center",
+            va="center",
+            fontsize=7.5,
+            color="white",
+        )
         ax.plot([t + use, t + use], [1.6, 2.2], color="white", lw=1.2)
         start = pay if layer == 1 else (layer - 1) * length if layer else 0.0
         ax.add_patch(Rectangle((start, 0.6), pay, 0.6, fc="#C44E52", ec="white"))
         ax.text(start + pay / 2, 0.47, f"{layer}>{'AB'[layer % 2]}", ha="center", va="top", fontsize=6.5)
-        ax.annotate("", xy=(t + use, 1.6), xytext=(start + pay, 1.2),
-                    arrowprops={"arrowstyle": "-|>", "color": "#555555", "lw": 0.8, "linestyle": "--"})
+        ax.annotate(
+            "",
+            xy=(t + use, 1.6),
+            xytext=(start + pay, 1.2),
+            arrowprops={"arrowstyle": "-|>", "color": "#555555", "lw": 0.8, "linestyle": "--"},
+        )
     end = max(layers * data["level7_ms"], layers * data["level8_ms"])
     ax.set_xlim(-3.2, end + 0.3)
     ax.set_ylim(0.1, 3.9)
@@ -271,10 +334,13 @@ def draw_prefetch_timeline(data: dict[str, Any], out: Path) -> None:
     ax.set_xlabel("ms")
     for side in ("left", "right", "top"):
         ax.spines[side].set_visible(False)
-    ax.set_title(f"Phase 8 to scale: {data['prefix']:,} cached + {data['extend']:,} new tokens, rank 0 of C=8, "
-                 f"{data['wire_gbps']:g} GB/s wire.\nRed: materializing a layer's history ({pay:.2f} ms; l>A: layer l into "
-                 f"buffer A); white tick and dashed arrow: the one wait, where the layer reads it (median stall "
-                 f"{data['stall_ms'] * 1e3:.0f} us)", fontsize=8)
+    ax.set_title(
+        f"Phase 8 to scale: {data['prefix']:,} cached + {data['extend']:,} new tokens, rank 0 of C=8, "
+        f"{data['wire_gbps']:g} GB/s wire.\nRed: materializing a layer's history ({pay:.2f} ms; l>A: layer l into "
+        f"buffer A); white tick and dashed arrow: the one wait, where the layer reads it (median stall "
+        f"{data['stall_ms'] * 1e3:.0f} us)",
+        fontsize=8,
+    )
     fig.tight_layout()
     figures.save(fig, out, data)
     plt.close(fig)
@@ -290,8 +356,11 @@ DIAGRAMS: dict[str, tuple[Callable[[], dict[str, Any]], Callable[[dict[str, Any]
 
 def stale(out: Path = OUT) -> list[str]:
     """The diagrams under ``out`` whose embedded data differs from what their sources give now."""
-    return [name for name, (data_of, _) in DIAGRAMS.items()
-            if not (out / name).is_file() or figures.embedded(out / name) != figures.expected(data_of())]
+    return [
+        name
+        for name, (data_of, _) in DIAGRAMS.items()
+        if not (out / name).is_file() or figures.embedded(out / name) != figures.expected(data_of())
+    ]
 
 
 @refusing

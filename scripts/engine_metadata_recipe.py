@@ -96,8 +96,9 @@ class EngineBatch:
     extend_locs: torch.Tensor  # [T] the slots the extend tokens are written to, batch order
 
 
-def request_pages(prefix_lens: list[int], extend_lens: list[int], page_size: int,
-                  shuffle: int | None) -> list[list[int]]:
+def request_pages(
+    prefix_lens: list[int], extend_lens: list[int], page_size: int, shuffle: int | None
+) -> list[list[int]]:
     """Page ids per request: the lowest free pages, request after request (what the reference's allocator
     hands out), or the same ids shuffled with seed ``shuffle``."""
     counts = [-(-(p + e) // page_size) for p, e in zip(prefix_lens, extend_lens)]
@@ -106,7 +107,7 @@ def request_pages(prefix_lens: list[int], extend_lens: list[int], page_size: int
         random.Random(shuffle).shuffle(ids)
     pages, start = [], 0
     for n in counts:
-        pages.append(ids[start:start + n])
+        pages.append(ids[start : start + n])
         start += n
     return pages
 
@@ -117,8 +118,9 @@ def token_slots(pages: list[int], n_tokens: int, page_size: int) -> torch.Tensor
     return torch.tensor(pages, dtype=torch.long)[t // page_size] * page_size + t % page_size
 
 
-def sglang_batch(pages: list[list[int]], prefix_lens: list[int], extend_lens: list[int],
-                 page_size: int) -> tuple[SGLangForwardBatch, torch.Tensor]:
+def sglang_batch(
+    pages: list[list[int]], prefix_lens: list[int], extend_lens: list[int], page_size: int
+) -> tuple[SGLangForwardBatch, torch.Tensor]:
     """The forward batch and ``req_to_token`` an SGLang scheduler would build for this allocation."""
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
     rows = [SGLANG_FIRST_ROW + i for i in range(len(seq_lens))]
@@ -131,16 +133,28 @@ def sglang_batch(pages: list[list[int]], prefix_lens: list[int], extend_lens: li
     for e in extend_lens[:-1]:
         starts.append(starts[-1] + e)
     batch = SGLangForwardBatch(
-        req_pool_indices=torch.tensor(rows), seq_lens=torch.tensor(seq_lens),
+        req_pool_indices=torch.tensor(rows),
+        seq_lens=torch.tensor(seq_lens),
         extend_seq_lens=torch.tensor(extend_lens, dtype=torch.int32),
         extend_prefix_lens=torch.tensor(prefix_lens, dtype=torch.int32),
-        extend_start_loc=torch.tensor(starts, dtype=torch.int32), out_cache_loc=out_cache_loc, positions=positions,
-        extend_seq_lens_cpu=list(extend_lens), extend_prefix_lens_cpu=list(prefix_lens))
+        extend_start_loc=torch.tensor(starts, dtype=torch.int32),
+        out_cache_loc=out_cache_loc,
+        positions=positions,
+        extend_seq_lens_cpu=list(extend_lens),
+        extend_prefix_lens_cpu=list(prefix_lens),
+    )
     return batch, req_to_token
 
 
-def vllm_slot_mapping(block_table: torch.Tensor, query_start_loc: torch.Tensor, positions: torch.Tensor,
-                      page_size: int, dcp_size: int = 1, dcp_rank: int = 0, interleave: int = 1) -> torch.Tensor:
+def vllm_slot_mapping(
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    positions: torch.Tensor,
+    page_size: int,
+    dcp_size: int = 1,
+    dcp_rank: int = 0,
+    interleave: int = 1,
+) -> torch.Tensor:
     """vLLM's slot mapping, written from the arithmetic of ``BlockTable.compute_slot_mapping``: a virtual block
     spans ``P * dcp_size`` positions; position offset ``o`` in it is this rank's when ``(o // I) % dcp_size ==
     dcp_rank`` and then sits at ``(o // (dcp_size * I)) * I + o % I`` of the block; other ranks' tokens get -1."""
@@ -153,20 +167,23 @@ def vllm_slot_mapping(block_table: torch.Tensor, query_start_loc: torch.Tensor, 
     return torch.where(local, block * page_size + local_offset, torch.full_like(block, PAD_SLOT))
 
 
-def vllm_metadata(pages: list[list[int]], prefix_lens: list[int], extend_lens: list[int],
-                  page_size: int) -> VLLMAttentionMetadata:
+def vllm_metadata(
+    pages: list[list[int]], prefix_lens: list[int], extend_lens: list[int], page_size: int
+) -> VLLMAttentionMetadata:
     """The common attention metadata a vLLM worker would build for this allocation (no DCP)."""
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
     block_table = torch.zeros((len(pages), max(len(p) for p in pages)), dtype=torch.int32)
     for i, request_page_ids in enumerate(pages):
-        block_table[i, :len(request_page_ids)] = torch.tensor(request_page_ids, dtype=torch.int32)
+        block_table[i, : len(request_page_ids)] = torch.tensor(request_page_ids, dtype=torch.int32)
     query_start_loc = torch.tensor([0, *torch.tensor(extend_lens).cumsum(0).tolist()], dtype=torch.int32)
     positions = torch.cat([torch.arange(p, n) for p, n in zip(prefix_lens, seq_lens)])
     return VLLMAttentionMetadata(
-        query_start_loc=query_start_loc, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_table_tensor=block_table, slot_mapping=vllm_slot_mapping(block_table, query_start_loc, positions,
-                                                                       page_size),
-        positions=positions)
+        query_start_loc=query_start_loc,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_table_tensor=block_table,
+        slot_mapping=vllm_slot_mapping(block_table, query_start_loc, positions, page_size),
+        positions=positions,
+    )
 
 
 # ------------------------------------------------------------------------------- engine -> reference
@@ -212,12 +229,18 @@ def batch_from_locs(meta: SplitMetadata, request_locs: tuple[torch.Tensor, ...])
     starts = torch.tensor(offsets, dtype=torch.long)[torch.tensor(meta.token_request, dtype=torch.long)]
     view_rows = starts + torch.tensor(meta.token_position, dtype=torch.long)
     return BatchLocs(
-        meta=meta, page_size=meta.page_size,
+        meta=meta,
+        page_size=meta.page_size,
         n_pages=max(int(locs.max()) // meta.page_size for locs in request_locs) + 1,
-        request_locs=request_locs, view_offsets=tuple(offsets), view_len=sum(totals),
+        request_locs=request_locs,
+        view_offsets=tuple(offsets),
+        view_len=sum(totals),
         view_locs=torch.cat(request_locs),
         extend_locs=torch.cat([r[p:] for r, p in zip(request_locs, meta.prefix_lens)]),
-        extend_view_rows=view_rows, key_start=starts, key_end=view_rows + 1)
+        extend_view_rows=view_rows,
+        key_start=starts,
+        key_end=view_rows + 1,
+    )
 
 
 @dataclass(frozen=True)
@@ -292,8 +315,13 @@ def sglang_kv_shard_local_index(locs: torch.Tensor, page_size: int, shard_size: 
 
 
 def _same_gather(a: PageGather, b: PageGather) -> bool:
-    return (a.counts == b.counts and torch.equal(a.pages, b.pages) and torch.equal(a.send_physical, b.send_physical)
-            and torch.equal(a.row_source, b.row_source) and torch.equal(a.view_rows, b.view_rows))
+    return (
+        a.counts == b.counts
+        and torch.equal(a.pages, b.pages)
+        and torch.equal(a.send_physical, b.send_physical)
+        and torch.equal(a.row_source, b.row_source)
+        and torch.equal(a.view_rows, b.view_rows)
+    )
 
 
 def _gather_rebuilds_view(view: ReferenceView, cp_size: int, page_size: int) -> bool:
@@ -325,38 +353,45 @@ def run_checks(cp_size: int, page_size: int, shuffle: int | None = None) -> dict
 
     sg, vl = views["sglang"], views["vllm"]
     checks["split: SGLang fields == vLLM fields"] = sg.meta == vl.meta
-    checks["split: == SGLang's zigzag rule"] = sg.meta.rank_tokens == sglang_zigzag_rank_tokens(sg.meta.extend_lens,
-                                                                                               cp_size)
+    checks["split: == SGLang's zigzag rule"] = sg.meta.rank_tokens == sglang_zigzag_rank_tokens(
+        sg.meta.extend_lens, cp_size
+    )
     dcs = vllm_dual_chunk_swap_rank_tokens(vl.meta.extend_lens, cp_size)
     checks["split: vLLM DualChunkSwap, same tokens per rank"] = all(
-        sorted(a) == sorted(b) for a, b in zip(dcs, vl.meta.rank_tokens))
+        sorted(a) == sorted(b) for a, b in zip(dcs, vl.meta.rank_tokens)
+    )
     # Two requests, C >= 1: DualChunkSwap keeps a request's head and tail together, the zigzag puts every
     # request's first block before any second block, so the local orders differ; the rerange must follow.
     checks["split: vLLM local order differs (rerange needed)"] = dcs != vl.meta.rank_tokens
     checks["locs: SGLang == vLLM"] = all(
-        torch.equal(a, b) for a, b in zip(sg.batch.request_locs, vl.batch.request_locs))
+        torch.equal(a, b) for a, b in zip(sg.batch.request_locs, vl.batch.request_locs)
+    )
     for name, view in views.items():
         locs = view.batch.view_locs
         checks[f"{name}: kv-shard owner == page_owner"] = torch.equal(
-            sglang_kv_shard_owner(locs, page_size, cp_size), page_owner(locs // page_size, cp_size))
+            sglang_kv_shard_owner(locs, page_size, cp_size), page_owner(locs // page_size, cp_size)
+        )
         owner = page_owner(locs // page_size, cp_size)
         checks[f"{name}: kv-shard local index == physical_locs"] = all(
             torch.equal(sglang_kv_shard_local_index(locs[owner == r], page_size, cp_size), view.physical[r])
-            for r in range(cp_size))
+            for r in range(cp_size)
+        )
         checks[f"{name}: gather rebuilds every view row"] = _gather_rebuilds_view(view, cp_size, page_size)
     checks["gather: SGLang == vLLM, every rank"] = all(_same_gather(a, b) for a, b in zip(sg.gathers, vl.gathers))
 
     if shuffle is None:  # the pages are the reference allocator's: compare with its own derivation
         own_meta = ri.build_split("in-seq", cp_size, extend_lens, prefix_lens, page_size)
         own = BatchLocs.build(own_meta)
-        own_view = reference_view(EngineBatch(tuple(extend_lens), tuple(prefix_lens), own.request_locs,
-                                              own.extend_locs), cp_size, page_size)
+        own_view = reference_view(
+            EngineBatch(tuple(extend_lens), tuple(prefix_lens), own.request_locs, own.extend_locs), cp_size, page_size
+        )
         ownership = Ownership(cp_size=cp_size, interleave=page_size, page_size=page_size)
         own_gathers = [PageGather.build(own, torch.arange(own.view_len), r, ownership) for r in range(cp_size)]
         checks["reference: split"] = sg.meta == own_meta
         checks["reference: batch coordinates"] = all(
             torch.equal(getattr(own_view.batch, f), getattr(own, f))
-            for f in ("view_locs", "extend_locs", "extend_view_rows", "key_start", "key_end"))
+            for f in ("view_locs", "extend_locs", "extend_view_rows", "key_start", "key_end")
+        )
         for name, view in views.items():
             checks[f"reference: {name} extend locs"] = torch.equal(engines[name].extend_locs, own.extend_locs)
             checks[f"reference: {name} gathers"] = all(_same_gather(a, b) for a, b in zip(view.gathers, own_gathers))
@@ -376,9 +411,15 @@ def run_checks(cp_size: int, page_size: int, shuffle: int | None = None) -> dict
     failed = [name for name, ok in checks.items() if not ok]
     assert not failed, f"engine metadata and the reference disagree: {failed}"
     return {
-        "cp_size": cp_size, "page_size": page_size, "shuffle": shuffle, "prefix_lens": prefix_lens,
-        "extend_lens": extend_lens, "pages": pages, "rank_tokens": [list(t) for t in sg.meta.rank_tokens],
-        "vllm_rank_tokens": [list(t) for t in dcs], "checks": checks,
+        "cp_size": cp_size,
+        "page_size": page_size,
+        "shuffle": shuffle,
+        "prefix_lens": prefix_lens,
+        "extend_lens": extend_lens,
+        "pages": pages,
+        "rank_tokens": [list(t) for t in sg.meta.rank_tokens],
+        "vllm_rank_tokens": [list(t) for t in dcs],
+        "checks": checks,
     }
 
 
@@ -400,8 +441,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(summary, indent=1))
         return 0
-    print(f"C={summary['cp_size']} P={summary['page_size']} prefixes {summary['prefix_lens']} "
-          f"extends {summary['extend_lens']} pages {summary['pages']}")
+    print(
+        f"C={summary['cp_size']} P={summary['page_size']} prefixes {summary['prefix_lens']} "
+        f"extends {summary['extend_lens']} pages {summary['pages']}"
+    )
     for rank, tokens in enumerate(summary["rank_tokens"]):
         print(f"  rank {rank}: zigzag {tokens}  vLLM order {summary['vllm_rank_tokens'][rank]}")
     for name in summary["checks"]:

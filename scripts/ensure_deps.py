@@ -91,8 +91,9 @@ def mooncake_import_error() -> str | None:
 def _missing_debian_libs() -> list[str]:
     if shutil.which("dpkg-query") is None:
         return list(DEBIAN_LIBS)
-    status = subprocess.run(["dpkg-query", "-W", "-f=${Package} ${Status}\n", *DEBIAN_LIBS], capture_output=True,
-                            text=True).stdout
+    status = subprocess.run(
+        ["dpkg-query", "-W", "-f=${Package} ${Status}\n", *DEBIAN_LIBS], capture_output=True, text=True
+    ).stdout
     installed = {line.split()[0] for line in status.splitlines() if line.endswith("install ok installed")}
     return [lib for lib in DEBIAN_LIBS if lib not in installed]
 
@@ -149,8 +150,11 @@ def ensure_mooncake(pip: list[str], dry_run: bool) -> int:
         MOONCAKE_MARKER.write_text(error + "\n")
     except OSError as exc:  # a read-only checkout: the tests then fail instead of skipping, saying so
         error += f" (and the reason could not be recorded in {MOONCAKE_MARKER}: {exc.strerror})"
-    print(f"Mooncake Transfer Engine not installed ({error}): the mooncake transport's tests skip with this reason"
-          + ("" if required else f"; {REQUIRE_MOONCAKE}=1 makes it an error"), file=sys.stderr)
+    print(
+        f"Mooncake Transfer Engine not installed ({error}): the mooncake transport's tests skip with this reason"
+        + ("" if required else f"; {REQUIRE_MOONCAKE}=1 makes it an error"),
+        file=sys.stderr,
+    )
     return 1 if required else 0
 
 

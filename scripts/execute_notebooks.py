@@ -33,8 +33,12 @@ _SOURCE_LINK = re.compile(r"\]\((?![a-z]+:)([^)\s]*\.md(?:#[^)\s]*)?)\)")
 def source_links(notebook: nbformat.NotebookNode) -> list[str]:
     """The links of the notebook's Markdown cells that point at a ``.md`` source instead of a built page
     (``../../phases/phase7-fused-kernels/#measured-results``, not ``../phases/phase7-fused-kernels.md#...``)."""
-    return [m.group(1) for cell in notebook.cells if cell.cell_type == "markdown"
-            for m in _SOURCE_LINK.finditer(cell.source)]
+    return [
+        m.group(1)
+        for cell in notebook.cells
+        if cell.cell_type == "markdown"
+        for m in _SOURCE_LINK.finditer(cell.source)
+    ]
 
 
 def execute(source: Path) -> Path:
@@ -46,7 +50,10 @@ def execute(source: Path) -> Path:
         print(f"  {source.stem} cell {cell_index} done at {time.time() - start:.0f} s", file=sys.stderr, flush=True)
 
     client = NotebookClient(
-        notebook, timeout=1800, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}},
+        notebook,
+        timeout=1800,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(ROOT)}},
         on_cell_executed=log_cell,
     )
     client.execute()
@@ -66,8 +73,9 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError(f"walkthroughs: not a walkthrough (phases/*.py): {', '.join(missing)}")
     linked = [f"{p}: {link}" for p in sources for link in source_links(jupytext.read(p))]
     if linked:
-        raise ConfigError("a walkthrough links a page's .md source; link the built page (../../PAGE/): "
-                          + "; ".join(linked))
+        raise ConfigError(
+            "a walkthrough links a page's .md source; link the built page (../../PAGE/): " + "; ".join(linked)
+        )
     for src in sources:
         execute(src.resolve())
     return 0

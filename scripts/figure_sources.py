@@ -102,7 +102,9 @@ class _Recorder:
 
 
 class _TracedDoc(Doc):
-    def __init__(self, data: dict, recorder: _Recorder, source: str, path: tuple[str, ...], ids: dict[str, Any]) -> None:
+    def __init__(
+        self, data: dict, recorder: _Recorder, source: str, path: tuple[str, ...], ids: dict[str, Any]
+    ) -> None:
         dict.__init__(self, data)
         config = {k: data[k] for k in CONFIGURATION if k in data and not isinstance(data[k], (dict, list))}
         self._trace = (recorder, source, path, {**ids, **config})
@@ -131,7 +133,9 @@ class _TracedDoc(Doc):
 
 
 class _TracedItems(Items):
-    def __init__(self, data: list, recorder: _Recorder, source: str, path: tuple[str, ...], ids: dict[str, Any]) -> None:
+    def __init__(
+        self, data: list, recorder: _Recorder, source: str, path: tuple[str, ...], ids: dict[str, Any]
+    ) -> None:
         list.__init__(self, data)
         self._trace = (recorder, source, path, ids)
 
@@ -160,8 +164,11 @@ def figure_reads(pages: list[Path] | None = None, sources: Sources | None = None
         for m in FIG.finditer(page.read_text()):
             eval(m["spec"], {"__builtins__": {}, **names})  # noqa: S307 - our own pages, our own results
         rel = page.relative_to(render_docs.ROOT).as_posix() if page.is_relative_to(render_docs.ROOT) else str(page)
-        reads[rel] = [r for r in recorder.reads if r.path.rsplit(".", 1)[-1] not in (*IDENTIFYING, *CONFIGURATION)
-                      and not _NOT_MEASURED.search(r.metric[0])]
+        reads[rel] = [
+            r
+            for r in recorder.reads
+            if r.path.rsplit(".", 1)[-1] not in (*IDENTIFYING, *CONFIGURATION) and not _NOT_MEASURED.search(r.metric[0])
+        ]
     return reads
 
 
@@ -184,7 +191,9 @@ def explain(found: dict[tuple, dict[tuple[str, str], set[str]]]) -> str:
     lines = []
     for (name, ids), where in sorted(found.items(), key=str):
         lines.append(f"{name} {dict(ids)} is quoted from {len({s for s, _ in where})} results files:")
-        lines += [f"    {source}: {path} on {', '.join(sorted(pages))}" for (source, path), pages in sorted(where.items())]
+        lines += [
+            f"    {source}: {path} on {', '.join(sorted(pages))}" for (source, path), pages in sorted(where.items())
+        ]
     return "\n".join(lines)
 
 

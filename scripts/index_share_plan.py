@@ -46,7 +46,11 @@ def preset_plan(preset: str) -> dict[str, Any]:
         t_pad = max(blocks[r] + blocks[len(blocks) - 1 - r] for r in range(CP_SIZE))
         full, shared = (allgather1_bytes(cfg, CP_SIZE, t_pad, indexer) for indexer in (True, False))
         n_full, n = cfg.index_share.n_full, cfg.n_layers
-        allgather[str(ctx)] = {"full_layer": full, "shared_layer": shared, "all_layers": n_full * full + (n - n_full) * shared}
+        allgather[str(ctx)] = {
+            "full_layer": full,
+            "shared_layer": shared,
+            "all_layers": n_full * full + (n - n_full) * shared,
+        }
     return {
         "inputs": plan["inputs"],
         "rates": plan["rates"],

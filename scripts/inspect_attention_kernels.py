@@ -27,8 +27,25 @@ from triton.compiler import ASTSource
 from reference_impl.kernels import sparse_mla_gluon, sparse_mla_gluon_ws, sparse_mla_triton
 from reference_impl.tool_args import ToolParser, refusing
 
-ARGS = ["q_ptr", "kv_ptr", "idx_ptr", "out_ptr", "lse_ptr", "n_heads", "n_kv", "topk", "n_head_blocks",
-        "stride_qt", "stride_qh", "stride_kv", "stride_it", "stride_ot", "stride_oh", "stride_lt", "qk_scale_log2"]
+ARGS = [
+    "q_ptr",
+    "kv_ptr",
+    "idx_ptr",
+    "out_ptr",
+    "lse_ptr",
+    "n_heads",
+    "n_kv",
+    "topk",
+    "n_head_blocks",
+    "stride_qt",
+    "stride_qh",
+    "stride_kv",
+    "stride_it",
+    "stride_ot",
+    "stride_oh",
+    "stride_lt",
+    "qk_scale_log2",
+]
 TYPES = ["*bf16", "*bf16", "*i32", "*bf16", "*fp32"] + ["i32"] * 11 + ["fp32"]
 NOT_DIVISIBLE = {"n_head_blocks", "qk_scale_log2"}  # 2 head blocks; a float
 TARGET = GPUTarget("cuda", 90, 32)
@@ -46,7 +63,9 @@ def ptxas_verbose(ptx: str) -> str:
         f.write(ptx)
         f.flush()
         run = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True)
-    return "; ".join(line.split("info    : ")[-1].strip() for line in run.stderr.splitlines() if "Used" in line or "spill" in line)
+    return "; ".join(
+        line.split("info    : ")[-1].strip() for line in run.stderr.splitlines() if "Used" in line or "spill" in line
+    )
 
 
 def report(name: str, kernel: Any) -> None:
@@ -72,25 +91,39 @@ def main(argv: list[str] | None = None) -> int:
 
     block_h, block_k, warps, stages, *switches = sparse_mla_triton.GPU_DEFAULT_CONFIG
     triton_constexprs = dict(
-        D_V=512, D_ROPE=64, BLOCK_DV=512, BLOCK_DR=64, BLOCK_H=block_h, BLOCK_K=block_k,
+        D_V=512,
+        D_ROPE=64,
+        BLOCK_DV=512,
+        BLOCK_DR=64,
+        BLOCK_H=block_h,
+        BLOCK_K=block_k,
         **dict(zip(("DEFER_PV", "LAZY_RESCALE", "WARP_SPECIALIZE", "RELOAD_PREV"), switches, strict=True)),
-        RESCALE_LOG2=sparse_mla_triton.RESCALE_THRESHOLD_LOG2, UPCAST=False, IEEE=False,
+        RESCALE_LOG2=sparse_mla_triton.RESCALE_THRESHOLD_LOG2,
+        UPCAST=False,
+        IEEE=False,
     )
     triton_kernel = compile_for_sm90(
         ASTSource, sparse_mla_triton._sparse_mla_fwd_kernel, triton_constexprs, num_warps=warps, num_stages=stages
     )
     report(f"Triton kernel, GPU default {sparse_mla_triton.GPU_DEFAULT_CONFIG}", triton_kernel)
     gluon_constexprs = dict(
-        D_V=512, D_ROPE=64, BLOCK_H=sparse_mla_gluon.BLOCK_H, BLOCK_K=sparse_mla_gluon.BLOCK_K,
+        D_V=512,
+        D_ROPE=64,
+        BLOCK_H=sparse_mla_gluon.BLOCK_H,
+        BLOCK_K=sparse_mla_gluon.BLOCK_K,
         **dict(zip(("OVERLAP_PV", "EVICT_LAST"), sparse_mla_gluon.GPU_DEFAULT_CONFIG, strict=True)),
     )
     gluon_kernel = compile_for_sm90(
-        GluonASTSource, sparse_mla_gluon._sparse_mla_fwd_gluon_kernel, gluon_constexprs,
+        GluonASTSource,
+        sparse_mla_gluon._sparse_mla_fwd_gluon_kernel,
+        gluon_constexprs,
         num_warps=sparse_mla_gluon.NUM_WARPS,
     )
     report(f"Gluon kernel, GPU default {sparse_mla_gluon.GPU_DEFAULT_CONFIG}", gluon_kernel)
     ws_kernel = compile_for_sm90(
-        GluonASTSource, sparse_mla_gluon_ws._sparse_mla_fwd_ws_kernel, sparse_mla_gluon_ws.launch_constexprs(512, 64),
+        GluonASTSource,
+        sparse_mla_gluon_ws._sparse_mla_fwd_ws_kernel,
+        sparse_mla_gluon_ws.launch_constexprs(512, 64),
         num_warps=4,  # per warp group: the kernel adds the producer and the second consumer
     )
     report(f"Warp-specialized Gluon kernel, PIPELINE_QK={sparse_mla_gluon_ws.GPU_PIPELINE_QK}", ws_kernel)

@@ -100,14 +100,19 @@ def live_at_peak(
 @refusing_exit
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     import torch
-    from profile_layer import checked_run, one_rank_parser  # scripts/, on the path when run as a script
 
+    from profile_layer import checked_run, one_rank_parser  # scripts/, on the path when run as a script
     from reference_impl import engine
     from reference_impl.cp.loopback import LoopbackGroup
     from reference_impl.engine import run_rank
 
-    parser = one_rank_parser(__doc__.split("\n\n")[0], level=8, rows=12,
-                             json_help="also write the peak and every site here", prog="python3 scripts/memory_peak.py")
+    parser = one_rank_parser(
+        __doc__.split("\n\n")[0],
+        level=8,
+        rows=12,
+        json_help="also write the peak and every site here",
+        prog="python3 scripts/memory_peak.py",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise ConfigError("the allocator trace needs a CUDA device")
@@ -138,16 +143,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     found = live_at_peak(snapshot["device_traces"][torch.cuda.current_device()])
     engine_peak = result.stats["measured_peak_bytes"]
     mib = 1 << 20
-    print(f"level {args.level}, {args.prefix}+{args.extend} tokens, rank {args.rank} of C={args.cp_size}: "
-          f"engine measured peak {engine_peak / mib:,.0f} MiB; trace peak {found['peak_bytes'] / mib:,.0f} MiB "
-          f"in layer {found['peak_layer']} of {args.layers}")
+    print(
+        f"level {args.level}, {args.prefix}+{args.extend} tokens, rank {args.rank} of C={args.cp_size}: "
+        f"engine measured peak {engine_peak / mib:,.0f} MiB; trace peak {found['peak_bytes'] / mib:,.0f} MiB "
+        f"in layer {found['peak_layer']} of {args.layers}"
+    )
     print(f"{'MiB':>9} {'count':>6} {'layer':>6}  site (call chain)")
     for site in found["sites"][: args.rows]:
         print(f"{site['bytes'] / mib:>9,.1f} {site['count']:>6} {site['layer']:>6}  {site['chain'] or site['site']}")
-    doc = {"args": vars(args), "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-           "engine_measured_peak_bytes": engine_peak, **found,
-           "what": "tensors allocated after the engine's peak reset and alive at the largest sum of such bytes, "
-                   "grouped by the innermost reference_impl frame; the second of two identical runs"}
+    doc = {
+        "args": vars(args),
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "engine_measured_peak_bytes": engine_peak,
+        **found,
+        "what": "tensors allocated after the engine's peak reset and alive at the largest sum of such bytes, "
+        "grouped by the innermost reference_impl frame; the second of two identical runs",
+    }
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=1))
     return doc

@@ -55,13 +55,19 @@ def inputs(results: Path) -> dict[str, list[dict[str, Any]]]:
     prefetch = [d for d in (_load(p) for p in sorted(results.glob("prefetch_bench_*gbps.json"))) if d]
     designs = _load(results / "kv_designs_h200.json") or _load(results / "kv_designs_modeled.json")
     long_context = _load(results / "long_context_h200.json") or _load(results / "long_context_modeled.json")
-    return {"layer": [main_doc, *extra], "prefetch": [main_doc, *prefetch], "designs": [designs] if designs else [],
-            "long_context": [long_context] if long_context else []}
+    return {
+        "layer": [main_doc, *extra],
+        "prefetch": [main_doc, *prefetch],
+        "designs": [designs] if designs else [],
+        "long_context": [long_context] if long_context else [],
+    }
 
 
 def current_only(docs: list[dict[str, Any]]) -> list[tuple[int, list[dict[str, Any]]]]:
     """``(tokens, level points)`` of every current-only workload, smallest first."""
-    found = {w["workload"]["extend"]: w["levels"] for doc in docs for w in doc["workloads"] if not w["workload"]["prefix"]}
+    found = {
+        w["workload"]["extend"]: w["levels"] for doc in docs for w in doc["workloads"] if not w["workload"]["prefix"]
+    }
     return sorted(found.items())
 
 
@@ -71,14 +77,27 @@ def layer_data(docs: list[dict[str, Any]]) -> dict[str, Any]:
     tokens, points = sizes[-1]
     main = docs[0]
     return {
-        "sizes": [{"tokens": t, "levels": [p["level"] for p in pts], "measured_ms": [p["layer_ms_median"] for p in pts],
-                   "planner_ms": [p["planner"]["layer_ms"] for p in pts]} for t, pts in sizes],
-        "memory": {"tokens": tokens, "levels": [p["level"] for p in points],
-                   "kv_mib": [p["kv_bytes"] / MIB for p in points],
-                   "peak_mib": [p["measured_peak_bytes"] / MIB for p in points],
-                   "planner_peak_mib": [p["planner"]["peak_bytes"] / MIB for p in points], "n_layers": main["n_layers"]},
-        "title": (f"One {main['device']} playing rank {main['rank']} of C={main['cp_size']} (LoopbackGroup, modeled "
-                  f"{main['wire_gbps']:g} GB/s wire), {main['preset']}"),
+        "sizes": [
+            {
+                "tokens": t,
+                "levels": [p["level"] for p in pts],
+                "measured_ms": [p["layer_ms_median"] for p in pts],
+                "planner_ms": [p["planner"]["layer_ms"] for p in pts],
+            }
+            for t, pts in sizes
+        ],
+        "memory": {
+            "tokens": tokens,
+            "levels": [p["level"] for p in points],
+            "kv_mib": [p["kv_bytes"] / MIB for p in points],
+            "peak_mib": [p["measured_peak_bytes"] / MIB for p in points],
+            "planner_peak_mib": [p["planner"]["peak_bytes"] / MIB for p in points],
+            "n_layers": main["n_layers"],
+        },
+        "title": (
+            f"One {main['device']} playing rank {main['rank']} of C={main['cp_size']} (LoopbackGroup, modeled "
+            f"{main['wire_gbps']:g} GB/s wire), {main['preset']}"
+        ),
     }
 
 
@@ -89,9 +108,21 @@ def prefetch_data(docs: list[dict[str, Any]]) -> dict[str, Any]:
         for w in doc["workloads"]:
             if "prefetch" in w:
                 wl, pf = w["workload"], w["prefetch"]
-                runs.append({"label": f"{wl['prefix'] // 1024}K+{wl['extend'] // 1024}K\n{doc['wire_gbps']:g} GB/s",
-                             **{k: pf[k] for k in ("level7_ms", "level8_ms", "payload_ms", "hidden_fraction",
-                                                   "hidden_fraction_direct")}})
+                runs.append(
+                    {
+                        "label": f"{wl['prefix'] // 1024}K+{wl['extend'] // 1024}K\n{doc['wire_gbps']:g} GB/s",
+                        **{
+                            k: pf[k]
+                            for k in (
+                                "level7_ms",
+                                "level8_ms",
+                                "payload_ms",
+                                "hidden_fraction",
+                                "hidden_fraction_direct",
+                            )
+                        },
+                    }
+                )
     return {"runs": runs}
 
 
@@ -140,8 +171,13 @@ def draw_prefetch(data: dict[str, Any], out: Path) -> None:
     ax.bar(list(x), [r["level8_ms"] for r in runs], width, label="level 8 (prefetch)")
     ax.bar([i + width for i in x], [r["payload_ms"] for r in runs], width, label="payload alone")
     for i, r in zip(x, runs):
-        ax.annotate(f"{r['hidden_fraction']:.0%} / {r['hidden_fraction_direct']:.1%}",
-                    (i, max(r["level7_ms"], r["level8_ms"])), ha="center", va="bottom", fontsize=8)
+        ax.annotate(
+            f"{r['hidden_fraction']:.0%} / {r['hidden_fraction_direct']:.1%}",
+            (i, max(r["level7_ms"], r["level8_ms"])),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     ax.set_xticks(list(x), [r["label"] for r in runs], fontsize=8)
     ax.set_ylim(0, 1.15 * max(max(r["level7_ms"], r["level8_ms"]) for r in runs))
     ax.set_ylabel("ms per layer, rank 0 of C=8")
@@ -168,8 +204,10 @@ def designs_data(docs: list[dict[str, Any]]) -> dict[str, Any]:
         "layer_ms": {d: [row(w, d)["layer_ms"] for w in workloads] for d in designs},
         "moved_mib": {d: [row(w, d)["bytes_moved_per_layer"] / MIB for w in workloads] for d in designs},
         "at_rest_gib": [row(workloads[-1], d)["kv_bytes_at_rest"] / 2**30 for d in designs],
-        "title": (f"KV designs, rank {doc['rank']} of C={doc['cp_size']} "
-                  f"({'measured' if doc.get('kind') == 'measured' else 'modeled by the planner'})"),
+        "title": (
+            f"KV designs, rank {doc['rank']} of C={doc['cp_size']} "
+            f"({'measured' if doc.get('kind') == 'measured' else 'modeled by the planner'})"
+        ),
     }
 
 
@@ -207,16 +245,20 @@ def long_context_data(docs: list[dict[str, Any]]) -> dict[str, Any]:
     levels = []
     for level in doc["levels"]:
         points = [next(p for p in r["levels"] if p["level"] == level) for r in doc["runs"]]
-        levels.append({
-            "level": level,
-            "measured_ms": [p["last_chunk_layer_ms"] for p in points] if measured else None,
-            "measured_peak_gib": [p["measured_peak_bytes"] / 2**30 for p in points] if measured else None,
-            "planner_ms": [p["planner"]["last_chunk_layer_ms"] for p in points],
-            "planner_peak_gib": [p["planner"]["peak_bytes"] / 2**30 for p in points],
-        })
+        levels.append(
+            {
+                "level": level,
+                "measured_ms": [p["last_chunk_layer_ms"] for p in points] if measured else None,
+                "measured_peak_gib": [p["measured_peak_bytes"] / 2**30 for p in points] if measured else None,
+                "planner_ms": [p["planner"]["last_chunk_layer_ms"] for p in points],
+                "planner_peak_gib": [p["planner"]["peak_bytes"] / 2**30 for p in points],
+            }
+        )
     kind = "measured" if measured else "modeled (planner)"
     return {
-        "contexts": contexts, "levels": levels, "measured": measured,
+        "contexts": contexts,
+        "levels": levels,
+        "measured": measured,
         "ylabel": f"ms per layer, last chunk, rank {doc['rank']} of C={doc['cp_size']}",
         "title": f"Chunked prefill, {doc['chunk_tokens']:,}-token chunks, {doc['preset']}: {kind}",
     }
@@ -253,7 +295,9 @@ def draw_long_context(data: dict[str, Any], out: Path) -> None:
 
 
 #: file name -> (which inputs, data function, drawing function)
-FIGURES: dict[str, tuple[str, Callable[[list[dict[str, Any]]], dict[str, Any]], Callable[[dict[str, Any], Path], None]]] = {
+FIGURES: dict[
+    str, tuple[str, Callable[[list[dict[str, Any]]], dict[str, Any]], Callable[[dict[str, Any], Path], None]]
+] = {
     "layer_bench.svg": ("layer", layer_data, draw_layers),
     "prefetch.svg": ("prefetch", prefetch_data, draw_prefetch),
     "kv_designs.svg": ("designs", designs_data, draw_designs),
@@ -264,8 +308,11 @@ FIGURES: dict[str, tuple[str, Callable[[list[dict[str, Any]]], dict[str, Any]], 
 def stale(results: Path, figures: Path) -> list[str]:
     """The figures under ``figures`` whose embedded data differs from what ``results`` gives now."""
     docs = inputs(results)
-    return [name for name, (kind, data_of, _) in FIGURES.items()
-            if docs[kind] and figure_data.embedded(figures / name) != figure_data.expected(data_of(docs[kind]))]
+    return [
+        name
+        for name, (kind, data_of, _) in FIGURES.items()
+        if docs[kind] and figure_data.embedded(figures / name) != figure_data.expected(data_of(docs[kind]))
+    ]
 
 
 @refusing

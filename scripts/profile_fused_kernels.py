@@ -112,8 +112,15 @@ def worker(tokens: list[int], order_path: Path) -> None:
                 continue
             config = default_config(case.kernel, device)
             profiled(lambda case=case, config=config: case.run(config))
-            order.append({"op": case.op, "T": t, "payload": case.payload, "index_vector_bytes": case.index_bytes,
-                          "config": config})
+            order.append(
+                {
+                    "op": case.op,
+                    "T": t,
+                    "payload": case.payload,
+                    "index_vector_bytes": case.index_bytes,
+                    "config": config,
+                }
+            )
             n = case.payload // 8  # fp32 values: payload / 2 bytes read and as many written
             src = torch.randn(n, device=device)
             dst = torch.empty_like(src)
@@ -150,9 +157,25 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         order_path = Path(tmp) / "order.json"
         command = [
-            args.ncu, "--clock-control", "none", "--profile-from-start", "off", "--csv", "--page", "raw",
-            "--print-units", "base", "--metrics", ",".join(METRICS),
-            sys.executable, os.path.abspath(__file__), "--worker", "--order", str(order_path), "--tokens", args.tokens,
+            args.ncu,
+            "--clock-control",
+            "none",
+            "--profile-from-start",
+            "off",
+            "--csv",
+            "--page",
+            "raw",
+            "--print-units",
+            "base",
+            "--metrics",
+            ",".join(METRICS),
+            sys.executable,
+            os.path.abspath(__file__),
+            "--worker",
+            "--order",
+            str(order_path),
+            "--tokens",
+            args.tokens,
         ]
         started = time.strftime("%Y-%m-%dT%H:%M:%S")
         done = subprocess.run(command, capture_output=True, text=True, check=False)
@@ -179,8 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(result, indent=1))
     print(f"{'op':<16}{'T':>8}{'us':>8}{'DRAM/payload':>14}{'DRAM GB/s':>11}{'DRAM %peak':>11}{'occupancy':>10}")
     for r in result["rows"]:
-        print(f"{r['op']:<16}{r['T']:>8}{r['duration_ns'] / 1e3:>8.1f}{r['dram_bytes_over_payload']:>14.2f}"
-              f"{r['dram_gbps']:>11.0f}{r['dram_pct_of_peak']:>10.0f}%{r['achieved_occupancy_pct']:>9.0f}%")
+        print(
+            f"{r['op']:<16}{r['T']:>8}{r['duration_ns'] / 1e3:>8.1f}{r['dram_bytes_over_payload']:>14.2f}"
+            f"{r['dram_gbps']:>11.0f}{r['dram_pct_of_peak']:>10.0f}%{r['achieved_occupancy_pct']:>9.0f}%"
+        )
     return 0
 
 

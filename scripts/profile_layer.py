@@ -34,8 +34,17 @@ from reference_impl.engine import LAYER_LOOP_RANGE, run_rank
 from reference_impl.errors import ConfigError
 from reference_impl.presets import preset_names
 from reference_impl.tool_args import (
-    MAX_LAYERS, ToolParser, choice_arg, device_arg, float_arg, int_arg, output_file, rank_fits, rank_of,
-    refusing_exit, require_cuda,
+    MAX_LAYERS,
+    ToolParser,
+    choice_arg,
+    device_arg,
+    float_arg,
+    int_arg,
+    output_file,
+    rank_fits,
+    rank_of,
+    refusing_exit,
+    require_cuda,
 )
 
 PROG = "python3 scripts/profile_layer.py"
@@ -77,8 +86,13 @@ def trace_events(prof: Any) -> list[TraceEvent]:
     from torch.autograd import DeviceType
 
     return [
-        TraceEvent(e.name(), e.device_type() == DeviceType.CUDA, e.start_ns(), e.start_ns() + e.duration_ns(),
-                   e.correlation_id())
+        TraceEvent(
+            e.name(),
+            e.device_type() == DeviceType.CUDA,
+            e.start_ns(),
+            e.start_ns() + e.duration_ns(),
+            e.correlation_id(),
+        )
         for e in prof.profiler.kineto_results.events()
     ]
 
@@ -121,8 +135,9 @@ def one_rank_parser(description: str, level: int, rows: int, json_help: str, pro
     phase level, one request ``--prefix + --extend``, rank ``--rank`` of ``--cp-size``, ``--layers``,
     the rows printed and a ``--json`` output."""
     parser = ToolParser(prog, description)
-    parser.add_argument("--preset", type=choice_arg(preset_names(), "preset"), default="deepseek-v3.2",
-                        help=", ".join(preset_names()))
+    parser.add_argument(
+        "--preset", type=choice_arg(preset_names(), "preset"), default="deepseek-v3.2", help=", ".join(preset_names())
+    )
     parser.add_argument("--level", type=int_arg(0, 8), default=level, help="phase level 0..8")
     parser.add_argument("--prefix", type=int_arg(0, MAX_BATCH_TOKENS), default=0, help="cached tokens of the request")
     parser.add_argument("--extend", type=int_arg(1, MAX_BATCH_TOKENS), default=131072, help="new tokens of the request")
@@ -136,8 +151,15 @@ def one_rank_parser(description: str, level: int, rows: int, json_help: str, pro
 
 def one_rank_run(args: argparse.Namespace, device: str) -> RunConfig:
     """The run those arguments describe: one request, the level's phases, no oracle check."""
-    return RunConfig(preset=args.preset, n_layers=args.layers, cp_size=args.cp_size, check=False, device=device,
-                     requests=(Request(args.prefix, args.extend),), phases=PhaseSet.level(args.level))
+    return RunConfig(
+        preset=args.preset,
+        n_layers=args.layers,
+        cp_size=args.cp_size,
+        check=False,
+        device=device,
+        requests=(Request(args.prefix, args.extend),),
+        phases=PhaseSet.level(args.level),
+    )
 
 
 def checked_run(args: argparse.Namespace, device: str) -> RunConfig:
@@ -180,15 +202,24 @@ def by_kind(ms: dict[str, float], calls: dict[str, int]) -> list[dict[str, Any]]
         kind[0] += value
         kind[1] += calls[name]
     total = sum(ms.values()) or 1.0
-    return [{"kind": k, "ms": v[0], "count": int(v[1]), "share": v[0] / total} for k, v in sorted(kinds.items(), key=lambda kv: -kv[1][0])]
+    return [
+        {"kind": k, "ms": v[0], "count": int(v[1]), "share": v[0] / total}
+        for k, v in sorted(kinds.items(), key=lambda kv: -kv[1][0])
+    ]
 
 
 @refusing_exit
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = one_rank_parser(__doc__.split("\n\n")[0], level=7, rows=30, json_help="also write every op's time and count here")
+    parser = one_rank_parser(
+        __doc__.split("\n\n")[0], level=7, rows=30, json_help="also write every op's time and count here"
+    )
     parser.add_argument("--device", type=device_arg, default="cuda", help="cuda, or cpu: a dry run")
-    parser.add_argument("--wire-gbps", type=float_arg(), default=None,
-                        help="model the interconnect, GB/s (CUDA only; default: none, no wire time)")
+    parser.add_argument(
+        "--wire-gbps",
+        type=float_arg(),
+        default=None,
+        help="model the interconnect, GB/s (CUDA only; default: none, no wire time)",
+    )
     args = parser.parse_args(argv)
     run = checked_run(args, args.device)
     group = lambda: LoopbackGroup(args.rank, args.cp_size, args.device, args.wire_gbps)  # noqa: E731
@@ -202,19 +233,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ms, calls, loop_wall_ms = loop_ops(prof.events(), args.device)
     total = sum(ms.values())
     layer_ms = result.timings["layer_ms"]
-    print(f"level {args.level}, {args.prefix}+{args.extend} tokens, rank {args.rank} of C={args.cp_size} on {args.device}: "
-          f"engine layer ms {[round(t, 2) for t in layer_ms]}; inside the layer loop the ops sum to "
-          f"{total / args.layers:.2f} ms per layer ({'device' if args.device == 'cuda' else 'CPU'} self time)")
+    print(
+        f"level {args.level}, {args.prefix}+{args.extend} tokens, rank {args.rank} of C={args.cp_size} on {args.device}: "
+        f"engine layer ms {[round(t, 2) for t in layer_ms]}; inside the layer loop the ops sum to "
+        f"{total / args.layers:.2f} ms per layer ({'device' if args.device == 'cuda' else 'CPU'} self time)"
+    )
     print(f"{'op':<70} {'calls':>7} {'ms':>9} {'share':>6}")
     for name, value in sorted(ms.items(), key=lambda kv: -kv[1])[: args.rows]:
         print(f"{name[:70]:<70} {calls[name]:>7} {value:>9.3f} {value / total:>6.1%}")
     key = "device_ms" if args.device == "cuda" else "cpu_ms"
     doc = {
-        "args": vars(args), "layer_ms": layer_ms, "loop_wall_ms": loop_wall_ms, "loop_ops_ms_total": total,
+        "args": vars(args),
+        "layer_ms": layer_ms,
+        "loop_wall_ms": loop_wall_ms,
+        "loop_ops_ms_total": total,
         "ops": sorted(({"name": n, "count": calls[n], key: v} for n, v in ms.items()), key=lambda o: -o[key]),
         "by_kind": by_kind(ms, calls),
         "what": "what runs inside the engine's layer-loop ranges (weight init, inputs, prefix install and tail "
-                "excluded): kernels' device time on CUDA, ops' self CPU time on a CPU; the second of two identical runs",
+        "excluded): kernels' device time on CUDA, ops' self CPU time on a CPU; the second of two identical runs",
     }
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=1))

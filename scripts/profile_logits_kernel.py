@@ -36,9 +36,11 @@ PROG = "python3 scripts/profile_logits_kernel.py"
 
 SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "WarpStateStats", "SchedulerStats", "Occupancy")
 #: Beside the sections: each stall reason per issued instruction, and the tensor pipes' busy share.
-METRICS = (r"regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio",
-           r"regex:sm__pipe_tensor_op_.*_cycles_active\.avg\.pct_of_peak_sustained_active",
-           r"regex:sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active")
+METRICS = (
+    r"regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio",
+    r"regex:sm__pipe_tensor_op_.*_cycles_active\.avg\.pct_of_peak_sustained_active",
+    r"regex:sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active",
+)
 VARIANTS = ((4, False), (4, True), (8, False), (8, True))
 
 
@@ -82,8 +84,14 @@ def worker(order_path: Path) -> None:
     out = torch.empty(r1 - r0, t1 - t0, dtype=torch.float32, device="cuda")
     order = []
     for warps, block_pointers in VARIANTS:
-        launch = dict(block_t=block_t, block_s=block_s, num_stages=stages, dot_dtype=dot, num_warps=warps,
-                      block_pointers=block_pointers)
+        launch = dict(
+            block_t=block_t,
+            block_s=block_s,
+            num_stages=stages,
+            dot_dtype=dot,
+            num_warps=warps,
+            block_pointers=block_pointers,
+        )
         indexer_triton.indexer_logits_triton(*rows, t0, t1, out=out, **launch)  # compile, warm up
         torch.cuda.synchronize()
         torch.cuda.cudart().cudaProfilerStart()
@@ -91,8 +99,15 @@ def worker(order_path: Path) -> None:
         torch.cuda.synchronize()
         torch.cuda.cudart().cudaProfilerStop()
         visible = float(((key_end[r0:r1].clamp(max=t1) - key_start[r0:r1].clamp(min=t0)).clamp(min=0)).sum())
-        order.append({"num_warps": warps, "block_pointers": block_pointers, "rows": [r0, r1], "keys": [t0, t1],
-                      "flops": 2.0 * 64 * 128 * visible})
+        order.append(
+            {
+                "num_warps": warps,
+                "block_pointers": block_pointers,
+                "rows": [r0, r1],
+                "keys": [t0, t1],
+                "flops": 2.0 * 64 * 128 * visible,
+            }
+        )
     order_path.write_text(json.dumps(order))
 
 
@@ -113,8 +128,18 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError(f"--ncu {args.ncu!r}: no such command (Nsight Compute's ncu)")
     with tempfile.TemporaryDirectory() as tmp:
         order_path = Path(tmp) / "order.json"
-        command = [args.ncu, "--clock-control", "none", "--profile-from-start", "off", "--csv", "--page", "details",
-                   "--print-units", "base"]
+        command = [
+            args.ncu,
+            "--clock-control",
+            "none",
+            "--profile-from-start",
+            "off",
+            "--csv",
+            "--page",
+            "details",
+            "--print-units",
+            "base",
+        ]
         for section in SECTIONS:
             command += ["--section", section]
         command += ["--metrics", ",".join(METRICS)]
@@ -140,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         "ncu": version.splitlines()[-1] if version else None,
         "command": "python3 scripts/profile_logits_kernel.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
         "what": "the indexer logits kernel on the last row chunk's first key tile of rank 0 of C=8 at 131,072 tokens (64 heads x 128), "
-                "one launch per variant under ncu, clocks as found, caches flushed before it (ncu's default)",
+        "one launch per variant under ncu, clocks as found, caches flushed before it (ncu's default)",
         "launches": [dict(o, **launch) for o, launch in zip(order, launches)],
     }
     out.write_text(json.dumps(doc, indent=1) + "\n")

@@ -60,7 +60,6 @@ sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 
 import results_tables  # noqa: E402
-
 from reference_impl.errors import ConfigError  # noqa: E402
 from reference_impl.tool_args import ToolParser, refusing  # noqa: E402
 
@@ -150,9 +149,20 @@ class Sources:
 
     def namespace(self) -> dict[str, Any]:
         names: dict[str, Any] = {
-            "find": find, "layer_level": layer_level, "span": span, "rows": rows, "table": table, "notebook": self.notebook,
+            "find": find,
+            "layer_level": layer_level,
+            "span": span,
+            "rows": rows,
+            "table": table,
+            "notebook": self.notebook,
             "printed": self.printed,
-            "min": min, "max": max, "abs": abs, "len": len, "sum": sum, "round": round, "sorted": sorted,
+            "min": min,
+            "max": max,
+            "abs": abs,
+            "len": len,
+            "sum": sum,
+            "round": round,
+            "sorted": sorted,
         }
         for path in sorted(self.results_dir.glob("*.json")):
             names[path.stem] = wrap(json.loads(path.read_text()))
@@ -196,8 +206,10 @@ def old_filter(spec: str) -> tuple[str, str] | None:
 def render_figure(spec: str, names: dict[str, Any], fmt: str = "") -> str:
     """Evaluate ``spec`` over ``names`` and format the value with ``fmt`` (a format spec)."""
     if old_filter(spec):
-        raise ValueError("the old filter syntax `EXPR | FORMAT` (a table reads its pipe as a cell border): "
-                         "write `<!-- fig:FORMAT EXPR -->`; `python3 scripts/render_docs.py --upgrade` rewrites it")
+        raise ValueError(
+            "the old filter syntax `EXPR | FORMAT` (a table reads its pipe as a cell border): "
+            "write `<!-- fig:FORMAT EXPR -->`; `python3 scripts/render_docs.py --upgrade` rewrites it"
+        )
     if fmt and not _FORMAT_SPEC.fullmatch(fmt):
         raise ValueError(f"`fig:{fmt}`: not a format spec")
     value = eval(spec, {"__builtins__": {}, **names})  # noqa: S307 - our own pages, our own results
@@ -206,11 +218,13 @@ def render_figure(spec: str, names: dict[str, Any], fmt: str = "") -> str:
 
 def upgrade_markers(text: str) -> str:
     """``text`` with every old-syntax marker ``<!-- fig EXPR | FORMAT -->`` written ``<!-- fig:FORMAT EXPR -->``."""
+
     def one(m: re.Match[str]) -> str:
         old = None if m["fmt"] is not None else old_filter(m["spec"])
         if old is None:
             return m.group(0)
         return f"<!-- fig:{old[1]} {old[0]} -->{m['text']}<!-- /fig -->"
+
     return FIG.sub(one, text)
 
 
@@ -250,7 +264,9 @@ def normalize_console(text: str) -> str:
 def run_console(args: str) -> str:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": "", "COLUMNS": "120"}
     cmd = f"{sys.executable} -m reference_impl {args}"
-    proc = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    proc = subprocess.run(
+        ["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600
+    )
     if proc.returncode not in (0, 1):  # 1: the filter matched nothing or the run disagreed; both show
         raise RuntimeError(f"`python -m reference_impl {args}` exited {proc.returncode}: {proc.stderr.strip()[-400:]}")
     return proc.stdout
@@ -316,8 +332,14 @@ class Difference:
         where = f"{self.page.relative_to(ROOT)}:{self.line}: `{self.spec[:120]}`"
         if "\n" not in self.rendered.strip():
             return f"{where} renders {self.rendered.strip()!r}, the page says {self.page_text.strip()!r}"
-        diff = difflib.unified_diff(self.page_text.strip().splitlines(), self.rendered.strip().splitlines(),
-                                    "page", "rendered", lineterm="", n=0)
+        diff = difflib.unified_diff(
+            self.page_text.strip().splitlines(),
+            self.rendered.strip().splitlines(),
+            "page",
+            "rendered",
+            lineterm="",
+            n=0,
+        )
         return where + " differs:\n" + "\n".join(list(diff)[:20])
 
 
@@ -328,7 +350,9 @@ def page_paths(only: Iterable[Path] = ()) -> list[Path]:
     return [p for p in paths if not chosen or p in chosen]
 
 
-def render_page(text: str, names: dict[str, Any], console: Callable[[str], str] | None) -> tuple[str, list[tuple[int, str, str, str]]]:
+def render_page(
+    text: str, names: dict[str, Any], console: Callable[[str], str] | None
+) -> tuple[str, list[tuple[int, str, str, str]]]:
     """``text`` with every marker rendered, and ``(line, spec, page text, rendered)`` for each change
     (console blocks compared normalized)."""
     changes: list[tuple[int, str, str, str]] = []
@@ -336,20 +360,26 @@ def render_page(text: str, names: dict[str, Any], console: Callable[[str], str] 
     def figure(m: re.Match[str]) -> str:
         line = text.count("\n", 0, m.start()) + 1
         line_start = text.rfind("\n", 0, m.start()) + 1
-        if text[line_start:m.start()].lstrip().startswith("|") and "|" in m["spec"]:
-            raise ValueError(f"line {line}: `{m['spec'][:80]}` sits in a table row and contains a `|`, which the "
-                             "table reads as a cell border: format with `fig:FORMAT`, build strings with \"...\".format")
+        if text[line_start : m.start()].lstrip().startswith("|") and "|" in m["spec"]:
+            raise ValueError(
+                f"line {line}: `{m['spec'][:80]}` sits in a table row and contains a `|`, which the "
+                'table reads as a cell border: format with `fig:FORMAT`, build strings with "...".format'
+            )
         try:
             rendered = _indent_like(text, m.start(), render_figure(m["spec"], names, m["fmt"] or ""))
         except Exception as e:
             raise ValueError(f"line {line}: `{m['spec']}` does not render: {type(e).__name__}: {e}") from e
-        if text[line_start:m.start()].count("`") % 2:
-            raise ValueError(f"line {line}: a figure inside a code span shows its marker source on the page: "
-                             "take the backticks off, or put them inside the figure's format")
-        starts_line = not text[line_start:m.start()].strip()
+        if text[line_start : m.start()].count("`") % 2:
+            raise ValueError(
+                f"line {line}: a figure inside a code span shows its marker source on the page: "
+                "take the backticks off, or put them inside the figure's format"
+            )
+        starts_line = not text[line_start : m.start()].strip()
         if starts_line and "\n" not in rendered:
-            raise ValueError(f"line {line}: an inline figure starts the line, where markdown reads the comment as "
-                             "an HTML block and cuts the paragraph: move a word in front of it")
+            raise ValueError(
+                f"line {line}: an inline figure starts the line, where markdown reads the comment as "
+                "an HTML block and cuts the paragraph: move a word in front of it"
+            )
         if rendered != m["text"]:
             changes.append((line, m["spec"], m["text"], rendered))
         keyword = "fig" if m["fmt"] is None else f"fig:{m['fmt']}"
@@ -396,8 +426,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = ToolParser("python3 scripts/render_docs.py", __doc__.split("\n\n")[0])
     parser.add_argument("--write", action="store_true", help="rewrite the pages from the results")
     parser.add_argument("--no-console", action="store_true", help="skip the console examples")
-    parser.add_argument("--upgrade", action="store_true",
-                        help="rewrite old `<!-- fig EXPR | FORMAT -->` markers as `<!-- fig:FORMAT EXPR -->`, then exit")
+    parser.add_argument(
+        "--upgrade",
+        action="store_true",
+        help="rewrite old `<!-- fig EXPR | FORMAT -->` markers as `<!-- fig:FORMAT EXPR -->`, then exit",
+    )
     parser.add_argument("pages", nargs="*", type=Path, help="only these pages (default: README.md and docs/)")
     args = parser.parse_args(argv)
     site = set(page_paths())

@@ -1,15 +1,14 @@
 """Render the benchmark JSON files under docs/results/ as markdown tables (no number typed by hand).
 
-    python3 scripts/results_tables.py compute docs/results/compute_bench.json
-    python3 scripts/results_tables.py kernels docs/results/kernels_bench.json
-    python3 scripts/results_tables.py layer docs/results/layer_bench.json
-    python3 scripts/results_tables.py demo docs/results/demo_h200.json
-    python3 scripts/results_tables.py fused_profile docs/results/fused_kernels_ncu_h200.json
+python3 scripts/results_tables.py compute docs/results/compute_bench.json
+python3 scripts/results_tables.py kernels docs/results/kernels_bench.json
+python3 scripts/results_tables.py layer docs/results/layer_bench.json
+python3 scripts/results_tables.py demo docs/results/demo_h200.json
+python3 scripts/results_tables.py fused_profile docs/results/fused_kernels_ncu_h200.json
 """
 
 from __future__ import annotations
 
-import json
 import re
 import statistics
 
@@ -38,8 +37,10 @@ def compute(doc: dict) -> str:
         f"Device: {doc['device']}, torch {doc['torch']}, triton {doc['triton']}; timer: {doc['timing']}.",
         f"Command: `{doc['command']}`. bf16 matmul 8192^3 on the same device: {doc['bf16_matmul_8192_tflops']:.0f} TFLOPS.",
         "",
-        ("Engine: the kernel the dispatch runs on this device (the warp-specialized Gluon kernel, `gluon_ws`, "
-         "on sm_90); speed-up: torch ms / engine ms."),
+        (
+            "Engine: the kernel the dispatch runs on this device (the warp-specialized Gluon kernel, `gluon_ws`, "
+            "on sm_90); speed-up: torch ms / engine ms."
+        ),
         "",
         "| kernel | T queries | S keys | Triton ms | TFLOPS | / 640 | check | Gluon ms | TFLOPS | / 640 | check "
         "| WS Gluon ms | TFLOPS | / 640 | check | engine | torch ms | speed-up |",
@@ -50,17 +51,24 @@ def compute(doc: dict) -> str:
         torch_ms = f"{a['torch_ms']:.1f}" if a.get("torch_ms") else "-"
         speed = f"{a['speedup']:.1f}x" if a.get("speedup") else "-"
         g, w = a.get("gluon"), a.get("gluon_ws")
-        gluon, ws = (f"{x['ms']:.2f} | {x['tflops']:.0f} | {x['fraction_of_flashmla_640']:.0%}" if x else "- | - | -"
-                     for x in (g, w))
+        gluon, ws = (
+            f"{x['ms']:.2f} | {x['tflops']:.0f} | {x['fraction_of_flashmla_640']:.0%}" if x else "- | - | -"
+            for x in (g, w)
+        )
         lines.append(
             f"| {name} | {a['T']} | {a['S']} | {a['triton_ms']:.2f} | {a['triton_tflops']:.0f} | "
             f"{a['fraction_of_flashmla_640']:.0%} | {_ok(a['check'])} | {gluon} | {_ok(g and g['check'])} | "
             f"{ws} | {_ok(w and w['check'])} | {a.get('engine_kernel', 'triton')} | {torch_ms} | {speed} |"
         )
-    rows = [("indexer top-k", i) for i in doc["indexer"]] + [("indexer top-k, rank 0 of C=8", doc["per_rank"]["indexer"])]
-    lines += ["", "| kernel | T queries | S keys | Triton ms (logits + top-k) | logits TFLOPS | top-k: `torch.topk` ms "
-              "| top-k: selection kernel ms | torch ms | speed-up | check |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    rows = [("indexer top-k", i) for i in doc["indexer"]] + [
+        ("indexer top-k, rank 0 of C=8", doc["per_rank"]["indexer"])
+    ]
+    lines += [
+        "",
+        "| kernel | T queries | S keys | Triton ms (logits + top-k) | logits TFLOPS | top-k: `torch.topk` ms "
+        "| top-k: selection kernel ms | torch ms | speed-up | check |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for name, i in rows:
         torch_ms = f"{i['torch_ms']:.1f}" if i.get("torch_ms") else "-"
         speed = f"{i['speedup']:.1f}x" if i.get("speedup") else "-"
@@ -72,18 +80,31 @@ def compute(doc: dict) -> str:
     sweep = doc.get("sweep")
     if sweep:
         where = sweep.get("what", f"T = {sweep['T']}")
-        lines += ["", f"Sparse MLA launch-config sweep, {where}:", "",
-                  "| BLOCK_H | BLOCK_K | warps | stages | defer PV | lazy rescale | warp specialize | reload prev "
-                  "| TFLOPS | / 640 |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            "",
+            f"Sparse MLA launch-config sweep, {where}:",
+            "",
+            "| BLOCK_H | BLOCK_K | warps | stages | defer PV | lazy rescale | warp specialize | reload prev "
+            "| TFLOPS | / 640 |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
         for a in sweep["attention"]:
             cfg = " | ".join(str(a["config"].get(k, "-")) for k in ATTENTION_KEYS)
-            rate = f"{a['triton_tflops']:.0f} | {a['fraction_of_flashmla_640']:.0%}" if "triton_tflops" in a else "error | -"
+            rate = (
+                f"{a['triton_tflops']:.0f} | {a['fraction_of_flashmla_640']:.0%}"
+                if "triton_tflops" in a
+                else "error | -"
+            )
             lines.append(f"| {cfg} | {rate} |")
         gluon_rows = [r["gluon"] for r in sweep.get("gluon", []) if "gluon" in r]
         if gluon_rows:
-            lines += ["", "Gluon kernel switches, same shape:", "",
-                      "| overlap PV | evict last | TFLOPS | / 640 | check |", "| --- | --- | --- | --- | --- |"]
+            lines += [
+                "",
+                "Gluon kernel switches, same shape:",
+                "",
+                "| overlap PV | evict last | TFLOPS | / 640 | check |",
+                "| --- | --- | --- | --- | --- |",
+            ]
             for g in gluon_rows:
                 cfg = " | ".join(str(g["config"][k]) for k in GLUON_KEYS)
                 lines.append(f"| {cfg} | {g['tflops']:.0f} | {g['fraction_of_flashmla_640']:.0%} | {_ok(g['check'])} |")
@@ -100,7 +121,11 @@ def kernels(doc: dict) -> str:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for k in doc["kernels"]:
-        check = "yes" if k["check"].get("bytes_equal", k["check"].get("ok", False)) else f"no ({k['check'].get('differing_bytes')} B differ)"
+        check = (
+            "yes"
+            if k["check"].get("bytes_equal", k["check"].get("ok", False))
+            else f"no ({k['check'].get('differing_bytes')} B differ)"
+        )
         same = k.get("triton_fraction_of_same_size_copy")  # runs before it was measured have none
         lines.append(
             f"| {k['op']} | {k['T']} | {k['triton_ms']:.3f} | {k['triton_gbps']:.0f} | {k['triton_fraction_of_copy']:.0%} | "
@@ -108,10 +133,14 @@ def kernels(doc: dict) -> str:
         )
     if doc.get("sweep"):
         settings = doc["sweep_settings"]
-        lines += ["", f"Launch-config sweep ({', '.join(map(str, settings['tokens']))} tokens; {settings['timing']}; best: "
-                  f"{settings['best']}). Fractions of copy bandwidth are means over the sweep tokens.", "",
-                  "| kernel | candidates (bytes equal to torch) | default config | / copy | best config | / copy |",
-                  "| --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            "",
+            f"Launch-config sweep ({', '.join(map(str, settings['tokens']))} tokens; {settings['timing']}; best: "
+            f"{settings['best']}). Fractions of copy bandwidth are means over the sweep tokens.",
+            "",
+            "| kernel | candidates (bytes equal to torch) | default config | / copy | best config | / copy |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
         for name, sw in doc["sweep"].items():
             ok = sum(1 for c in sw["candidates"] if c.get("bytes_equal"))
             fmt = lambda c: " ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in c.items())  # noqa: E731
@@ -120,8 +149,11 @@ def kernels(doc: dict) -> str:
                 f"| {name} | {ok}/{len(sw['candidates'])} | {fmt(sw['default'])} | {default['mean_fraction_of_copy']:.0%} | "
                 f"{fmt(sw['best'])} | {sw['mean_fraction_of_copy']:.0%} |"
             )
-    lines += ["", "| remap (phase 6) | T | sort + searchsorted ms | page-inverse ms | per call | per layer | per forward (61 layers) |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [
+        "",
+        "| remap (phase 6) | T | sort + searchsorted ms | page-inverse ms | per call | per layer | per forward (61 layers) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in doc["remap"]:
         lines.append(
             f"| {'equal' if r['equal'] else 'DIFFER'} | {r['T']} | {r['sorted_ms']:.4f} | {r['page_inverse_ms']:.4f} | "
@@ -137,8 +169,10 @@ def fused_profile(doc: dict) -> str:
         f"Device: {doc['device']}, torch {doc['torch']}, triton {doc['triton']}, {doc['ncu']}; {doc['what']}.",
         f"Command: `{doc['command']}`.",
         "",
-        ("| kernel | T | payload MB | µs | payload GB/s | DRAM bytes / payload | DRAM % of peak | occupancy "
-         "| copy kernel µs | copy DRAM % of peak | copy time / kernel time |"),
+        (
+            "| kernel | T | payload MB | µs | payload GB/s | DRAM bytes / payload | DRAM % of peak | occupancy "
+            "| copy kernel µs | copy DRAM % of peak | copy time / kernel time |"
+        ),
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for kernel, copy in zip(doc["rows"][::2], doc["rows"][1::2]):
@@ -184,9 +218,15 @@ def layer(doc: dict) -> str:
         wl = w["workload"]
         planner = "planner" in w["levels"][0]
         split = f", {w['split_mode']} split" if "split_mode" in w else ""
-        lines += ["", f"**{wl['name']}**{split}: one request, {wl['prefix']:,} cached + {wl['extend']:,} new tokens.", ""]
-        head = ("| level | layer time ms | store path | KV at rest MiB | transient MiB | measured peak MiB "
-                "| gathered MiB / layer | materialized MiB / layer |")
+        lines += [
+            "",
+            f"**{wl['name']}**{split}: one request, {wl['prefix']:,} cached + {wl['extend']:,} new tokens.",
+            "",
+        ]
+        head = (
+            "| level | layer time ms | store path | KV at rest MiB | transient MiB | measured peak MiB "
+            "| gathered MiB / layer | materialized MiB / layer |"
+        )
         rule = "| --- | --- | --- | --- | --- | --- | --- | --- |"
         if planner:
             head += " planner ms (err) | planner peak MiB (err) |"
@@ -205,17 +245,24 @@ def layer(doc: dict) -> str:
             lines.append(row)
         if "prefetch" in w:
             pf = w["prefetch"]
-            lines += ["", f"Phase 8 at {doc['wire_gbps']:g} GB/s, measured apart from the rows above (which are one run "
-                      f"per level): {pf['repeats']} alternating runs per level, median of "
-                      f"{pf['samples_per_level']} layers each: level 7 {pf['level7_ms']:.3f} ms, "
-                      f"level 8 {pf['level8_ms']:.3f} ms per layer; prefetch payload alone {pf['payload_ms']:.3f} ms; hidden by layer difference: "
-                      f"**{pf['hidden_fraction']:.0%}**" + (
-                          f" (paired per repeat: {pf['hidden_fraction_paired']:.0%}); hidden by the stall at the wait "
-                          f"(median {pf['exposed_wait_ms_median'] * 1e3:.0f} us): **{pf['hidden_fraction_direct']:.1%}**"
-                          if "hidden_fraction_paired" in pf else
-                          f"; hidden by the stall at the wait (median {pf['exposed_wait_ms_median'] * 1e3:.0f} us): "
-                          f"**{pf['hidden_fraction_direct']:.1%}**" if pf.get("hidden_fraction_direct") is not None else ""
-                      ) + "."]
+            lines += [
+                "",
+                f"Phase 8 at {doc['wire_gbps']:g} GB/s, measured apart from the rows above (which are one run "
+                f"per level): {pf['repeats']} alternating runs per level, median of "
+                f"{pf['samples_per_level']} layers each: level 7 {pf['level7_ms']:.3f} ms, "
+                f"level 8 {pf['level8_ms']:.3f} ms per layer; prefetch payload alone {pf['payload_ms']:.3f} ms; hidden by layer difference: "
+                f"**{pf['hidden_fraction']:.0%}**"
+                + (
+                    f" (paired per repeat: {pf['hidden_fraction_paired']:.0%}); hidden by the stall at the wait "
+                    f"(median {pf['exposed_wait_ms_median'] * 1e3:.0f} us): **{pf['hidden_fraction_direct']:.1%}**"
+                    if "hidden_fraction_paired" in pf
+                    else f"; hidden by the stall at the wait (median {pf['exposed_wait_ms_median'] * 1e3:.0f} us): "
+                    f"**{pf['hidden_fraction_direct']:.1%}**"
+                    if pf.get("hidden_fraction_direct") is not None
+                    else ""
+                )
+                + ".",
+            ]
     return "\n".join(lines)
 
 
@@ -253,11 +300,17 @@ def demo(doc: dict) -> str:
             f"| {materialized_mib(row['materialized_bytes'], row['per_rank_store_path'], n_layers)} "
             f"| {row['layer_ms']:.2f} |"
         )
-    lines += ["", "The oracle check and the timed run are two runs: the oracle column names the store path of the run "
-              "that was compared with the oracle; the timed run's store path is the one its memory and time measured."]
-    lines += ["", f"Phase 8: history payload {pf['payload_ms']:.2f} ms per layer; the main stream stalls "
-              f"{pf['exposed_wait_ms_median'] * 1e3:.0f} us at the wait (median), "
-              f"{pf['hidden_fraction_direct']:.0%} of the payload hidden."]
+    lines += [
+        "",
+        "The oracle check and the timed run are two runs: the oracle column names the store path of the run "
+        "that was compared with the oracle; the timed run's store path is the one its memory and time measured.",
+    ]
+    lines += [
+        "",
+        f"Phase 8: history payload {pf['payload_ms']:.2f} ms per layer; the main stream stalls "
+        f"{pf['exposed_wait_ms_median'] * 1e3:.0f} us at the wait (median), "
+        f"{pf['hidden_fraction_direct']:.0%} of the payload hidden.",
+    ]
     return "\n".join(lines)
 
 
@@ -273,8 +326,10 @@ def run_to_run_spread(doc: dict) -> float:
     spreads = []
     for w in doc["workloads"]:
         for level in w["levels"]:
-            runs = [statistics.median(level["layer_ms"][i:i + doc["n_layers"]])
-                    for i in range(0, len(level["layer_ms"]), doc["n_layers"])]
+            runs = [
+                statistics.median(level["layer_ms"][i : i + doc["n_layers"]])
+                for i in range(0, len(level["layer_ms"]), doc["n_layers"])
+            ]
             spreads.append((max(runs) - min(runs)) / statistics.median(runs))
     return statistics.median(spreads)
 
@@ -316,8 +371,11 @@ def phases(doc: dict) -> str:
             f"| {materialized_mib(row['materialized_bytes'], row['store_path'], n_layers)} "
             f"| {row['tail_ms']:.1f} | {row['layer_ms_median']:.1f} | {level_change(levels, k, run_spread)} |"
         )
-    beyond = [f"level {k} ({level_change(levels, k, run_spread).split(' ')[0]} ms)" for k in range(1, len(levels))
-              if not level_change(levels, k, run_spread).endswith("noise)")]
+    beyond = [
+        f"level {k} ({level_change(levels, k, run_spread).split(' ')[0]} ms)"
+        for k in range(1, len(levels))
+        if not level_change(levels, k, run_spread).endswith("noise)")
+    ]
     repeats = len(doc["repeats"]["workloads"][0]["levels"][0]["layer_ms"]) // doc["repeats"]["n_layers"]
     lines += [
         "",
@@ -350,8 +408,9 @@ def pd_stream(doc: dict) -> str:
     ]
     for w in doc["workloads"]:
         wl = w["workload"]
-        staging = ("-" if w["staging_ms_per_layer"] is None
-                   else f"{w['staging_ms_per_layer']:.3f} ({w['staging_gbps']:.1f})")
+        staging = (
+            "-" if w["staging_ms_per_layer"] is None else f"{w['staging_ms_per_layer']:.3f} ({w['staging_gbps']:.1f})"
+        )
         hidden = "-" if w["hidden_fraction"] is None else f"{w['hidden_fraction']:.0%}"
         exposed = "-" if w["exposed_after_loop_ms"] is None else f"{w['exposed_after_loop_ms']:.3f}"
         lines.append(
@@ -366,18 +425,27 @@ def kv_designs(doc: dict) -> str:
     """``bench/designs.py`` (measured) or ``planner/designs.py`` (modeled): one row per workload and design."""
     measured = doc.get("kind") == "measured"
     if measured:
-        head = (f"Measured on {doc['device']}, torch {doc['torch']}; {doc['preset']}, {doc['n_layers']} layers run; "
-                f"how CP runs: {doc['how_cp_runs']}; timer: {doc['timing']}; min-max: every layer of every timed run. "
-                f"Command: `{doc['command']}`. Shared VMM is the planner's row (modeled; peer reads assumed at the wire's rate), its time in the planner column.")
+        head = (
+            f"Measured on {doc['device']}, torch {doc['torch']}; {doc['preset']}, {doc['n_layers']} layers run; "
+            f"how CP runs: {doc['how_cp_runs']}; timer: {doc['timing']}; min-max: every layer of every timed run. "
+            f"Command: `{doc['command']}`. Shared VMM is the planner's row (modeled; peer reads assumed at the wire's rate), its time in the planner column."
+        )
     else:
-        head = (f"**Modeled** by the planner, nothing ran: {doc['preset']}, rank {doc['rank']} of C={doc['cp_size']}, "
-                f"{doc['n_layers']} layers, wire {doc['wire_gbps']:g} GB/s (assumed), shared VMM peer reads "
-                f"{doc['peer_gbps']:g} GB/s (assumed), kernel rates from `docs/results`. Command: `{doc['source']}`.")
-    lines = [head, "",
-             "| workload | design | layer ms |" + (" min-max ms |" if measured else "")
-             + " KV at rest per rank, GiB (whole model) | received MiB / layer | of it history "
-             "| materialized MiB / layer | collectives / layer | host syncs / layer | peak MiB |" + (" planner ms |" if measured else ""),
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- | --- |" if measured else "")]
+        head = (
+            f"**Modeled** by the planner, nothing ran: {doc['preset']}, rank {doc['rank']} of C={doc['cp_size']}, "
+            f"{doc['n_layers']} layers, wire {doc['wire_gbps']:g} GB/s (assumed), shared VMM peer reads "
+            f"{doc['peer_gbps']:g} GB/s (assumed), kernel rates from `docs/results`. Command: `{doc['source']}`."
+        )
+    lines = [
+        head,
+        "",
+        "| workload | design | layer ms |"
+        + (" min-max ms |" if measured else "")
+        + " KV at rest per rank, GiB (whole model) | received MiB / layer | of it history "
+        "| materialized MiB / layer | collectives / layer | host syncs / layer | peak MiB |"
+        + (" planner ms |" if measured else ""),
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- | --- |" if measured else ""),
+    ]
     for w in doc["workloads"]:
         for r in w["designs"]:
             modeled = "" if r["status"] == "measured" or not measured else " (modeled)"
@@ -390,11 +458,13 @@ def kv_designs(doc: dict) -> str:
                 samples = r.get("layer_ms_all") or []
                 spread = f"| {min(samples):.2f}-{max(samples):.2f} " if samples else "| - "
             shown_ms = "-" if modeled else f"{r['layer_ms']:.2f}"  # a modeled time goes in the planner column only
-            row = (f"| {w['name']} {w['prefix']:,}+{w['extend']:,} | {r['design']}{modeled} | {shown_ms} {spread}"
-                   f"| {at_rest / 2**30:.2f} | {_mib(r['bytes_moved_per_layer'])} "
-                   f"| {_mib(r['history_bytes_moved_per_layer'])} "
-                   f"| {materialized_mib(r['bytes_materialized_per_layer'])} "
-                   f"| {r['collectives_per_layer']:g} | {r['host_syncs_per_layer']:g} | {peak} |")
+            row = (
+                f"| {w['name']} {w['prefix']:,}+{w['extend']:,} | {r['design']}{modeled} | {shown_ms} {spread}"
+                f"| {at_rest / 2**30:.2f} | {_mib(r['bytes_moved_per_layer'])} "
+                f"| {_mib(r['history_bytes_moved_per_layer'])} "
+                f"| {materialized_mib(r['bytes_materialized_per_layer'])} "
+                f"| {r['collectives_per_layer']:g} | {r['host_syncs_per_layer']:g} | {peak} |"
+            )
             if measured:
                 planned = r["planner"]["layer_ms"] if "planner" in r else r["layer_ms"] if modeled else None
                 row += f" {planned:.2f} |" if planned is not None else " - |"
@@ -404,8 +474,10 @@ def kv_designs(doc: dict) -> str:
 
 def kv_capacity(doc: dict) -> str:
     """The longest request each design's KV fits in the planner's budget (``capacity`` of the modeled results)."""
-    lines = [f"| design | max context per request, {doc['kv_budget_gib']:g} GiB of KV per GPU, C={doc['cp_size']} |",
-             "| --- | --- |"]
+    lines = [
+        f"| design | max context per request, {doc['kv_budget_gib']:g} GiB of KV per GPU, C={doc['cp_size']} |",
+        "| --- | --- |",
+    ]
     lines += [f"| {c['design']} | {c['max_context']:,} |" for c in doc["capacity"]]
     return "\n".join(lines)
 
@@ -425,8 +497,10 @@ def pd_mooncake(doc: dict) -> str:
     for w in doc["workloads"]:
         wl, ms, add = w["workload"], w["layer_ms"], w["added_paired_ms"]
         added = " / ".join(f"{add[v]:+.3f}" if v in add else "-" for v in ("torch", "mooncake_host", "mooncake_gpu"))
-        lines.append(f"| {wl['name']} ({wl['prefix']:,} + {wl['extend']:,}) | {ms['plain']:.2f} | {_ms(ms.get('torch'))} "
-                     f"| {_ms(ms.get('mooncake_host'))} | {_ms(ms.get('mooncake_gpu'))} | {added} |")
+        lines.append(
+            f"| {wl['name']} ({wl['prefix']:,} + {wl['extend']:,}) | {ms['plain']:.2f} | {_ms(ms.get('torch'))} "
+            f"| {_ms(ms.get('mooncake_host'))} | {_ms(ms.get('mooncake_gpu'))} | {added} |"
+        )
     lines += [
         "",
         "| workload | decode pool | MiB per layer | pieces per layer | network ms per layer | GB/s "
@@ -443,7 +517,8 @@ def pd_mooncake(doc: dict) -> str:
                 f"| {w['workload']['name']} | {pool} | {m['bytes_per_layer'] / 2**20:.1f} | {m['pieces_per_layer']:.0f} "
                 f"| {m['network_ms_per_layer']:.1f} | {m['network_gbps']:.2f} | {m['network_hidden_fraction']:.0%} "
                 f"| {m['last_write_after_loop_ms']:.1f} | {m['completion_after_loop_ms']:.1f} "
-                f"| {m['wait_after_prefill_ms']:.1f} | {m['received_equal_rows_at_rest']} |")
+                f"| {m['wait_after_prefill_ms']:.1f} | {m['received_equal_rows_at_rest']} |"
+            )
     return "\n".join(lines)
 
 
@@ -465,8 +540,10 @@ def v4(doc: dict) -> str:
         wl = w["workload"]
         same = w.get("planner") is not None and wl["prefix"] == 0  # the planner models one chunk from position 0
         for p in w["levels"]:
-            t = {k: " / ".join(f"{ms:.2f}" for ms, kind in zip(p["layer_ms"], types) if kind == k) or "-"
-                 for k in ("sliding", "csa", "hca")}
+            t = {
+                k: " / ".join(f"{ms:.2f}" for ms, kind in zip(p["layer_ms"], types) if kind == k) or "-"
+                for k in ("sliding", "csa", "hca")
+            }
             planned = "-"
             if same:
                 point = next(q for q in w["planner"]["points"] if q["level"] == p["level"])
@@ -477,7 +554,8 @@ def v4(doc: dict) -> str:
                 f"| {t['csa']} | {t['hca']} | {planned} | {peak} "
                 f"| {p['csa_bytes'] / count.get('csa', 1) / 2**20:.1f} | {p['hca_bytes'] / count.get('hca', 1) / 2**20:.1f} "
                 f"| {(p['window_bytes'] + p['compressor_state_bytes']) / 2**10:,.0f} "
-                f"| {p['gather_bytes'] / 2**20:.1f} | {p['materialized_bytes'] / 2**20:.1f} |")
+                f"| {p['gather_bytes'] / 2**20:.1f} | {p['materialized_bytes'] / 2**20:.1f} |"
+            )
     return "\n".join(lines)
 
 

@@ -78,7 +78,7 @@ _MARKER = re.compile(r"<!--|/fig -->")
 
 def marker_leaks(text: str) -> list[str]:
     """Visible pieces of figure-marker source (``<!-- fig ...``, ``-->``), with some context."""
-    return [text[max(0, m.start() - 40):m.end() + 60].strip() for m in _MARKER.finditer(text)]
+    return [text[max(0, m.start() - 40) : m.end() + 60].strip() for m in _MARKER.finditer(text)]
 
 
 _TEST_NAME = re.compile(r"\btest_\w*[A-Za-z0-9](?![\w.]*\.json)(?!\w)")
@@ -96,7 +96,9 @@ def defined_tests(tests_dir: Path = ROOT / "tests") -> set[str]:
     for path in tests_dir.rglob("*.py"):
         names.add(path.stem)
         tree = ast.parse(path.read_text(encoding="utf-8"))
-        names.update(n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)))
+        names.update(
+            n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+        )
     return names
 
 
@@ -122,8 +124,11 @@ INTERNAL = [
 
 def internal_references(text: str) -> list[str]:
     """Each internal reference in ``text``, with some context."""
-    return [text[max(0, m.start() - 40):m.end() + 40].replace("\n", " ").strip()
-            for pattern in INTERNAL for m in pattern.finditer(text)]
+    return [
+        text[max(0, m.start() - 40) : m.end() + 40].replace("\n", " ").strip()
+        for pattern in INTERNAL
+        for m in pattern.finditer(text)
+    ]
 
 
 def docstrings_and_comments(paths: Iterable[Path]) -> Iterator[tuple[str, int, str]]:
@@ -133,7 +138,7 @@ def docstrings_and_comments(paths: Iterable[Path]) -> Iterator[tuple[str, int, s
         rel = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else str(path)
         for number, line in enumerate(source.splitlines(), 1):
             if "#" in line:
-                comment = line[line.index("#"):]
+                comment = line[line.index("#") :]
                 yield rel, number, comment
         tree = ast.parse(source)
         for node in ast.walk(tree):
@@ -146,8 +151,12 @@ def docstrings_and_comments(paths: Iterable[Path]) -> Iterator[tuple[str, int, s
 def python_sources() -> list[Path]:
     """The project's Python files whose docstrings and comments a reader sees: the package, scripts, tests,
     walkthroughs."""
-    return sorted(p for d in ("reference_impl", "scripts", "tests", "phases") for p in (ROOT / d).rglob("*.py")
-                  if p != Path(__file__).resolve())
+    return sorted(
+        p
+        for d in ("reference_impl", "scripts", "tests", "phases")
+        for p in (ROOT / d).rglob("*.py")
+        if p != Path(__file__).resolve()
+    )
 
 
 # ------------------------------------------------------------------------------- the page's structure
@@ -280,8 +289,9 @@ def network_scripts(html: str) -> list[str]:
     """Every script a page loads from the network: ``<script src="http...">`` and an ``import`` of an
     ``http`` address inside a script (nbconvert's diagram loader does that)."""
     parsed = structure(html)
-    return ([src for src in parsed.script_srcs if _NETWORK.match(src)]
-            + [m.group(1) for body in parsed.script_bodies for m in _IMPORT.finditer(body)])
+    return [src for src in parsed.script_srcs if _NETWORK.match(src)] + [
+        m.group(1) for body in parsed.script_bodies for m in _IMPORT.finditer(body)
+    ]
 
 
 #: A host folder of the machine that ran a benchmark: a reader has no such path.
@@ -297,8 +307,9 @@ def host_paths_in_commands(html: str) -> list[str]:
     commands = [code for code in parsed.code_spans if _COMMAND.match(code)]
     text = visible_text(html)
     commands += [m.group(1) for m in re.finditer(r"\bCommand:\s*([^\n]+)", text)]
-    return sorted({f"{m.group(0)} in `{command.strip()[:100]}`"
-                   for command in commands for m in _HOST_PATH.finditer(command)})
+    return sorted(
+        {f"{m.group(0)} in `{command.strip()[:100]}`" for command in commands for m in _HOST_PATH.finditer(command)}
+    )
 
 
 #: The README is the repository's front page: what to run, the status, the links; detail lives on the site.
@@ -313,10 +324,12 @@ def readme_over_budget(text: str, budget: int = README_BUDGET) -> int:
 def structure_findings(site: Path) -> Iterator[tuple[str, str, str]]:
     """``(page, what, finding)`` of the structural checks over every page of a built site."""
     for page, html in html_pages(site):
-        for what, hits in (("broken link", broken_links(site, page, html)),
-                           ("list rendered as a paragraph", run_on_lists(html)),
-                           ("script from the network", network_scripts(html)),
-                           ("host path in a recorded command", host_paths_in_commands(html))):
+        for what, hits in (
+            ("broken link", broken_links(site, page, html)),
+            ("list rendered as a paragraph", run_on_lists(html)),
+            ("script from the network", network_scripts(html)),
+            ("host path in a recorded command", host_paths_in_commands(html)),
+        ):
             for hit in hits:
                 yield page, what, hit
 
@@ -327,8 +340,11 @@ def main(argv: list[str] | None = None) -> int:
     defined = defined_tests()
     found = 0
     for page, text in site_pages(site):
-        for what, hits in (("marker source", marker_leaks(text)), ("cited test that does not exist", sorted(missing_tests(text, defined))),
-                           ("internal reference", internal_references(text))):
+        for what, hits in (
+            ("marker source", marker_leaks(text)),
+            ("cited test that does not exist", sorted(missing_tests(text, defined))),
+            ("internal reference", internal_references(text)),
+        ):
             for hit in hits:
                 print(f"{page}: {what}: {hit}")
                 found += 1

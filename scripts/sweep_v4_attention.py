@@ -22,8 +22,19 @@ import torch
 from reference_impl.errors import ConfigError
 from reference_impl.tool_args import output_file, refusing
 
-CONFIGS = [(64, 32, 8, 2), (64, 64, 8, 2), (64, 16, 8, 2), (64, 32, 8, 1), (64, 32, 8, 3), (32, 32, 4, 2),
-           (32, 64, 4, 2), (32, 64, 8, 2), (16, 64, 4, 2), (64, 64, 8, 3), (64, 32, 4, 2)]
+CONFIGS = [
+    (64, 32, 8, 2),
+    (64, 64, 8, 2),
+    (64, 16, 8, 2),
+    (64, 32, 8, 1),
+    (64, 32, 8, 3),
+    (32, 32, 4, 2),
+    (32, 64, 4, 2),
+    (32, 64, 8, 2),
+    (16, 64, 4, 2),
+    (64, 64, 8, 3),
+    (64, 32, 4, 2),
+]
 
 
 @refusing
@@ -49,14 +60,23 @@ def main(argv: list[str] | None = None) -> int:
     for shape, idx in shapes.items():
         flops = 4 * t * 64 * idx.shape[1] * 512
         for cfg in CONFIGS:
-            ms = triton.testing.do_bench(lambda: v4_sparse_attention_triton(q, view, idx, sinks, 512**-0.5, config=cfg), rep=200)
+            ms = triton.testing.do_bench(
+                lambda: v4_sparse_attention_triton(q, view, idx, sinks, 512**-0.5, config=cfg), rep=200
+            )
             rows.append({"shape": shape, "config": list(cfg), "ms": ms, "tflops": flops / ms / 1e9})
             print(f"{shape} {cfg}: {ms:.3f} ms, {flops / ms / 1e9:.0f} TFLOPS", file=sys.stderr, flush=True)
     doc = {
-        "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
         "command": "python3 scripts/sweep_v4_attention.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "queries": t, "heads": 64, "view_rows": s, "config_fields": ["BLOCK_H", "BLOCK_K", "num_warps", "num_stages"],
-        "timer": "triton.testing.do_bench, rep=200 ms (median)", "default": list(GPU_CONFIG), "rows": rows,
+        "queries": t,
+        "heads": 64,
+        "view_rows": s,
+        "config_fields": ["BLOCK_H", "BLOCK_K", "num_warps", "num_stages"],
+        "timer": "triton.testing.do_bench, rep=200 ms (median)",
+        "default": list(GPU_CONFIG),
+        "rows": rows,
     }
     Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
     return 0

@@ -36,14 +36,11 @@ import platform
 import shlex
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from reference_impl.config import MAX_BATCH_TOKENS, MAX_PLAN_CP, MAX_SEED, ConfigError
-from reference_impl.tool_args import (
-    ToolParser, device_arg, float_arg, int_arg, int_list, output_file, refusing, require_cuda,
-)
 from reference_impl.bench.compute_cases import (
     D_QK,
     D_V,
@@ -53,6 +50,17 @@ from reference_impl.bench.compute_cases import (
     dispatch_smoke,
     measure_matmul_tflops,
     zigzag_rank0_positions,
+)
+from reference_impl.config import MAX_BATCH_TOKENS, MAX_PLAN_CP, MAX_SEED, ConfigError
+from reference_impl.tool_args import (
+    ToolParser,
+    device_arg,
+    float_arg,
+    int_arg,
+    int_list,
+    output_file,
+    refusing,
+    require_cuda,
 )
 
 # ---- driver -----------------------------------------------------------------------------------
@@ -70,18 +78,23 @@ def build_parser() -> ToolParser:
     parser.add_argument("--topk", type=int_arg(1, MAX_BATCH_TOKENS), default=2048, help="keys each query attends to")
     parser.add_argument("--index-heads", type=int_arg(1, MAX_WIDTH), default=64, help="indexer heads Hi")
     parser.add_argument("--index-dim", type=int_arg(1, MAX_WIDTH), default=128, help="indexer key width D")
-    parser.add_argument("--cp-size", type=int_arg(1, MAX_PLAN_CP), default=8,
-                        help="the per-rank row: C of the zigzag split")
-    parser.add_argument("--cp-context", type=int_arg(1, MAX_BATCH_TOKENS), default=131072,
-                        help="the per-rank row: tokens of the request")
-    parser.add_argument("--torch-max-tokens", type=int_arg(0), default=16384,
-                        help="time the torch references up to this T")
+    parser.add_argument(
+        "--cp-size", type=int_arg(1, MAX_PLAN_CP), default=8, help="the per-rank row: C of the zigzag split"
+    )
+    parser.add_argument(
+        "--cp-context",
+        type=int_arg(1, MAX_BATCH_TOKENS),
+        default=131072,
+        help="the per-rank row: tokens of the request",
+    )
+    parser.add_argument(
+        "--torch-max-tokens", type=int_arg(0), default=16384, help="time the torch references up to this T"
+    )
     parser.add_argument("--check-rows", type=int_arg(1), default=48, help="rows checked against the torch reference")
     parser.add_argument("--slow-ms", type=float_arg(), default=250.0, help="above this, time with 3 event-timed runs")
     parser.add_argument("--sweep", action="store_true", help="sweep launch configs at the per-rank shape first")
     parser.add_argument("--seed", type=int_arg(0, MAX_SEED), default=0, help="inputs' random seed")
-    parser.add_argument("--device", type=device_arg, default="cuda",
-                        help=argparse.SUPPRESS)  # cpu: dry run
+    parser.add_argument("--device", type=device_arg, default="cuda", help=argparse.SUPPRESS)  # cpu: dry run
     return parser
 
 
@@ -91,8 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     out_path = output_file(args.out)
     tokens = int_list(args.tokens, "--tokens", 1, MAX_BATCH_TOKENS)
     if args.cp_context < 2 * args.cp_size:
-        raise ConfigError(f"--cp-context {args.cp_context}: the zigzag split of C={args.cp_size} ranks (--cp-size) "
-                          f"needs at least {2 * args.cp_size} tokens")
+        raise ConfigError(
+            f"--cp-context {args.cp_context}: the zigzag split of C={args.cp_size} ranks (--cp-size) "
+            f"needs at least {2 * args.cp_size} tokens"
+        )
     require_cuda(args.device)
     if args.device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # dry run of the script's logic at toy sizes
@@ -120,8 +135,13 @@ def main(argv: list[str] | None = None) -> int:
         "flashmla_reference_tflops": FLASHMLA_TFLOPS,
         "attention_output_dtype": "bf16 (timed); the dispatch path returns fp32",
         "shapes": {
-            "tokens": args.tokens, "heads": args.heads, "topk": args.topk, "d_qk": D_QK, "d_v": D_V,
-            "index_heads": args.index_heads, "index_dim": args.index_dim,
+            "tokens": args.tokens,
+            "heads": args.heads,
+            "topk": args.topk,
+            "d_qk": D_QK,
+            "d_v": D_V,
+            "index_heads": args.index_heads,
+            "index_dim": args.index_dim,
         },
         "timing": "median of triton.testing.do_bench (warmup 25 ms, rep 100 ms); calls slower than "
         f"{args.slow_ms} ms: median of 3 CUDA-event-timed runs after one warm-up run",
@@ -157,11 +177,17 @@ def main(argv: list[str] | None = None) -> int:
             None if gluon_cfg is None else lambda config: bench_attention(pos, t0, no_torch, None, gen, config),
         )
         result["sweep"] = {
-            "T": int(pos.numel()), "S": t0, "what": f"rank 0 of C={args.cp_size} over {t0} keys (the per-rank shape)",
-            "attention": sweep_a, "indexer": sweep_i, "gluon": sweep_g,
+            "T": int(pos.numel()),
+            "S": t0,
+            "what": f"rank 0 of C={args.cp_size} over {t0} keys (the per-rank shape)",
+            "attention": sweep_a,
+            "indexer": sweep_i,
+            "gluon": sweep_g,
         }
         # The rows below run the configs the engine will (scripts/apply_sweep.py applies the same pick).
-        attn_cfg = compute_sweep.attention_config(compute_sweep.pick_attention(sweep_a, sparse_mla_triton.GPU_DEFAULT_CONFIG))
+        attn_cfg = compute_sweep.attention_config(
+            compute_sweep.pick_attention(sweep_a, sparse_mla_triton.GPU_DEFAULT_CONFIG)
+        )
         idx_cfg = compute_sweep.indexer_config(compute_sweep.pick_indexer(sweep_i, indexer_triton.GPU_DEFAULT_CONFIG))
         if gluon_default is not None:
             gluon_cfg = compute_sweep.gluon_config(compute_sweep.pick_gluon(sweep_g, gluon_default))
@@ -218,8 +244,10 @@ def format_table(result: dict[str, Any]) -> str:
     lines = [
         f"{result['device']}  torch {result['torch']}  triton {result['triton']}  "
         f"bf16 matmul {result['bf16_matmul_8192_tflops']:.0f} TFLOPS",
-        (f"{attn_title:<44}triton ms  TFLOPS  /640  gluon ms  TFLOPS  /640  ws-gluon ms  TFLOPS  /640"
-         "   torch ms  speedup  check"),
+        (
+            f"{attn_title:<44}triton ms  TFLOPS  /640  gluon ms  TFLOPS  /640  ws-gluon ms  TFLOPS  /640"
+            "   torch ms  speedup  check"
+        ),
     ]
     rows = [(f"T=S={r['T']}", r) for r in result["attention"]]
     rank = result["per_rank"]
@@ -234,12 +262,9 @@ def format_table(result: dict[str, Any]) -> str:
             f"{_fmt(g.get('ms'), '>10.2f')}{_fmt(g.get('tflops'), '>8.0f')}"
             f"{_fmt(g.get('fraction_of_flashmla_640'), '>6.0%')}"
             f"{_fmt(w.get('ms'), '>13.2f')}{_fmt(w.get('tflops'), '>8.0f')}"
-            f"{_fmt(w.get('fraction_of_flashmla_640'), '>6.0%')}"
-            + _status(r)
+            f"{_fmt(w.get('fraction_of_flashmla_640'), '>6.0%')}" + _status(r)
         )
-    lines.append(
-        f"{idx_title:<44}triton ms  logits ms  TFLOPS  topk ms  kernel topk   torch ms  speedup  check"
-    )
+    lines.append(f"{idx_title:<44}triton ms  logits ms  TFLOPS  topk ms  kernel topk   torch ms  speedup  check")
     rows = [(f"T=S={r['T']}", r) for r in result["indexer"]]
     rows.append((f"rank0 C={rank['cp_size']} T={rank['indexer']['T']} S={rank['indexer']['S']}", rank["indexer"]))
     for name, r in rows:

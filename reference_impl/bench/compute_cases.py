@@ -2,12 +2,12 @@
 function per section (sparse MLA attention, indexer top-k, the matmul ceiling, the dispatch smoke
 test). :mod:`reference_impl.bench.compute` drives them and writes the JSON."""
 
-
 from __future__ import annotations
 
 import argparse
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -15,7 +15,6 @@ from reference_impl.model import sparse_attention as ref
 
 FLASHMLA_TFLOPS = 640.0
 D_QK, D_V = 576, 512
-
 
 
 def _time(fn: Callable[[], object], slow_ms: float) -> tuple[float, str]:
@@ -95,7 +94,11 @@ def indexer_inputs(
 
 def _attention_check(
     kernel: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
-    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor, scale: float,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    rows: torch.Tensor,
+    scale: float,
 ) -> dict[str, Any]:
     """A kernel's fp32 result on ``rows`` against the torch reference."""
     out, lse = kernel(q[rows], indices[rows])
@@ -129,22 +132,37 @@ def _gluon_rows(
 
     wanted: list[tuple[str, Any, Any, dict[str, Any]]] = []
     if gluon_config is not None:
-        wanted.append(("gluon", sparse_mla_gluon.gluon_supported, sparse_mla_gluon.sparse_mla_attention_gluon, gluon_config))
+        wanted.append(
+            ("gluon", sparse_mla_gluon.gluon_supported, sparse_mla_gluon.sparse_mla_attention_gluon, gluon_config)
+        )
     if warp_specialized:
-        wanted.append(("gluon_ws", sparse_mla_gluon_ws.ws_supported, sparse_mla_gluon_ws.sparse_mla_attention_gluon_ws, {}))
+        wanted.append(
+            ("gluon_ws", sparse_mla_gluon_ws.ws_supported, sparse_mla_gluon_ws.sparse_mla_attention_gluon_ws, {})
+        )
     out: dict[str, dict[str, Any]] = {}
     for name, supported, attention, config in wanted:
         if not supported(q, kv, D_V):
             continue
 
-        def kernel(qs: torch.Tensor, ix: torch.Tensor, out_dtype: torch.dtype = torch.float32, f: Any = attention,
-                   c: dict[str, Any] = config) -> Any:
+        def kernel(
+            qs: torch.Tensor,
+            ix: torch.Tensor,
+            out_dtype: torch.dtype = torch.float32,
+            f: Any = attention,
+            c: dict[str, Any] = config,
+        ) -> Any:
             return f(qs, kv, ix, scale, D_V, out_dtype=out_dtype, **c)
 
         check = _attention_check(kernel, q, kv, indices, rows, scale)
         ms, timer = _time(lambda k=kernel: k(q, indices, torch.bfloat16), slow_ms)
-        out[name] = {**({"config": config} if config else {}), "check": check, "ms": ms, "tflops": flops / ms / 1e9,
-                     "fraction_of_flashmla_640": flops / ms / 1e9 / FLASHMLA_TFLOPS, "timer": timer}
+        out[name] = {
+            **({"config": config} if config else {}),
+            "check": check,
+            "ms": ms,
+            "tflops": flops / ms / 1e9,
+            "fraction_of_flashmla_640": flops / ms / 1e9 / FLASHMLA_TFLOPS,
+            "timer": timer,
+        }
     return out
 
 
@@ -202,7 +220,9 @@ def bench_attention(
     if n_tokens <= args.torch_max_tokens:
         torch_ms, torch_timer = _time(lambda: ref.sparse_mla_attention(q, kv, indices, scale, D_V), args.slow_ms)
         row.update(
-            torch_ms=torch_ms, torch_tflops=flops / torch_ms / 1e9, torch_timer=torch_timer,
+            torch_ms=torch_ms,
+            torch_tflops=flops / torch_ms / 1e9,
+            torch_timer=torch_timer,
             speedup=torch_ms / row["engine_ms"],
         )
     else:
@@ -230,7 +250,9 @@ def bench_indexer(
     ref_scores = ref.indexer_scores(q_fp8[rows], weights[rows], k_fp8[lo:hi], k_scale[lo:hi])
     cols = torch.arange(lo, hi, device=device)
     visible = (cols >= key_start[rows, None]) & (cols < key_end[rows, None])
-    picks = {selector: indexer_topk_triton(*sub, args.topk, selector=selector, **config) for selector in ("torch", "triton")}
+    picks = {
+        selector: indexer_topk_triton(*sub, args.topk, selector=selector, **config) for selector in ("torch", "triton")
+    }
     got = picks[topk_selector()]
     want = ref.indexer_topk(*sub, args.topk)
     overlaps, worst_gap = [], 0.0
@@ -257,9 +279,12 @@ def bench_indexer(
         ),
     }
     check["ok"] = (
-        check["logits_rel_err"] < 1e-3 and check["masked_all_neg_inf"] and check["valid_counts_equal"]
+        check["logits_rel_err"] < 1e-3
+        and check["masked_all_neg_inf"]
+        and check["valid_counts_equal"]
         # Sets that differ only by exact ties at the k-th score agree (each selector breaks ties its own way).
-        and (check["topk_set_overlap_min"] > 0.99 or worst_gap <= 1e-6) and check["selectors_pick_equal_scores"]
+        and (check["topk_set_overlap_min"] > 0.99 or worst_gap <= 1e-6)
+        and check["selectors_pick_equal_scores"]
     )
     del logits, ref_scores, got, want, masked, picks
 

@@ -12,7 +12,8 @@ error, not fatal; only candidates that pass the reference check can be picked.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 # (BLOCK_H, BLOCK_K, num_warps, num_stages, DEFER_PV, LAZY_RESCALE, WARP_SPECIALIZE, RELOAD_PREV);
 # the switches are described in reference_impl/kernels/sparse_mla_triton.py.
@@ -31,7 +32,14 @@ ATTN_SWEEP: list[tuple[int, int, int, int, bool, bool, bool, bool]] = [
     (64, 64, 8, 1, True, False, False, True),
 ]
 ATTENTION_KEYS = (
-    "block_h", "block_k", "num_warps", "num_stages", "defer_pv", "lazy_rescale", "warp_specialize", "reload_prev",
+    "block_h",
+    "block_k",
+    "num_warps",
+    "num_stages",
+    "defer_pv",
+    "lazy_rescale",
+    "warp_specialize",
+    "reload_prev",
 )
 # (OVERLAP_PV, EVICT_LAST) of the Gluon kernel (sm_90 only), described in
 # reference_impl/kernels/sparse_mla_gluon.py.

@@ -40,15 +40,23 @@ from typing import Any
 import torch
 
 from reference_impl.bench.layer import Workload, parse_workloads, split_fits
+from reference_impl.bench.record import loopback_cp, run_record
 from reference_impl.config import ConfigError, PhaseSet, Request, RunConfig, get_preset
 from reference_impl.cp.designs import layer_shard_range
 from reference_impl.cp.loopback import LoopbackGroup
 from reference_impl.engine import per_layer_tags, run_rank
 from reference_impl.planner.designs import design_layer, kv_bytes_at_rest, one_rank_parser
 from reference_impl.planner.rates import PlannerRates, load_rates
-from reference_impl.bench.record import loopback_cp, run_record
 from reference_impl.tool_args import (
-    MAX_REPEATS, device_arg, float_arg, int_arg, output_file, rank_fits, rank_of, refusing, require_cuda,
+    MAX_REPEATS,
+    device_arg,
+    float_arg,
+    int_arg,
+    output_file,
+    rank_fits,
+    rank_of,
+    refusing,
+    require_cuda,
 )
 
 MEASURED_DESIGNS = ("phases", "layer-split", "rotated-shard", "dcp-gather")
@@ -60,8 +68,13 @@ SETUP_S = 2.0  # per run: weights, inputs, pools, allocator warm-up (an H200 est
 def run_config(preset: str, design: str, workload: Workload, cp_size: int, n_layers: int, device: str) -> RunConfig:
     """The run of ``design`` on ``workload``: level 8 for the phases, phases 1 and 7 beside a design."""
     return RunConfig(
-        preset=preset, n_layers=n_layers, cp_size=cp_size, requests=(Request(workload.prefix, workload.extend),),
-        check=False, device=device, kv_design=design,
+        preset=preset,
+        n_layers=n_layers,
+        cp_size=cp_size,
+        requests=(Request(workload.prefix, workload.extend),),
+        check=False,
+        device=device,
+        kv_design=design,
         phases=PhaseSet.level(8) if design == "phases" else DESIGN_PHASES,
     )
 
@@ -71,8 +84,16 @@ def _rates(wire_gbps: float | None) -> PlannerRates:
     return rates.override({"interconnect_gbps": wire_gbps}, "bench --wire-gbps") if wire_gbps else rates
 
 
-def estimate_s(preset: str, workloads: list[Workload], designs: list[str], cp_size: int, rank: int, n_layers: int,
-               repeats: int, wire_gbps: float | None) -> float:
+def estimate_s(
+    preset: str,
+    workloads: list[Workload],
+    designs: list[str],
+    cp_size: int,
+    rank: int,
+    n_layers: int,
+    repeats: int,
+    wire_gbps: float | None,
+) -> float:
     """Seconds of device time the benchmark should take on an H200: per run, a setup, the prefix's
     installation (the single-device oracle over the prefix: one rank of C = 1) and the layers."""
     cfg = get_preset(preset).with_layers(n_layers)
@@ -90,12 +111,24 @@ def _per_layer_moved(group: LoopbackGroup, run: RunConfig, n_layers: int) -> tup
     """``(bytes received, of them history / design gathers, collectives)`` per layer of one run."""
     layer = [s for s in group.stats if s.tag in per_layer_tags(run)]
     history = [s for s in layer if s.tag not in ("kv", "index_k")]
-    return (sum(s.bytes_received for s in layer) / n_layers, sum(s.bytes_received for s in history) / n_layers,
-            len(layer) / n_layers)
+    return (
+        sum(s.bytes_received for s in layer) / n_layers,
+        sum(s.bytes_received for s in history) / n_layers,
+        len(layer) / n_layers,
+    )
 
 
-def measure_design(preset: str, design: str, workload: Workload, cp_size: int, rank: int, n_layers: int, device: str,
-                   wire_gbps: float | None, repeats: int) -> dict[str, Any]:
+def measure_design(
+    preset: str,
+    design: str,
+    workload: Workload,
+    cp_size: int,
+    rank: int,
+    n_layers: int,
+    device: str,
+    wire_gbps: float | None,
+    repeats: int,
+) -> dict[str, Any]:
     """``1 + repeats`` runs of one design on one workload (the first a warm-up) -> its JSON row."""
     dev = torch.device(device)
     run = run_config(preset, design, workload, cp_size, n_layers, dev.type)
@@ -114,8 +147,12 @@ def measure_design(preset: str, design: str, workload: Workload, cp_size: int, r
     pool = stats["kv_bytes"] + stats["index_bytes"]
     cfg = get_preset(preset)
     held, model_held = (  # layers whose KV this rank keeps: here, and in the preset's whole model
-        (len(range(*layer_shard_range(rank, cp_size, n_layers))), len(range(*layer_shard_range(rank, cp_size, cfg.n_layers))))
-        if design == "layer-split" else (n_layers, cfg.n_layers)
+        (
+            len(range(*layer_shard_range(rank, cp_size, n_layers))),
+            len(range(*layer_shard_range(rank, cp_size, cfg.n_layers))),
+        )
+        if design == "layer-split"
+        else (n_layers, cfg.n_layers)
     )
     return {
         "design": design,
@@ -126,8 +163,9 @@ def measure_design(preset: str, design: str, workload: Workload, cp_size: int, r
         "kv_bytes_pools": pool,
         "layers_held": held,
         # the pools scaled to the preset's whole model: bytes per layer held x the layers held there
-        "kv_bytes_at_rest": pool // held * model_held if held else kv_bytes_at_rest(
-            cfg, design, workload.prefix + workload.extend, cp_size, rank),
+        "kv_bytes_at_rest": pool // held * model_held
+        if held
+        else kv_bytes_at_rest(cfg, design, workload.prefix + workload.extend, cp_size, rank),
         "bytes_moved_per_layer": moved,
         "history_bytes_moved_per_layer": history,
         "bytes_materialized_per_layer": stats["materialized_bytes"] / n_layers,
@@ -141,9 +179,19 @@ def measure_design(preset: str, design: str, workload: Workload, cp_size: int, r
     }
 
 
-def measure(preset: str, workloads: list[Workload], designs: list[str], cp_size: int, rank: int, n_layers: int,
-            device: str, wire_gbps: float | None, repeats: int, out: Path | None = None,
-            doc: dict[str, Any] | None = None) -> dict[str, Any]:
+def measure(
+    preset: str,
+    workloads: list[Workload],
+    designs: list[str],
+    cp_size: int,
+    rank: int,
+    n_layers: int,
+    device: str,
+    wire_gbps: float | None,
+    repeats: int,
+    out: Path | None = None,
+    doc: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Every design at every workload -> the results document (rewritten to ``out`` after each workload)."""
     doc = doc if doc is not None else {}
     doc["workloads"] = []
@@ -169,12 +217,17 @@ PROG = "python -m reference_impl.bench.designs"
 @refusing
 def main(argv: list[str] | None = None) -> int:
     parser = one_rank_parser(PROG, __doc__.split("\n\n")[0], 4, "layers run (the layer bench's slice)")
-    parser.add_argument("--repeats", type=int_arg(1, MAX_REPEATS), default=2,
-                        help="timed runs per design after a warm-up run")
+    parser.add_argument(
+        "--repeats", type=int_arg(1, MAX_REPEATS), default=2, help="timed runs per design after a warm-up run"
+    )
     parser.add_argument("--workloads", default=DEFAULT_WORKLOADS, help="name:prefix+extend, comma separated")
     parser.add_argument("--designs", default=",".join(MEASURED_DESIGNS), help="comma separated")
-    parser.add_argument("--wire-gbps", type=float_arg(), default=None,
-                        help="model the interconnect, GB/s (CUDA only; default: none, no wire time)")
+    parser.add_argument(
+        "--wire-gbps",
+        type=float_arg(),
+        default=None,
+        help="model the interconnect, GB/s (CUDA only; default: none, no wire time)",
+    )
     parser.add_argument("--device", type=device_arg, default="cuda", help="cuda, or cpu: a dry run")
     args = parser.parse_args(argv)
     out = output_file(args.out)
@@ -194,23 +247,43 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"{what}, design {design}: {exc}") from None
     require_cuda(args.device)
     rank_fits(runs, args.rank, args.device, "--workloads / --layers")
-    estimate = estimate_s(args.preset, workloads, designs, args.cp_size, args.rank, args.layers, args.repeats,
-                          args.wire_gbps)
+    estimate = estimate_s(
+        args.preset, workloads, designs, args.cp_size, args.rank, args.layers, args.repeats, args.wire_gbps
+    )
     print(f"estimated device time on an H200: {estimate:.0f} s", file=sys.stderr, flush=True)
     doc: dict[str, Any] = {
         "kind": "measured",
         **run_record("designs", argv, args.device),
         "env": {name: value for name, value in sorted(os.environ.items()) if name.startswith("DSACP_")},
         "how_cp_runs": loopback_cp(args.rank, args.cp_size, args.wire_gbps, "collectives"),
-        "timing": (f"CUDA events per layer, median over the layers of {args.repeats} run(s) after a warm-up run"
-                   if args.device == "cuda" else "perf_counter per layer (CPU dry run: the numbers mean nothing)"),
-        "preset": args.preset, "model_layers": get_preset(args.preset).n_layers, "n_layers": args.layers,
-        "cp_size": args.cp_size, "rank": args.rank, "wire_gbps": args.wire_gbps, "repeats": args.repeats,
+        "timing": (
+            f"CUDA events per layer, median over the layers of {args.repeats} run(s) after a warm-up run"
+            if args.device == "cuda"
+            else "perf_counter per layer (CPU dry run: the numbers mean nothing)"
+        ),
+        "preset": args.preset,
+        "model_layers": get_preset(args.preset).n_layers,
+        "n_layers": args.layers,
+        "cp_size": args.cp_size,
+        "rank": args.rank,
+        "wire_gbps": args.wire_gbps,
+        "repeats": args.repeats,
         "estimated_s": estimate,
     }
     start = time.perf_counter()
-    measure(args.preset, workloads, designs, args.cp_size, args.rank, args.layers, args.device, args.wire_gbps,
-            args.repeats, out, doc)
+    measure(
+        args.preset,
+        workloads,
+        designs,
+        args.cp_size,
+        args.rank,
+        args.layers,
+        args.device,
+        args.wire_gbps,
+        args.repeats,
+        out,
+        doc,
+    )
     doc["wall_s"] = time.perf_counter() - start
     out.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {args.out} in {doc['wall_s']:.0f} s", file=sys.stderr)

@@ -48,11 +48,20 @@ from reference_impl.tool_args import ToolParser, device_arg, int_arg, int_list, 
 Bench = Callable[[Callable[[], object]], float]
 
 
-def _row(name: str, shape: list[int], n_bytes: int, torch_ms: float, kernel_ms: float, copy_ms: float, **agreement: Any) -> dict[str, Any]:
+def _row(
+    name: str, shape: list[int], n_bytes: int, torch_ms: float, kernel_ms: float, copy_ms: float, **agreement: Any
+) -> dict[str, Any]:
     return {
-        "op": name, "shape": shape, "torch_ms": torch_ms, "kernel_ms": kernel_ms, "speedup": torch_ms / kernel_ms,
-        "bytes": n_bytes, "kernel_gbps": n_bytes / kernel_ms / 1e6, "copy_gbps": n_bytes / copy_ms / 1e6,
-        "fraction_of_copy": copy_ms / kernel_ms, **agreement,
+        "op": name,
+        "shape": shape,
+        "torch_ms": torch_ms,
+        "kernel_ms": kernel_ms,
+        "speedup": torch_ms / kernel_ms,
+        "bytes": n_bytes,
+        "kernel_gbps": n_bytes / kernel_ms / 1e6,
+        "copy_gbps": n_bytes / copy_ms / 1e6,
+        "fraction_of_copy": copy_ms / kernel_ms,
+        **agreement,
     }
 
 
@@ -64,7 +73,11 @@ def _copy_ms(n_bytes: int, device: str, bench: Bench) -> float:
 
 
 def _equal(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.view(torch.uint8) == b.view(torch.uint8)).float().mean().item() if a.dtype.itemsize == 1 else (a == b).float().mean().item()
+    return (
+        (a.view(torch.uint8) == b.view(torch.uint8)).float().mean().item()
+        if a.dtype.itemsize == 1
+        else (a == b).float().mean().item()
+    )
 
 
 def bench_tokens(n_tokens: int, cp_size: int, device: str, bench: Bench, seed: int) -> list[dict[str, Any]]:
@@ -85,12 +98,19 @@ def bench_tokens(n_tokens: int, cp_size: int, device: str, bench: Bench, seed: i
     args = (q, cos, sin, hadamard_matrix(d, device), weights, r, cfg.index_rope_interleaved, cfg.index_scale_fmt)
     (want_q, want_w), (got_q, got_w) = ref.indexer_query(*args), indexer_query_triton(*args)
     n_bytes = q.numel() * 2 + weights.numel() * 4 + got_q.numel() + got_w.numel() * 4
-    rows.append(_row(
-        "indexer_query", list(q.shape), n_bytes, bench(lambda: ref.indexer_query(*args)),
-        bench(lambda: indexer_query_triton(*args)), _copy_ms(n_bytes, device, bench),
-        codes_equal=_equal(got_q, want_q), weights_equal=_equal(got_w, want_w),
-        weights_max_rel_err=((got_w - want_w).abs() / want_w.abs().clamp(min=1e-30)).max().item(),
-    ))
+    rows.append(
+        _row(
+            "indexer_query",
+            list(q.shape),
+            n_bytes,
+            bench(lambda: ref.indexer_query(*args)),
+            bench(lambda: indexer_query_triton(*args)),
+            _copy_ms(n_bytes, device, bench),
+            codes_equal=_equal(got_q, want_q),
+            weights_equal=_equal(got_w, want_w),
+            weights_max_rel_err=((got_w - want_w).abs() / want_w.abs().clamp(min=1e-30)).max().item(),
+        )
+    )
 
     wq_b = torch.randn(n_tokens, h, cfg.qk_head_dim, device=device, generator=gen).to(torch.bfloat16)
     x = wq_b[..., cfg.qk_nope_head_dim :]
@@ -100,24 +120,35 @@ def bench_tokens(n_tokens: int, cp_size: int, device: str, bench: Bench, seed: i
     ref.rope_into(want_out, x, cos, sin, True)
     rope_into_triton(out, x, cos, sin, True)
     n_bytes = 2 * x.numel() * 2
-    rows.append(_row(
-        "rope_into", list(x.shape), n_bytes, bench(lambda: ref.rope_into(want_out, x, cos, sin, True)),
-        bench(lambda: rope_into_triton(out, x, cos, sin, True)), _copy_ms(n_bytes, device, bench),
-        bit_equal=bool(torch.equal(q_full, want_full)),
-    ))
+    rows.append(
+        _row(
+            "rope_into",
+            list(x.shape),
+            n_bytes,
+            bench(lambda: ref.rope_into(want_out, x, cos, sin, True)),
+            bench(lambda: rope_into_triton(out, x, cos, sin, True)),
+            _copy_ms(n_bytes, device, bench),
+            bit_equal=bool(torch.equal(q_full, want_full)),
+        )
+    )
 
     for width in (cfg.dim, cfg.q_lora_rank, cfg.kv_lora_rank):
         hidden = (torch.randn(n_tokens, width, device=device, generator=gen) * 3).to(torch.bfloat16)
         weight = 1.0 + 0.1 * torch.randn(width, device=device, generator=gen)
         got, want = rms_norm_triton(hidden, weight, cfg.norm_eps), norm.rms_norm(hidden, weight, cfg.norm_eps)
         n_bytes = 2 * hidden.numel() * 2
-        rows.append(_row(
-            f"rms_norm_{width}", list(hidden.shape), n_bytes,
-            bench(lambda x=hidden, w=weight: norm.rms_norm(x, w, cfg.norm_eps)),
-            bench(lambda x=hidden, w=weight: rms_norm_triton(x, w, cfg.norm_eps)), _copy_ms(n_bytes, device, bench),
-            values_equal=_equal(got, want),
-            max_rel_err=((got.float() - want.float()).abs() / want.float().abs().clamp(min=1e-30)).max().item(),
-        ))
+        rows.append(
+            _row(
+                f"rms_norm_{width}",
+                list(hidden.shape),
+                n_bytes,
+                bench(lambda x=hidden, w=weight: norm.rms_norm(x, w, cfg.norm_eps)),
+                bench(lambda x=hidden, w=weight: rms_norm_triton(x, w, cfg.norm_eps)),
+                _copy_ms(n_bytes, device, bench),
+                values_equal=_equal(got, want),
+                max_rel_err=((got.float() - want.float()).abs() / want.float().abs().clamp(min=1e-30)).max().item(),
+            )
+        )
 
     layout = KVLayout.from_config(cfg, "fp8", 64)
     n_chunk = cp_size * n_tokens
@@ -125,19 +156,28 @@ def bench_tokens(n_tokens: int, cp_size: int, device: str, bench: Bench, seed: i
     k = torch.randn(n_chunk, 128, device=device, generator=gen).to(torch.bfloat16)
     view_rows = torch.arange(n_chunk, device=device)
     views = [
-        (torch.empty(n_chunk, layout.kv_width, dtype=torch.bfloat16, device=device),
-         torch.empty(n_chunk, 128, dtype=torch.float8_e4m3fn, device=device), torch.empty(n_chunk, device=device))
+        (
+            torch.empty(n_chunk, layout.kv_width, dtype=torch.bfloat16, device=device),
+            torch.empty(n_chunk, 128, dtype=torch.float8_e4m3fn, device=device),
+            torch.empty(n_chunk, device=device),
+        )
         for _ in range(2)
     ]
     fill_args = (kv, k, view_rows)
     fill_rows(*fill_args, *views[0], layout)
     fill_current_triton(*fill_args, *views[1], layout)
     n_bytes = n_chunk * (2 * layout.kv_width + 2 * 128 + 2 * layout.kv_width + 128 + 4 + 8)
-    rows.append(_row(
-        "fill_current", [n_chunk, layout.kv_width], n_bytes, bench(lambda: fill_rows(*fill_args, *views[0], layout)),
-        bench(lambda: fill_current_triton(*fill_args, *views[1], layout)), _copy_ms(n_bytes, device, bench),
-        bytes_equal=all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(*views)),
-    ))
+    rows.append(
+        _row(
+            "fill_current",
+            [n_chunk, layout.kv_width],
+            n_bytes,
+            bench(lambda: fill_rows(*fill_args, *views[0], layout)),
+            bench(lambda: fill_current_triton(*fill_args, *views[1], layout)),
+            _copy_ms(n_bytes, device, bench),
+            bytes_equal=all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(*views)),
+        )
+    )
     for row in rows:
         row["tokens"] = n_tokens
     return rows
@@ -150,11 +190,14 @@ def build_parser() -> ToolParser:
     parser = ToolParser(PROG, __doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="JSON file to write")
     parser.add_argument("--tokens", default="4096,16384", help="local token counts T, comma separated")
-    parser.add_argument("--cp-size", type=int_arg(1, MAX_PLAN_CP), default=8,
-                        help="C: the gathered chunk of fill_current is C x T tokens")
+    parser.add_argument(
+        "--cp-size",
+        type=int_arg(1, MAX_PLAN_CP),
+        default=8,
+        help="C: the gathered chunk of fill_current is C x T tokens",
+    )
     parser.add_argument("--seed", type=int_arg(0, MAX_SEED), default=0, help="inputs' random seed")
-    parser.add_argument("--device", type=device_arg, default="cuda",
-                        help=argparse.SUPPRESS)  # cpu: dry run
+    parser.add_argument("--device", type=device_arg, default="cuda", help=argparse.SUPPRESS)  # cpu: dry run
     return parser
 
 
@@ -164,8 +207,10 @@ def main(argv: list[str] | None = None) -> int:
     out = output_file(args.out)
     tokens = int_list(args.tokens, "--tokens", 1)
     if max(tokens) * args.cp_size > MAX_BATCH_TOKENS:
-        raise ConfigError(f"--tokens {max(tokens)} x --cp-size {args.cp_size}: the gathered chunk holds more than "
-                          f"{MAX_BATCH_TOKENS:,} tokens")
+        raise ConfigError(
+            f"--tokens {max(tokens)} x --cp-size {args.cp_size}: the gathered chunk holds more than "
+            f"{MAX_BATCH_TOKENS:,} tokens"
+        )
     require_cuda(args.device)
     ready_for(args.device)  # a CPU dry run: Triton's interpreter, before triton is imported
     import triton

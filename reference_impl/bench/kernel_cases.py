@@ -2,7 +2,6 @@
 and its torch path on the same inputs, with the bytes each must move), the copy-bandwidth ceiling,
 and the remap comparison. :mod:`reference_impl.bench.kernels` drives them and writes the JSON."""
 
-
 from __future__ import annotations
 
 import argparse

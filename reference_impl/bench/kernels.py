@@ -62,11 +62,6 @@ from typing import Any
 
 import torch
 
-from reference_impl.config import MAX_BATCH_TOKENS, MAX_PLAN_CP, MAX_SEED, ConfigError, validate_page_size
-from reference_impl.tool_args import (
-    DSA_PRESETS, MAX_REPEATS, ToolParser, device_arg, dsa_preset_arg, int_arg, int_list, output_file, refusing,
-    require_cuda,
-)
 from reference_impl.bench.kernel_cases import (
     BAR_FRACTION,
     BAR_MIN_TOKENS,
@@ -76,6 +71,19 @@ from reference_impl.bench.kernel_cases import (
     build_cases,
     copy_bandwidth,
     make_timer,
+)
+from reference_impl.config import MAX_BATCH_TOKENS, MAX_PLAN_CP, MAX_SEED, ConfigError, validate_page_size
+from reference_impl.tool_args import (
+    DSA_PRESETS,
+    MAX_REPEATS,
+    ToolParser,
+    device_arg,
+    dsa_preset_arg,
+    int_arg,
+    int_list,
+    output_file,
+    refusing,
+    require_cuda,
 )
 
 
@@ -144,8 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     out_path = output_file(args.out)
     on_gpu = args.device == "cuda"
     tokens = int_list(args.tokens or ("32768,131072" if on_gpu else "64"), "--tokens", 1, MAX_BATCH_TOKENS)
-    sweep_tokens = (int_list(args.sweep_tokens, "--sweep-tokens", 1, MAX_BATCH_TOKENS) if args.sweep_tokens
-                    else [max(tokens)])
+    sweep_tokens = (
+        int_list(args.sweep_tokens, "--sweep-tokens", 1, MAX_BATCH_TOKENS) if args.sweep_tokens else [max(tokens)]
+    )
     try:
         validate_page_size(args.page_size)
     except ConfigError as exc:
@@ -188,9 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         sweep_timer = make_timer(device, args.cpu_repeats, kernel_sweep.SWEEP_REPS)
         result["sweep_settings"] = {
             "tokens": sweep_tokens,
-            "timing": f"as the rows', median of {kernel_sweep.SWEEP_REPS} calls"
-            if on_gpu
-            else result["timing"],
+            "timing": f"as the rows', median of {kernel_sweep.SWEEP_REPS} calls" if on_gpu else result["timing"],
             "best": "highest fraction of copy bandwidth (mean over the sweep tokens) among candidates whose "
             "bytes equal torch's (else the default config's: best_basis)",
         }

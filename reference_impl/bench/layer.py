@@ -52,8 +52,16 @@ from typing import Any
 
 import torch
 
+from reference_impl.bench.record import loopback_cp, run_record
 from reference_impl.config import (
-    MAX_BATCH_TOKENS, MAX_PLAN_CP, SPLIT_MODES, ConfigError, PhaseSet, Request, RunConfig, get_preset,
+    MAX_BATCH_TOKENS,
+    MAX_PLAN_CP,
+    SPLIT_MODES,
+    ConfigError,
+    PhaseSet,
+    Request,
+    RunConfig,
+    get_preset,
 )
 from reference_impl.cp.capacity import kv_bytes_per_rank
 from reference_impl.cp.kv_sharded import ShardedKV
@@ -63,11 +71,28 @@ from reference_impl.planner import layer_terms, load_rates
 from reference_impl.planner.model import activation_bytes, local_queries, transient_bytes
 from reference_impl.planner.plan import MAX_CONTEXT
 from reference_impl.tool_args import (
-    DSA_PRESETS, MAX_LAYERS, MAX_REPEATS, OPTIONAL_NUMBER, OPTIONAL_POSITIVE, POSITIVE, ToolParser, choice_field,
-    device_arg, dsa_preset_arg, float_arg, input_json, int_arg, int_field, int_list, output_file, rank_fits, rank_of,
-    refusing, require_cuda, stored_fields,
+    DSA_PRESETS,
+    MAX_LAYERS,
+    MAX_REPEATS,
+    OPTIONAL_NUMBER,
+    OPTIONAL_POSITIVE,
+    POSITIVE,
+    ToolParser,
+    choice_field,
+    device_arg,
+    dsa_preset_arg,
+    float_arg,
+    input_json,
+    int_arg,
+    int_field,
+    int_list,
+    output_file,
+    rank_fits,
+    rank_of,
+    refusing,
+    require_cuda,
+    stored_fields,
 )
-from reference_impl.bench.record import loopback_cp, run_record
 
 PROG = "python -m reference_impl.bench.layer"
 
@@ -89,8 +114,10 @@ class Workload:
         except ValueError:
             raise ConfigError(f"{flag} {spec!r}: expected name:prefix+extend, e.g. current-only:0+131072") from None
         if not name.strip() or prefix < 0 or extend < 1 or prefix + extend > MAX_BATCH_TOKENS:
-            raise ConfigError(f"{flag} {spec!r}: need a name, prefix >= 0, extend >= 1 and prefix + extend at most "
-                              f"{MAX_BATCH_TOKENS:,} tokens")
+            raise ConfigError(
+                f"{flag} {spec!r}: need a name, prefix >= 0, extend >= 1 and prefix + extend at most "
+                f"{MAX_BATCH_TOKENS:,} tokens"
+            )
         return cls(name, prefix, extend)
 
 
@@ -116,8 +143,11 @@ def layers_arg(preset: str, layers: int, flag: str = "--layers", preset_flag: st
     repeats = preset in DSA_PRESETS  # a DSA preset's layers are alike; another family's each have their own type
     most = MAX_LAYERS if repeats else get_preset(preset).n_layers
     if layers > most:
-        why = f"{preset_flag} {preset} has {most} layers" if not repeats else \
-            f"at most {MAX_LAYERS} (more than any preset's)"
+        why = (
+            f"{preset_flag} {preset} has {most} layers"
+            if not repeats
+            else f"at most {MAX_LAYERS} (more than any preset's)"
+        )
         raise ConfigError(f"{flag} {layers}: {why}")
     return layers
 
@@ -130,8 +160,9 @@ def split_fits(extend: int, chunk: int | None, cp_size: int, what: str) -> None:
     smallest = extend % step or step
     if smallest < cp_size:
         which = "its last chunk holds" if smallest < extend else "it holds"
-        raise ConfigError(f"{what}: {which} {smallest:,} new tokens, fewer than the {cp_size} ranks (--cp-size): "
-                          "every rank needs one")
+        raise ConfigError(
+            f"{what}: {which} {smallest:,} new tokens, fewer than the {cp_size} ranks (--cp-size): every rank needs one"
+        )
 
 
 def _run(run: RunConfig, group: LoopbackGroup, keep_store: bool = False, empty_cache: bool = True) -> Any:
@@ -181,18 +212,31 @@ def planner_point(
     if wire_gbps is not None:
         rates = rates.override({"interconnect_gbps": wire_gbps}, "bench --wire-gbps")
     context = run.requests[0].total if context is None else context
-    terms = layer_terms(get_preset(run.preset), rates, run.cp_size, context, level, rank, run.kv_dtype, run.page_size,
-                        run.split_mode, prefix=prefix)
+    terms = layer_terms(
+        get_preset(run.preset),
+        rates,
+        run.cp_size,
+        context,
+        level,
+        rank,
+        run.kv_dtype,
+        run.page_size,
+        run.split_mode,
+        prefix=prefix,
+    )
     if wire_gbps is None:  # no modeled wire: the loopback copy is all that runs
         terms = {**terms, "allgather1": 0.0, "materialize_comm": 0.0}
     t_local = local_queries(context, run.cp_size, run.page_size, level, rank, run.split_mode, prefix)
     interleave = run.interleave if level >= 2 else None
-    transient = transient_bytes(cfg, context, level, run.kv_dtype, run.page_size, cp_size=run.cp_size,
-                                interleave=interleave, prefix=prefix)
+    transient = transient_bytes(
+        cfg, context, level, run.kv_dtype, run.page_size, cp_size=run.cp_size, interleave=interleave, prefix=prefix
+    )
     return {
         "layer_ms": sum(terms.values()),
         "terms_ms": terms,
-        "kv_bytes": kv_bytes_per_rank(cfg, context, run.cp_size, level >= 2, run.kv_dtype, run.page_size, rank, interleave),
+        "kv_bytes": kv_bytes_per_rank(
+            cfg, context, run.cp_size, level >= 2, run.kv_dtype, run.page_size, rank, interleave
+        ),
         "transient_bytes": transient,
         "peak_bytes": transient + activation_bytes(cfg, t_local, context),
     }
@@ -221,12 +265,21 @@ def replan(doc: dict[str, Any]) -> dict[str, Any]:
             continue  # the planner's scenario is current-only
         mode = w.get("split_mode", "in-seq")
         for point in w["levels"]:
-            run = RunConfig(preset=doc["preset"], n_layers=doc["n_layers"], cp_size=doc["cp_size"], check=False,
-                            device="cpu", requests=(Request(0, wl["extend"]),), phases=phases_at(point["level"], mode),
-                            split_mode=mode)
+            run = RunConfig(
+                preset=doc["preset"],
+                n_layers=doc["n_layers"],
+                cp_size=doc["cp_size"],
+                check=False,
+                device="cpu",
+                requests=(Request(0, wl["extend"]),),
+                phases=phases_at(point["level"], mode),
+                split_mode=mode,
+            )
             _planner_fields(point, run, doc["rank"], doc["wire_gbps"])
-    doc["planner_replanned"] = "planner fields recomputed by `python -m reference_impl.bench.layer --replan` " \
+    doc["planner_replanned"] = (
+        "planner fields recomputed by `python -m reference_impl.bench.layer --replan` "
         "with the planner and rates of the working tree; measurements unchanged"
+    )
     return doc
 
 
@@ -236,9 +289,18 @@ def phases_at(level: int, split_mode: str) -> PhaseSet:
 
 
 def measure(
-    preset: str, workload: Workload, levels: list[int], cp_size: int, rank: int, n_layers: int,
-    device: str, wire_gbps: float | None, prefetch_repeats: int = 6, level_repeats: int = 1,
-    on_level: Callable[[int], None] | None = None, split_mode: str = "in-seq",
+    preset: str,
+    workload: Workload,
+    levels: list[int],
+    cp_size: int,
+    rank: int,
+    n_layers: int,
+    device: str,
+    wire_gbps: float | None,
+    prefetch_repeats: int = 6,
+    level_repeats: int = 1,
+    on_level: Callable[[int], None] | None = None,
+    split_mode: str = "in-seq",
 ) -> dict[str, Any]:
     """Every level of one workload on one rank -> JSON-ready dict.
 
@@ -249,8 +311,15 @@ def measure(
     """
     dev = torch.device(device)
     group_of = lambda: LoopbackGroup(rank, cp_size, dev, wire_gbps)  # noqa: E731 (fresh stats per run)
-    base = RunConfig(preset=preset, n_layers=n_layers, cp_size=cp_size, requests=(Request(workload.prefix, workload.extend),),
-                     check=False, device=dev.type, split_mode=split_mode)
+    base = RunConfig(
+        preset=preset,
+        n_layers=n_layers,
+        cp_size=cp_size,
+        requests=(Request(workload.prefix, workload.extend),),
+        check=False,
+        device=dev.type,
+        split_mode=split_mode,
+    )
     points = []
     for level in levels:
         run = base.replace(phases=phases_at(level, split_mode))
@@ -299,26 +368,46 @@ def measure(
         saved = ms[7] - ms[8]
         stall = statistics.median(stalls) if stalls else None
         out["prefetch"] = {
-            "payload_ms": payload, "level7_ms": ms[7], "level8_ms": ms[8], "saved_ms": saved,
-            "hidden_fraction": saved / payload, "repeats": prefetch_repeats, "samples_per_level": len(layers[7]),
-            "level7_layer_ms": layers[7], "level8_layer_ms": layers[8],
-            "exposed_wait_ms": stalls, "exposed_wait_ms_median": stall,
+            "payload_ms": payload,
+            "level7_ms": ms[7],
+            "level8_ms": ms[8],
+            "saved_ms": saved,
+            "hidden_fraction": saved / payload,
+            "repeats": prefetch_repeats,
+            "samples_per_level": len(layers[7]),
+            "level7_layer_ms": layers[7],
+            "level8_layer_ms": layers[8],
+            "exposed_wait_ms": stalls,
+            "exposed_wait_ms_median": stall,
             "hidden_fraction_direct": None if stall is None else 1 - stall / payload,
-            "paired_saved_ms": paired, "hidden_fraction_paired": statistics.median(paired) / payload,
+            "paired_saved_ms": paired,
+            "hidden_fraction_paired": statistics.median(paired) / payload,
         }
     return out
 
 
 # What --replan reads from a stored run (measured fields the planner's errors divide by included).
 REPLAN_FIELDS = {
-    "preset": choice_field(DSA_PRESETS), "n_layers": int_field(1, MAX_LAYERS), "cp_size": int_field(1, MAX_PLAN_CP),
-    "rank": int_field(0), "wire_gbps": OPTIONAL_POSITIVE,
-    "workloads": [{
-        "workload": {"prefix": int_field(0, MAX_CONTEXT), "extend": int_field(1, MAX_CONTEXT)},
-        "split_mode?": choice_field(SPLIT_MODES),
-        "levels": [{"level": int_field(0, 8), "layer_ms_median": POSITIVE, "kv_bytes": POSITIVE,
-                    "transient_peak_bytes": POSITIVE, "measured_peak_bytes?": OPTIONAL_NUMBER}],
-    }],
+    "preset": choice_field(DSA_PRESETS),
+    "n_layers": int_field(1, MAX_LAYERS),
+    "cp_size": int_field(1, MAX_PLAN_CP),
+    "rank": int_field(0),
+    "wire_gbps": OPTIONAL_POSITIVE,
+    "workloads": [
+        {
+            "workload": {"prefix": int_field(0, MAX_CONTEXT), "extend": int_field(1, MAX_CONTEXT)},
+            "split_mode?": choice_field(SPLIT_MODES),
+            "levels": [
+                {
+                    "level": int_field(0, 8),
+                    "layer_ms_median": POSITIVE,
+                    "kv_bytes": POSITIVE,
+                    "transient_peak_bytes": POSITIVE,
+                    "measured_peak_bytes?": OPTIONAL_NUMBER,
+                }
+            ],
+        }
+    ],
 }
 
 
@@ -345,18 +434,30 @@ def build_parser() -> ToolParser:
         default="current-only:0+32768,current-only:0+131072,prefix-heavy:131072+8192,prefix-heavy:131072+2048",
         help="name:prefix+extend, comma separated",
     )
-    parser.add_argument("--layers", type=int_arg(None, MAX_LAYERS, "more than any preset's"), default=4,
-                        help="layers run")
-    parser.add_argument("--wire-gbps", type=float_arg(), default=None,
-                        help="model the interconnect, GB/s (CUDA only; default: none, no wire time)")
-    parser.add_argument("--prefetch-repeats", type=int_arg(None, MAX_REPEATS), default=6,
-                        help="extra alternating level 7 / 8 runs")
-    parser.add_argument("--level-repeats", type=int_arg(None, MAX_REPEATS), default=1,
-                        help="runs per level (median over all their layers)")
-    parser.add_argument("--device", type=device_arg, default="cuda",
-                        help="cuda, or cpu: a dry run")
-    parser.add_argument("--split-modes", default="in-seq",
-                        help="comma-separated: in-seq, round-robin (round-robin levels drop phases 4 and 5)")
+    parser.add_argument(
+        "--layers", type=int_arg(None, MAX_LAYERS, "more than any preset's"), default=4, help="layers run"
+    )
+    parser.add_argument(
+        "--wire-gbps",
+        type=float_arg(),
+        default=None,
+        help="model the interconnect, GB/s (CUDA only; default: none, no wire time)",
+    )
+    parser.add_argument(
+        "--prefetch-repeats", type=int_arg(None, MAX_REPEATS), default=6, help="extra alternating level 7 / 8 runs"
+    )
+    parser.add_argument(
+        "--level-repeats",
+        type=int_arg(None, MAX_REPEATS),
+        default=1,
+        help="runs per level (median over all their layers)",
+    )
+    parser.add_argument("--device", type=device_arg, default="cuda", help="cuda, or cpu: a dry run")
+    parser.add_argument(
+        "--split-modes",
+        default="in-seq",
+        help="comma-separated: in-seq, round-robin (round-robin levels drop phases 4 and 5)",
+    )
     return parser
 
 
@@ -364,8 +465,11 @@ def build_parser() -> ToolParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    for flag, value in (("--prefetch-repeats", args.prefetch_repeats), ("--level-repeats", args.level_repeats),
-                        ("--layers", args.layers)):
+    for flag, value in (
+        ("--prefetch-repeats", args.prefetch_repeats),
+        ("--level-repeats", args.level_repeats),
+        ("--layers", args.layers),
+    ):
         if value < 1:
             parser.error(f"{flag} must be at least 1, got {value}")
     if args.replan:
@@ -384,8 +488,12 @@ def main(argv: list[str] | None = None) -> int:
     if any(m not in SPLIT_MODES for m in split_modes) or len(set(split_modes)) < len(split_modes):
         raise ConfigError(f"--split-modes {args.split_modes!r}: use in-seq, round-robin or both")
     require_cuda(args.device)
-    runs = [bench_run(args.preset, w, args.cp_size, args.layers, args.device, mode, level, "--workloads")
-            for w in workloads for mode in split_modes for level in levels]
+    runs = [
+        bench_run(args.preset, w, args.cp_size, args.layers, args.device, mode, level, "--workloads")
+        for w in workloads
+        for mode in split_modes
+        for level in levels
+    ]
     rank_fits(runs, args.rank, args.device, "--workloads / --layers")
     results: list[dict[str, Any]] = []
     doc = {
@@ -397,32 +505,58 @@ def main(argv: list[str] | None = None) -> int:
             if args.level_repeats == 1
             else f"CUDA events per layer, median over the layers of {args.level_repeats} runs per level after a "
             "warm-up run of the level"
-        ) if args.device == "cuda" else "perf_counter per layer (CPU dry run: the numbers mean nothing)",
+        )
+        if args.device == "cuda"
+        else "perf_counter per layer (CPU dry run: the numbers mean nothing)",
         "level_repeats": args.level_repeats,
-        "preset": args.preset, "cp_size": args.cp_size, "rank": args.rank, "n_layers": args.layers,
+        "preset": args.preset,
+        "cp_size": args.cp_size,
+        "rank": args.rank,
+        "n_layers": args.layers,
         "wire_gbps": args.wire_gbps,
         "workloads": results,
     }
     for w in workloads:  # the file is rewritten after each workload: a run cut short keeps what finished
         for mode in split_modes:
             print(f"{w.name} {w.prefix}+{w.extend} {mode}: levels {levels}", file=sys.stderr, flush=True)
-            results.append(measure(args.preset, w, levels, args.cp_size, args.rank, args.layers, args.device,
-                                   args.wire_gbps, args.prefetch_repeats, args.level_repeats, split_mode=mode))
+            results.append(
+                measure(
+                    args.preset,
+                    w,
+                    levels,
+                    args.cp_size,
+                    args.rank,
+                    args.layers,
+                    args.device,
+                    args.wire_gbps,
+                    args.prefetch_repeats,
+                    args.level_repeats,
+                    split_mode=mode,
+                )
+            )
             Path(args.out).write_text(json.dumps(doc, indent=1))
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 
 
-def bench_run(preset: str, workload: Workload, cp_size: int, n_layers: int, device: str, split_mode: str, level: int,
-              flag: str) -> RunConfig:
+def bench_run(
+    preset: str, workload: Workload, cp_size: int, n_layers: int, device: str, split_mode: str, level: int, flag: str
+) -> RunConfig:
     """The run :func:`measure` makes of one workload at one level, built before anything runs: what
     :class:`RunConfig` refuses (ranks without a token, say) is refused up front, naming ``flag``."""
     what = f"{flag} {workload.name}:{workload.prefix}+{workload.extend}"
     split_fits(workload.extend, None, cp_size, what)
     try:
-        return RunConfig(preset=preset, n_layers=n_layers, cp_size=cp_size, check=False, device=device,
-                         requests=(Request(workload.prefix, workload.extend),), phases=phases_at(level, split_mode),
-                         split_mode=split_mode)
+        return RunConfig(
+            preset=preset,
+            n_layers=n_layers,
+            cp_size=cp_size,
+            check=False,
+            device=device,
+            requests=(Request(workload.prefix, workload.extend),),
+            phases=phases_at(level, split_mode),
+            split_mode=split_mode,
+        )
     except ConfigError as exc:
         raise ConfigError(f"{what} at level {level} ({split_mode}): {exc}") from None
 

@@ -40,12 +40,24 @@ from typing import Any
 import torch
 
 from reference_impl.tool_args import (
-    MAX_LAYERS, MAX_REPEATS, ToolParser, device_arg, float_arg, int_arg, output_file, refusing, require_cuda,
+    MAX_LAYERS,
+    MAX_REPEATS,
+    ToolParser,
+    device_arg,
+    float_arg,
+    int_arg,
+    output_file,
+    refusing,
+    require_cuda,
 )
 
 DEEPSEEK_PROJECTIONS = {  # (in_features, out_features) of DeepSeek-V3.2's attention projections
-    "wq_a": (7168, 1536), "wq_b": (1536, 24576), "wkv_a": (7168, 576), "wo": (16384, 7168),
-    "indexer.wq_b": (1536, 8192), "indexer.wk": (7168, 128),
+    "wq_a": (7168, 1536),
+    "wq_b": (1536, 24576),
+    "wkv_a": (7168, 576),
+    "wo": (16384, 7168),
+    "indexer.wq_b": (1536, 8192),
+    "indexer.wk": (7168, 128),
 }
 TRITON_FP8_CONFIGS = [(128, 4, 8), (128, 3, 8), (64, 4, 4), (128, 5, 8)]  # (BLOCK_M, stages, warps)
 
@@ -74,7 +86,9 @@ def logits_variants(device: str, cp_context: int, cp_size: int, slow_ms: float) 
     context = cp_context if on_gpu else 512
     pos = zigzag_rank0_positions(context, cp_size)
     iq = indexer_inputs(pos, context, 64, 128, torch.device(device))
-    block_t, block_s, warps, stages, dot = indexer_triton.GPU_DEFAULT_CONFIG if on_gpu else indexer_triton.CPU_DEFAULT_CONFIG
+    block_t, block_s, warps, stages, dot = (
+        indexer_triton.GPU_DEFAULT_CONFIG if on_gpu else indexer_triton.CPU_DEFAULT_CONFIG
+    )
     rows = slice(0, min(256, pos.numel()))
     check_args = tuple(t[rows] if t.shape[0] == pos.numel() else t for t in iq)
     lo, hi = 0, int(iq[5][rows].max())
@@ -86,11 +100,19 @@ def logits_variants(device: str, cp_context: int, cp_size: int, slow_ms: float) 
         for block_pointers in (False, True):
             launch = dict(base, num_warps=n_warps, block_pointers=block_pointers)
             logits = indexer_triton.indexer_logits_triton(*check_args, lo, hi, **launch)
-            ms, timer = _time(lambda launch=launch: indexer_triton.indexer_logits_pass(*iq, topk=2048, **launch), slow_ms)
-            out["rows"].append({
-                "num_warps": n_warps, "block_pointers": block_pointers, "ms": ms, "tflops": flops / ms / 1e9,
-                "timer": timer, "bitwise_equal_to_default": bool(torch.equal(logits, reference)),
-            })
+            ms, timer = _time(
+                lambda launch=launch: indexer_triton.indexer_logits_pass(*iq, topk=2048, **launch), slow_ms
+            )
+            out["rows"].append(
+                {
+                    "num_warps": n_warps,
+                    "block_pointers": block_pointers,
+                    "ms": ms,
+                    "tflops": flops / ms / 1e9,
+                    "timer": timer,
+                    "bitwise_equal_to_default": bool(torch.equal(logits, reference)),
+                }
+            )
     best = max(out["rows"], key=lambda r: r["tflops"] if r["bitwise_equal_to_default"] else 0)
     out["best"] = {k: best[k] for k in ("num_warps", "block_pointers", "tflops")}
     return out
@@ -108,8 +130,12 @@ def fp8_projections(device: str, tokens: int, slow_ms: float) -> dict[str, Any]:
     m = tokens if on_gpu else 32
     shapes = DEEPSEEK_PROJECTIONS if on_gpu else {"toy": (256, 384)}
     gen = torch.Generator(device=dev).manual_seed(0)
-    out: dict[str, Any] = {"tokens": m, "scale_fmt": "ue8m0 (activations), float32 (weights)",
-                           "flops": "2 * M * N * K (N unpadded)", "projections": {}}
+    out: dict[str, Any] = {
+        "tokens": m,
+        "scale_fmt": "ue8m0 (activations), float32 (weights)",
+        "flops": "2 * M * N * K (N unpadded)",
+        "projections": {},
+    }
 
     def inputs(k: int, n: int) -> tuple[torch.Tensor, ...]:
         x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
@@ -125,8 +151,13 @@ def fp8_projections(device: str, tokens: int, slow_ms: float) -> dict[str, Any]:
     sweep = []
     for config in TRITON_FP8_CONFIGS if on_gpu else [fp8_gemm.CPU_CONFIG]:
         try:
-            err = _rel(fp8_gemm.block_fp8_gemm_triton(x_fp8[:64], x_scale[:64], w_fp8, w_scale, torch.float32, config=config), want)
-            ms, _ = _time(lambda c=config: fp8_gemm.block_fp8_gemm_triton(x_fp8, x_scale, w_fp8, w_scale, config=c), slow_ms)
+            err = _rel(
+                fp8_gemm.block_fp8_gemm_triton(x_fp8[:64], x_scale[:64], w_fp8, w_scale, torch.float32, config=config),
+                want,
+            )
+            ms, _ = _time(
+                lambda c=config: fp8_gemm.block_fp8_gemm_triton(x_fp8, x_scale, w_fp8, w_scale, config=c), slow_ms
+            )
             sweep.append({"config": config, "ms": ms, "rel_err_vs_emulation": err})
         except Exception as exc:  # a config that does not build: recorded, never picked
             sweep.append({"config": config, "error": f"{type(exc).__name__}: {exc}"[:300]})
@@ -142,16 +173,29 @@ def fp8_projections(device: str, tokens: int, slow_ms: float) -> dict[str, Any]:
         emulated = emulated_block_fp8_gemm(x_fp8[:64], x_scale[:64], w_fp8, w_scale, torch.float32)[:, :n]
         bf16_ms, _ = _time(lambda x=x, w=w: torch.nn.functional.linear(x, w), slow_ms)
         quant_ms, _ = _time(lambda x=x: act_quant(x, 128, "ue8m0"), slow_ms)
-        row: dict[str, Any] = {"K": k, "N": n, "bf16_ms": bf16_ms, "bf16_tflops": flops / bf16_ms / 1e9,
-                               "act_quant_ms": quant_ms, "fp8_rel_err_vs_bf16": _rel(emulated, bf16)}
-        paths = {"scaled_mm": fp8_gemm.scaled_mm_block_fp8,
-                 "triton": lambda *a: fp8_gemm.block_fp8_gemm_triton(*a, config=triton_config)}
+        row: dict[str, Any] = {
+            "K": k,
+            "N": n,
+            "bf16_ms": bf16_ms,
+            "bf16_tflops": flops / bf16_ms / 1e9,
+            "act_quant_ms": quant_ms,
+            "fp8_rel_err_vs_bf16": _rel(emulated, bf16),
+        }
+        paths = {
+            "scaled_mm": fp8_gemm.scaled_mm_block_fp8,
+            "triton": lambda *a: fp8_gemm.block_fp8_gemm_triton(*a, config=triton_config),
+        }
         for path, gemm in paths.items():
             try:
                 got = gemm(x_fp8[:64], x_scale[:64], w_fp8, w_scale, torch.float32)[:, :n]
                 ms, timer = _time(lambda g=gemm: g(x_fp8, x_scale, w_fp8, w_scale, torch.bfloat16), slow_ms)
-                row[path] = {"ms": ms, "tflops": flops / ms / 1e9, "timer": timer,
-                             "rel_err_vs_emulation": _rel(got, emulated), "with_act_quant_ms": ms + quant_ms}
+                row[path] = {
+                    "ms": ms,
+                    "tflops": flops / ms / 1e9,
+                    "timer": timer,
+                    "rel_err_vs_emulation": _rel(got, emulated),
+                    "with_act_quant_ms": ms + quant_ms,
+                }
             except Exception as exc:  # the path does not run here (torch, CUDA or device): recorded
                 row[path] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
         out["projections"][name] = row
@@ -171,9 +215,14 @@ def emulated_errors(rows: int = 64, seed: int = 0) -> dict[str, Any]:
     from reference_impl.model.fp8_linear import Fp8BlockLinear
 
     gen = torch.Generator().manual_seed(seed)
-    out: dict[str, Any] = {"rows": rows, "seed": seed, "what": "relative Frobenius error of the FP8 projection "
-                           "(1x128 ue8m0 activation scales, 128x128 float32 weight scales) against the float32 product "
-                           "of the same bf16 operands; and of bf16 output rounding alone", "projections": {}}
+    out: dict[str, Any] = {
+        "rows": rows,
+        "seed": seed,
+        "what": "relative Frobenius error of the FP8 projection "
+        "(1x128 ue8m0 activation scales, 128x128 float32 weight scales) against the float32 product "
+        "of the same bf16 operands; and of bf16 output rounding alone",
+        "projections": {},
+    }
     for name, (k, n) in DEEPSEEK_PROJECTIONS.items():
         linear = torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16)
         with torch.no_grad():
@@ -182,7 +231,12 @@ def emulated_errors(rows: int = 64, seed: int = 0) -> dict[str, Any]:
         with torch.no_grad():
             want = x.float() @ linear.weight.float().t()
             fp8 = Fp8BlockLinear(linear, "ue8m0")(x)
-        out["projections"][name] = {"K": k, "N": n, "fp8_rel_err": _rel(fp8, want), "bf16_rounding_rel_err": _rel(want.bfloat16(), want)}
+        out["projections"][name] = {
+            "K": k,
+            "N": n,
+            "fp8_rel_err": _rel(fp8, want),
+            "bf16_rounding_rel_err": _rel(want.bfloat16(), want),
+        }
     errs = [v["fp8_rel_err"] for v in out["projections"].values()]
     out["fp8_rel_err_range"] = [min(errs), max(errs)]
     return out
@@ -195,17 +249,40 @@ def layer_128k(device: str, layers: int, level_repeats: int, wire_gbps: float | 
 
     on_gpu = device == "cuda"
     preset, extend = ("deepseek-v3.2", 131072) if on_gpu else ("tiny", 512)
-    variants = {"default": ({}, False), "fp8_projections": ({"DSACP_FP8_PROJECTIONS": "1"}, False),
-                "block_pointer_logits": ({}, True), "fp8_projections+block_pointer_logits": ({"DSACP_FP8_PROJECTIONS": "1"}, True)}
-    out: dict[str, Any] = {"preset": preset, "workload": f"current-only:0+{extend}", "level": 8, "cp_size": 8 if on_gpu else 2,
-                           "n_layers": layers, "level_repeats": level_repeats, "wire_gbps": wire_gbps, "variants": {}}
+    variants = {
+        "default": ({}, False),
+        "fp8_projections": ({"DSACP_FP8_PROJECTIONS": "1"}, False),
+        "block_pointer_logits": ({}, True),
+        "fp8_projections+block_pointer_logits": ({"DSACP_FP8_PROJECTIONS": "1"}, True),
+    }
+    out: dict[str, Any] = {
+        "preset": preset,
+        "workload": f"current-only:0+{extend}",
+        "level": 8,
+        "cp_size": 8 if on_gpu else 2,
+        "n_layers": layers,
+        "level_repeats": level_repeats,
+        "wire_gbps": wire_gbps,
+        "variants": {},
+    }
     saved = indexer_triton.GPU_BLOCK_POINTERS
     for name, (env, block_pointers) in variants.items():
         os.environ.update(env)
         indexer_triton.GPU_BLOCK_POINTERS = block_pointers
         try:
-            result = _guarded(lambda: measure(preset, Workload("current-only", 0, extend), [8], out["cp_size"], 0, layers,
-                                              device, wire_gbps if on_gpu else None, level_repeats=level_repeats))
+            result = _guarded(
+                lambda: measure(
+                    preset,
+                    Workload("current-only", 0, extend),
+                    [8],
+                    out["cp_size"],
+                    0,
+                    layers,
+                    device,
+                    wire_gbps if on_gpu else None,
+                    level_repeats=level_repeats,
+                )
+            )
         finally:
             for key in env:
                 os.environ.pop(key, None)
@@ -222,14 +299,18 @@ def build_parser() -> ToolParser:
     parser = ToolParser(PROG, __doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="JSON to write (a superset of compute_bench.json)")
     parser.add_argument("--device", type=device_arg, default="cuda", help="cuda, or cpu: a dry run at toy sizes")
-    parser.add_argument("--layers", type=int_arg(1, MAX_LAYERS, "more than any preset's"), default=4,
-                        help="layers of section 4's rank")
+    parser.add_argument(
+        "--layers", type=int_arg(1, MAX_LAYERS, "more than any preset's"), default=4, help="layers of section 4's rank"
+    )
     parser.add_argument("--level-repeats", type=int_arg(1, MAX_REPEATS), default=3, help="section 4's runs per variant")
     parser.add_argument("--wire-gbps", type=float_arg(), default=450.0, help="the layer's modeled interconnect, GB/s")
     parser.add_argument("--slow-ms", type=float_arg(), default=250.0, help="above this, time with 3 event-timed runs")
     parser.add_argument("--skip-compute", action="store_true", help="skip section 1 (the compute benchmark)")
-    parser.add_argument("--emulated-errors", action="store_true",
-                        help="only write the FP8 projections' error against bf16 from the CPU emulation (no device)")
+    parser.add_argument(
+        "--emulated-errors",
+        action="store_true",
+        help="only write the FP8 projections' error against bf16 from the CPU emulation (no device)",
+    )
     return parser
 
 
@@ -251,11 +332,29 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_compute:
         compute_args = ["--out", str(out), "--sweep"]
         if args.device == "cpu":  # the compute bench's own dry run at toy sizes
-            compute_args += ["--device", "cpu", "--tokens", "256", "--heads", "16", "--topk", "64", "--index-heads", "4",
-                             "--cp-context", "512", "--torch-max-tokens", "512", "--check-rows", "8"]
+            compute_args += [
+                "--device",
+                "cpu",
+                "--tokens",
+                "256",
+                "--heads",
+                "16",
+                "--topk",
+                "64",
+                "--index-heads",
+                "4",
+                "--cp-context",
+                "512",
+                "--torch-max-tokens",
+                "512",
+                "--check-rows",
+                "8",
+            ]
         compute.main(compute_args)
     doc: dict[str, Any] = json.loads(out.read_text()) if out.is_file() and not args.skip_compute else {}
-    doc["limits_command"] = "python -m reference_impl.bench.limits " + " ".join(argv if argv is not None else sys.argv[1:])
+    doc["limits_command"] = "python -m reference_impl.bench.limits " + " ".join(
+        argv if argv is not None else sys.argv[1:]
+    )
     doc["limits_device"] = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu (dry run)"
 
     def save() -> None:
@@ -283,8 +382,10 @@ def summary(doc: dict[str, Any]) -> str:
         lines.append(f"sparse MLA, per-rank shape: {attention['engine_tflops']:.0f} TFLOPS (goal 560)")
     logits = doc.get("logits_variants", {})
     for row in logits.get("rows", []):
-        lines.append(f"indexer logits, {row['num_warps']} warps, block pointers {row['block_pointers']}: "
-                     f"{row['tflops']:.0f} TFLOPS (goal 1100), equal {row['bitwise_equal_to_default']}")
+        lines.append(
+            f"indexer logits, {row['num_warps']} warps, block pointers {row['block_pointers']}: "
+            f"{row['tflops']:.0f} TFLOPS (goal 1100), equal {row['bitwise_equal_to_default']}"
+        )
     fp8 = doc.get("fp8_projections", {}).get("totals", {})
     if fp8:
         lines.append("projections per layer, ms: " + ", ".join(f"{k} {v:.2f}" for k, v in fp8.items()))

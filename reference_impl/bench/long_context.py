@@ -47,15 +47,33 @@ from typing import Any
 import torch
 
 from reference_impl.bench.layer import parse_levels, phases_at, planner_point, split_fits, warm_up
+from reference_impl.bench.record import run_record
 from reference_impl.config import MAX_BATCH_TOKENS, MAX_PLAN_CP, ConfigError, Request, RunConfig
 from reference_impl.cp.loopback import LoopbackGroup
 from reference_impl.engine import run_rank
 from reference_impl.planner import rank_ranges, zigzag_blocks
-from reference_impl.bench.record import run_record
 from reference_impl.tool_args import (
-    DSA_PRESETS, LIST, MAX_LAYERS, OBJECT, OPTIONAL_NUMBER, POSITIVE, ToolParser, choice_field, device_arg,
-    dsa_preset_arg, float_arg, input_json, int_arg, int_field, int_list, output_file, rank_fits, rank_of, refusing,
-    require_cuda, stored_fields,
+    DSA_PRESETS,
+    LIST,
+    MAX_LAYERS,
+    OBJECT,
+    OPTIONAL_NUMBER,
+    POSITIVE,
+    ToolParser,
+    choice_field,
+    device_arg,
+    dsa_preset_arg,
+    float_arg,
+    input_json,
+    int_arg,
+    int_field,
+    int_list,
+    output_file,
+    rank_fits,
+    rank_of,
+    refusing,
+    require_cuda,
+    stored_fields,
 )
 
 PROG = "python -m reference_impl.bench.long_context"
@@ -83,26 +101,38 @@ def last_prefix(context: int, chunk: int) -> int:
     return (context - 1) // chunk * chunk
 
 
-def estimate_seconds(preset: str, contexts: list[int], chunk: int, levels: list[int], cp_size: int, rank: int,
-                     n_layers: int) -> float:
+def estimate_seconds(
+    preset: str, contexts: list[int], chunk: int, levels: list[int], cp_size: int, rank: int, n_layers: int
+) -> float:
     """The planner's device time of the measured runs: every chunk's layer, each level run twice
     (warm-up and timed), plus the component timings (about eight calls of the last chunk's indexer)."""
     total_ms = 0.0
     for context in contexts:
         run = _run_config(preset, context, chunk, levels[0], cp_size, n_layers, "cpu")
         for level in levels:
-            per_layer = sum(planner_point(run, rank, level, None, max(0, c - chunk), c)["layer_ms"]
-                            for c in chunk_contexts(context, chunk))
+            per_layer = sum(
+                planner_point(run, rank, level, None, max(0, c - chunk), c)["layer_ms"]
+                for c in chunk_contexts(context, chunk)
+            )
             total_ms += 2 * per_layer * n_layers
         terms = planner_point(run, rank, max(levels), None, last_prefix(context, chunk), context)["terms_ms"]
         total_ms += 8 * (terms["indexer_logits"] + terms["indexer_topk"]) + 8 * terms["attention"]
     return total_ms / 1e3
 
 
-def _run_config(preset: str, context: int, chunk: int, level: int, cp_size: int, n_layers: int, device: str) -> RunConfig:
-    return RunConfig(preset=preset, n_layers=n_layers, cp_size=cp_size, requests=(Request(0, context),),
-                     chunk_size=chunk if chunk < context else None, check=False, device=device,
-                     phases=phases_at(level, "in-seq"))
+def _run_config(
+    preset: str, context: int, chunk: int, level: int, cp_size: int, n_layers: int, device: str
+) -> RunConfig:
+    return RunConfig(
+        preset=preset,
+        n_layers=n_layers,
+        cp_size=cp_size,
+        requests=(Request(0, context),),
+        chunk_size=chunk if chunk < context else None,
+        check=False,
+        device=device,
+        phases=phases_at(level, "in-seq"),
+    )
 
 
 def measure_level(run: RunConfig, level: int, rank: int, chunk: int) -> dict[str, Any]:
@@ -153,12 +183,21 @@ def replan(doc: dict[str, Any]) -> dict[str, Any]:
     replaced and ``planner_replanned`` says so."""
     for entry in doc["runs"]:
         for point in entry["levels"]:
-            run = _run_config(doc["preset"], entry["context"], doc["chunk_tokens"], point["level"], doc["cp_size"],
-                              doc["n_layers"], "cpu")
+            run = _run_config(
+                doc["preset"],
+                entry["context"],
+                doc["chunk_tokens"],
+                point["level"],
+                doc["cp_size"],
+                doc["n_layers"],
+                "cpu",
+            )
             _planner_fields(point, run, doc["rank"], doc["chunk_tokens"])
     doc["table"] = measured_table(doc["runs"])
-    doc["planner_replanned"] = ("planner fields recomputed by `python -m reference_impl.bench.long_context --replan` "
-                                "with the planner and rates of the working tree; measurements unchanged")
+    doc["planner_replanned"] = (
+        "planner fields recomputed by `python -m reference_impl.bench.long_context --replan` "
+        "with the planner and rates of the working tree; measurements unchanged"
+    )
     return doc
 
 
@@ -178,8 +217,9 @@ def planned_level(run: RunConfig, level: int, rank: int, chunk: int) -> dict[str
     }
 
 
-def modeled_doc(preset: str, contexts: list[int], chunk: int, levels: list[int], cp_size: int, rank: int,
-                n_layers: int) -> dict[str, Any]:
+def modeled_doc(
+    preset: str, contexts: list[int], chunk: int, levels: list[int], cp_size: int, rank: int, n_layers: int
+) -> dict[str, Any]:
     """The benchmark's document with the planner's figures only (``"modeled": true``, no measured
     field): what the docs render until a GPU run replaces it. No device is used."""
     runs = []
@@ -187,16 +227,27 @@ def modeled_doc(preset: str, contexts: list[int], chunk: int, levels: list[int],
         entry: dict[str, Any] = {"context": context, "prefix_of_last_chunk": last_prefix(context, chunk), "levels": []}
         for level in levels:
             run = _run_config(preset, context, chunk, level, cp_size, n_layers, "cpu")
-            entry["levels"].append({"level": level, "phases": str(run.phases), "chunk_contexts": chunk_contexts(context, chunk),
-                                    "planner": planned_level(run, level, rank, chunk)})
+            entry["levels"].append(
+                {
+                    "level": level,
+                    "phases": str(run.phases),
+                    "chunk_contexts": chunk_contexts(context, chunk),
+                    "planner": planned_level(run, level, rank, chunk),
+                }
+            )
         runs.append(entry)
-    peaks = {str(level): [next(p for p in r["levels"] if p["level"] == level)["planner"]["peak_bytes"] for r in runs]
-             for level in levels}
+    peaks = {
+        str(level): [next(p for p in r["levels"] if p["level"] == level)["planner"]["peak_bytes"] for r in runs]
+        for level in levels
+    }
     table = [  # one row per context, for the docs: the last chunk's layer per level, the prefill, the peak
-        {"context": r["context"], "chunks": len(chunk_contexts(r["context"], chunk)),
-         **{f"level_{p['level']}_ms": p["planner"]["last_chunk_layer_ms"] for p in r["levels"]},
-         "prefill_ms_per_layer": r["levels"][-1]["planner"]["prefill_ms_per_layer"],
-         "peak_gib": r["levels"][-1]["planner"]["peak_bytes"] / 2**30}
+        {
+            "context": r["context"],
+            "chunks": len(chunk_contexts(r["context"], chunk)),
+            **{f"level_{p['level']}_ms": p["planner"]["last_chunk_layer_ms"] for p in r["levels"]},
+            "prefill_ms_per_layer": r["levels"][-1]["planner"]["prefill_ms_per_layer"],
+            "peak_gib": r["levels"][-1]["planner"]["peak_bytes"] / 2**30,
+        }
         for r in runs
     ]
     return {
@@ -206,13 +257,22 @@ def modeled_doc(preset: str, contexts: list[int], chunk: int, levels: list[int],
         "command": f"python -m reference_impl.bench.long_context --modeled --out docs/results/long_context_modeled.json "
         f"--contexts {','.join(map(str, contexts))} --chunk {chunk} --levels {','.join(map(str, levels))} "
         f"--layers {n_layers} --cp-size {cp_size} --rank {rank} --preset {preset}",
-        "preset": preset, "cp_size": cp_size, "rank": rank, "n_layers": n_layers, "chunk_tokens": chunk,
-        "local_queries_per_chunk": chunk // cp_size, "levels": levels, "contexts": contexts, "runs": runs,
-        "table": table, "table_level": levels[-1],
+        "preset": preset,
+        "cp_size": cp_size,
+        "rank": rank,
+        "n_layers": n_layers,
+        "chunk_tokens": chunk,
+        "local_queries_per_chunk": chunk // cp_size,
+        "levels": levels,
+        "contexts": contexts,
+        "runs": runs,
+        "table": table,
+        "table_level": levels[-1],
         "planner_peak_ratio_longest_over_shortest": {k: v[-1] / v[0] for k, v in peaks.items()},
         "planner_current_only_ms": {  # the whole context in one chunk, for comparison
-            str(context): planner_point(_run_config(preset, context, context, max(levels), cp_size, n_layers, "cpu"),
-                                        rank, max(levels), None)["layer_ms"]
+            str(context): planner_point(
+                _run_config(preset, context, context, max(levels), cp_size, n_layers, "cpu"), rank, max(levels), None
+            )["layer_ms"]
             for context in contexts
         },
     }
@@ -235,7 +295,9 @@ def components(cfg: Any, positions: torch.Tensor, context: int, device: torch.de
     del iq
     q, kv, idx = attention_inputs(positions, context, cfg.n_heads, cfg.index_topk, gen, device)
     attention_ms, _ = _time(
-        lambda: dispatch.sparse_mla_attention(q, kv, idx, cfg.softmax_scale, cfg.kv_lora_rank, out_dtype=torch.bfloat16),
+        lambda: dispatch.sparse_mla_attention(
+            q, kv, idx, cfg.softmax_scale, cfg.kv_lora_rank, out_dtype=torch.bfloat16
+        ),
         slow_ms,
     )
     del q, kv, idx
@@ -246,11 +308,17 @@ def components(cfg: Any, positions: torch.Tensor, context: int, device: torch.de
     with torch.no_grad():
         project_ms, _ = _time(lambda: attn.project(x, pos), slow_ms)
     logits_flops = 2.0 * cfg.index_n_heads * cfg.index_head_dim * visible
-    attention_flops = 2.0 * positions.numel() * min(cfg.index_topk, context) * cfg.n_heads * (cfg.kv_width + cfg.kv_lora_rank)
+    attention_flops = (
+        2.0 * positions.numel() * min(cfg.index_topk, context) * cfg.n_heads * (cfg.kv_width + cfg.kv_lora_rank)
+    )
     return {
-        "T_local": int(positions.numel()), "S": context, "timer": timer,
-        "indexer_logits_ms": logits_ms, "indexer_topk_ms": topk_total - logits_ms,
-        "attention_ms": attention_ms, "project_ms": project_ms,
+        "T_local": int(positions.numel()),
+        "S": context,
+        "timer": timer,
+        "indexer_logits_ms": logits_ms,
+        "indexer_topk_ms": topk_total - logits_ms,
+        "attention_ms": attention_ms,
+        "project_ms": project_ms,
         "indexer_logits_tflops": logits_flops / logits_ms / 1e9,
         "attention_tflops": attention_flops / attention_ms / 1e9,
     }
@@ -263,13 +331,17 @@ def measured_table(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     table = []
     for r in runs:
         top = r["levels"][-1]
-        row = {"context": r["context"], "chunks": len(top["chunk_contexts"]),
-               **{f"level_{p['level']}_ms": p["last_chunk_layer_ms"] for p in r["levels"]},
-               **{f"planner_level_{p['level']}_ms": p["planner"]["last_chunk_layer_ms"] for p in r["levels"]},
-               "prefill_ms_per_layer": top["prefill_ms_per_layer"],
-               "planner_prefill_ms_per_layer": top["planner"]["prefill_ms_per_layer"],
-               "peak_gib": (top["measured_peak_bytes"] or 0) / 2**30, "planner_peak_gib": top["planner"]["peak_bytes"] / 2**30,
-               "kv_gib": top["kv_bytes"] / 2**30}
+        row = {
+            "context": r["context"],
+            "chunks": len(top["chunk_contexts"]),
+            **{f"level_{p['level']}_ms": p["last_chunk_layer_ms"] for p in r["levels"]},
+            **{f"planner_level_{p['level']}_ms": p["planner"]["last_chunk_layer_ms"] for p in r["levels"]},
+            "prefill_ms_per_layer": top["prefill_ms_per_layer"],
+            "planner_prefill_ms_per_layer": top["planner"]["prefill_ms_per_layer"],
+            "peak_gib": (top["measured_peak_bytes"] or 0) / 2**30,
+            "planner_peak_gib": top["planner"]["peak_bytes"] / 2**30,
+            "kv_gib": top["kv_bytes"] / 2**30,
+        }
         row.update({k: v for k, v in r.get("components", {}).items() if k.endswith("_ms")})
         table.append(row)
     return table
@@ -283,13 +355,27 @@ def transient_ratio(runs: list[dict[str, Any]], level: int) -> float | None:
 
 # What --replan reads from a stored run (measured fields the planner's errors divide by included).
 REPLAN_FIELDS = {
-    "preset": choice_field(DSA_PRESETS), "cp_size": int_field(1, MAX_PLAN_CP), "rank": int_field(0),
-    "n_layers": int_field(1, MAX_LAYERS), "chunk_tokens": int_field(1, MAX_BATCH_TOKENS),
-    "runs": [{
-        "context": int_field(1, MAX_BATCH_TOKENS), "components?": OBJECT,
-        "levels": [{"level": int_field(0, 8), "chunk_contexts": LIST, "last_chunk_layer_ms": POSITIVE,
-                    "prefill_ms_per_layer": POSITIVE, "kv_bytes": POSITIVE, "measured_peak_bytes": OPTIONAL_NUMBER}],
-    }],
+    "preset": choice_field(DSA_PRESETS),
+    "cp_size": int_field(1, MAX_PLAN_CP),
+    "rank": int_field(0),
+    "n_layers": int_field(1, MAX_LAYERS),
+    "chunk_tokens": int_field(1, MAX_BATCH_TOKENS),
+    "runs": [
+        {
+            "context": int_field(1, MAX_BATCH_TOKENS),
+            "components?": OBJECT,
+            "levels": [
+                {
+                    "level": int_field(0, 8),
+                    "chunk_contexts": LIST,
+                    "last_chunk_layer_ms": POSITIVE,
+                    "prefill_ms_per_layer": POSITIVE,
+                    "kv_bytes": POSITIVE,
+                    "measured_peak_bytes": OPTIONAL_NUMBER,
+                }
+            ],
+        }
+    ],
 }
 
 
@@ -298,8 +384,10 @@ def walk_fits(contexts: list[int], chunk: int, levels: list[int], cp_size: int, 
     or whose last chunk of a context leaves a rank without a token."""
     points = sum(-(-context // chunk) for context in contexts) * len(levels)
     if points > MAX_CHUNK_POINTS:
-        raise ConfigError(f"{what}: {points:,} chunks x levels; at most {MAX_CHUNK_POINTS:,} (each is planned, and "
-                          "run, one by one): use a larger chunk, fewer contexts or levels")
+        raise ConfigError(
+            f"{what}: {points:,} chunks x levels; at most {MAX_CHUNK_POINTS:,} (each is planned, and "
+            "run, one by one): use a larger chunk, fewer contexts or levels"
+        )
     for context in contexts:
         split_fits(context, chunk, cp_size, f"{what}: context {context:,} in chunks of {chunk:,}")
 
@@ -317,14 +405,20 @@ def stored_run(path: str) -> dict[str, Any]:
 
 def build_parser() -> ToolParser:
     parser = ToolParser(PROG, __doc__.split("\n\n")[0])
-    parser.add_argument("--out", help="JSON file to write (rewritten after each context; with --replan: default "
-                        "the file replanned)")
+    parser.add_argument(
+        "--out", help="JSON file to write (rewritten after each context; with --replan: default the file replanned)"
+    )
     parser.add_argument("--replan", metavar="FILE", help="recompute the planner fields of a stored run (no device)")
     parser.add_argument("--preset", type=dsa_preset_arg(), default="deepseek-v3.2", help=", ".join(DSA_PRESETS))
-    parser.add_argument("--contexts", default=",".join(str(c) for c in DEFAULT_CONTEXTS),
-                        help="tokens of the request, comma separated")
-    parser.add_argument("--chunk", type=int_arg(1, MAX_BATCH_TOKENS), default=DEFAULT_CHUNK,
-                        help="tokens per chunk of the prefill (CP group)")
+    parser.add_argument(
+        "--contexts", default=",".join(str(c) for c in DEFAULT_CONTEXTS), help="tokens of the request, comma separated"
+    )
+    parser.add_argument(
+        "--chunk",
+        type=int_arg(1, MAX_BATCH_TOKENS),
+        default=DEFAULT_CHUNK,
+        help="tokens per chunk of the prefill (CP group)",
+    )
     parser.add_argument("--levels", default="0,7,8", help="phase levels: a list 0,7,8 or a range 0-8")
     parser.add_argument("--layers", type=int_arg(1, MAX_LAYERS, "more than any preset's"), default=2, help="layers run")
     parser.add_argument("--cp-size", type=int_arg(1, MAX_PLAN_CP), default=8, help="CP ranks C")
@@ -358,26 +452,43 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {args.out} (modeled)", file=sys.stderr)
         return 0
     require_cuda(args.device)
-    rank_fits((_run_config(args.preset, context, args.chunk, level, args.cp_size, args.layers, args.device)
-               for context in contexts for level in levels), args.rank, args.device, "--contexts / --chunk / --layers")
+    rank_fits(
+        (
+            _run_config(args.preset, context, args.chunk, level, args.cp_size, args.layers, args.device)
+            for context in contexts
+            for level in levels
+        ),
+        args.rank,
+        args.device,
+        "--contexts / --chunk / --layers",
+    )
     from reference_impl.bench.timing import ready_for
 
     ready_for(args.device)  # a CPU dry run: Triton's interpreter on, before the kernels import it
     estimate = estimate_seconds(args.preset, contexts, args.chunk, levels, args.cp_size, args.rank, args.layers)
-    print(f"planner estimate of the measured device time: {estimate:.0f} s (plus compilation and host work)",
-          file=sys.stderr, flush=True)
+    print(
+        f"planner estimate of the measured device time: {estimate:.0f} s (plus compilation and host work)",
+        file=sys.stderr,
+        flush=True,
+    )
     on_gpu = args.device == "cuda"
     runs: list[dict[str, Any]] = []
     doc: dict[str, Any] = {
         **run_record("long_context", argv, args.device),
         "env": {name: value for name, value in sorted(os.environ.items()) if name.startswith("DSACP_")},
-        "preset": args.preset, "cp_size": args.cp_size, "rank": args.rank, "n_layers": args.layers,
-        "chunk_tokens": args.chunk, "local_queries_per_chunk": args.chunk // args.cp_size, "levels": levels,
+        "preset": args.preset,
+        "cp_size": args.cp_size,
+        "rank": args.rank,
+        "n_layers": args.layers,
+        "chunk_tokens": args.chunk,
+        "local_queries_per_chunk": args.chunk // args.cp_size,
+        "levels": levels,
         "contexts": contexts,
         "how_cp_runs": f"rank {args.rank} of C={args.cp_size} alone in one process (LoopbackGroup): all-gathers are "
         "local copies (no wire time); one request prefilled in chunks",
         "timing": "CUDA events per layer of one run after a warm-up run of the same level and context; components: "
-        "median of triton.testing.do_bench, or of 3 event-timed runs above --slow-ms" if on_gpu
+        "median of triton.testing.do_bench, or of 3 event-timed runs above --slow-ms"
+        if on_gpu
         else "perf_counter (CPU dry run: the numbers mean nothing)",
         "planner_estimate_s": estimate,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -385,8 +496,16 @@ def main(argv: list[str] | None = None) -> int:
     }
     out = Path(args.out)
     for context in contexts:
-        print(f"context {context}: {len(chunk_contexts(context, args.chunk))} chunks, levels {levels}", file=sys.stderr, flush=True)
-        entry: dict[str, Any] = {"context": context, "prefix_of_last_chunk": last_prefix(context, args.chunk), "levels": []}
+        print(
+            f"context {context}: {len(chunk_contexts(context, args.chunk))} chunks, levels {levels}",
+            file=sys.stderr,
+            flush=True,
+        )
+        entry: dict[str, Any] = {
+            "context": context,
+            "prefix_of_last_chunk": last_prefix(context, args.chunk),
+            "levels": [],
+        }
         runs.append(entry)
         for level in levels:
             run = _run_config(args.preset, context, args.chunk, level, args.cp_size, args.layers, args.device)
@@ -396,7 +515,9 @@ def main(argv: list[str] | None = None) -> int:
             cfg = run.model
             positions = local_positions(context, args.chunk, args.cp_size, run.page_size, max(levels), args.rank)
             entry["components"] = components(cfg, positions, context, torch.device(args.device), args.slow_ms)
-            parts = sum(entry["components"][k] for k in ("indexer_logits_ms", "indexer_topk_ms", "attention_ms", "project_ms"))
+            parts = sum(
+                entry["components"][k] for k in ("indexer_logits_ms", "indexer_topk_ms", "attention_ms", "project_ms")
+            )
             for point in entry["levels"]:
                 point["other_ms"] = point["last_chunk_layer_ms"] - parts
         out.write_text(json.dumps(doc, indent=1))
@@ -412,8 +533,10 @@ def main(argv: list[str] | None = None) -> int:
 def format_table(doc: dict[str, Any]) -> str:
     """One line per context and level: last chunk's layer ms, prefill ms per layer, memory, planner."""
     gib = 2**30
-    lines = [f"{'context':>9} {'lvl':>3} {'layer ms':>9} {'planner':>8} {'prefill ms/layer':>17} {'KV GiB':>7} "
-             f"{'transient GiB':>14} {'planner':>8}"]
+    lines = [
+        f"{'context':>9} {'lvl':>3} {'layer ms':>9} {'planner':>8} {'prefill ms/layer':>17} {'KV GiB':>7} "
+        f"{'transient GiB':>14} {'planner':>8}"
+    ]
     for r in doc["runs"]:
         for p in r["levels"]:
             peak = p["measured_peak_bytes"]

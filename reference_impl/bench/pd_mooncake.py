@@ -62,6 +62,7 @@ import torch
 
 from reference_impl.bench.layer import Workload
 from reference_impl.bench.pd_stream import DECODE_RANK, parse_stream_args, runs_fit, stream_parser, streamed_prefill
+from reference_impl.bench.record import run_record
 from reference_impl.config import ConfigError, PhaseSet, Request, RunConfig
 from reference_impl.cp.loopback import LoopbackGroup
 from reference_impl.engine import request_locs, run_rank
@@ -71,7 +72,6 @@ from reference_impl.pd.mooncake import MooncakeReceiver, MooncakeTransport
 from reference_impl.pd.mooncake_engine import MooncakeEngine, mooncake_unavailable
 from reference_impl.pd.stream import LayerStreamer
 from reference_impl.tool_args import refusing
-from reference_impl.bench.record import run_record
 
 PROG = "python -m reference_impl.bench.pd_mooncake"
 LIB_LINKS = Path(tempfile.gettempdir()) / "dsacp-mooncake-libs"  # the loaded ones, for LD_LIBRARY_PATH
@@ -186,8 +186,9 @@ def _rows_equal(run: RunConfig, result: Any, shard: DcpDecodeShard) -> bool:
     return True
 
 
-def mooncake_run(run: RunConfig, group: LoopbackGroup, engines: tuple[MooncakeEngine, MooncakeEngine],
-                 decode_device: str) -> dict[str, Any]:
+def mooncake_run(
+    run: RunConfig, group: LoopbackGroup, engines: tuple[MooncakeEngine, MooncakeEngine], decode_device: str
+) -> dict[str, Any]:
     """One prefill whose layer-wise send goes through Mooncake into a decode pool on ``decode_device``."""
     prefill_engine, decode_engine = engines
     layout = KVLayout.from_config(run.model, run.kv_dtype, run.page_size)
@@ -224,12 +225,19 @@ def mooncake_run(run: RunConfig, group: LoopbackGroup, engines: tuple[MooncakeEn
     }
 
 
-def measure(args: argparse.Namespace, workload: Workload, engines: tuple[MooncakeEngine, MooncakeEngine],
-            variants: list[str]) -> dict[str, Any]:
+def measure(
+    args: argparse.Namespace, workload: Workload, engines: tuple[MooncakeEngine, MooncakeEngine], variants: list[str]
+) -> dict[str, Any]:
     """Alternate the variants ``args.repeats`` times on one workload -> JSON-ready dict."""
-    run = RunConfig(preset=args.preset, n_layers=args.layers, cp_size=args.cp_size,
-                    requests=(Request(workload.prefix, workload.extend),), check=False, device=args.device,
-                    phases=PhaseSet.level(args.level))
+    run = RunConfig(
+        preset=args.preset,
+        n_layers=args.layers,
+        cp_size=args.cp_size,
+        requests=(Request(workload.prefix, workload.extend),),
+        check=False,
+        device=args.device,
+        phases=PhaseSet.level(args.level),
+    )
     group_of = lambda: LoopbackGroup(args.rank, args.cp_size, args.device, args.wire_gbps)  # noqa: E731
     decode_device = {"mooncake_host": "cpu", "mooncake_gpu": args.device}
     streamed_prefill(run, group_of())  # warm-up: kernels compiled, pinned host blocks cached
@@ -262,14 +270,20 @@ def measure(args: argparse.Namespace, workload: Workload, engines: tuple[Mooncak
             layer_ms[v] += got
             paired[v].append(statistics.median(got) - statistics.median(base))
     med = statistics.median
-    out: dict[str, Any] = {"workload": workload.__dict__, "level": args.level,
-                           "layer_ms": {v: med(ms) for v, ms in layer_ms.items()},
-                           "added_paired_ms": {v: med(d) for v, d in paired.items()},
-                           "samples_per_variant": len(layer_ms["plain"]), "variant_errors": errors}
+    out: dict[str, Any] = {
+        "workload": workload.__dict__,
+        "level": args.level,
+        "layer_ms": {v: med(ms) for v, ms in layer_ms.items()},
+        "added_paired_ms": {v: med(d) for v, d in paired.items()},
+        "samples_per_variant": len(layer_ms["plain"]),
+        "variant_errors": errors,
+    }
     if torch_legs:
-        out["torch"] = {"staging_ms_per_layer": med(t[0] for t in torch_legs),
-                        "staging_hidden_fraction": med(t[1] for t in torch_legs),
-                        "staging_exposed_ms": med(t[2] for t in torch_legs)}
+        out["torch"] = {
+            "staging_ms_per_layer": med(t[0] for t in torch_legs),
+            "staging_hidden_fraction": med(t[1] for t in torch_legs),
+            "staging_exposed_ms": med(t[2] for t in torch_legs),
+        }
     for v, runs in details.items():
         keys = [k for k in runs[0] if k != "received_equal_rows_at_rest"]
         out[v] = {k: (med(r[k] for r in runs) if runs[0][k] is not None else None) for k in keys}
@@ -282,41 +296,70 @@ def end_to_end(device: str) -> dict[str, Any]:
     """``pd --transport mooncake`` on C = 2 prefill processes and a decode (tiny, level 8, chunked)."""
     from reference_impl.prefill_decode import run_prefill_and_decode
 
-    run = RunConfig(preset="tiny", cp_size=2, requests=(Request(130, 300), Request(0, 200)), page_size=16,
-                    phases=PhaseSet.level(8), chunk_size=70, device=device)
+    run = RunConfig(
+        preset="tiny",
+        cp_size=2,
+        requests=(Request(130, 300), Request(0, 200)),
+        page_size=16,
+        phases=PhaseSet.level(8),
+        chunk_size=70,
+        device=device,
+    )
     start = time.perf_counter()
     result = run_prefill_and_decode(run, timeout_s=90, transfer="rows", transport="mooncake")
-    return {"command": "pd --transport mooncake --cp-size 2 --requests 130+300,0+200 --page-size 16 --phases 8 "
-                       f"--chunk-size 70 --device {device}",
-            # on CPU against the oracle; on CUDA against the prefill ranks' rows at rest (byte for byte)
-            "decode_matches": result.matches_oracle, "oracle_checked": result.oracle_checked,
-            "problems": result.problems[:5], "protocol": result.protocol,
-            "bytes_sent_equal_at_rest": all(s.bytes_sent == s.bytes_at_rest for s in result.sent),
-            "seconds": time.perf_counter() - start}
+    return {
+        "command": "pd --transport mooncake --cp-size 2 --requests 130+300,0+200 --page-size 16 --phases 8 "
+        f"--chunk-size 70 --device {device}",
+        # on CPU against the oracle; on CUDA against the prefill ranks' rows at rest (byte for byte)
+        "decode_matches": result.matches_oracle,
+        "oracle_checked": result.oracle_checked,
+        "problems": result.problems[:5],
+        "protocol": result.protocol,
+        "bytes_sent_equal_at_rest": all(s.bytes_sent == s.bytes_at_rest for s in result.sent),
+        "seconds": time.perf_counter() - start,
+    }
 
 
 @refusing
 def main(argv: list[str] | None = None) -> int:
     parser = stream_parser(PROG, __doc__.split("\n\n")[0])
-    parser.add_argument("--libs", action="append", default=[], metavar="DIR",
-                        help="a folder of shared libraries to load the ones the wheel misses from (repeatable)")
-    parser.add_argument("--no-end-to-end", dest="end_to_end", action="store_false",
-                        help="skip the multi-process pd run (default: run it)")
+    parser.add_argument(
+        "--libs",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a folder of shared libraries to load the ones the wheel misses from (repeatable)",
+    )
+    parser.add_argument(
+        "--no-end-to-end",
+        dest="end_to_end",
+        action="store_false",
+        help="skip the multi-process pd run (default: run it)",
+    )
     args = parse_stream_args(parser, argv)
     missing = [d for d in args.libs if not Path(d).is_dir()]
     if missing:
         raise ConfigError(f"--libs {missing[0]!r}: not a folder")
     on_cuda = args.device == "cuda"
     doc: dict[str, Any] = {
-        "ok": False, "failure": None,
-        **run_record("pd_mooncake", argv, args.device), "python": platform.python_version(),
+        "ok": False,
+        "failure": None,
+        **run_record("pd_mooncake", argv, args.device),
+        "python": platform.python_version(),
         "how_cp_runs": f"rank {args.rank} of C={args.cp_size} alone in one process (LoopbackGroup), the decode in the "
-        "same process with its own Mooncake engine" + (f"; all-gathers with a modeled wire of {args.wire_gbps:g} GB/s"
-                                                        if args.wire_gbps else ""),
+        "same process with its own Mooncake engine"
+        + (f"; all-gathers with a modeled wire of {args.wire_gbps:g} GB/s" if args.wire_gbps else ""),
         "timing": ("CUDA events per layer" if on_cuda else "perf_counter (CPU dry run: the numbers mean nothing)")
         + f"; median over the layers after the first of {args.repeats} runs per variant, variants alternating",
-        "preset": args.preset, "cp_size": args.cp_size, "rank": args.rank, "n_layers": args.layers,
-        "repeats": args.repeats, "wire_gbps": args.wire_gbps, "mooncake": {}, "workloads": [], "end_to_end": None,
+        "preset": args.preset,
+        "cp_size": args.cp_size,
+        "rank": args.rank,
+        "n_layers": args.layers,
+        "repeats": args.repeats,
+        "wire_gbps": args.wire_gbps,
+        "mooncake": {},
+        "workloads": [],
+        "end_to_end": None,
     }
     out = args.out
 
@@ -326,8 +369,11 @@ def main(argv: list[str] | None = None) -> int:
     stage = "load"
     try:
         error, loaded = load_mooncake(args.libs)
-        doc["mooncake"] = {"distribution": mooncake_distribution(), "libraries_loaded_from_libs": loaded,
-                           "import_error": error}
+        doc["mooncake"] = {
+            "distribution": mooncake_distribution(),
+            "libraries_loaded_from_libs": loaded,
+            "import_error": error,
+        }
         if error is not None:
             raise RuntimeError(error)
         runs_fit(args)  # after the load: a wheel that does not load is recorded whatever the sizes
@@ -348,8 +394,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError:  # a run this machine cannot hold: refused in one line, not recorded as a result
         raise
     except Exception as exc:  # noqa: BLE001 (the failure is the result: recorded, not a crash)
-        doc["failure"] = {"stage": stage, "error": f"{type(exc).__name__}: {exc}",
-                          "traceback": traceback.format_exc().splitlines()[-12:]}
+        doc["failure"] = {
+            "stage": stage,
+            "error": f"{type(exc).__name__}: {exc}",
+            "traceback": traceback.format_exc().splitlines()[-12:],
+        }
         print(f"FAILED at {stage}: {type(exc).__name__}: {exc} (recorded in {out})", file=sys.stderr)
     write()
     print(f"wrote {out}", file=sys.stderr)

@@ -34,24 +34,36 @@ from typing import Any
 import torch
 
 from reference_impl.bench.layer import Workload, parse_workloads, split_fits
+from reference_impl.bench.record import loopback_cp, run_record
 from reference_impl.config import MAX_PLAN_CP, PhaseSet, Request, RunConfig
 from reference_impl.cp.loopback import LoopbackGroup
 from reference_impl.engine import request_locs, run_rank
 from reference_impl.pd.stream import LayerStreamer
 from reference_impl.pd.transport import InProcessTransport
 from reference_impl.tool_args import (
-    DSA_PRESETS, MAX_LAYERS, MAX_REPEATS, ToolParser, device_arg, dsa_preset_arg, float_arg, int_arg, output_file,
-    rank_fits, rank_of, refusing, require_cuda,
+    DSA_PRESETS,
+    MAX_LAYERS,
+    MAX_REPEATS,
+    ToolParser,
+    device_arg,
+    dsa_preset_arg,
+    float_arg,
+    int_arg,
+    output_file,
+    rank_fits,
+    rank_of,
+    refusing,
+    require_cuda,
 )
-from reference_impl.bench.record import loopback_cp, run_record
 
 PROG = "python -m reference_impl.bench.pd_stream"
 
 DECODE_RANK = -1  # the in-process decode's mailbox key
 
 
-def streamed_prefill(run: RunConfig,
-                     group: LoopbackGroup) -> tuple[Any, LayerStreamer, InProcessTransport, list[float]]:
+def streamed_prefill(
+    run: RunConfig, group: LoopbackGroup
+) -> tuple[Any, LayerStreamer, InProcessTransport, list[float]]:
     transport = InProcessTransport(sender_rank=group.rank)
     streamer = LayerStreamer(transport, DECODE_RANK)
     result = run_rank(group, run, keep_store=True, on_layer_stored=streamer)
@@ -66,16 +78,34 @@ def _received_equal_rows_at_rest(run: RunConfig, result: Any, transport: InProce
             got = transport.recv(rank, DECODE_RANK)
             expect = result.store.stored_rows(layer, [locs[req].to(result.store.pool.device)])[0]
             parts = (got.positions, got.mla, got.index, got.scale)
-            if (got.layer, got.request) != (layer, req) or not all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(parts, expect)):
+            if (got.layer, got.request) != (layer, req) or not all(
+                torch.equal(a.cpu(), b.cpu()) for a, b in zip(parts, expect)
+            ):
                 return False
     return True
 
 
-def measure(preset: str, workload: Workload, cp_size: int, rank: int, level: int, n_layers: int, device: str,
-            wire_gbps: float | None, repeats: int) -> dict[str, Any]:
+def measure(
+    preset: str,
+    workload: Workload,
+    cp_size: int,
+    rank: int,
+    level: int,
+    n_layers: int,
+    device: str,
+    wire_gbps: float | None,
+    repeats: int,
+) -> dict[str, Any]:
     """Alternate plain and streamed prefills of one workload on one rank -> JSON-ready dict."""
-    run = RunConfig(preset=preset, n_layers=n_layers, cp_size=cp_size, requests=(Request(workload.prefix, workload.extend),),
-                    check=False, device=device, phases=PhaseSet.level(level))
+    run = RunConfig(
+        preset=preset,
+        n_layers=n_layers,
+        cp_size=cp_size,
+        requests=(Request(workload.prefix, workload.extend),),
+        check=False,
+        device=device,
+        phases=PhaseSet.level(level),
+    )
     group_of = lambda: LoopbackGroup(rank, cp_size, device, wire_gbps)  # noqa: E731 (fresh stats per run)
     streamed_prefill(run, group_of())  # warm-up: kernels compiled, pinned host blocks cached
     plain: list[float] = []
@@ -102,14 +132,20 @@ def measure(preset: str, workload: Workload, cp_size: int, rank: int, level: int
         del result
     med = statistics.median
     return {
-        "workload": workload.__dict__, "level": level,
-        "layer_ms_plain": med(plain), "layer_ms_streamed": med(streamed), "layer_ms_added_paired": med(paired),
-        "paired_added_ms": paired, "bytes_sent_per_layer": bytes_per_layer,
+        "workload": workload.__dict__,
+        "level": level,
+        "layer_ms_plain": med(plain),
+        "layer_ms_streamed": med(streamed),
+        "layer_ms_added_paired": med(paired),
+        "paired_added_ms": paired,
+        "bytes_sent_per_layer": bytes_per_layer,
         "staging_ms_per_layer": med(staging) if staging else None,
         "staging_gbps": bytes_per_layer / med(staging) / 1e6 if staging else None,
-        "hidden_fraction": med(hidden) if hidden else None, "hidden_fractions": hidden,
+        "hidden_fraction": med(hidden) if hidden else None,
+        "hidden_fractions": hidden,
         "exposed_after_loop_ms": med(exposed) if exposed else None,
-        "completion_wait_ms": med(waits), "received_equal_rows_at_rest": rows_equal,
+        "completion_wait_ms": med(waits),
+        "received_equal_rows_at_rest": rows_equal,
         "samples_per_variant": len(plain),
     }
 
@@ -122,13 +158,21 @@ def stream_parser(prog: str, description: str) -> ToolParser:
     parser.add_argument("--cp-size", type=int_arg(1, MAX_PLAN_CP), default=8, help="CP ranks C")
     parser.add_argument("--rank", type=int_arg(0), default=0, help="the prefill rank this process plays, 0..C-1")
     parser.add_argument("--level", type=int_arg(0, 8), default=8, help="a phase level with KV sharded at rest (2-8)")
-    parser.add_argument("--workloads", default="32k:0+32768,128k:0+131072,prefix-heavy:131072+2048",
-                        help="name:prefix+extend, comma separated")
-    parser.add_argument("--layers", type=int_arg(1, MAX_LAYERS, "more than any preset's"), default=4,
-                        help="layers run (at least 2)")
+    parser.add_argument(
+        "--workloads",
+        default="32k:0+32768,128k:0+131072,prefix-heavy:131072+2048",
+        help="name:prefix+extend, comma separated",
+    )
+    parser.add_argument(
+        "--layers", type=int_arg(1, MAX_LAYERS, "more than any preset's"), default=4, help="layers run (at least 2)"
+    )
     parser.add_argument("--repeats", type=int_arg(1, MAX_REPEATS), default=3, help="runs per variant")
-    parser.add_argument("--wire-gbps", type=float_arg(), default=None,
-                        help="model the CP all-gathers' interconnect, GB/s (CUDA only; default: none, no wire time)")
+    parser.add_argument(
+        "--wire-gbps",
+        type=float_arg(),
+        default=None,
+        help="model the CP all-gathers' interconnect, GB/s (CUDA only; default: none, no wire time)",
+    )
     parser.add_argument("--device", type=device_arg, default="cuda", help="cuda, or cpu: a dry run")
     return parser
 
@@ -148,9 +192,17 @@ def parse_stream_args(parser: ToolParser, argv: list[str] | None) -> argparse.Na
     runs = []
     for w in args.workloads:
         split_fits(w.extend, None, args.cp_size, f"--workloads {w.name}:{w.prefix}+{w.extend}")
-        runs.append(RunConfig(preset=args.preset, n_layers=args.layers, cp_size=args.cp_size, check=False,
-                              requests=(Request(w.prefix, w.extend),), device=args.device,
-                              phases=PhaseSet.level(args.level)))
+        runs.append(
+            RunConfig(
+                preset=args.preset,
+                n_layers=args.layers,
+                cp_size=args.cp_size,
+                check=False,
+                requests=(Request(w.prefix, w.extend),),
+                device=args.device,
+                phases=PhaseSet.level(args.level),
+            )
+        )
     require_cuda(args.device)
     args.runs = runs
     return args
@@ -170,18 +222,41 @@ def main(argv: list[str] | None = None) -> int:
     doc = {
         **run_record("pd_stream", argv, args.device),
         "how_cp_runs": loopback_cp(args.rank, args.cp_size, args.wire_gbps),
-        "wire": ("the send's device leg, measured: pool read + copy to pinned host memory on a side stream over the "
-                 "GPU's PCIe link; the network leg after it is not modeled") if on_cuda else "none (CPU dry run)",
-        "timing": (f"CUDA events per layer; median over the layers after the first of {args.repeats} runs per variant, "
-                   "plain and streamed runs alternating") if on_cuda else "perf_counter (CPU dry run: the numbers mean nothing)",
-        "preset": args.preset, "cp_size": args.cp_size, "rank": args.rank, "n_layers": args.layers,
-        "wire_gbps": args.wire_gbps, "repeats": args.repeats,
+        "wire": (
+            "the send's device leg, measured: pool read + copy to pinned host memory on a side stream over the "
+            "GPU's PCIe link; the network leg after it is not modeled"
+        )
+        if on_cuda
+        else "none (CPU dry run)",
+        "timing": (
+            f"CUDA events per layer; median over the layers after the first of {args.repeats} runs per variant, "
+            "plain and streamed runs alternating"
+        )
+        if on_cuda
+        else "perf_counter (CPU dry run: the numbers mean nothing)",
+        "preset": args.preset,
+        "cp_size": args.cp_size,
+        "rank": args.rank,
+        "n_layers": args.layers,
+        "wire_gbps": args.wire_gbps,
+        "repeats": args.repeats,
         "workloads": results,
     }
     for w in args.workloads:
         print(f"{w.name} {w.prefix}+{w.extend}", file=sys.stderr, flush=True)
-        results.append(measure(args.preset, w, args.cp_size, args.rank, args.level, args.layers, args.device,
-                               args.wire_gbps, args.repeats))
+        results.append(
+            measure(
+                args.preset,
+                w,
+                args.cp_size,
+                args.rank,
+                args.level,
+                args.layers,
+                args.device,
+                args.wire_gbps,
+                args.repeats,
+            )
+        )
         args.out.write_text(json.dumps(doc, indent=1))
     print(f"wrote {args.out}", file=sys.stderr)
     return 0

@@ -39,30 +39,60 @@ from reference_impl.config import MAX_PLAN_CP, PhaseSet, Request, RunConfig
 from reference_impl.planner import load_rates
 from reference_impl.runner import run_prefills
 from reference_impl.tool_args import (
-    DSA_PRESETS, MAX_LAYERS, ToolParser, device_arg, dsa_preset_arg, float_arg, int_arg, output_file, refusing,
+    DSA_PRESETS,
+    MAX_LAYERS,
+    ToolParser,
+    device_arg,
+    dsa_preset_arg,
+    float_arg,
+    int_arg,
+    output_file,
+    refusing,
     require_cuda,
 )
 
-RANK_FIELDS = ("rank", "tokens", "layer_ms_median", "tail_ms", "measured_peak_bytes", "kv_bytes", "index_bytes",
-               "transient_peak_bytes", "gather_bytes", "materialized_bytes", "collectives")
+RANK_FIELDS = (
+    "rank",
+    "tokens",
+    "layer_ms_median",
+    "tail_ms",
+    "measured_peak_bytes",
+    "kv_bytes",
+    "index_bytes",
+    "transient_peak_bytes",
+    "gather_bytes",
+    "materialized_bytes",
+    "collectives",
+)
 
 
 def measure(
-    preset: str, workloads: list[Workload], levels: list[int], cp_size: int, n_layers: int, device: str,
+    preset: str,
+    workloads: list[Workload],
+    levels: list[int],
+    cp_size: int,
+    n_layers: int,
+    device: str,
     timeout_s: float | None = None,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Every level of every workload on all ``cp_size`` ranks, in one launch -> (how it ran, the workloads' points)."""
     runs, keys, warm_ups = [], [], []
     for workload in workloads:
-        base = RunConfig(preset=preset, n_layers=n_layers, cp_size=cp_size, check=False, device=device,
-                         requests=(Request(workload.prefix, workload.extend),))
+        base = RunConfig(
+            preset=preset,
+            n_layers=n_layers,
+            cp_size=cp_size,
+            check=False,
+            device=device,
+            requests=(Request(workload.prefix, workload.extend),),
+        )
         # The highest level runs every kernel the lower ones do, and more: one run of it per workload
         # compiles them at this workload's shapes before anything is timed.
         warm_ups.append(base.replace(phases=PhaseSet.level(max(levels))))
         for level in levels:
             runs.append(base.replace(phases=PhaseSet.level(level)))
             keys.append((workload, level))
-    reports = run_prefills([*warm_ups, *runs], timeout_s)[len(warm_ups):]
+    reports = run_prefills([*warm_ups, *runs], timeout_s)[len(warm_ups) :]
     wire = load_rates().interconnect_gbps
     by_workload: dict[str, dict[str, Any]] = {}
     for run, (workload, level), report in zip(runs, keys, reports):
@@ -80,8 +110,11 @@ def measure(
             point["measured_peak_bytes_max"] = max(peaks)
         if workload.prefix == 0:  # the planner's scenario: one request, no prefix
             predicted = max((planner_point(run, r, level, wire) for r in range(cp_size)), key=lambda p: p["layer_ms"])
-            point["planner"] = {"layer_ms": predicted["layer_ms"], "peak_bytes": predicted["peak_bytes"],
-                                "wire_gbps": wire}
+            point["planner"] = {
+                "layer_ms": predicted["layer_ms"],
+                "peak_bytes": predicted["peak_bytes"],
+                "wire_gbps": wire,
+            }
             point["planner_error"] = {"layer_ms": predicted["layer_ms"] / point["layer_ms_median"] - 1}
             if peaks:
                 point["planner_error"]["peak_bytes"] = predicted["peak_bytes"] / max(peaks) - 1
@@ -93,8 +126,11 @@ def measure(
 
 
 def format_table(doc: dict[str, Any]) -> str:
-    lines = [f"{doc['device']}: {doc['cp_size']} ranks over {doc['backend']}"
-             + (" (ranks share a device)" if doc["ranks_share_device"] else "") + f", {doc['n_layers']} layers"]
+    lines = [
+        f"{doc['device']}: {doc['cp_size']} ranks over {doc['backend']}"
+        + (" (ranks share a device)" if doc["ranks_share_device"] else "")
+        + f", {doc['n_layers']} layers"
+    ]
     for entry in doc["workloads"]:
         w = entry["workload"]
         lines.append(f"{w['name']} ({w['prefix']} cached + {w['extend']} new)")
@@ -103,8 +139,10 @@ def format_table(doc: dict[str, Any]) -> str:
             per_rank = " ".join(f"{r['layer_ms_median']:.2f}" for r in p["per_rank"])
             peak = p.get("measured_peak_bytes_max")
             planned = p.get("planner", {}).get("layer_ms")
-            lines.append(f"{p['level']:>6}{p['layer_ms_median']:>16.2f}{per_rank[:27]:>28}"
-                         f"{'-' if peak is None else f'{peak / 2**20:,.0f}':>16}{'-' if planned is None else f'{planned:.2f}':>12}")
+            lines.append(
+                f"{p['level']:>6}{p['layer_ms_median']:>16.2f}{per_rank[:27]:>28}"
+                f"{'-' if peak is None else f'{peak / 2**20:,.0f}':>16}{'-' if planned is None else f'{planned:.2f}':>12}"
+            )
     return "\n".join(lines)
 
 
@@ -120,8 +158,9 @@ def build_parser() -> ToolParser:
     parser.add_argument("--workloads", default="current-only:0+131072", help="name:prefix+extend, comma separated")
     parser.add_argument("--layers", type=int_arg(1, MAX_LAYERS, "more than any preset's"), default=4, help="layers run")
     parser.add_argument("--device", type=device_arg, default="cuda", help="cuda, or cpu: a dry run")
-    parser.add_argument("--timeout-s", type=float_arg(), default=None,
-                        help="bound on the launch, seconds (default: the runs' own)")
+    parser.add_argument(
+        "--timeout-s", type=float_arg(), default=None, help="bound on the launch, seconds (default: the runs' own)"
+    )
     return parser
 
 
@@ -141,10 +180,14 @@ def main(argv: list[str] | None = None) -> int:
         + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
         **how,
         "gpu_count": torch.cuda.device_count() if args.device == "cuda" else 0,
-        "torch": torch.__version__, "python": platform.python_version(), "started": started,
-        "preset": args.preset, "cp_size": args.cp_size, "n_layers": args.layers,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "started": started,
+        "preset": args.preset,
+        "cp_size": args.cp_size,
+        "n_layers": args.layers,
         "timing": "per rank: CUDA events (CPU: wall clock) per layer, median over the layers of one run after a "
-                  "warm-up run; a point's layer_ms_median is the slowest rank's",
+        "warm-up run; a point's layer_ms_median is the slowest rank's",
         "workloads": points,
     }
     out.write_text(json.dumps(doc, indent=1))

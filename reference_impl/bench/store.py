@@ -73,11 +73,25 @@ def time_store_paths(
     row_in = (layout.kv_width + layout.index_head_dim) * (2 if dtype == torch.bfloat16 else 4)
     payload = int(local.numel()) * (row_in + layout.mla_bytes + layout.index_bytes)
     select = int(local.numel()) * row_in * 2  # phase 2 on torch: index_select of its rows, read + write
-    for name, direct, fused in (("phase2", False, False), ("phase5", True, False),
-                                ("phase2_fused", False, True), ("phase5_fused", True, True)):
-        store = ShardedKV(batch, layout, 1, RankIdentity(0, cp_size, dev), debug=False, reuse_current=True,  # type: ignore[arg-type]
-                          direct_write=direct, fused=fused)
+    for name, direct, fused in (
+        ("phase2", False, False),
+        ("phase5", True, False),
+        ("phase2_fused", False, True),
+        ("phase5_fused", True, True),
+    ):
+        store = ShardedKV(
+            batch,
+            layout,
+            1,
+            RankIdentity(0, cp_size, dev),
+            debug=False,
+            reuse_current=True,  # type: ignore[arg-type]
+            direct_write=direct,
+            fused=fused,
+        )
         assert store.direct_write == direct
-        out[f"{name}_ms"] = _median_ms(lambda s=store: s.store_current(0, kv_seq, index_seq, kv_local, index_local), dev, repeats)
+        out[f"{name}_ms"] = _median_ms(
+            lambda s=store: s.store_current(0, kv_seq, index_seq, kv_local, index_local), dev, repeats
+        )
         out[f"{name}_bytes"] = payload + (select if not direct and not fused else 0)
     return out

@@ -66,7 +66,12 @@ class Chunk(NamedTuple):
 
 
 def per_rank_chunks(
-    context: int, cp_size: int, heads: int, dim: int, device: str, bench: Callable[[Callable[[], object]], float] | None = None
+    context: int,
+    cp_size: int,
+    heads: int,
+    dim: int,
+    device: str,
+    bench: Callable[[Callable[[], object]], float] | None = None,
 ) -> tuple[list[Chunk], dict[str, float]]:
     """Rank 0's index logits at ``context`` tokens over ``cp_size`` ranks, in the engine's row
     chunks, with their group maxima; and, with ``bench``, the logits kernel's ms summed over the
@@ -128,7 +133,9 @@ def measure(
     row: dict[str, Any] = {"config": dataclasses.asdict(config), "fused_bound": fused_bound}
     paths = [torch.full((c.logits.shape[0],), -1, dtype=torch.int8, device=c.logits.device) for c in chunks]
     row["exact"] = all(
-        torch.equal(topk_select_triton(c.logits, c.col_start, c.col_end, k, config=config, maxima=maxima(c), paths=p), want)
+        torch.equal(
+            topk_select_triton(c.logits, c.col_start, c.col_end, k, config=config, maxima=maxima(c), paths=p), want
+        )
         for c, want, p in zip(chunks, expected, paths, strict=True)
     )
     row["rows_per_path"] = torch.bincount(torch.cat(paths).long(), minlength=3).tolist()
@@ -173,8 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     out = output_file(args.out)
     if args.context < 2 * args.cp_size:
-        raise ConfigError(f"--context {args.context}: the zigzag split of C={args.cp_size} ranks (--cp-size) "
-                          f"needs at least {2 * args.cp_size} tokens")
+        raise ConfigError(
+            f"--context {args.context}: the zigzag split of C={args.cp_size} ranks (--cp-size) "
+            f"needs at least {2 * args.cp_size} tokens"
+        )
     require_cuda(args.device)
     ready_for(args.device)  # a CPU dry run: Triton's interpreter, before triton is imported
     import triton
@@ -185,7 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     bench = median_ms_timer(on_gpu, warmup_ms=10, rep_ms=60)
 
     torch.manual_seed(args.seed)
-    chunks, logits_ms = per_rank_chunks(args.context, args.cp_size, args.index_heads, args.index_dim, args.device, bench)
+    chunks, logits_ms = per_rank_chunks(
+        args.context, args.cp_size, args.index_heads, args.index_dim, args.device, bench
+    )
     config = GPU_CONFIG if on_gpu else CPU_CONFIG
     expected = [exact_selection(c, args.topk) for c in chunks]  # once, for every config
     result: dict[str, Any] = {
@@ -196,10 +207,14 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "shape": {
-            "what": f"rank 0 of C={args.cp_size} at {args.context} tokens", "k": args.topk,
-            "rows": sum(c.logits.shape[0] for c in chunks), "chunks": [list(c.logits.shape) for c in chunks],
+            "what": f"rank 0 of C={args.cp_size} at {args.context} tokens",
+            "k": args.topk,
+            "rows": sum(c.logits.shape[0] for c in chunks),
+            "chunks": [list(c.logits.shape) for c in chunks],
         },
-        "timing": "median of triton.testing.do_bench (warmup 10 ms, rep 60 ms) per chunk, summed" if on_gpu else "one CPU call",
+        "timing": "median of triton.testing.do_bench (warmup 10 ms, rep 60 ms) per chunk, summed"
+        if on_gpu
+        else "one CPU call",
         "logits_ms": logits_ms,
         "torch_topk_ms": bench(lambda: [c.logits.topk(min(args.topk, c.logits.shape[1]), dim=-1) for c in chunks]),
         "default": measure(chunks, expected, args.topk, config, bench),
@@ -213,8 +228,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = [result["default"], result["fused_bound"], *result.get("sweep", [])]
     for row in rows:
         times = " ".join(f"{name} {ms:.3f}" for name, ms in row["kernel_ms"].items())
-        print(f"select {row['select_ms']:.3f} ms ({times})  exact {row['exact']}  fused bound {row['fused_bound']}  "
-              f"paths {row['rows_per_path']}  {row['config']}")
+        print(
+            f"select {row['select_ms']:.3f} ms ({times})  exact {row['exact']}  fused bound {row['fused_bound']}  "
+            f"paths {row['rows_per_path']}  {row['config']}"
+        )
     print(f"logits {logits_ms['plain']:.3f} ms, writing the maxima too {logits_ms['with_maxima']:.3f} ms")
     print(f"torch.topk {result['torch_topk_ms']:.3f} ms")
     return 0 if all(r["exact"] for r in rows) else 1

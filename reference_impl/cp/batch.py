@@ -17,7 +17,6 @@ from reference_impl.config import ConfigError
 from reference_impl.cp.split import SplitMetadata
 from reference_impl.kvcache.allocator import PageAllocator, RequestPageTable
 
-
 PageLanes = Callable[[RequestPageTable, Hashable, int, int], list[int]]
 """An allocation policy by lanes: ``(table, request, new tokens, C) -> the lane (``page % C``) of each page
 the request's next ``new tokens`` open`` (a KV design's allocator contract, e.g. rotated page ownership)."""
@@ -62,7 +61,7 @@ class BatchLocs:
         id_space: int | None = None,
         shares: Mapping[int, int] | None = None,
         page_lanes: PageLanes | None = None,
-    ) -> "BatchLocs":
+    ) -> BatchLocs:
         """Allocate this batch's logical locs and derive the full-view coordinates.
 
         ``table`` is the page table that persists across the chunks of a chunked prefill (request
@@ -96,7 +95,9 @@ class BatchLocs:
                 else:
                     table.extend(req, prefix)
             elif table.n_tokens(req) != prefix:
-                raise ConfigError(f"request {req}: the page table holds {table.n_tokens(req)} tokens, the batch says {prefix}")
+                raise ConfigError(
+                    f"request {req}: the page table holds {table.n_tokens(req)} tokens, the batch says {prefix}"
+                )
             if page_lanes is not None:
                 table.extend(req, extend, lanes=page_lanes(table, req, extend, meta.cp_size), n_lanes=meta.cp_size)
             elif compute_owner:
@@ -115,9 +116,7 @@ class BatchLocs:
         positions = torch.tensor(meta.token_position, dtype=torch.long)
         starts = torch.tensor(offsets, dtype=torch.long)[token_request]
         view_rows = starts + positions
-        extend_locs = torch.cat(
-            [locs[p:] for locs, p in zip(request_locs, meta.prefix_lens)]
-        )
+        extend_locs = torch.cat([locs[p:] for locs, p in zip(request_locs, meta.prefix_lens)])
         return cls(
             meta=meta,
             page_size=page_size,

@@ -27,7 +27,9 @@ def model_page_bytes(cfg: ModelConfig, kv_dtype: KVDtype, page_size: int = 64) -
     return cfg.n_layers * layout.mla_page_bytes, cfg.index_share.n_full * layout.index_page_bytes
 
 
-def held_pages(tokens: int, cp_size: int, sharded: bool, page_size: int = 64, rank: int = 0, interleave: int | None = None) -> int:
+def held_pages(
+    tokens: int, cp_size: int, sharded: bool, page_size: int = 64, rank: int = 0, interleave: int | None = None
+) -> int:
     """Pages of one request of ``tokens`` tokens on ``rank``: all of them (replicated), or the ones
     it holds at ``interleave`` (sharded; default the page size: ``ceil((pages - rank) / C)``)."""
     pages = -(-tokens // page_size)
@@ -35,7 +37,13 @@ def held_pages(tokens: int, cp_size: int, sharded: bool, page_size: int = 64, ra
 
 
 def kv_bytes_per_rank(
-    cfg: ModelConfig, tokens: int, cp_size: int, sharded: bool, kv_dtype: KVDtype = "fp8", page_size: int = 64, rank: int = 0,
+    cfg: ModelConfig,
+    tokens: int,
+    cp_size: int,
+    sharded: bool,
+    kv_dtype: KVDtype = "fp8",
+    page_size: int = 64,
+    rank: int = 0,
     interleave: int | None = None,
 ) -> int:
     """KV + index bytes at rest on ``rank`` for one request of ``tokens`` tokens, all layers.
@@ -44,15 +52,26 @@ def kv_bytes_per_rank(
     at ``interleave`` (default the page size: ``ceil((pages - rank) / C)``). With IndexShare only
     the full layers hold index pages.
     """
-    return held_pages(tokens, cp_size, sharded, page_size, rank, interleave) * sum(model_page_bytes(cfg, kv_dtype, page_size))
+    return held_pages(tokens, cp_size, sharded, page_size, rank, interleave) * sum(
+        model_page_bytes(cfg, kv_dtype, page_size)
+    )
 
 
 def index_bytes_per_rank(
-    cfg: ModelConfig, tokens: int, cp_size: int, sharded: bool, kv_dtype: KVDtype = "fp8", page_size: int = 64, rank: int = 0,
+    cfg: ModelConfig,
+    tokens: int,
+    cp_size: int,
+    sharded: bool,
+    kv_dtype: KVDtype = "fp8",
+    page_size: int = 64,
+    rank: int = 0,
     interleave: int | None = None,
 ) -> int:
     """The indexer K part of :func:`kv_bytes_per_rank` (what IndexShare shrinks)."""
-    return held_pages(tokens, cp_size, sharded, page_size, rank, interleave) * model_page_bytes(cfg, kv_dtype, page_size)[1]
+    return (
+        held_pages(tokens, cp_size, sharded, page_size, rank, interleave)
+        * model_page_bytes(cfg, kv_dtype, page_size)[1]
+    )
 
 
 def max_context_per_rank(

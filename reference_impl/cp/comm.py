@@ -186,7 +186,7 @@ class CPGroup:
         self._fused_gather = self.backend == "nccl"
 
     @classmethod
-    def single(cls, device: torch.device | str = "cpu", debug: bool | None = None) -> "CPGroup":
+    def single(cls, device: torch.device | str = "cpu", debug: bool | None = None) -> CPGroup:
         """A trivial one-rank group (no process group), whatever the state of torch.distributed."""
         group = cls.__new__(cls)
         group._pg, group._size, group._rank, group.backend = None, 1, 0, "none"
@@ -306,8 +306,13 @@ class CPGroup:
         mine = self._rank == src
         self.stats.append(
             CollectiveRecord(
-                op="broadcast", tag=tag, shape=shape, dtype=str(rows.dtype).removeprefix("torch."),
-                bytes_sent=nbytes if mine else 0, bytes_received=0 if mine else nbytes, buffer_bytes=nbytes,
+                op="broadcast",
+                tag=tag,
+                shape=shape,
+                dtype=str(rows.dtype).removeprefix("torch."),
+                bytes_sent=nbytes if mine else 0,
+                bytes_received=0 if mine else nbytes,
+                buffer_bytes=nbytes,
             )
         )
         return rows
@@ -368,8 +373,10 @@ class CPGroup:
         dist.all_gather_object(sequences, [str(e) for e in self.recorder.entries], group=self._pg)
         index = first_mismatch(sequences)
         assert index is not None, "digests differ but sequences are equal"
-        entries = {r: (seq[index] if index < len(seq) else f"<none: {len(seq)} collectives so far>")
-                   for r, seq in enumerate(sequences)}
+        entries = {
+            r: (seq[index] if index < len(seq) else f"<none: {len(seq)} collectives so far>")
+            for r, seq in enumerate(sequences)
+        }
         detail = "; ".join(f"rank {r}: {e}" for r, e in entries.items())
         raise CollectiveMismatchError(
             f"collective sequence differs across ranks at collective #{index}: {detail}", index, entries

@@ -29,7 +29,9 @@ def current_page_lanes(meta: SplitMetadata, request: int) -> dict[int, int]:
         for g in tokens:
             if meta.token_request[g] == request:
                 page = meta.token_position[g] // meta.page_size
-                first = meta.prefix_lens[request] + (g - offset) == max(page * meta.page_size, meta.prefix_lens[request])
+                first = meta.prefix_lens[request] + (g - offset) == max(
+                    page * meta.page_size, meta.prefix_lens[request]
+                )
                 if first:
                     lanes[page] = rank
     return lanes

@@ -107,7 +107,10 @@ def fused_store_mla(
     fused_torch.check_store_args(kv, layout.kv_width, src_rows, dst_locs, pool_mla, layout.mla_bytes, "store_mla")
     _check("dst_locs", dst_locs, pool_mla.shape[0], debug, locs_checked)
     _run(
-        "Triton fused_store_mla", kv, debug, force_torch,
+        "Triton fused_store_mla",
+        kv,
+        debug,
+        force_torch,
         lambda: _triton_store_mla(kv, src_rows, dst_locs, pool_mla, layout),
         lambda: fused_torch.store_mla_torch(kv, src_rows, dst_locs, pool_mla, layout),
     )
@@ -131,7 +134,10 @@ def fused_store_index(
     )
     _check("dst_locs", dst_locs, pool_index.shape[0] * layout.page_size, debug, locs_checked)
     _run(
-        "Triton fused_store_index", k, debug, force_torch,
+        "Triton fused_store_index",
+        k,
+        debug,
+        force_torch,
         lambda: _triton_store_index(k, src_rows, dst_locs, pool_index, layout),
         lambda: fused_torch.store_index_torch(k, src_rows, dst_locs, pool_index, layout),
     )
@@ -147,7 +153,10 @@ def rerange_padded(
     """
     fused_torch.check_rerange_args(raw, index.rank_lengths)
     return _run(  # type: ignore[no-any-return]
-        "Triton rerange_padded", raw, debug, force_torch,
+        "Triton rerange_padded",
+        raw,
+        debug,
+        force_torch,
         lambda: _triton_rerange(raw, index.padded_rerange),
         lambda: fused_torch.rerange_padded_torch(raw, index.rank_lengths, index.rerange),
     )
@@ -178,8 +187,12 @@ def materialize_rows(
     _check("row_source", row_source, n_source, debug, locs_checked)
     _check("view_rows", view_rows, kv_view.shape[0], debug, locs_checked)
     _run(
-        "Triton materialize_rows", kv_view, debug, force_torch,
-        lambda: _triton_materialize(*args), lambda: fused_torch.materialize_rows_torch(*args),
+        "Triton materialize_rows",
+        kv_view,
+        debug,
+        force_torch,
+        lambda: _triton_materialize(*args),
+        lambda: fused_torch.materialize_rows_torch(*args),
     )
 
 
@@ -201,8 +214,12 @@ def materialize_mla_rows(
     _check("view_rows", view_rows, kv_view.shape[0], debug, locs_checked)
     args = (mla_pages, row_source, view_rows, kv_view, layout)
     _run(
-        "Triton materialize_mla_rows", kv_view, debug, force_torch,
-        lambda: _triton_materialize_mla(*args), lambda: fused_torch.materialize_mla_rows_torch(*args),
+        "Triton materialize_mla_rows",
+        kv_view,
+        debug,
+        force_torch,
+        lambda: _triton_materialize_mla(*args),
+        lambda: fused_torch.materialize_mla_rows_torch(*args),
     )
 
 
@@ -227,8 +244,12 @@ def fill_current_rows(
     fused_torch.check_fill_current_args(*args)
     _check("view_rows", view_rows, kv_view.shape[0], debug, locs_checked)
     _run(
-        "Triton fill_current", kv_view, debug, force_torch,
-        lambda: _triton_fill_current(*args), lambda: fill_rows(*args),
+        "Triton fill_current",
+        kv_view,
+        debug,
+        force_torch,
+        lambda: _triton_fill_current(*args),
+        lambda: fill_rows(*args),
     )
 
 
@@ -248,4 +269,6 @@ def fused_store(
     layout = pool.layout
     fused_store_mla(kv, src_rows, dst_locs, pool.mla[layer], layout, debug=debug, locs_checked=locs_checked)
     if index_k is not None:
-        fused_store_index(index_k, src_rows, dst_locs, pool.index_of(layer), layout, debug=debug, locs_checked=locs_checked)
+        fused_store_index(
+            index_k, src_rows, dst_locs, pool.index_of(layer), layout, debug=debug, locs_checked=locs_checked
+        )

@@ -69,7 +69,9 @@ class ReplicatedKV(PoolBytesAtRest):
         """
         with_index = check_index_input(self.pool, layer, index_k_seq)
         if self.fused:
-            fused_store(self.pool, layer, kv_seq, index_k_seq, None, self.batch.extend_locs, self.debug, locs_checked=True)
+            fused_store(
+                self.pool, layer, kv_seq, index_k_seq, None, self.batch.extend_locs, self.debug, locs_checked=True
+            )
             return
         self.pool.write_mla(layer, self.batch.extend_locs, self.layout.pack_mla(kv_seq))
         if with_index:
@@ -78,7 +80,11 @@ class ReplicatedKV(PoolBytesAtRest):
             self.pool.write_index(layer, self.batch.extend_locs, k_fp8, k_scale)
 
     def full_view(
-        self, layer: int, kv_seq: torch.Tensor, index_k_seq: torch.Tensor | None, prefetched_kv: torch.Tensor | None = None
+        self,
+        layer: int,
+        kv_seq: torch.Tensor,
+        index_k_seq: torch.Tensor | None,
+        prefetched_kv: torch.Tensor | None = None,
     ) -> FullView:
         """Read every full-view row back from the local replica and dequantize the MLA part (and,
         on a layer that keeps it, read the index K).

@@ -85,7 +85,9 @@ class ShardedKV(PoolBytesAtRest):
             self._local_locs = ownership.physical(batch.extend_locs.index_select(0, local))
 
         # Full-view path, decided once per batch (identical on every rank).
-        self.batch_kind: BatchKind = classify_batch(batch, batch.meta.total_tokens) if self.reuse_current else "fallback"
+        self.batch_kind: BatchKind = (
+            classify_batch(batch, batch.meta.total_tokens) if self.reuse_current else "fallback"
+        )
         storage_rows = (
             history_rows(batch)
             if self.batch_kind != "fallback"
@@ -135,7 +137,9 @@ class ShardedKV(PoolBytesAtRest):
         with_index = check_index_input(self.pool, layer, index_k_seq)
         if self.direct_write and kv_local is not None and (index_k_local is not None or not with_index):
             if self.fused:
-                fused_store(self.pool, layer, kv_local, index_k_local, None, self._local_locs, self.debug, locs_checked=True)
+                fused_store(
+                    self.pool, layer, kv_local, index_k_local, None, self._local_locs, self.debug, locs_checked=True
+                )
                 return
             self.pool.write_mla(layer, self._local_locs, self.layout.pack_mla(kv_local))
             if index_k_local is not None:
@@ -143,7 +147,9 @@ class ShardedKV(PoolBytesAtRest):
                 self.pool.write_index(layer, self._local_locs, k_fp8, k_scale)
             return
         if self.fused:
-            fused_store(self.pool, layer, kv_seq, index_k_seq, self._store_rows, self._store_locs, self.debug, locs_checked=True)
+            fused_store(
+                self.pool, layer, kv_seq, index_k_seq, self._store_rows, self._store_locs, self.debug, locs_checked=True
+            )
             return
         kv = kv_seq.index_select(0, self._store_rows)
         self.pool.write_mla(layer, self._store_locs, self.layout.pack_mla(kv))
@@ -172,7 +178,11 @@ class ShardedKV(PoolBytesAtRest):
         return self._gather
 
     def full_view(
-        self, layer: int, kv_seq: torch.Tensor, index_k_seq: torch.Tensor | None, prefetched_kv: torch.Tensor | None = None
+        self,
+        layer: int,
+        kv_seq: torch.Tensor,
+        index_k_seq: torch.Tensor | None,
+        prefetched_kv: torch.Tensor | None = None,
     ) -> FullView:
         """Materialize what storage must provide, then (phase 3) fill current rows from the chunk.
 
@@ -184,7 +194,9 @@ class ShardedKV(PoolBytesAtRest):
         n, layout, device = self.batch.view_len, self.layout, kv_seq.device
         with_index = check_index_input(self.pool, layer, index_k_seq)
         kv = prefetched_kv if prefetched_kv is not None else self.new_view_kv()
-        index_fp8 = torch.empty(n, layout.index_head_dim, dtype=torch.float8_e4m3fn, device=device) if with_index else None
+        index_fp8 = (
+            torch.empty(n, layout.index_head_dim, dtype=torch.float8_e4m3fn, device=device) if with_index else None
+        )
         index_scale = torch.empty(n, dtype=torch.float32, device=device) if with_index else None
         self.transient_bytes = 0
         if self._gather is not None and prefetched_kv is not None:
@@ -211,7 +223,15 @@ class ShardedKV(PoolBytesAtRest):
             else:
                 if self.fused:
                     materialize_rows(
-                        mla_rows, index_pages, source, rows, kv, index_fp8, index_scale, layout, debug=self.debug,
+                        mla_rows,
+                        index_pages,
+                        source,
+                        rows,
+                        kv,
+                        index_fp8,
+                        index_scale,
+                        layout,
+                        debug=self.debug,
                         locs_checked=True,
                     )
                 else:
@@ -224,8 +244,15 @@ class ShardedKV(PoolBytesAtRest):
         if self.batch_kind != "fallback":
             if self.fused:
                 fill_current_rows(
-                    kv_seq, index_k_seq, self.batch.extend_view_rows, kv, index_fp8, index_scale, layout,
-                    debug=self.debug, locs_checked=True,
+                    kv_seq,
+                    index_k_seq,
+                    self.batch.extend_view_rows,
+                    kv,
+                    index_fp8,
+                    index_scale,
+                    layout,
+                    debug=self.debug,
+                    locs_checked=True,
                 )
             else:
                 fill_current(self.batch, layout, kv_seq, index_k_seq, kv, index_fp8, index_scale)

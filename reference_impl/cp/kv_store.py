@@ -93,14 +93,22 @@ class KVStore(Protocol):
         rank keeps (a prefix is installed in chunks, :mod:`reference_impl.model.prefix_prefill`)."""
 
     def store_current(
-        self, layer: int, kv_seq: torch.Tensor, index_k_seq: torch.Tensor | None,
-        kv_local: torch.Tensor | None = None, index_k_local: torch.Tensor | None = None,
+        self,
+        layer: int,
+        kv_seq: torch.Tensor,
+        index_k_seq: torch.Tensor | None,
+        kv_local: torch.Tensor | None = None,
+        index_k_local: torch.Tensor | None = None,
     ) -> None:
         """Quantize and write the current tokens this rank keeps (from the gathered chunk or its own
         rows); the index K ones are ``None`` on a layer without indexer K (IndexShare)."""
 
     def full_view(
-        self, layer: int, kv_seq: torch.Tensor, index_k_seq: torch.Tensor | None, prefetched_kv: torch.Tensor | None = None
+        self,
+        layer: int,
+        kv_seq: torch.Tensor,
+        index_k_seq: torch.Tensor | None,
+        prefetched_kv: torch.Tensor | None = None,
     ) -> FullView:
         """The dense full view of ``layer`` (``prefetched_kv``: a view buffer whose history is already written)."""
 

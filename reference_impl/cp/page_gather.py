@@ -42,7 +42,7 @@ class PageGather:
         return int(self.pages.shape[0])
 
     @classmethod
-    def build(cls, batch: BatchLocs, view_rows: torch.Tensor, rank: int, ownership: Ownership) -> "PageGather":
+    def build(cls, batch: BatchLocs, view_rows: torch.Tensor, rank: int, ownership: Ownership) -> PageGather:
         """Plan the gather of the physical pages holding ``view_rows`` (full-view rows) of ``batch``."""
         page_size, cp_size = batch.page_size, ownership.cp_size
         locs = batch.view_locs.index_select(0, view_rows)
@@ -77,7 +77,9 @@ def gather_pages(
     return gathered[:, :split].reshape(-1, pool.layout.mla_bytes), gathered[:, split:]
 
 
-def unpack_index_rows(index_pages: torch.Tensor, token_rows: torch.Tensor, layout: KVLayout) -> tuple[torch.Tensor, torch.Tensor]:
+def unpack_index_rows(
+    index_pages: torch.Tensor, token_rows: torch.Tensor, layout: KVLayout
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Index K of token rows ``page_index * P + slot`` from raw index pages -> ``(k_fp8 [n, D], k_scale [n])``."""
     page_size, dim = layout.page_size, layout.index_head_dim
     values = index_pages[:, : page_size * dim].reshape(-1, dim).index_select(0, token_rows)
@@ -85,9 +87,7 @@ def unpack_index_rows(index_pages: torch.Tensor, token_rows: torch.Tensor, layou
     return values.view(torch.float8_e4m3fn), scales.view(torch.float32).reshape(-1)
 
 
-def gather_page_part(
-    group: CPGroup, pool: PagedKVPool, layer: int, gather: PageGather, part: str
-) -> torch.Tensor:
+def gather_page_part(group: CPGroup, pool: PagedKVPool, layer: int, gather: PageGather, part: str) -> torch.Tensor:
     """One padded all-gather of one buffer of the needed pages (phase 8 splits MLA from index K).
 
     ``part="mla"`` -> token rows ``[n_need * P, mla_bytes]``; ``part="index"`` -> ``[n_need, page bytes]``.

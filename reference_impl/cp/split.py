@@ -39,8 +39,8 @@ import itertools
 from collections.abc import Sequence
 
 from reference_impl.config import MAX_BATCH_TOKENS, ConfigError
-from reference_impl.machine import available_host_bytes
 from reference_impl.cp.split_metadata import DEFAULT_PAGE_SIZE, SPLIT_MODES, Half, Segment, SplitMetadata
+from reference_impl.machine import available_host_bytes
 
 __all__ = ["Segment", "SplitMetadata", "build_split", "in_seq_block_sizes", "split_from_blocks"]
 
@@ -92,12 +92,16 @@ def _check_size(cp_size: int, extend_lens: Sequence[int], prefix_lens: Sequence[
     host's available memory."""
     tokens = sum(extend_lens) + sum(prefix_lens)
     if tokens > MAX_BATCH_TOKENS:
-        raise ConfigError(f"the batch holds {tokens:,} tokens (prefix + extend): at most {MAX_BATCH_TOKENS:,} (2**31 - 1), "
-                          "because top-k indices are int32 rows of the batch's full view")
+        raise ConfigError(
+            f"the batch holds {tokens:,} tokens (prefix + extend): at most {MAX_BATCH_TOKENS:,} (2**31 - 1), "
+            "because top-k indices are int32 rows of the batch's full view"
+        )
     need, free = (sum(extend_lens) + 2 * cp_size) * SPLIT_BYTES_PER_TOKEN, available_host_bytes()
     if free is not None and need > free:
-        raise ConfigError(f"the split of {sum(extend_lens):,} extend tokens needs about {need / 2**30:,.1f} GiB of host "
-                          f"memory for its metadata, which has {free / 2**30:,.1f} GiB available")
+        raise ConfigError(
+            f"the split of {sum(extend_lens):,} extend tokens needs about {need / 2**30:,.1f} GiB of host "
+            f"memory for its metadata, which has {free / 2**30:,.1f} GiB available"
+        )
 
 
 def split_from_blocks(
@@ -188,9 +192,11 @@ def _round_robin(cp_size: int, extend_lens: Sequence[int], prefix_lens: Sequence
 
 
 def _round_robin_idle(cp_size: int, idle: object) -> str:
-    return (f"cp_size={cp_size} is larger than the tokens allow: round-robin puts position t on rank t % {cp_size}, "
-            f"and this batch's extend positions leave rank(s) {idle} without a token (a request of at least "
-            f"{cp_size} new tokens covers every rank)")
+    return (
+        f"cp_size={cp_size} is larger than the tokens allow: round-robin puts position t on rank t % {cp_size}, "
+        f"and this batch's extend positions leave rank(s) {idle} without a token (a request of at least "
+        f"{cp_size} new tokens covers every rank)"
+    )
 
 
 def build_split(

@@ -42,7 +42,7 @@ class SplitIndex:
     padded_rerange: torch.Tensor  # int64 [T]: padded all-gather row of each global token
 
     @classmethod
-    def build(cls, meta: SplitMetadata, rank: int, device: Any = "cpu") -> "SplitIndex":
+    def build(cls, meta: SplitMetadata, rank: int, device: Any = "cpu") -> SplitIndex:
         return cls(
             meta.rank_lengths,
             local_index_tensor(meta, rank, device),

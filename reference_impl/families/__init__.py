@@ -22,8 +22,22 @@ from reference_impl.errors import ConfigError
 from reference_impl.families.base import ChunkInputs, ChunkStep, ModelFamily, RankStore
 
 __all__ = [
-    "ChunkInputs", "ChunkStep", "ModelFamily", "RankStore", "BUILTIN", "register", "unregister", "families",
-    "family_of", "family_named", "get_preset", "preset_names", "all_presets", "is_model_config", "register_family", "family_presets",
+    "ChunkInputs",
+    "ChunkStep",
+    "ModelFamily",
+    "RankStore",
+    "BUILTIN",
+    "register",
+    "unregister",
+    "families",
+    "family_of",
+    "family_named",
+    "get_preset",
+    "preset_names",
+    "all_presets",
+    "is_model_config",
+    "register_family",
+    "family_presets",
 ]
 
 BUILTIN: dict[str, str] = {  # family name -> its package (imported when first asked)
@@ -35,8 +49,14 @@ BUILTIN: dict[str, str] = {  # family name -> its package (imported when first a
 class _Entry:
     """A family's presets (light: its ``config`` module) and, loaded on first use, its ``FAMILY``."""
 
-    def __init__(self, name: str, config_type: type, presets: dict[str, Any], package: str | None = None,
-                 family: ModelFamily | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        config_type: type,
+        presets: dict[str, Any],
+        package: str | None = None,
+        family: ModelFamily | None = None,
+    ) -> None:
         self.name, self.config_type, self.presets, self.package = name, config_type, presets, package
         self._family = family
 
@@ -120,8 +140,9 @@ def family_of(cfg: object) -> ModelFamily:
     for entry in _entries().values():
         if type(cfg) is entry.config_type:
             return entry.family
-    raise ConfigError(f"{type(cfg).__name__} is no registered family's model config "
-                      f"(families: {', '.join(_entries())})")
+    raise ConfigError(
+        f"{type(cfg).__name__} is no registered family's model config (families: {', '.join(_entries())})"
+    )
 
 
 def all_presets() -> dict[str, Any]:

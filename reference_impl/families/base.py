@@ -158,14 +158,22 @@ class ModelFamily(Protocol):
         """``(the parameters in the compute dtype, the transient of their initialization)``."""
         ...
 
-    def estimate(self, run: RunConfig, device_type: str, start_method: str, cuda_devices: int,
-                 extra_process: int, b: int) -> Any:
+    def estimate(
+        self, run: RunConfig, device_type: str, start_method: str, cuda_devices: int, extra_process: int, b: int
+    ) -> Any:
         """The run's peak memory per process (a :class:`~reference_impl.footprint.Footprint`), by arithmetic."""
         ...
 
     # ---- the model -----------------------------------------------------------------------------
-    def build_model(self, cfg: Any, dtype: torch.dtype, seed: int, device: torch.device, kernels: bool,
-                    fp8_projections: bool = False) -> torch.nn.Module:
+    def build_model(
+        self,
+        cfg: Any,
+        dtype: torch.dtype,
+        seed: int,
+        device: torch.device,
+        kernels: bool,
+        fp8_projections: bool = False,
+    ) -> torch.nn.Module:
         """The model with deterministic weights from ``seed``; ``kernels``: its compute cores through
         the family's kernel table (the torch references off CUDA), else the torch references;
         ``fp8_projections``: FP8 projection weights where the family has them (refused in ``check_run``
@@ -181,8 +189,15 @@ class ModelFamily(Protocol):
         """The rank's caches for the run, serving ``batch`` (the first chunk's)."""
         ...
 
-    def install_prefixes(self, run: RunConfig, model: torch.nn.Module, inputs: list[torch.Tensor], store: Any,
-                         chunk: Chunk, shared_tokens: dict[int, int]) -> None:
+    def install_prefixes(
+        self,
+        run: RunConfig,
+        model: torch.nn.Module,
+        inputs: list[torch.Tensor],
+        store: Any,
+        chunk: Chunk,
+        shared_tokens: dict[int, int],
+    ) -> None:
         """Fill the caches with the cached prefixes of ``chunk``'s requests, as an earlier prefill left them
         (``shared_tokens[req]``: leading tokens already there by reference)."""
         ...
@@ -192,13 +207,28 @@ class ModelFamily(Protocol):
         ...
 
     # ---- the check -----------------------------------------------------------------------------
-    def oracle(self, model: torch.nn.Module, prefixes: Sequence[int], inputs: list[torch.Tensor], kv_dtype: str,
-               page_size: int, chunk_size: int | None, view_dtype: torch.dtype) -> Any:
+    def oracle(
+        self,
+        model: torch.nn.Module,
+        prefixes: Sequence[int],
+        inputs: list[torch.Tensor],
+        kv_dtype: str,
+        page_size: int,
+        chunk_size: int | None,
+        view_dtype: torch.dtype,
+    ) -> Any:
         """The single-device run every CP run is compared with."""
         ...
 
-    def compare(self, run: RunConfig, meta: SplitMetadata, model: torch.nn.Module, oracle: Any,
-                results: list[Any], compute_dtype: torch.dtype) -> Any:
+    def compare(
+        self,
+        run: RunConfig,
+        meta: SplitMetadata,
+        model: torch.nn.Module,
+        oracle: Any,
+        results: list[Any],
+        compute_dtype: torch.dtype,
+    ) -> Any:
         """The ranks' results against the oracle (an :class:`~reference_impl.check.Agreement`)."""
         ...
 

@@ -106,8 +106,17 @@ def _triton_indexer_topk(
     from reference_impl.kernels.indexer_triton import indexer_topk_triton
 
     return indexer_topk_triton(
-        q_fp8, weights, k_fp8, k_scale, key_start, key_end, topk, rows_per_chunk, host_bounds,
-        selector=topk_selector(), fused_bound=env_flag("fused_bound"),
+        q_fp8,
+        weights,
+        k_fp8,
+        k_scale,
+        key_start,
+        key_end,
+        topk,
+        rows_per_chunk,
+        host_bounds,
+        selector=topk_selector(),
+        fused_bound=env_flag("fused_bound"),
     )
 
 
@@ -236,8 +245,12 @@ def indexer_topk(
 
 
 def _run_glue(
-    name: str, device: torch.device, force_torch: bool, unsupported: Callable[[], str | None],
-    kernel: Callable[[], T], reference: Callable[[], T],
+    name: str,
+    device: torch.device,
+    force_torch: bool,
+    unsupported: Callable[[], str | None],
+    kernel: Callable[[], T],
+    reference: Callable[[], T],
 ) -> T:
     """The glue's one rule: ``kernel()`` where the kernels run, ``DSACP_NO_FUSED_GLUE`` is unset and
     ``unsupported()`` names no reason; else ``reference()``, also after the kernel raised (one warning)."""
@@ -271,15 +284,23 @@ def indexer_query(
     """
     args = (q, cos, sin, hadamard, head_weights, rope_dim, interleaved, scale_fmt)
     return _run_glue(
-        "indexer_query", q.device, force_torch,
+        "indexer_query",
+        q.device,
+        force_torch,
         lambda: _kernels("query_prep_triton").indexer_query_unsupported(q, rope_dim, scale_fmt),
-        lambda: _kernels("query_prep_triton").indexer_query_triton(*args), lambda: query_prep.indexer_query(*args),
+        lambda: _kernels("query_prep_triton").indexer_query_triton(*args),
+        lambda: query_prep.indexer_query(*args),
     )
 
 
 def rope_into(
-    out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
-    *, force_torch: bool = False,
+    out: torch.Tensor,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    interleaved: bool,
+    *,
+    force_torch: bool = False,
 ) -> None:
     """RoPE of ``x`` written into ``out``; see :func:`reference_impl.model.query_prep.rope_into`.
 
@@ -288,8 +309,12 @@ def rope_into(
     """
     args = (out, x, cos, sin, interleaved)
     return _run_glue(
-        "rope_into", x.device, force_torch, lambda: _kernels("query_prep_triton").rope_into_unsupported(out, x),
-        lambda: _kernels("query_prep_triton").rope_into_triton(*args), lambda: query_prep.rope_into(*args),
+        "rope_into",
+        x.device,
+        force_torch,
+        lambda: _kernels("query_prep_triton").rope_into_unsupported(out, x),
+        lambda: _kernels("query_prep_triton").rope_into_triton(*args),
+        lambda: query_prep.rope_into(*args),
     )
 
 
@@ -300,8 +325,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, force_torch: 
     the kernels run and it supports the tensors (bf16 / float32 rows); the reference elsewhere.
     """
     return _run_glue(
-        "rms_norm", x.device, force_torch, lambda: _kernels("rms_norm_triton").rms_norm_unsupported(x, weight),
-        lambda: _kernels("rms_norm_triton").rms_norm_triton(x, weight, eps), lambda: norm.rms_norm(x, weight, eps),
+        "rms_norm",
+        x.device,
+        force_torch,
+        lambda: _kernels("rms_norm_triton").rms_norm_unsupported(x, weight),
+        lambda: _kernels("rms_norm_triton").rms_norm_triton(x, weight, eps),
+        lambda: norm.rms_norm(x, weight, eps),
     )
 
 

@@ -58,7 +58,9 @@ def use_kernels(device: torch.device | str, *, debug: bool = False, force_torch:
     return device_runs_kernels(device)
 
 
-def run_with_fallback(kernel: str, fast: Callable[[], T], fallback: Callable[[], T], *, to: str = "the torch path") -> T:
+def run_with_fallback(
+    kernel: str, fast: Callable[[], T], fallback: Callable[[], T], *, to: str = "the torch path"
+) -> T:
     """``fast()``, or ``fallback()`` after ``fast`` raised (one warning per ``kernel`` per process).
 
     ``to`` names the fallback in the warning (another kernel in a chain, e.g. Gluon -> Triton).
@@ -70,7 +72,10 @@ def run_with_fallback(kernel: str, fast: Callable[[], T], fallback: Callable[[],
             _FAILED[kernel] = f"{type(exc).__name__}: {exc}"
             logger.warning(
                 "%s failed (%s: %s); falling back to %s (later failures of this kernel fall back silently)",
-                kernel, type(exc).__name__, exc, to,
+                kernel,
+                type(exc).__name__,
+                exc,
+                to,
             )
         return fallback()
 

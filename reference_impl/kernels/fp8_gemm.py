@@ -39,9 +39,24 @@ CPU_CONFIG = (16, 1, 4)
 
 @triton.jit
 def _block_fp8_gemm_kernel(
-    x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K,
-    stride_xm, stride_xsm, stride_wn, stride_wsn, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, UPCAST: tl.constexpr,
+    x_ptr,
+    xs_ptr,
+    w_ptr,
+    ws_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_xsm,
+    stride_wn,
+    stride_wsn,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_m = tl.cdiv(M, BLOCK_M)
@@ -57,7 +72,9 @@ def _block_fp8_gemm_kernel(
     m_mask = offs_m < M
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (kb * BLOCK_K + offs_k)[None, :], mask=m_mask[:, None], other=0.0)
+        x = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + (kb * BLOCK_K + offs_k)[None, :], mask=m_mask[:, None], other=0.0
+        )
         w = tl.load(w_ptr + offs_n[None, :] * stride_wn + (kb * BLOCK_K + offs_k)[:, None])  # [BLOCK_K, BLOCK_N]
         x_scale = tl.load(xs_ptr + offs_m * stride_xsm + kb, mask=m_mask, other=0.0)
         w_scale = tl.load(ws_ptr + pid_n * stride_wsn + kb)
@@ -65,21 +82,32 @@ def _block_fp8_gemm_kernel(
             x = x.to(tl.float32)
             w = w.to(tl.float32)
         acc += tl.dot(x, w) * (x_scale[:, None] * w_scale)
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
+    tl.store(
+        out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None]
+    )
 
 
-def _check(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor) -> tuple[int, int, int]:
+def _check(
+    x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor
+) -> tuple[int, int, int]:
     (m, k), n = x_fp8.shape, w_fp8.shape[0]
     if k % BLOCK or n % BLOCK or w_fp8.shape[1] != k:
-        raise ValueError(f"block FP8 GEMM needs K and N multiples of {BLOCK}: x {tuple(x_fp8.shape)}, w {tuple(w_fp8.shape)}")
+        raise ValueError(
+            f"block FP8 GEMM needs K and N multiples of {BLOCK}: x {tuple(x_fp8.shape)}, w {tuple(w_fp8.shape)}"
+        )
     if x_scale.shape != (m, k // BLOCK) or w_scale.shape != (n // BLOCK, k // BLOCK):
         raise ValueError(f"scales {tuple(x_scale.shape)} / {tuple(w_scale.shape)} do not match x {m}x{k} and w {n}x{k}")
     return m, n, k
 
 
 def block_fp8_gemm_triton(
-    x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
-    out_dtype: torch.dtype = torch.bfloat16, *, config: tuple[int, int, int] | None = None,
+    x_fp8: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    *,
+    config: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """The Triton kernel (see the module docstring) -> ``[M, N]`` ``out_dtype``. ``config``:
     ``(BLOCK_M, num_stages, num_warps)``."""
@@ -93,16 +121,35 @@ def block_fp8_gemm_triton(
     x_scale, w_scale = x_scale.float().contiguous(), w_scale.float().contiguous()
     grid = (triton.cdiv(m, block_m) * (n // BLOCK),)
     _block_fp8_gemm_kernel[grid](
-        x_fp8, x_scale, w_fp8, w_scale, out, m, n, k,
-        x_fp8.stride(0), x_scale.stride(0), w_fp8.stride(0), w_scale.stride(0), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=BLOCK, BLOCK_K=BLOCK, GROUP_M=8, UPCAST=not on_gpu,
-        num_stages=stages, num_warps=warps,
+        x_fp8,
+        x_scale,
+        w_fp8,
+        w_scale,
+        out,
+        m,
+        n,
+        k,
+        x_fp8.stride(0),
+        x_scale.stride(0),
+        w_fp8.stride(0),
+        w_scale.stride(0),
+        out.stride(0),
+        BLOCK_M=block_m,
+        BLOCK_N=BLOCK,
+        BLOCK_K=BLOCK,
+        GROUP_M=8,
+        UPCAST=not on_gpu,
+        num_stages=stages,
+        num_warps=warps,
     )
     return out
 
 
 def scaled_mm_block_fp8(
-    x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
+    x_fp8: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale: torch.Tensor,
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """``torch._scaled_mm`` with DeepSeek's block scaling (cuBLAS, sm_90, CUDA 12.9+) -> ``[M, N]``.
@@ -124,7 +171,10 @@ def scaled_mm_block_fp8(
 
 
 def block_fp8_gemm(
-    x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
+    x_fp8: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale: torch.Tensor,
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """The GEMM :class:`~reference_impl.model.fp8_linear.Fp8BlockLinear` runs through the kernels:

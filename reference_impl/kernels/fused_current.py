@@ -148,12 +148,24 @@ def fill_current_triton(
         index_out, scale_out, k_in = view_rows, view_rows, kv_seq
     check_aligned("fill_current kv_view", kv_view, (kv_view.stride(0) * 2,))
     soft = not kv_seq.is_cuda if soft is None else soft
-    config = launch_config("fill_current", kv_seq.device, {"block_m": block_m, "num_warps": num_warps, "fast_div": fast_div})
+    config = launch_config(
+        "fill_current", kv_seq.device, {"block_m": block_m, "num_warps": num_warps, "fast_div": fast_div}
+    )
     block = int(config["block_m"])
     in_bf16 = kv_seq.dtype == torch.bfloat16 and k_in.dtype == torch.bfloat16
     _fill_current_kernel[(triton.cdiv(n, block),)](
-        kv_seq, k_in, view_rows, kv_view, index_out, scale_out, n, kv_view.shape[0],
-        kv_seq.stride(0), k_in.stride(0), kv_view.stride(0), index_out.stride(0),
+        kv_seq,
+        k_in,
+        view_rows,
+        kv_view,
+        index_out,
+        scale_out,
+        n,
+        kv_view.shape[0],
+        kv_seq.stride(0),
+        k_in.stride(0),
+        kv_view.stride(0),
+        index_out.stride(0),
         L=layout.kv_lora,
         R=layout.rope,
         D=INDEX_HEAD_DIM,

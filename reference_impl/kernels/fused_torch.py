@@ -149,14 +149,23 @@ def check_fill_current_args(
         )
     n_view = kv_view.shape[0]
     bad_view = kv_view.dtype != torch.bfloat16 or kv_view.shape != (n_view, layout.kv_width) or kv_view.stride(-1) != 1
-    bad_index = index_fp8 is not None and index_scale is not None and (
-        index_fp8.dtype != FP8_DTYPE or index_fp8.shape != (n_view, INDEX_HEAD_DIM)
-        or index_scale.dtype != torch.float32 or index_scale.shape != (n_view,)
-        or index_fp8.stride(-1) != 1 or index_scale.stride(-1) != 1
+    bad_index = (
+        index_fp8 is not None
+        and index_scale is not None
+        and (
+            index_fp8.dtype != FP8_DTYPE
+            or index_fp8.shape != (n_view, INDEX_HEAD_DIM)
+            or index_scale.dtype != torch.float32
+            or index_scale.shape != (n_view,)
+            or index_fp8.stride(-1) != 1
+            or index_scale.stride(-1) != 1
+        )
     )
     if bad_view or bad_index:
-        index = "none" if index_fp8 is None or index_scale is None else (
-            f"{index_fp8.dtype} {tuple(index_fp8.shape)}, {index_scale.dtype} {tuple(index_scale.shape)}"
+        index = (
+            "none"
+            if index_fp8 is None or index_scale is None
+            else (f"{index_fp8.dtype} {tuple(index_fp8.shape)}, {index_scale.dtype} {tuple(index_scale.shape)}")
         )
         raise ConfigError(
             f"fill_current: the full view must be bf16 kv [S, {layout.kv_width}], float8_e4m3fn index K "

@@ -119,8 +119,12 @@ def _indexer_logits_kernel(
     if (tile_lo < tl.max(key_end)) & (tile_hi > tl.min(key_start)):
         if BLOCK_PTRS:  # no [BLOCK_S, BLOCK_D] tensor of 64-bit addresses (registers, see the docstring)
             k_block = tl.make_block_ptr(
-                k_ptr + col0.to(tl.int64) * stride_k, (n_cols, D), (stride_k, 1), (pid_s * BLOCK_S, 0),
-                (BLOCK_S, BLOCK_D), (1, 0),
+                k_ptr + col0.to(tl.int64) * stride_k,
+                (n_cols, D),
+                (stride_k, 1),
+                (pid_s * BLOCK_S, 0),
+                (BLOCK_S, BLOCK_D),
+                (1, 0),
             )
             k = tl.load(k_block, boundary_check=(0, 1), padding_option="zero")
         else:
@@ -275,7 +279,9 @@ RUNNING_BYTES_PER_SLOT = 28
 positions, their int64 copy, the gathered f32 scores and int64 keys, the int32 running keys."""
 
 
-def logits_tile_shape(n_keys: int, topk: int, max_chunk_bytes: int = MAX_TILE_BYTES, key_tile: int = KEY_TILE) -> tuple[int, int]:
+def logits_tile_shape(
+    n_keys: int, topk: int, max_chunk_bytes: int = MAX_TILE_BYTES, key_tile: int = KEY_TILE
+) -> tuple[int, int]:
     """``(rows, columns)`` of the fp32 logits buffer :func:`indexer_topk_triton` allocates for a
     full view of ``n_keys`` keys: ``n_keys`` columns when they fit one tile, else ``key_tile`` keys
     plus the ``topk`` running scores; as many rows as keep it under ``max_chunk_bytes``."""

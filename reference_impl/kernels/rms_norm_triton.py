@@ -88,8 +88,19 @@ def rms_norm_triton(
         block_m = max(1, ROW_ELEMENTS // block_n)
         warps = num_warps or min(16, max(1, block_m * block_n // 2048 * 4))
         _rms_norm_kernel[(triton.cdiv(rows.shape[0], block_m),)](
-            rows, weight.contiguous(), out, rows.shape[0], n, rows.stride(0), out.stride(0), 1.0 / n, eps,
-            BLOCK_M=block_m, BLOCK_N=block_n, OUT_BF16=x.dtype == torch.bfloat16,
-            SOFT=not x.is_cuda if soft is None else soft, num_warps=warps,
+            rows,
+            weight.contiguous(),
+            out,
+            rows.shape[0],
+            n,
+            rows.stride(0),
+            out.stride(0),
+            1.0 / n,
+            eps,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            OUT_BF16=x.dtype == torch.bfloat16,
+            SOFT=not x.is_cuda if soft is None else soft,
+            num_warps=warps,
         )
     return out.view(x.shape)

@@ -78,9 +78,20 @@ mma_accumulator = getattr(hopper, "warpgroup_mma_init", None) or _same_tensor
 
 
 @gluon.jit
-def _gather_part(slot_smem, kv_ptr, idx_row, k0, topk, n_kv, stride_kv,
-                 COL0: gl.constexpr, WIDTH: gl.constexpr, BLOCK_K: gl.constexpr, layout: gl.constexpr,
-                 EVICT_LAST: gl.constexpr):
+def _gather_part(
+    slot_smem,
+    kv_ptr,
+    idx_row,
+    k0,
+    topk,
+    n_kv,
+    stride_kv,
+    COL0: gl.constexpr,
+    WIDTH: gl.constexpr,
+    BLOCK_K: gl.constexpr,
+    layout: gl.constexpr,
+    EVICT_LAST: gl.constexpr,
+):
     """Issue the cp.async copies of columns ``[COL0, COL0 + WIDTH)`` of one tile's KV rows into ``slot_smem``.
 
     Unused slots copy row 0: a real row, so the value product multiplies finite numbers by a zero
@@ -100,44 +111,90 @@ def _gather_part(slot_smem, kv_ptr, idx_row, k0, topk, n_kv, stride_kv,
 
 
 @gluon.jit
-def _gather_next(nope_slot, rope_slot, kv_ptr, idx_row, k0, topk, n_kv, stride_kv, D_V: gl.constexpr,
-                 D_ROPE: gl.constexpr, BLOCK_K: gl.constexpr, nope_layout: gl.constexpr, rope_layout: gl.constexpr,
-                 EVICT_LAST: gl.constexpr):
+def _gather_next(
+    nope_slot,
+    rope_slot,
+    kv_ptr,
+    idx_row,
+    k0,
+    topk,
+    n_kv,
+    stride_kv,
+    D_V: gl.constexpr,
+    D_ROPE: gl.constexpr,
+    BLOCK_K: gl.constexpr,
+    nope_layout: gl.constexpr,
+    rope_layout: gl.constexpr,
+    EVICT_LAST: gl.constexpr,
+):
     """Both parts of one tile's rows into a ring slot."""
     _gather_part(nope_slot, kv_ptr, idx_row, k0, topk, n_kv, stride_kv, 0, D_V, BLOCK_K, nope_layout, EVICT_LAST)
     _gather_part(rope_slot, kv_ptr, idx_row, k0, topk, n_kv, stride_kv, D_V, D_ROPE, BLOCK_K, rope_layout, EVICT_LAST)
 
 
 @gluon.jit
-def load_q_part(q_smem, q_ptr, token, head0, n_heads, stride_qt, stride_qh,
-                 COL0: gl.constexpr, WIDTH: gl.constexpr, BLOCK_H: gl.constexpr, layout: gl.constexpr):
+def load_q_part(
+    q_smem,
+    q_ptr,
+    token,
+    head0,
+    n_heads,
+    stride_qt,
+    stride_qh,
+    COL0: gl.constexpr,
+    WIDTH: gl.constexpr,
+    BLOCK_H: gl.constexpr,
+    layout: gl.constexpr,
+):
     """Columns ``[COL0, COL0 + WIDTH)`` of the block's q rows into ``q_smem`` (zeros past ``n_heads``)."""
     heads = head0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, layout))
     cols = COL0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
-    q = gl.load(q_ptr + token * stride_qt + heads[:, None] * stride_qh + cols[None, :],
-                mask=(heads < n_heads)[:, None], other=0.0)
+    q = gl.load(
+        q_ptr + token * stride_qt + heads[:, None] * stride_qh + cols[None, :],
+        mask=(heads < n_heads)[:, None],
+        other=0.0,
+    )
     q_smem.store(q)
 
 
 @gluon.jit
 def _sparse_mla_fwd_gluon_kernel(
-    q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr,
-    n_heads, n_kv, topk, n_head_blocks,
-    stride_qt, stride_qh, stride_kv, stride_it, stride_ot, stride_oh, stride_lt,
+    q_ptr,
+    kv_ptr,
+    idx_ptr,
+    out_ptr,
+    lse_ptr,
+    n_heads,
+    n_kv,
+    topk,
+    n_head_blocks,
+    stride_qt,
+    stride_qh,
+    stride_kv,
+    stride_it,
+    stride_ot,
+    stride_oh,
+    stride_lt,
     qk_scale_log2,
-    D_V: gl.constexpr, D_ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr,
-    OVERLAP_PV: gl.constexpr, EVICT_LAST: gl.constexpr,
+    D_V: gl.constexpr,
+    D_ROPE: gl.constexpr,
+    BLOCK_H: gl.constexpr,
+    BLOCK_K: gl.constexpr,
+    OVERLAP_PV: gl.constexpr,
+    EVICT_LAST: gl.constexpr,
 ):
     dtype: gl.constexpr = kv_ptr.dtype.element_ty
     # Register layouts. Loads: 8 contiguous elements (16 B) per thread, rows over the warps.
     nope_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
     rope_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // D_ROPE, D_ROPE // 8], [8, 1], [1, 0])
     # Scores [BLOCK_H, BLOCK_K]: warp group g holds keys [g * BLOCK_K / 2, (g + 1) * BLOCK_K / 2).
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                       instr_shape=[16, BLOCK_K // 2, 16])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_K // 2, 16]
+    )
     # Output [BLOCK_H, D_V]: warp group g holds d_v columns [g * D_V / 2, (g + 1) * D_V / 2).
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                       instr_shape=[16, D_V // 2, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D_V // 2, 16]
+    )
     s_row: gl.constexpr = gl.SliceLayout(1, s_layout)
     s_col: gl.constexpr = gl.SliceLayout(0, s_layout)
     o_row: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -165,10 +222,12 @@ def _sparse_mla_fwd_gluon_kernel(
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_K], p_shared)
 
     idx_row = idx_ptr + token * stride_it
-    _gather_part(kv_nope_smem.index(0), kv_ptr, idx_row, 0, topk, n_kv, stride_kv, 0, D_V, BLOCK_K, nope_layout,
-                 EVICT_LAST)
-    _gather_part(kv_rope_smem.index(0), kv_ptr, idx_row, 0, topk, n_kv, stride_kv, D_V, D_ROPE, BLOCK_K, rope_layout,
-                 EVICT_LAST)
+    _gather_part(
+        kv_nope_smem.index(0), kv_ptr, idx_row, 0, topk, n_kv, stride_kv, 0, D_V, BLOCK_K, nope_layout, EVICT_LAST
+    )
+    _gather_part(
+        kv_rope_smem.index(0), kv_ptr, idx_row, 0, topk, n_kv, stride_kv, D_V, D_ROPE, BLOCK_K, rope_layout, EVICT_LAST
+    )
     async_copy.commit_group()
 
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=s_row)
@@ -185,8 +244,22 @@ def _sparse_mla_fwd_gluon_kernel(
             # the next tile's rows can land in it while this tile is computed.
             cta_barrier()
             if tile + 1 < n_tiles:
-                _gather_next(kv_nope_smem.index(1 - slot), kv_rope_smem.index(1 - slot), kv_ptr, idx_row, k0 + BLOCK_K,
-                             topk, n_kv, stride_kv, D_V, D_ROPE, BLOCK_K, nope_layout, rope_layout, EVICT_LAST)
+                _gather_next(
+                    kv_nope_smem.index(1 - slot),
+                    kv_rope_smem.index(1 - slot),
+                    kv_ptr,
+                    idx_row,
+                    k0 + BLOCK_K,
+                    topk,
+                    n_kv,
+                    stride_kv,
+                    D_V,
+                    D_ROPE,
+                    BLOCK_K,
+                    nope_layout,
+                    rope_layout,
+                    EVICT_LAST,
+                )
             async_copy.commit_group()
             async_copy.wait_group(1)  # this thread's copies of the current tile have landed
         else:
@@ -198,8 +271,13 @@ def _sparse_mla_fwd_gluon_kernel(
         kv_rope = kv_rope_smem.index(slot)
         # S = q_nope @ kv_nope^T + q_rope @ kv_rope^T: 2 x BLOCK_H x BLOCK_K x 576 flops, each warp
         # group half the keys.
-        s = warpgroup_mma(q_nope_smem, kv_nope.permute((1, 0)), gl.zeros([BLOCK_H, BLOCK_K], gl.float32, s_layout),
-                          use_acc=False, is_async=True)
+        s = warpgroup_mma(
+            q_nope_smem,
+            kv_nope.permute((1, 0)),
+            gl.zeros([BLOCK_H, BLOCK_K], gl.float32, s_layout),
+            use_acc=False,
+            is_async=True,
+        )
         s = warpgroup_mma(q_rope_smem, kv_rope.permute((1, 0)), s, is_async=True)
         if OVERLAP_PV:
             # The score product queued behind the last tile's value product: one wait retires both
@@ -209,11 +287,25 @@ def _sparse_mla_fwd_gluon_kernel(
             s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc))
             cta_barrier()
             if tile + 1 < n_tiles:
-                _gather_next(kv_nope_smem.index(1 - slot), kv_rope_smem.index(1 - slot), kv_ptr, idx_row, k0 + BLOCK_K,
-                             topk, n_kv, stride_kv, D_V, D_ROPE, BLOCK_K, nope_layout, rope_layout, EVICT_LAST)
+                _gather_next(
+                    kv_nope_smem.index(1 - slot),
+                    kv_rope_smem.index(1 - slot),
+                    kv_ptr,
+                    idx_row,
+                    k0 + BLOCK_K,
+                    topk,
+                    n_kv,
+                    stride_kv,
+                    D_V,
+                    D_ROPE,
+                    BLOCK_K,
+                    nope_layout,
+                    rope_layout,
+                    EVICT_LAST,
+                )
             async_copy.commit_group()
         else:
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
 
         offs_k = k0 + gl.arange(0, BLOCK_K, layout=s_col)
         idx = gl.load(idx_row + offs_k, mask=offs_k < topk, other=-1)
@@ -235,9 +327,9 @@ def _sparse_mla_fwd_gluon_kernel(
         # O += P @ kv_nope: 2 x BLOCK_H x BLOCK_K x D_V flops, each warp group half of d_v.
         acc = warpgroup_mma(p_smem, kv_nope, acc, is_async=True)
         if not OVERLAP_PV:
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     if OVERLAP_PV:
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
 
     l_o = gl.convert_layout(l_i, o_row)
     has_any = l_o > 0.0
@@ -282,7 +374,9 @@ def width_reason(d_v: int, d_rope: int, max_d_v: int, max_d_rope: int) -> str | 
 
     if pow2(d_v) and 64 <= d_v <= max_d_v and pow2(d_rope) and 16 <= d_rope <= max_d_rope:
         return None
-    return f"needs power-of-two d_v in [64, {max_d_v}] and rope width in [16, {max_d_rope}], got d_v={d_v}, rope={d_rope}"
+    return (
+        f"needs power-of-two d_v in [64, {max_d_v}] and rope width in [16, {max_d_rope}], got d_v={d_v}, rope={d_rope}"
+    )
 
 
 UnsupportedReason = Callable[[str, tuple[int, int] | None, torch.dtype, torch.dtype, int, int], str | None]
@@ -315,8 +409,22 @@ class GluonLaunch(NamedTuple):
         n_tokens, n_heads = q.shape[0], q.shape[1]
         n_head_blocks = triton.cdiv(n_heads, block_h)
         args = (
-            q, kv, indices, out, lse, n_heads, kv.shape[0], indices.shape[1], n_head_blocks,
-            q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1), lse.stride(0),
+            q,
+            kv,
+            indices,
+            out,
+            lse,
+            n_heads,
+            kv.shape[0],
+            indices.shape[1],
+            n_head_blocks,
+            q.stride(0),
+            q.stride(1),
+            kv.stride(0),
+            indices.stride(0),
+            out.stride(0),
+            out.stride(1),
+            lse.stride(0),
             float(softmax_scale) * LOG2E,
         )
         return (n_tokens * n_head_blocks,), args
@@ -367,7 +475,9 @@ def unsupported_reason(
     in [64, 512] and rope width ``d_qk - d_v`` in [16, 256] (the layouts tile them exactly), and
     ``d_qk <= 576`` (shared memory).
     """
-    reason = hopper_operand_reason(device_type, capability, q_dtype, kv_dtype) or width_reason(d_v, d_qk - d_v, 512, 256)
+    reason = hopper_operand_reason(device_type, capability, q_dtype, kv_dtype) or width_reason(
+        d_v, d_qk - d_v, 512, 256
+    )
     if reason is None and d_qk > MAX_D_QK:
         reason = f"needs d_qk <= {MAX_D_QK} (q and two KV tiles in shared memory), got {d_qk}"
     return reason
@@ -401,7 +511,10 @@ def sparse_mla_attention_gluon(
     grid, args = launch.grid_and_args(BLOCK_H, softmax_scale)
     _sparse_mla_fwd_gluon_kernel[grid](
         *args,
-        D_V=d_v, D_ROPE=q.shape[-1] - d_v, BLOCK_H=BLOCK_H, BLOCK_K=BLOCK_K,
+        D_V=d_v,
+        D_ROPE=q.shape[-1] - d_v,
+        BLOCK_H=BLOCK_H,
+        BLOCK_K=BLOCK_K,
         OVERLAP_PV=GPU_DEFAULT_CONFIG[0] if overlap_pv is None else overlap_pv,
         EVICT_LAST=GPU_DEFAULT_CONFIG[1] if evict_last is None else evict_last,
         num_warps=NUM_WARPS,

@@ -93,9 +93,19 @@ def _views_this_pair(pair, q_half, q_rope, k_l, k_r, k_rope, s1_smem, S0_IN_ROPE
     being hoisted out of the loop into ~150 regular registers that spill."""
     zero = pair >> 30
     s0 = k_rope.index(zero) if S0_IN_ROPE else s1_smem.index(zero + 1)
-    return (q_half.index(zero), q_half.index(zero + 1), q_rope.index(zero),
-            k_l.index(zero), k_r.index(zero), k_rope.index(zero),
-            k_l.index(zero + 1), k_r.index(zero + 1), k_rope.index(zero + 1), s0, s1_smem.index(zero))
+    return (
+        q_half.index(zero),
+        q_half.index(zero + 1),
+        q_rope.index(zero),
+        k_l.index(zero),
+        k_r.index(zero),
+        k_rope.index(zero),
+        k_l.index(zero + 1),
+        k_r.index(zero + 1),
+        k_rope.index(zero + 1),
+        s0,
+        s1_smem.index(zero),
+    )
 
 
 @gluon.jit
@@ -108,8 +118,20 @@ def _slot_valid(idx_row, k0, topk, n_kv, BLOCK_K: gl.constexpr, s_layout: gl.con
 
 
 @gluon.jit
-def _store_out(acc, l_i, out_ptr, token, head0, n_heads, stride_ot, stride_oh, COL0: gl.constexpr,
-               HALF: gl.constexpr, BLOCK_H: gl.constexpr, o_layout: gl.constexpr):
+def _store_out(
+    acc,
+    l_i,
+    out_ptr,
+    token,
+    head0,
+    n_heads,
+    stride_ot,
+    stride_oh,
+    COL0: gl.constexpr,
+    HALF: gl.constexpr,
+    BLOCK_H: gl.constexpr,
+    o_layout: gl.constexpr,
+):
     """out[token, heads, COL0 : COL0 + HALF] = acc / l (0 where no key was valid)."""
     o_row: gl.constexpr = gl.SliceLayout(1, o_layout)
     l_o = gl.convert_layout(l_i, o_row)
@@ -126,19 +148,44 @@ def _issue_scores0(views, ready, phase, BLOCK_H: gl.constexpr, BLOCK_K: gl.const
     as it lands, then the right one and the rope part; returns the pending accumulator."""
     q_l, q_r, q_rope, k0_l, k0_r, k0_rope, _, _, _, _, _ = views
     _wait_landed(ready.index(K0L), phase)
-    s = warpgroup_mma(q_l, k0_l.permute((1, 0)), gl.zeros([BLOCK_H, BLOCK_K], gl.float32, s_layout),
-                      use_acc=False, is_async=True)
+    s = warpgroup_mma(
+        q_l, k0_l.permute((1, 0)), gl.zeros([BLOCK_H, BLOCK_K], gl.float32, s_layout), use_acc=False, is_async=True
+    )
     _wait_landed(ready.index(K0R), phase)
     s = warpgroup_mma(q_r, k0_r.permute((1, 0)), s, is_async=True)
     return warpgroup_mma(q_rope, k0_rope.permute((1, 0)), s, is_async=True)
 
 
 @gluon.jit
-def _consumer0_pair(pair, s_pending, m_i, l_i, acc, q_half, q_rope1, k_l, k_r, k_rope, s1_smem, stats, ready, free,
-                    hand, idx_row, topk, n_kv, qk_scale_log2,
-                    HALF: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr, S0_IN_ROPE: gl.constexpr,
-                    s_layout: gl.constexpr, o_layout: gl.constexpr, ISSUE_NEXT: gl.constexpr,
-                    PIPELINE_QK: gl.constexpr):
+def _consumer0_pair(
+    pair,
+    s_pending,
+    m_i,
+    l_i,
+    acc,
+    q_half,
+    q_rope1,
+    k_l,
+    k_r,
+    k_rope,
+    s1_smem,
+    stats,
+    ready,
+    free,
+    hand,
+    idx_row,
+    topk,
+    n_kv,
+    qk_scale_log2,
+    HALF: gl.constexpr,
+    BLOCK_H: gl.constexpr,
+    BLOCK_K: gl.constexpr,
+    S0_IN_ROPE: gl.constexpr,
+    s_layout: gl.constexpr,
+    o_layout: gl.constexpr,
+    ISSUE_NEXT: gl.constexpr,
+    PIPELINE_QK: gl.constexpr,
+):
     """Consumer 0's share of one pair whose S0 is already queued (``s_pending``); with ``ISSUE_NEXT``
     it queues the next pair's S0 before returning -- with ``PIPELINE_QK`` right behind this pair's
     last value product, so the tensor cores go from one to the other without a gap."""
@@ -150,7 +197,7 @@ def _consumer0_pair(pair, s_pending, m_i, l_i, acc, q_half, q_rope1, k_l, k_r, k
     views = _views_this_pair(pair, q_half, q_rope1, k_l, k_r, k_rope, s1_smem, S0_IN_ROPE)
     _, _, _, k0_l, _, _, k1_l, _, _, s0_smem, s1_p = views
     valid = _slot_valid(idx_row, pair * 2 * BLOCK_K, topk, n_kv, BLOCK_K, s_layout)
-    s = warpgroup_mma_wait(num_outstanding=0, deps=(s_pending, ))
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s_pending,))
     s = gl.where(valid[None, :], s * qk_scale_log2, float("-inf"))
 
     m0 = gl.maximum(m_i, gl.max(s, axis=1))
@@ -184,15 +231,16 @@ def _consumer0_pair(pair, s_pending, m_i, l_i, acc, q_half, q_rope1, k_l, k_r, k
         next_views = _views_this_pair(pair + 1, q_half, q_rope1, k_l, k_r, k_rope, s1_smem, S0_IN_ROPE)
         q_l, q_r, q_rope, k0_l, k0_r, k0_rope, _, _, _, _, _ = next_views
         _wait_landed(ready.index(K0L), phase ^ 1)
-        s_next = warpgroup_mma(q_l, k0_l.permute((1, 0)), gl.zeros([BLOCK_H, BLOCK_K], gl.float32, s_layout),
-                               use_acc=False, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+        s_next = warpgroup_mma(
+            q_l, k0_l.permute((1, 0)), gl.zeros([BLOCK_H, BLOCK_K], gl.float32, s_layout), use_acc=False, is_async=True
+        )
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
         mbarrier.arrive(free.index(K1L))
         _wait_landed(ready.index(K0R), phase ^ 1)
         s_next = warpgroup_mma(q_r, k0_r.permute((1, 0)), s_next, is_async=True)
         s_next = warpgroup_mma(q_rope, k0_rope.permute((1, 0)), s_next, is_async=True)
     else:
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(free.index(K1L))
         if ISSUE_NEXT:
             next_views = _views_this_pair(pair + 1, q_half, q_rope1, k_l, k_r, k_rope, s1_smem, S0_IN_ROPE)
@@ -203,10 +251,36 @@ def _consumer0_pair(pair, s_pending, m_i, l_i, acc, q_half, q_rope1, k_l, k_r, k
 
 
 @gluon.jit
-def _consumer0(q_half, q_rope1, k_l, k_r, k_rope, s1_smem, stats, ready, free, hand,
-               idx_row, topk, n_kv, n_pairs, qk_scale_log2, out_ptr, token, head0, n_heads, stride_ot, stride_oh,
-               HALF: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr, S0_IN_ROPE: gl.constexpr,
-               s_layout: gl.constexpr, o_layout: gl.constexpr, PIPELINE_QK: gl.constexpr):
+def _consumer0(
+    q_half,
+    q_rope1,
+    k_l,
+    k_r,
+    k_rope,
+    s1_smem,
+    stats,
+    ready,
+    free,
+    hand,
+    idx_row,
+    topk,
+    n_kv,
+    n_pairs,
+    qk_scale_log2,
+    out_ptr,
+    token,
+    head0,
+    n_heads,
+    stride_ot,
+    stride_oh,
+    HALF: gl.constexpr,
+    BLOCK_H: gl.constexpr,
+    BLOCK_K: gl.constexpr,
+    S0_IN_ROPE: gl.constexpr,
+    s_layout: gl.constexpr,
+    o_layout: gl.constexpr,
+    PIPELINE_QK: gl.constexpr,
+):
     """Even key blocks' scores; output columns [0, d_v / 2). Each pair's S0 is queued one step
     ahead (the last pair's by the one before it, or by the prologue)."""
     s_row: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -217,13 +291,63 @@ def _consumer0(q_half, q_rope1, k_l, k_r, k_rope, s1_smem, stats, ready, free, h
     s_pending = _issue_scores0(views, ready, 0, BLOCK_H, BLOCK_K, s_layout)
     for pair in range(n_pairs - 1):
         m_i, l_i, acc, s_pending = _consumer0_pair(
-            pair, s_pending, m_i, l_i, acc, q_half, q_rope1, k_l, k_r, k_rope, s1_smem, stats, ready, free, hand,
-            idx_row, topk, n_kv, qk_scale_log2, HALF, BLOCK_H, BLOCK_K, S0_IN_ROPE, s_layout, o_layout,
-            True, PIPELINE_QK)
+            pair,
+            s_pending,
+            m_i,
+            l_i,
+            acc,
+            q_half,
+            q_rope1,
+            k_l,
+            k_r,
+            k_rope,
+            s1_smem,
+            stats,
+            ready,
+            free,
+            hand,
+            idx_row,
+            topk,
+            n_kv,
+            qk_scale_log2,
+            HALF,
+            BLOCK_H,
+            BLOCK_K,
+            S0_IN_ROPE,
+            s_layout,
+            o_layout,
+            True,
+            PIPELINE_QK,
+        )
     m_i, l_i, acc, s_pending = _consumer0_pair(
-        n_pairs - 1, s_pending, m_i, l_i, acc, q_half, q_rope1, k_l, k_r, k_rope, s1_smem, stats, ready, free, hand,
-        idx_row, topk, n_kv, qk_scale_log2, HALF, BLOCK_H, BLOCK_K, S0_IN_ROPE, s_layout, o_layout,
-        False, PIPELINE_QK)
+        n_pairs - 1,
+        s_pending,
+        m_i,
+        l_i,
+        acc,
+        q_half,
+        q_rope1,
+        k_l,
+        k_r,
+        k_rope,
+        s1_smem,
+        stats,
+        ready,
+        free,
+        hand,
+        idx_row,
+        topk,
+        n_kv,
+        qk_scale_log2,
+        HALF,
+        BLOCK_H,
+        BLOCK_K,
+        S0_IN_ROPE,
+        s_layout,
+        o_layout,
+        False,
+        PIPELINE_QK,
+    )
 
     # The row sums meet in shared memory; both halves divide by the whole.
     stats[2].store(l_i)
@@ -234,11 +358,37 @@ def _consumer0(q_half, q_rope1, k_l, k_r, k_rope, s1_smem, stats, ready, free, h
 
 
 @gluon.jit
-def _consumer1(q_half, q_rope1, k_l, k_r, k_rope, s1_smem, stats, ready, free, hand,
-               idx_row, topk, n_kv, n_pairs, qk_scale_log2, out_ptr, lse_ptr, token, head0, n_heads, stride_ot,
-               stride_oh, stride_lt,
-               HALF: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr, S0_IN_ROPE: gl.constexpr,
-               s_layout: gl.constexpr, o_layout: gl.constexpr):
+def _consumer1(
+    q_half,
+    q_rope1,
+    k_l,
+    k_r,
+    k_rope,
+    s1_smem,
+    stats,
+    ready,
+    free,
+    hand,
+    idx_row,
+    topk,
+    n_kv,
+    n_pairs,
+    qk_scale_log2,
+    out_ptr,
+    lse_ptr,
+    token,
+    head0,
+    n_heads,
+    stride_ot,
+    stride_oh,
+    stride_lt,
+    HALF: gl.constexpr,
+    BLOCK_H: gl.constexpr,
+    BLOCK_K: gl.constexpr,
+    S0_IN_ROPE: gl.constexpr,
+    s_layout: gl.constexpr,
+    o_layout: gl.constexpr,
+):
     """Odd key blocks' scores; output columns [d_v / 2, d_v) and the lse."""
     dtype: gl.constexpr = k_l.dtype
     s_row: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -250,16 +400,18 @@ def _consumer1(q_half, q_rope1, k_l, k_r, k_rope, s1_smem, stats, ready, free, h
     for pair in range(n_pairs):
         phase = pair & 1
         q_l, q_r, q_rope, _, k0_r, _, k1_l, k1_r, k1_rope, s0_smem, s1_p = _views_this_pair(
-            pair, q_half, q_rope1, k_l, k_r, k_rope, s1_smem, S0_IN_ROPE)
+            pair, q_half, q_rope1, k_l, k_r, k_rope, s1_smem, S0_IN_ROPE
+        )
         # S1 = q @ K1^T, the right quarter first (the producer fills slot 1's right before its left).
         _wait_landed(ready.index(K1R), phase)
-        s = warpgroup_mma(q_r, k1_r.permute((1, 0)), gl.zeros([BLOCK_H, BLOCK_K], gl.float32, s_layout),
-                          use_acc=False, is_async=True)
+        s = warpgroup_mma(
+            q_r, k1_r.permute((1, 0)), gl.zeros([BLOCK_H, BLOCK_K], gl.float32, s_layout), use_acc=False, is_async=True
+        )
         s = warpgroup_mma(q_rope, k1_rope.permute((1, 0)), s, is_async=True)
         _wait_landed(ready.index(K1L), phase)
         s = warpgroup_mma(q_l, k1_l.permute((1, 0)), s, is_async=True)
         valid = _slot_valid(idx_row, pair * 2 * BLOCK_K + BLOCK_K, topk, n_kv, BLOCK_K, s_layout)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         s = gl.where(valid[None, :], s * qk_scale_log2, float("-inf"))
 
         # The running max after both blocks: m1 = max(m0, rowmax S1), with m0 from consumer 0.
@@ -284,7 +436,7 @@ def _consumer1(q_half, q_rope1, k_l, k_r, k_rope, s1_smem, stats, ready, free, h
         acc = warpgroup_mma(s0_smem, k0_r, acc, is_async=True)
         acc, p_op = warpgroup_mma_wait(num_outstanding=1, deps=(acc, p_op))
         mbarrier.arrive(free.index(K1R))
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(free.index(K0R))  # also frees sS0 when it lives in slot 0's rope part
 
     stats[3].store(l_i)
@@ -318,14 +470,28 @@ def _gather(dst, kv_ptr, idx, n_kv, stride_kv, COL0: gl.constexpr, WIDTH: gl.con
     used = (idx >= 0) & (idx < n_kv)
     row = gl.where(used, idx, 0).to(gl.int64)
     cols = COL0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
-    async_copy.async_copy_global_to_shared(dst, kv_ptr + row[:, None] * stride_kv + cols[None, :],
-                                           mask=used[:, None])
+    async_copy.async_copy_global_to_shared(dst, kv_ptr + row[:, None] * stride_kv + cols[None, :], mask=used[:, None])
 
 
 @gluon.jit
-def _producer(k_l, k_r, k_rope, ready, free, kv_ptr, idx_row, topk, n_kv, stride_kv, n_pairs,
-              HALF: gl.constexpr, D_ROPE: gl.constexpr, BLOCK_K: gl.constexpr,
-              half_layout: gl.constexpr, rope_layout: gl.constexpr):
+def _producer(
+    k_l,
+    k_r,
+    k_rope,
+    ready,
+    free,
+    kv_ptr,
+    idx_row,
+    topk,
+    n_kv,
+    stride_kv,
+    n_pairs,
+    HALF: gl.constexpr,
+    D_ROPE: gl.constexpr,
+    BLOCK_K: gl.constexpr,
+    half_layout: gl.constexpr,
+    rope_layout: gl.constexpr,
+):
     """Gather each pair of key blocks, quarter by quarter, in the order the consumers need them:
     slot 0 left, slot 1 right, slot 0 right, slot 1 left. The indices are loaded a pair ahead, so
     their latency hides behind the waits for free slots instead of delaying the copies."""
@@ -355,22 +521,41 @@ def _producer(k_l, k_r, k_rope, ready, free, kv_ptr, idx_row, topk, n_kv, stride
 
 @gluon.jit
 def _sparse_mla_fwd_ws_kernel(
-    q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr,
-    n_heads, n_kv, topk, n_head_blocks,
-    stride_qt, stride_qh, stride_kv, stride_it, stride_ot, stride_oh, stride_lt,
+    q_ptr,
+    kv_ptr,
+    idx_ptr,
+    out_ptr,
+    lse_ptr,
+    n_heads,
+    n_kv,
+    topk,
+    n_head_blocks,
+    stride_qt,
+    stride_qh,
+    stride_kv,
+    stride_it,
+    stride_ot,
+    stride_oh,
+    stride_lt,
     qk_scale_log2,
-    D_V: gl.constexpr, D_ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr,
-    half_layout: gl.constexpr, rope_layout: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PIPELINE_QK: gl.constexpr,
+    D_V: gl.constexpr,
+    D_ROPE: gl.constexpr,
+    BLOCK_H: gl.constexpr,
+    BLOCK_K: gl.constexpr,
+    half_layout: gl.constexpr,
+    rope_layout: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
+    PIPELINE_QK: gl.constexpr,
 ):
     dtype: gl.constexpr = kv_ptr.dtype.element_ty
     HALF: gl.constexpr = D_V // 2
     S0_IN_ROPE: gl.constexpr = D_ROPE == BLOCK_K
     # One warp group's score tile [64 heads, 64 keys] and output half [64 heads, d_v / 2].
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_K, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HALF, 16])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_K, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
 
     pid = gl.program_id(0).to(gl.int64)
     token = pid // n_head_blocks
@@ -391,10 +576,12 @@ def _sparse_mla_fwd_ws_kernel(
     s1_smem = gl.allocate_shared_memory(dtype, [1 if S0_IN_ROPE else 2, BLOCK_H, BLOCK_K], p_shared)
     # m0, m1, l0, l1 per head.
     stat_shared: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-    stats = (gl.allocate_shared_memory(gl.float32, [BLOCK_H], stat_shared),
-             gl.allocate_shared_memory(gl.float32, [BLOCK_H], stat_shared),
-             gl.allocate_shared_memory(gl.float32, [BLOCK_H], stat_shared),
-             gl.allocate_shared_memory(gl.float32, [BLOCK_H], stat_shared))
+    stats = (
+        gl.allocate_shared_memory(gl.float32, [BLOCK_H], stat_shared),
+        gl.allocate_shared_memory(gl.float32, [BLOCK_H], stat_shared),
+        gl.allocate_shared_memory(gl.float32, [BLOCK_H], stat_shared),
+        gl.allocate_shared_memory(gl.float32, [BLOCK_H], stat_shared),
+    )
     ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     hand = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
@@ -411,16 +598,100 @@ def _sparse_mla_fwd_ws_kernel(
 
     n_pairs = gl.cdiv(topk, 2 * BLOCK_K)
     qk_scale = qk_scale_log2
-    gl.warp_specialize([
-        (_consumer0, (q_half, q_rope1, k_l, k_r, k_rope, s1_smem, stats, ready, free, hand,
-                      idx_row, topk, n_kv, n_pairs, qk_scale, out_ptr, token, head0, n_heads, stride_ot, stride_oh,
-                      HALF, BLOCK_H, BLOCK_K, S0_IN_ROPE, s_layout, o_layout, PIPELINE_QK)),
-        (_consumer1, (q_half, q_rope1, k_l, k_r, k_rope, s1_smem, stats, ready, free, hand,
-                      idx_row, topk, n_kv, n_pairs, qk_scale, out_ptr, lse_ptr, token, head0, n_heads, stride_ot,
-                      stride_oh, stride_lt, HALF, BLOCK_H, BLOCK_K, S0_IN_ROPE, s_layout, o_layout)),
-        (_producer, (k_l, k_r, k_rope, ready, free, kv_ptr, idx_row, topk, n_kv, stride_kv, n_pairs,
-                     HALF, D_ROPE, BLOCK_K, half_layout, rope_layout)),
-    ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+    gl.warp_specialize(
+        [
+            (
+                _consumer0,
+                (
+                    q_half,
+                    q_rope1,
+                    k_l,
+                    k_r,
+                    k_rope,
+                    s1_smem,
+                    stats,
+                    ready,
+                    free,
+                    hand,
+                    idx_row,
+                    topk,
+                    n_kv,
+                    n_pairs,
+                    qk_scale,
+                    out_ptr,
+                    token,
+                    head0,
+                    n_heads,
+                    stride_ot,
+                    stride_oh,
+                    HALF,
+                    BLOCK_H,
+                    BLOCK_K,
+                    S0_IN_ROPE,
+                    s_layout,
+                    o_layout,
+                    PIPELINE_QK,
+                ),
+            ),
+            (
+                _consumer1,
+                (
+                    q_half,
+                    q_rope1,
+                    k_l,
+                    k_r,
+                    k_rope,
+                    s1_smem,
+                    stats,
+                    ready,
+                    free,
+                    hand,
+                    idx_row,
+                    topk,
+                    n_kv,
+                    n_pairs,
+                    qk_scale,
+                    out_ptr,
+                    lse_ptr,
+                    token,
+                    head0,
+                    n_heads,
+                    stride_ot,
+                    stride_oh,
+                    stride_lt,
+                    HALF,
+                    BLOCK_H,
+                    BLOCK_K,
+                    S0_IN_ROPE,
+                    s_layout,
+                    o_layout,
+                ),
+            ),
+            (
+                _producer,
+                (
+                    k_l,
+                    k_r,
+                    k_rope,
+                    ready,
+                    free,
+                    kv_ptr,
+                    idx_row,
+                    topk,
+                    n_kv,
+                    stride_kv,
+                    n_pairs,
+                    HALF,
+                    D_ROPE,
+                    BLOCK_K,
+                    half_layout,
+                    rope_layout,
+                ),
+            ),
+        ],
+        [4, 4],
+        [CONSUMER_REGS, PRODUCER_REGS],
+    )
 
 
 def row_copy_layout(width: int, num_warps: int = 4) -> gl.BlockedLayout:
@@ -463,10 +734,17 @@ def ws_supported(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> bool:
 def launch_constexprs(d_v: int, d_rope: int, pipeline_qk: bool | None = None) -> dict[str, object]:
     """The kernel's compile-time arguments for these widths (also used to compile it without a GPU);
     ``pipeline_qk`` overrides :data:`GPU_PIPELINE_QK`."""
-    return {"D_V": d_v, "D_ROPE": d_rope, "BLOCK_H": BLOCK_H, "BLOCK_K": BLOCK_K,
-            "half_layout": row_copy_layout(d_v // 2), "rope_layout": row_copy_layout(d_rope),
-            "CONSUMER_REGS": CONSUMER_REGS, "PRODUCER_REGS": PRODUCER_REGS,
-            "PIPELINE_QK": GPU_PIPELINE_QK if pipeline_qk is None else pipeline_qk}
+    return {
+        "D_V": d_v,
+        "D_ROPE": d_rope,
+        "BLOCK_H": BLOCK_H,
+        "BLOCK_K": BLOCK_K,
+        "half_layout": row_copy_layout(d_v // 2),
+        "rope_layout": row_copy_layout(d_rope),
+        "CONSUMER_REGS": CONSUMER_REGS,
+        "PRODUCER_REGS": PRODUCER_REGS,
+        "PIPELINE_QK": GPU_PIPELINE_QK if pipeline_qk is None else pipeline_qk,
+    }
 
 
 def sparse_mla_attention_gluon_ws(

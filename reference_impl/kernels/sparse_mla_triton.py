@@ -266,7 +266,6 @@ def unit_stride_inputs(
     return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in (q, kv, indices))  # type: ignore[return-value]
 
 
-
 def sparse_mla_attention_triton(
     q: torch.Tensor,
     kv: torch.Tensor,

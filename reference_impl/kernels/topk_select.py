@@ -86,7 +86,13 @@ class SelectConfig:
 
 
 GPU_CONFIG = SelectConfig(
-    bound_warps=32, bound_steps=4, compact_block=512, compact_warps=1, segment_keys=8192, max_segments=16, finish_warps=8
+    bound_warps=32,
+    bound_steps=4,
+    compact_block=512,
+    compact_warps=1,
+    segment_keys=8192,
+    max_segments=16,
+    finish_warps=8,
 )
 """The H200's config: the fastest exact candidate of ``python -m reference_impl.bench.topk --sweep``
 (``docs/results/topk_select_h200.json``)."""
@@ -190,8 +196,18 @@ def _visible(col_start_ptr, col_end_ptr, row, n_cols):
 
 @triton.jit
 def _topk_select_bound_kernel(
-    logits_ptr, col_start_ptr, col_end_ptr, maxima_ptr, bound_ptr, n_cols, k, stride_l, stride_m,
-    G: tl.constexpr, STEPS: tl.constexpr, USE_MAXIMA: tl.constexpr,
+    logits_ptr,
+    col_start_ptr,
+    col_end_ptr,
+    maxima_ptr,
+    bound_ptr,
+    n_cols,
+    k,
+    stride_l,
+    stride_m,
+    G: tl.constexpr,
+    STEPS: tl.constexpr,
+    USE_MAXIMA: tl.constexpr,
 ):
     """Step 1, one program per row: the k-th largest of the row's ``G`` rotated column maxima, to
     its top ``4 * STEPS`` bits (a lower bound on it is a bound too, and costs half the radix steps).
@@ -225,8 +241,17 @@ def _topk_select_bound_kernel(
 
 @triton.jit
 def _topk_select_compact_kernel(
-    logits_ptr, col_start_ptr, col_end_ptr, bound_ptr, cand_ptr, count_ptr, n_cols, segment_keys, stride_l,
-    G: tl.constexpr, BLOCK: tl.constexpr,
+    logits_ptr,
+    col_start_ptr,
+    col_end_ptr,
+    bound_ptr,
+    cand_ptr,
+    count_ptr,
+    n_cols,
+    segment_keys,
+    stride_l,
+    G: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """Step 2, program (row, segment): the columns of the segment's keys ``>= bound`` in column
     order into the segment's ``G`` slots (read 4 B per key, write 4 B per candidate), and their
@@ -254,9 +279,22 @@ def _topk_select_compact_kernel(
 
 @triton.jit
 def _topk_select_finish_kernel(
-    logits_ptr, col_start_ptr, col_end_ptr, bound_ptr, cand_ptr, count_ptr, out_ptr, path_ptr,
-    n_cols, col_offset, k, stride_l, stride_o,
-    G: tl.constexpr, N_SEGMENTS: tl.constexpr, WRITE_PATH: tl.constexpr,
+    logits_ptr,
+    col_start_ptr,
+    col_end_ptr,
+    bound_ptr,
+    cand_ptr,
+    count_ptr,
+    out_ptr,
+    path_ptr,
+    n_cols,
+    col_offset,
+    k,
+    stride_l,
+    stride_o,
+    G: tl.constexpr,
+    N_SEGMENTS: tl.constexpr,
+    WRITE_PATH: tl.constexpr,
 ):
     """Step 3, one program per row: the exact k-th key and the selection, in column order."""
     row = tl.program_id(0).to(tl.int64)
@@ -420,7 +458,9 @@ def topk_select_triton(
     if paths is not None and (paths.shape != (n_rows,) or paths.dtype != torch.int8):
         raise ValueError(f"paths must be an [{n_rows}] int8 tensor")
     width = maxima_width(n_cols)
-    if maxima is not None and (maxima.shape != (n_rows, width) or maxima.dtype != torch.uint32 or maxima.stride(1) != 1):
+    if maxima is not None and (
+        maxima.shape != (n_rows, width) or maxima.dtype != torch.uint32 or maxima.stride(1) != 1
+    ):
         raise ValueError(f"maxima must be an [{n_rows}, {width}] uint32 tensor contiguous along the groups")
     if n_rows == 0:
         return out
@@ -456,23 +496,53 @@ def select_launches(
 
     def bound_kernel() -> None:
         _topk_select_bound_kernel[(n_rows,)](
-            logits, *ranges, logits if maxima is None else maxima, bound, n_cols, k, logits.stride(0),
+            logits,
+            *ranges,
+            logits if maxima is None else maxima,
+            bound,
+            n_cols,
+            k,
+            logits.stride(0),
             0 if maxima is None else maxima.stride(0),
-            G=slots, STEPS=cfg.bound_steps, USE_MAXIMA=maxima is not None, num_warps=cfg.bound_warps,
+            G=slots,
+            STEPS=cfg.bound_steps,
+            USE_MAXIMA=maxima is not None,
+            num_warps=cfg.bound_warps,
         )
 
     def compact_kernel() -> None:
         _topk_select_compact_kernel[(n_rows, n_segments)](
-            logits, *ranges, bound, candidates, counts, n_cols, segment_keys, logits.stride(0),
-            G=slots, BLOCK=cfg.compact_block, num_warps=cfg.compact_warps,
+            logits,
+            *ranges,
+            bound,
+            candidates,
+            counts,
+            n_cols,
+            segment_keys,
+            logits.stride(0),
+            G=slots,
+            BLOCK=cfg.compact_block,
+            num_warps=cfg.compact_warps,
         )
 
     def finish_kernel() -> None:
         _topk_select_finish_kernel[(n_rows,)](
-            logits, *ranges, bound, candidates, counts, out,
+            logits,
+            *ranges,
+            bound,
+            candidates,
+            counts,
+            out,
             out if paths is None else paths,  # not written unless WRITE_PATH
-            n_cols, col_offset, k, logits.stride(0), out.stride(0),
-            G=slots, N_SEGMENTS=n_segments, WRITE_PATH=paths is not None, num_warps=cfg.finish_warps,
+            n_cols,
+            col_offset,
+            k,
+            logits.stride(0),
+            out.stride(0),
+            G=slots,
+            N_SEGMENTS=n_segments,
+            WRITE_PATH=paths is not None,
+            num_warps=cfg.finish_warps,
         )
 
     return {"bound": bound_kernel, "compact": compact_kernel, "finish": finish_kernel}

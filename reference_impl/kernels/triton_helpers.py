@@ -36,7 +36,6 @@ def check_aligned(what: str, tensor: torch.Tensor, strides: tuple[int, ...] = ()
         raise ValueError(f"{what}: the fused kernels need 4-byte aligned rows (base and byte strides)")
 
 
-
 @triton.jit
 def bf16_bits(x, SOFT: tl.constexpr):
     """fp32 ``x`` -> its bf16 bit pattern as int16, round to nearest even (NaN stays a NaN)."""

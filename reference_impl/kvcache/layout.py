@@ -261,7 +261,7 @@ class KVLayout:
             raise ConfigError(f"index_layers={self.index_layers}: need distinct layer ids >= 0, ascending")
 
     @classmethod
-    def from_config(cls, cfg: ModelConfig, kv_dtype: str, page_size: int) -> "KVLayout":
+    def from_config(cls, cfg: ModelConfig, kv_dtype: str, page_size: int) -> KVLayout:
         _check_kv_dtype(kv_dtype)
         share = cfg.index_share
         return cls(

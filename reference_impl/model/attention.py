@@ -141,7 +141,11 @@ class DSAAttention(nn.Module):
         self.register_buffer("rope_freqs", rope_frequencies(cfg), persistent=False)
 
     def forward(
-        self, x: torch.Tensor, start_pos: int = 0, cache: "LayerCache | None" = None, reuse_topk: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        start_pos: int = 0,
+        cache: LayerCache | None = None,
+        reuse_topk: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One request's new tokens ``x [T, dim]`` at positions ``start_pos ..`` -> ``(out [T, dim], topk [T, K])``.
 
@@ -232,13 +236,23 @@ class DSAAttention(nn.Module):
         cfg = self.cfg
         if self.indexer is None:
             if reuse_topk is None:
-                raise ValueError("a shared (IndexShare) layer needs the top-k of a full layer before it: pass reuse_topk")
+                raise ValueError(
+                    "a shared (IndexShare) layer needs the top-k of a full layer before it: pass reuse_topk"
+                )
             topk = reuse_topk
         else:
             if proj.index_q_fp8 is None or proj.index_weights is None or index_k_fp8 is None or index_k_scale is None:
-                raise ValueError("a full layer attends with its indexer: the projection and the view need indexer q / K")
+                raise ValueError(
+                    "a full layer attends with its indexer: the projection and the view need indexer q / K"
+                )
             topk = self.ops.indexer_topk(
-                proj.index_q_fp8, proj.index_weights, index_k_fp8, index_k_scale, key_start, key_end, cfg.index_topk,
+                proj.index_q_fp8,
+                proj.index_weights,
+                index_k_fp8,
+                index_k_scale,
+                key_start,
+                key_end,
+                cfg.index_topk,
                 host_bounds=host_bounds,
             )
         w_uv = self.wkv_b.weight.view(cfg.n_heads, -1, cfg.kv_lora_rank)[:, cfg.qk_nope_head_dim :]  # [H, v, c]

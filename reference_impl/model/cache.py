@@ -51,10 +51,11 @@ class LayerCache:
     with_index: bool = True
 
     @classmethod
-    def empty(cls, layout: KVLayout, device: torch.device | str, with_index: bool = True) -> "LayerCache":
+    def empty(cls, layout: KVLayout, device: torch.device | str, with_index: bool = True) -> LayerCache:
         if not isinstance(layout, KVLayout):
-            raise ConfigError(f"layout={layout!r:.80}: need a KVLayout (KVLayout.from_config), "
-                              f"got {type(layout).__name__}")
+            raise ConfigError(
+                f"layout={layout!r:.80}: need a KVLayout (KVLayout.from_config), got {type(layout).__name__}"
+            )
         device = check_device(device)
         if not isinstance(with_index, bool):
             raise ConfigError(f"with_index={with_index!r}: need a bool, got {type(with_index).__name__}")
@@ -90,7 +91,11 @@ class LayerCache:
 
 @torch.no_grad()
 def attention_forward(
-    attn: DSAAttention, x: torch.Tensor, start_pos: int, cache: LayerCache, view_dtype: torch.dtype = torch.bfloat16,
+    attn: DSAAttention,
+    x: torch.Tensor,
+    start_pos: int,
+    cache: LayerCache,
+    view_dtype: torch.dtype = torch.bfloat16,
     reuse_topk: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Projection]:
     """The single-device call: one request's tokens ``x [T, dim]`` at ``start_pos`` against ``cache``.

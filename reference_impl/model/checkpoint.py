@@ -167,11 +167,13 @@ def load_hf_weights(
     """
     get, where = _reader(source)
     params = dict(model.named_parameters())
-    n_layers = len(getattr(model, "layers"))
+    n_layers = len(model.layers)
     # IndexShare's shared layers have no indexer parameters (and their checkpoints no such tensors).
-    names = dict(names) if names is not None else {
-        ours: theirs for ours, theirs in hf_names(n_layers, first_layer, head).items() if ours in params
-    }
+    names = (
+        dict(names)
+        if names is not None
+        else {ours: theirs for ours, theirs in hf_names(n_layers, first_layer, head).items() if ours in params}
+    )
     loaded: dict[str, torch.Tensor] = {}
     for ours, theirs in names.items():
         tensor = get(theirs)

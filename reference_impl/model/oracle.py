@@ -132,7 +132,9 @@ def run_oracle(
     layout = KVLayout.from_config(cfg, kv_dtype, page_size)
     device = inputs[0].device
     share = cfg.index_share  # IndexShare: shared layers keep no index K and reuse a full layer's top-k
-    caches = [[LayerCache.empty(layout, device, share.is_full(layer)) for _ in inputs] for layer in range(len(model.layers))]
+    caches = [
+        [LayerCache.empty(layout, device, share.is_full(layer)) for _ in inputs] for layer in range(len(model.layers))
+    ]
     hidden, topks, projs = [], [[] for _ in model.layers], [[] for _ in model.layers]
     for req, (x_all, prefix) in enumerate(zip(inputs, prefix_lens)):
         total = x_all.shape[0]

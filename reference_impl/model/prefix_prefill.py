@@ -96,8 +96,9 @@ def prefill_prefix(
         h = x[start:stop]
         topk = None
         for layer, block in enumerate(model.layers):
-            out, topk, _ = attention_forward(block.attn, block.attn_norm(h), start, caches[layer], view_dtype,
-                                             reuse_topk=topk)
+            out, topk, _ = attention_forward(
+                block.attn, block.attn_norm(h), start, caches[layer], view_dtype, reuse_topk=topk
+            )
             h = h + out
             del out
             on_rows(layer, start, stop, caches[layer])

@@ -21,8 +21,12 @@ def rope_frequencies(cfg: ModelConfig, device: torch.device | str | None = None)
     """
     yarn = cfg.max_seq_len > cfg.original_seq_len and cfg.rope_factor > 1.0
     freqs = yarn_frequencies(
-        cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_factor, cfg.original_seq_len if yarn else 0,
-        cfg.beta_fast, cfg.beta_slow,
+        cfg.qk_rope_head_dim,
+        cfg.rope_theta,
+        cfg.rope_factor,
+        cfg.original_seq_len if yarn else 0,
+        cfg.beta_fast,
+        cfg.beta_slow,
     )
     return freqs if device is None else freqs.to(device)
 

@@ -140,8 +140,13 @@ def sparse_mla_attention(
 
 
 def _sparse_mla_out(
-    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float, d_v: int,
-    *, out_dtype: torch.dtype = torch.float32,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    softmax_scale: float,
+    d_v: int,
+    *,
+    out_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`sparse_mla_attention` with its output stored in ``out_dtype`` (the ops' signature)."""
     out, lse = sparse_mla_attention(q, kv, indices, softmax_scale, d_v)

@@ -64,13 +64,13 @@ class RunningTopK:
     keys: torch.Tensor
 
     @classmethod
-    def empty(cls, n_rows: int, k: int, device: torch.device | str) -> "RunningTopK":
+    def empty(cls, n_rows: int, k: int, device: torch.device | str) -> RunningTopK:
         return cls(
             torch.full((n_rows, k), NEG_INF, dtype=torch.float32, device=device),
             torch.full((n_rows, k), -1, dtype=torch.long, device=device),
         )
 
-    def merge(self, scores: torch.Tensor, first_key: int) -> "RunningTopK":
+    def merge(self, scores: torch.Tensor, first_key: int) -> RunningTopK:
         """The running top-k after a tile: ``scores [R, W]`` f32 of keys ``first_key ..
         first_key + W - 1`` (``-inf`` where a row does not see the key), all above the running keys."""
         k = self.values.shape[1]

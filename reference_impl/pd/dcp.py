@@ -50,7 +50,9 @@ class DcpLayout:
 
     def __post_init__(self) -> None:
         if self.cp_size < 1 or self.interleave < 1:
-            raise ConfigError(f"a DCP decode needs cp_size >= 1 and interleave >= 1, got {self.cp_size}, {self.interleave}")
+            raise ConfigError(
+                f"a DCP decode needs cp_size >= 1 and interleave >= 1, got {self.cp_size}, {self.interleave}"
+            )
 
     def rank_of(self, positions: torch.Tensor) -> torch.Tensor:
         return (positions // self.interleave) % self.cp_size
@@ -68,7 +70,12 @@ class DcpDecodeShard:
     """One decode rank's KV: its own pool and allocator, one page table entry per request."""
 
     def __init__(
-        self, rank: int, layout: DcpLayout, kv_layout: KVLayout, n_layers: int, n_pages: int,
+        self,
+        rank: int,
+        layout: DcpLayout,
+        kv_layout: KVLayout,
+        n_layers: int,
+        n_pages: int,
         device: torch.device | str = "cpu",
     ) -> None:
         self.rank, self.layout, self.kv_layout = rank, layout, kv_layout
@@ -127,7 +134,9 @@ class DcpDecodeShard:
             counts = self._written[:n_layers, locs]
             if bool((counts != 1).any()):
                 layer, row = (counts != 1).nonzero()[0].tolist()
-                raise ConfigError(f"decode rank {self.rank} request {request}: layer {layer} local row {row} is missing")
+                raise ConfigError(
+                    f"decode rank {self.rank} request {request}: layer {layer} local row {row} is missing"
+                )
 
 
 @dataclass
@@ -164,8 +173,14 @@ def transfer_to_dcp(
                 target, local = decode.rank_of(positions), decode.local_row(positions)
                 for d in torch.unique(target).tolist():
                     pick = (target == d).nonzero().flatten()
-                    block = RowBlock(request, layer, positions.index_select(0, pick), mla.index_select(0, pick),
-                                     index.index_select(0, pick), scale.index_select(0, pick))
+                    block = RowBlock(
+                        request,
+                        layer,
+                        positions.index_select(0, pick),
+                        mla.index_select(0, pick),
+                        index.index_select(0, pick),
+                        scale.index_select(0, pick),
+                    )
                     shards[d].receive(block)
                     stats[rank].bytes_sent += block.payload_bytes
                     stats[rank].rows_sent += int(pick.numel())

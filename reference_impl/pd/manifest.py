@@ -84,14 +84,26 @@ class TransferManifest:
 
     @classmethod
     def from_logical(
-        cls, rank: int, cp_size: int, page_size: int, logical_pages: Sequence[int], n_layers: int,
-        mla_page_bytes: int, index_page_bytes: int,
+        cls,
+        rank: int,
+        cp_size: int,
+        page_size: int,
+        logical_pages: Sequence[int],
+        n_layers: int,
+        mla_page_bytes: int,
+        index_page_bytes: int,
     ) -> TransferManifest:
         """The manifest of ``rank`` for the given logical pages (the decode side's view of a header)."""
         pages = tuple(int(p) for p in logical_pages)
         return cls(
-            rank, cp_size, page_size, pages, tuple(p // cp_size for p in pages),
-            n_layers, mla_page_bytes, index_page_bytes,
+            rank,
+            cp_size,
+            page_size,
+            pages,
+            tuple(p // cp_size for p in pages),
+            n_layers,
+            mla_page_bytes,
+            index_page_bytes,
         )
 
 
@@ -142,15 +154,21 @@ def check_manifests_cover(manifests: Sequence[TransferManifest], n_pages: int) -
         )
     seen = [0] * n_pages
     for manifest in manifests:
-        if (manifest.cp_size, manifest.page_size, manifest.n_layers, manifest.mla_page_bytes, manifest.index_page_bytes) != shape:
+        if (
+            manifest.cp_size,
+            manifest.page_size,
+            manifest.n_layers,
+            manifest.mla_page_bytes,
+            manifest.index_page_bytes,
+        ) != shape:
             raise ConfigError(f"manifest of rank {manifest.rank} disagrees with rank {first.rank}'s layout")
         for page in manifest.logical_pages:
             if not 0 <= page < n_pages:
-                raise ConfigError(f"rank {manifest.rank} sends logical page {page}, outside the batch's {n_pages} pages")
+                raise ConfigError(
+                    f"rank {manifest.rank} sends logical page {page}, outside the batch's {n_pages} pages"
+                )
             seen[page] += 1
     missing = [p for p, n in enumerate(seen) if n == 0]
     twice = [p for p, n in enumerate(seen) if n > 1]
     if missing or twice:
-        raise ConfigError(
-            f"manifests do not partition {n_pages} pages: missing {missing[:8]}, repeated {twice[:8]}"
-        )
+        raise ConfigError(f"manifests do not partition {n_pages} pages: missing {missing[:8]}, repeated {twice[:8]}")

@@ -74,12 +74,15 @@ class DecodeTarget:
     def destinations(self, request: int, layer: int, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Addresses (``int64 [n]`` each) of the MLA row, the index bytes and the scale of ``positions``."""
         if not 0 <= request < len(self.slots) or not 0 <= layer < self.n_layers:
-            raise ConfigError(f"request {request} layer {layer}: the decode published {len(self.slots)} requests and "
-                              f"{self.n_layers} layers")
+            raise ConfigError(
+                f"request {request} layer {layer}: the decode published {len(self.slots)} requests and "
+                f"{self.n_layers} layers"
+            )
         slots = self.slots[request]
         if positions.numel() and int(positions.max()) >= slots.numel():
-            raise ConfigError(f"request {request}: position {int(positions.max())} beyond the {slots.numel()} the "
-                              "decode allocated")
+            raise ConfigError(
+                f"request {request}: position {int(positions.max())} beyond the {slots.numel()} the decode allocated"
+            )
         loc = slots.index_select(0, positions)
         mla = self.mla_address + (layer * self.n_slots + loc) * self.mla_bytes
         page = self.index_address + (layer * self.n_pages + loc // self.page_size) * self.index_page_bytes
@@ -119,14 +122,28 @@ class Completion:
     runs: tuple[tuple[int, int], ...]  # the positions written, as (start, length) runs
 
     def message(self) -> str:
-        return json.dumps({"request": self.request, "rank": self.rank, "layers": list(self.layers), "rows": self.rows,
-                           "bytes": self.nbytes, "runs": [list(r) for r in self.runs]})
+        return json.dumps(
+            {
+                "request": self.request,
+                "rank": self.rank,
+                "layers": list(self.layers),
+                "rows": self.rows,
+                "bytes": self.nbytes,
+                "runs": [list(r) for r in self.runs],
+            }
+        )
 
     @classmethod
-    def parse(cls, message: str) -> "Completion":
+    def parse(cls, message: str) -> Completion:
         doc = json.loads(message)
-        return cls(doc["request"], doc["rank"], tuple(doc["layers"]), doc["rows"], doc["bytes"],
-                   tuple((int(a), int(b)) for a, b in doc["runs"]))
+        return cls(
+            doc["request"],
+            doc["rank"],
+            tuple(doc["layers"]),
+            doc["rows"],
+            doc["bytes"],
+            tuple((int(a), int(b)) for a, b in doc["runs"]),
+        )
 
     def positions(self) -> torch.Tensor:
         parts = [torch.arange(a, a + n) for a, n in self.runs]
@@ -176,8 +193,9 @@ class MooncakeTransport:
     def send(self, block: RowBlock, dst: int) -> None:
         self.isend(block, dst).wait()
 
-    def isend(self, block: RowBlock, dst: int, header: torch.Tensor | None = None,
-              ready: torch.cuda.Event | None = None) -> Pending:
+    def isend(
+        self, block: RowBlock, dst: int, header: torch.Tensor | None = None, ready: torch.cuda.Event | None = None
+    ) -> Pending:
         """Queue ``block``'s write; ``dst`` and ``header`` are unused (the target names the decode)."""
         return _Future(self._sender.submit(self._write_block, block, ready))
 
@@ -186,8 +204,10 @@ class MooncakeTransport:
         return _Future(self._sender.submit(self._notify, request))
 
     def recv(self, src: int) -> RowBlock:
-        raise ConfigError("the mooncake transport writes into the decode's pool: the decode waits for completions "
-                          "(MooncakeReceiver.wait), it receives no blocks")
+        raise ConfigError(
+            "the mooncake transport writes into the decode's pool: the decode waits for completions "
+            "(MooncakeReceiver.wait), it receives no blocks"
+        )
 
     def close(self) -> None:
         """Finish queued writes, stop the sender thread, unregister the send buffer."""
@@ -199,8 +219,9 @@ class MooncakeTransport:
     def _send_buffer(self, nbytes: int) -> torch.Tensor:
         if self._buffer.numel() < nbytes:
             self.engine.unregister(self._buffer)
-            self._buffer = torch.empty(max(nbytes, 2 * self._buffer.numel()), dtype=torch.uint8,
-                                       pin_memory=torch.cuda.is_available())
+            self._buffer = torch.empty(
+                max(nbytes, 2 * self._buffer.numel()), dtype=torch.uint8, pin_memory=torch.cuda.is_available()
+            )
             self.engine.register(self._buffer)
         return self._buffer
 
@@ -211,8 +232,10 @@ class MooncakeTransport:
         n, width, dim = block.n_rows, block.mla.shape[1], block.index.shape[1]
         target = self.target
         if (width, dim) != (target.mla_bytes, target.index_dim):
-            raise ConfigError(f"rank {self.rank} sends rows of {width}+{dim} bytes; the decode's pool holds "
-                              f"{target.mla_bytes}+{target.index_dim}")
+            raise ConfigError(
+                f"rank {self.rank} sends rows of {width}+{dim} bytes; the decode's pool holds "
+                f"{target.mla_bytes}+{target.index_dim}"
+            )
         positions = block.positions.cpu()
         pieces = 0
         if n:
@@ -225,7 +248,7 @@ class MooncakeTransport:
             offset = 0
             destinations_of = target.destinations(block.request, block.layer, positions)
             for rows, row_bytes, dst in zip(regions, widths, destinations_of):
-                buffer[offset: offset + n * row_bytes].view(n, row_bytes).copy_(rows)
+                buffer[offset : offset + n * row_bytes].view(n, row_bytes).copy_(rows)
                 src = buffer.data_ptr() + offset + torch.arange(n, dtype=torch.long) * row_bytes
                 s, d, lens = merge_runs(src, dst, row_bytes)
                 sources += s
@@ -242,18 +265,30 @@ class MooncakeTransport:
             if not written.runs:
                 written.runs = position_runs(positions)
             self.bytes_written += block.payload_bytes
-            self.timings.append(WriteTiming(block.request, block.layer, block.payload_bytes, pieces, start,
-                                            time.perf_counter()))
+            self.timings.append(
+                WriteTiming(block.request, block.layer, block.payload_bytes, pieces, start, time.perf_counter())
+            )
 
     def _notify(self, request: int) -> None:
         with self._lock:
             written = self._written.get(request, _Written())
-        done = Completion(request, self.rank, tuple(sorted(written.layers)), written.rows, written.nbytes,
-                          tuple((a, b) for a, b in written.runs))
+        done = Completion(
+            request,
+            self.rank,
+            tuple(sorted(written.layers)),
+            written.rows,
+            written.nbytes,
+            tuple((a, b) for a, b in written.runs),
+        )
         buffer = self._send_buffer(1)
         # A zero-length piece inside the decode's pool carries the notification.
-        self.engine.write(self.target.session_id, [buffer.data_ptr()], [self.target.mla_address], [0],
-                          notify=(NOTIFY_NAME, done.message()))
+        self.engine.write(
+            self.target.session_id,
+            [buffer.data_ptr()],
+            [self.target.mla_address],
+            [0],
+            notify=(NOTIFY_NAME, done.message()),
+        )
 
 
 class MooncakeReceiver:
@@ -268,12 +303,27 @@ class MooncakeReceiver:
         engine.register(pool.index)
         layout = shard.kv_layout
         slots = tuple(shard.table.locs(request).cpu() for request in requests)
-        self.target = DecodeTarget(engine.session_id, pool.mla.data_ptr(), pool.index.data_ptr(), pool.n_layers,
-                                   pool.n_pages, pool.page_size, layout.mla_bytes, layout.index_head_dim, slots)
+        self.target = DecodeTarget(
+            engine.session_id,
+            pool.mla.data_ptr(),
+            pool.index.data_ptr(),
+            pool.n_layers,
+            pool.n_pages,
+            pool.page_size,
+            layout.mla_bytes,
+            layout.index_head_dim,
+            slots,
+        )
         self.completions: list[Completion] = []
 
-    def wait(self, requests: Sequence[int], prefill_ranks: Sequence[int], n_layers: int, deadline_s: float,
-             poll_s: float = 0.001) -> list[Completion]:
+    def wait(
+        self,
+        requests: Sequence[int],
+        prefill_ranks: Sequence[int],
+        n_layers: int,
+        deadline_s: float,
+        poll_s: float = 0.001,
+    ) -> list[Completion]:
         """Wait for one completion per (request, prefill rank) and book each (the shard's
         exactly-once check); raises :class:`TransferTimeoutError` naming the missing ones after
         ``deadline_s`` seconds."""
@@ -285,18 +335,22 @@ class MooncakeReceiver:
                     continue
                 done = Completion.parse(message)
                 if (done.request, done.rank) not in missing:
-                    raise ConfigError(f"an unexpected or repeated completion: request {done.request} from prefill rank "
-                                      f"{done.rank}")
+                    raise ConfigError(
+                        f"an unexpected or repeated completion: request {done.request} from prefill rank {done.rank}"
+                    )
                 if done.layers != tuple(range(n_layers)):
-                    raise ConfigError(f"request {done.request} from prefill rank {done.rank}: layers {done.layers} "
-                                      f"written, expected 0..{n_layers - 1}")
+                    raise ConfigError(
+                        f"request {done.request} from prefill rank {done.rank}: layers {done.layers} "
+                        f"written, expected 0..{n_layers - 1}"
+                    )
                 self.shard.landed(done.request, done.positions(), done.layers, done.nbytes)
                 self.completions.append(done)
                 missing.discard((done.request, done.rank))
             if missing and time.monotonic() > stop:
                 pairs = ", ".join(f"request {r} from prefill rank {k}" for r, k in sorted(missing)[:6])
-                raise TransferTimeoutError(f"the decode waited {deadline_s:.0f} s for Mooncake completions; missing "
-                                           f"{len(missing)}: {pairs}")
+                raise TransferTimeoutError(
+                    f"the decode waited {deadline_s:.0f} s for Mooncake completions; missing {len(missing)}: {pairs}"
+                )
             if missing:
                 time.sleep(poll_s)
         return self.completions
@@ -305,4 +359,3 @@ class MooncakeReceiver:
         """Unregister the pool (after the completions: nothing writes into it any more)."""
         self.engine.unregister(self.shard.pool.mla)
         self.engine.unregister(self.shard.pool.index)
-

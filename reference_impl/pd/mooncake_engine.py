@@ -124,7 +124,7 @@ class MooncakeEngine:
         self._registered: dict[int, int] = {}  # address -> bytes
 
     @classmethod
-    def start(cls, hostname: str = "127.0.0.1") -> "MooncakeEngine":
+    def start(cls, hostname: str = "127.0.0.1") -> MooncakeEngine:
         """Start an engine reachable at ``hostname`` (the address peers use to reach this process)."""
         module = _engine_module()
         engine = module.TransferEngine()
@@ -144,8 +144,10 @@ class MooncakeEngine:
             return
         code = self._engine.register_memory(address, size)
         if code != 0:
-            raise MooncakeError(f"register_memory({size} B on {tensor.device}) returned {code}: the wheel may not "
-                                "support this memory (GPU memory needs a CUDA build)")
+            raise MooncakeError(
+                f"register_memory({size} B on {tensor.device}) returned {code}: the wheel may not "
+                "support this memory (GPU memory needs a CUDA build)"
+            )
         self._registered[address] = size
 
     def unregister(self, tensor: torch.Tensor) -> None:
@@ -153,26 +155,35 @@ class MooncakeEngine:
         if self._registered.pop(address, None) is not None:
             self._engine.unregister_memory(address)
 
-    def write(self, peer: str, sources: list[int], destinations: list[int], lengths: list[int],
-              notify: tuple[str, str] | None = None) -> None:
+    def write(
+        self,
+        peer: str,
+        sources: list[int],
+        destinations: list[int],
+        lengths: list[int],
+        notify: tuple[str, str] | None = None,
+    ) -> None:
         """Write ``lengths[i]`` bytes from ``sources[i]`` here to ``destinations[i]`` at ``peer``,
         in batches of :data:`MAX_BATCH`; with ``notify`` (name, message) the last batch carries a
         notification, which Mooncake sends once that batch completed. Returns when every byte is
         placed; raises :class:`MooncakeError` otherwise."""
         if not lengths:
-            raise ConfigError("a Mooncake batch needs at least one entry (a zero-length one carries a notification "
-                              "alone)")
+            raise ConfigError(
+                "a Mooncake batch needs at least one entry (a zero-length one carries a notification alone)"
+            )
         for start in range(0, len(lengths), MAX_BATCH):
             stop = min(start + MAX_BATCH, len(lengths))
             args = (peer, sources[start:stop], destinations[start:stop], lengths[start:stop])
             if notify is not None and stop == len(lengths):
-                code = self._engine.batch_transfer_sync(*args, self._module.TransferOpcode.Write,
-                                                        self._module.TransferNotify(*notify))
+                code = self._engine.batch_transfer_sync(
+                    *args, self._module.TransferOpcode.Write, self._module.TransferNotify(*notify)
+                )
             else:
                 code = self._engine.batch_transfer_sync_write(*args)
             if code != 0:
-                raise MooncakeError(f"batch write of {sum(lengths[start:stop])} B in {stop - start} pieces to {peer} "
-                                    f"returned {code}")
+                raise MooncakeError(
+                    f"batch write of {sum(lengths[start:stop])} B in {stop - start} pieces to {peer} returned {code}"
+                )
 
     def notifications(self) -> list[tuple[str, str]]:
         """The notifications received since the last call: ``(name, message)`` pairs."""

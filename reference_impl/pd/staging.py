@@ -55,8 +55,10 @@ class SideStreamStaging:
             self.stream.wait_stream(main)  # the layer's rows are stored
             started.record()
             block = read_block()  # allocated on the side stream: freed for its own later work only
-            host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in
-                    (block.positions, block.mla, block.index, block.scale)]
+            host = [
+                torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                for t in (block.positions, block.mla, block.index, block.scale)
+            ]
             for dst, src in zip(host, (block.positions, block.mla, block.index, block.scale)):
                 dst.copy_(src, non_blocking=True)  # read n*(B+D+4+8) bytes over PCIe, write them to host
             done.record()

@@ -51,14 +51,20 @@ class LayerStreamer:
         self.plans = {}
         for req, locs in finished.items():
             positions, physical = store.owned_rows(locs)
-            self.plans[req] = (positions, physical, headers(
-                req, n_layers, positions.numel(), layout.mla_bytes, layout.index_head_dim, self.header_device))
+            self.plans[req] = (
+                positions,
+                physical,
+                headers(req, n_layers, positions.numel(), layout.mla_bytes, layout.index_head_dim, self.header_device),
+            )
 
     def layer_stored(self, layer: int) -> None:
         assert self.store is not None
         pool = self.store.pool
         for req, (positions, physical, header) in self.plans.items():
-            def read(req: int = req, positions: torch.Tensor = positions, physical: torch.Tensor = physical) -> RowBlock:
+
+            def read(
+                req: int = req, positions: torch.Tensor = positions, physical: torch.Tensor = physical
+            ) -> RowBlock:
                 k_fp8, k_scale = pool.read_index(layer, physical)
                 return RowBlock(req, layer, positions, pool.read_mla(layer, physical), k_fp8.view(torch.uint8), k_scale)
 

@@ -62,14 +62,20 @@ class DecodeCache:
     def _check_manifest(self, manifest: TransferManifest) -> None:
         layout, pool = self.layout, self.pool
         if (manifest.page_size, manifest.n_layers, manifest.mla_page_bytes, manifest.index_page_bytes) != (
-            layout.page_size, pool.n_layers, layout.mla_page_bytes, layout.index_page_bytes
+            layout.page_size,
+            pool.n_layers,
+            layout.mla_page_bytes,
+            layout.index_page_bytes,
         ):
             raise ConfigError(
                 f"rank {manifest.rank} sends pages of {manifest.page_size} tokens, {manifest.n_layers} layers, "
                 f"{manifest.mla_page_bytes}+{manifest.index_page_bytes} bytes; the decode pool has {layout.page_size} "
                 f"tokens, {pool.n_layers} layers, {layout.mla_page_bytes}+{layout.index_page_bytes} bytes"
             )
-        if manifest.logical_pages and not 0 <= min(manifest.logical_pages) <= max(manifest.logical_pages) < pool.n_pages:
+        if (
+            manifest.logical_pages
+            and not 0 <= min(manifest.logical_pages) <= max(manifest.logical_pages) < pool.n_pages
+        ):
             raise ConfigError(f"rank {manifest.rank} sends pages outside the decode pool's {pool.n_pages} pages")
 
     def add_manifest(self, manifest: TransferManifest) -> None:
@@ -133,7 +139,11 @@ def transfer_in_process(
     """
     cache = DecodeCache(n_pages, layout, n_layers, device)
     for source in sources:
-        manifest, pool = source if isinstance(source, tuple) else (build_manifest(source, source.group.rank, source.group.size), source.pool)
+        manifest, pool = (
+            source
+            if isinstance(source, tuple)
+            else (build_manifest(source, source.group.rank, source.group.size), source.pool)
+        )
         cache.add_manifest(manifest)
         physical = manifest.physical_tensor(pool.device)
         for layer in range(manifest.n_layers):
@@ -149,7 +159,9 @@ def transfer_in_process(
 
 def send_owned_pages(manifest: TransferManifest, pool: PagedKVPool, decode_rank: int) -> int:
     """Send ``manifest``'s pages of ``pool`` to global rank ``decode_rank``; returns the payload bytes sent."""
-    header = torch.tensor([manifest.n_pages, manifest.n_layers, manifest.mla_page_bytes, manifest.index_page_bytes], dtype=torch.long)
+    header = torch.tensor(
+        [manifest.n_pages, manifest.n_layers, manifest.mla_page_bytes, manifest.index_page_bytes], dtype=torch.long
+    )
     dist.send(header, decode_rank)
     if not manifest.n_pages:
         return 0

@@ -50,7 +50,9 @@ class RowBlock:
     def __post_init__(self) -> None:
         n = self.positions.shape[0]
         if not (self.mla.shape[0] == self.index.shape[0] == self.scale.shape[0] == n):
-            raise ConfigError(f"request {self.request} layer {self.layer}: a row block's tensors disagree on the row count")
+            raise ConfigError(
+                f"request {self.request} layer {self.layer}: a row block's tensors disagree on the row count"
+            )
 
     @property
     def n_rows(self) -> int:
@@ -77,8 +79,9 @@ class BlockTransport(Protocol):
 
     def send(self, block: RowBlock, dst: int) -> None: ...
 
-    def isend(self, block: RowBlock, dst: int, header: torch.Tensor | None = None,
-              ready: torch.cuda.Event | None = None) -> Pending: ...
+    def isend(
+        self, block: RowBlock, dst: int, header: torch.Tensor | None = None, ready: torch.cuda.Event | None = None
+    ) -> Pending: ...
 
     def complete(self, request: int, dst: int) -> Pending:
         """Every block of ``request`` has been posted: a one-sided transport tells ``dst`` that its
@@ -88,11 +91,15 @@ class BlockTransport(Protocol):
     def recv(self, src: int) -> RowBlock: ...
 
 
-def headers(request: int, n_layers: int, n_rows: int, mla_width: int, index_width: int,
-            device: torch.device | str = "cpu") -> torch.Tensor:
+def headers(
+    request: int, n_layers: int, n_rows: int, mla_width: int, index_width: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """The headers of a request's blocks for layers ``0 .. n_layers-1``: ``int64 [n_layers, 6]``."""
-    return torch.tensor([[request, layer, n_rows, mla_width, index_width, 0] for layer in range(n_layers)],
-                        dtype=torch.long, device=device)
+    return torch.tensor(
+        [[request, layer, n_rows, mla_width, index_width, 0] for layer in range(n_layers)],
+        dtype=torch.long,
+        device=device,
+    )
 
 
 class TorchDistributedTransport:
@@ -110,8 +117,9 @@ class TorchDistributedTransport:
         """Header then the four tensors; ``header`` prebuilt (:func:`headers`) keeps a layer loop free
         of host-built tensors."""
         if header is None:
-            header = headers(block.request, block.layer + 1, block.n_rows, block.mla.shape[1], block.index.shape[1],
-                             self.device)[block.layer]
+            header = headers(
+                block.request, block.layer + 1, block.n_rows, block.mla.shape[1], block.index.shape[1], self.device
+            )[block.layer]
         parts = (block.positions, block.mla, block.index, block.scale) if block.n_rows else ()
         return [header, *(t.to(self.device).contiguous() for t in parts)]
 
@@ -119,8 +127,9 @@ class TorchDistributedTransport:
         for tensor in self._wire(block):
             dist.send(tensor, dst)
 
-    def isend(self, block: RowBlock, dst: int, header: torch.Tensor | None = None,
-              ready: torch.cuda.Event | None = None) -> Pending:
+    def isend(
+        self, block: RowBlock, dst: int, header: torch.Tensor | None = None, ready: torch.cuda.Event | None = None
+    ) -> Pending:
         tensors = self._wire(block, header)
         if ready is None:
             return _Sends([dist.isend(tensor, dst) for tensor in tensors], tensors)
@@ -171,8 +180,9 @@ class InProcessTransport:
     def send(self, block: RowBlock, dst: int) -> None:
         self.isend(block, dst)
 
-    def isend(self, block: RowBlock, dst: int, header: torch.Tensor | None = None,
-              ready: torch.cuda.Event | None = None) -> Pending:
+    def isend(
+        self, block: RowBlock, dst: int, header: torch.Tensor | None = None, ready: torch.cuda.Event | None = None
+    ) -> Pending:
         self._mail.setdefault((self.rank, dst), deque()).append((block, ready))
         return _Event(ready)
 

@@ -61,20 +61,33 @@ from reference_impl.planner.model import (
 from reference_impl.planner.rates import PlannerRates, load_rates
 from reference_impl.presets import ModelConfig, get_preset
 from reference_impl.tool_args import (
-    DSA_PRESETS, MAX_LAYERS, ToolParser, dsa_preset_arg, float_arg, int_arg, output_file, rank_of, refusing,
+    DSA_PRESETS,
+    MAX_LAYERS,
+    ToolParser,
+    dsa_preset_arg,
+    float_arg,
+    int_arg,
+    output_file,
+    rank_of,
+    refusing,
 )
 
 PROG = "python -m reference_impl.planner.designs"
 
 PLANNED_DESIGNS = ("phases", "layer-split", "rotated-shard", "dcp-gather", "shared-vmm")
 BUILT = frozenset({"phases", "layer-split", "rotated-shard", "dcp-gather"})
-DEFAULT_WORKLOADS = (("current-only", 0, 32768), ("current-only", 0, 131072),
-                     ("prefix-heavy", 24576, 8192), ("prefix-heavy", 122880, 8192))
+DEFAULT_WORKLOADS = (
+    ("current-only", 0, 32768),
+    ("current-only", 0, 131072),
+    ("prefix-heavy", 24576, 8192),
+    ("prefix-heavy", 122880, 8192),
+)
 GIB = 2**30
 
 
-def kv_bytes_at_rest(cfg: ModelConfig, design: str, tokens: int, cp_size: int, rank: int, kv_dtype: KVDtype = "fp8",
-                     page_size: int = 64) -> int:
+def kv_bytes_at_rest(
+    cfg: ModelConfig, design: str, tokens: int, cp_size: int, rank: int, kv_dtype: KVDtype = "fp8", page_size: int = 64
+) -> int:
     """KV + index bytes ``rank`` keeps for one request of ``tokens`` tokens, all ``cfg.n_layers`` layers."""
     pages = -(-tokens // page_size)
     one_page = page_bytes(cfg, kv_dtype, page_size)
@@ -89,15 +102,18 @@ def kv_bytes_at_rest(cfg: ModelConfig, design: str, tokens: int, cp_size: int, r
     return cfg.n_layers * owned * one_page
 
 
-def max_context(cfg: ModelConfig, design: str, budget: int, cp_size: int, kv_dtype: KVDtype = "fp8",
-                page_size: int = 64) -> int:
+def max_context(
+    cfg: ModelConfig, design: str, budget: int, cp_size: int, kv_dtype: KVDtype = "fp8", page_size: int = 64
+) -> int:
     """Longest request (a multiple of the page size) whose KV fits ``budget`` bytes on every rank; for
     layer split, one pool-sized scratch layer is reserved beside the owned layers (as SGLang sizes it)."""
+
     def fits(tokens: int) -> bool:
         worst = max(kv_bytes_at_rest(cfg, design, tokens, cp_size, r, kv_dtype, page_size) for r in range(cp_size))
         if design == "layer-split":
             worst += -(-tokens // page_size) * page_bytes(cfg, kv_dtype, page_size)
         return worst <= budget
+
     lo, hi = 0, 1
     while fits(hi * page_size):
         lo, hi = hi, hi * 2
@@ -108,8 +124,16 @@ def max_context(cfg: ModelConfig, design: str, budget: int, cp_size: int, kv_dty
 
 
 def design_layer(
-    cfg: ModelConfig, rates: PlannerRates, design: str, cp_size: int, prefix: int, extend: int, rank: int = 0,
-    kv_dtype: KVDtype = "fp8", page_size: int = 64, peer_gbps: float | None = None,
+    cfg: ModelConfig,
+    rates: PlannerRates,
+    design: str,
+    cp_size: int,
+    prefix: int,
+    extend: int,
+    rank: int = 0,
+    kv_dtype: KVDtype = "fp8",
+    page_size: int = 64,
+    peer_gbps: float | None = None,
 ) -> dict[str, Any]:
     """One layer of ``rank`` under ``design``: ``layer_ms`` with its ``terms_ms``, the bytes it moves,
     materializes and holds, its collectives and host syncs (see the module docstring)."""
@@ -128,7 +152,9 @@ def design_layer(
     terms = dict(compute)
     terms["allgather1"] = ms_for_bytes((cp_size - 1) * t_pad * gather_row_bytes(cfg), wire)
     kv_b, index_b = rerange_bytes(cfg, extend)
-    terms["rerange"] = ms_for_bytes(kv_b, rates.gbps("rerange_kv", True)) + ms_for_bytes(index_b, rates.gbps("rerange_index", True))
+    terms["rerange"] = ms_for_bytes(kv_b, rates.gbps("rerange_kv", True)) + ms_for_bytes(
+        index_b, rates.gbps("rerange_index", True)
+    )
 
     start, end = layer_shard_range(rank, cp_size, cfg.n_layers)
     owned_fraction = (end - start) / cfg.n_layers  # layer split: share of layers this rank owns
@@ -139,7 +165,9 @@ def design_layer(
     else:
         rows = -(-extend // cp_size)  # the shard's rows of the gathered chunk
     mla_b, idx_b = store_bytes(cfg, layout, rows)
-    terms["store"] = ms_for_bytes(mla_b, rates.gbps(f"store_mla_{kv_dtype}", True)) + ms_for_bytes(idx_b, rates.gbps("store_index", True))
+    terms["store"] = ms_for_bytes(mla_b, rates.gbps(f"store_mla_{kv_dtype}", True)) + ms_for_bytes(
+        idx_b, rates.gbps("store_index", True)
+    )
 
     history_pages = -(-prefix // page_size)
     one_page = layout.mla_page_bytes + layout.index_page_bytes
@@ -174,13 +202,16 @@ def design_layer(
         peer_bytes = round(prefix * token_bytes * (cp_size - 1) / cp_size)
         materialized = prefix * token_bytes
         gathered_buffers = peer_bytes
-    terms["history_wire_exposed"] = max(0.0, ms_for_bytes(hidden_bytes, wire) - compute_ms) + ms_for_bytes(exposed_bytes, wire)
+    terms["history_wire_exposed"] = max(0.0, ms_for_bytes(hidden_bytes, wire) - compute_ms) + ms_for_bytes(
+        exposed_bytes, wire
+    )
     terms["peer_reads"] = ms_for_bytes(peer_bytes, peer_gbps or wire)
     if design == "dcp-gather":
         terms["full_view"] = ms_for_bytes(view_bytes(cfg, layout, context), rates.gbps("materialize", fused=False))
     else:
-        terms["full_view"] = ms_for_bytes(view_bytes(cfg, layout, prefix), rates.gbps("materialize", fused=True)) + ms_for_bytes(
-            fill_bytes(cfg, layout, extend), rates.fill_current_fused_gbps)
+        terms["full_view"] = ms_for_bytes(
+            view_bytes(cfg, layout, prefix), rates.gbps("materialize", fused=True)
+        ) + ms_for_bytes(fill_bytes(cfg, layout, extend), rates.fill_current_fused_gbps)
     chunk = cp_size * t_pad * gather_row_bytes(cfg)
     view = context * (cfg.kv_width * 2 + cfg.index_head_dim + 4)
     transient = chunk + view + gathered_buffers
@@ -203,9 +234,16 @@ def design_layer(
 
 
 def plan_designs(
-    preset: str = "deepseek-v3.2", cp_size: int = 8, rank: int = 0, n_layers: int | None = None,
-    workloads: tuple[tuple[str, int, int], ...] = DEFAULT_WORKLOADS, rates: PlannerRates | None = None,
-    peer_gbps: float | None = None, budget_gib: float = 48.0, kv_dtype: KVDtype = "fp8", page_size: int = 64,
+    preset: str = "deepseek-v3.2",
+    cp_size: int = 8,
+    rank: int = 0,
+    n_layers: int | None = None,
+    workloads: tuple[tuple[str, int, int], ...] = DEFAULT_WORKLOADS,
+    rates: PlannerRates | None = None,
+    peer_gbps: float | None = None,
+    budget_gib: float = 48.0,
+    kv_dtype: KVDtype = "fp8",
+    page_size: int = 64,
 ) -> dict[str, Any]:
     """Every design at every workload for one rank -> the JSON of ``kv_designs_modeled.json``."""
     cfg = get_preset(preset)
@@ -215,18 +253,32 @@ def plan_designs(
     return {
         "kind": "modeled",
         "source": "python -m reference_impl.planner.designs (arithmetic on the planner's rates: nothing ran)",
-        "preset": preset, "n_layers": cfg.n_layers, "cp_size": cp_size, "rank": rank, "kv_dtype": kv_dtype,
-        "page_size": page_size, "wire_gbps": rates.interconnect_gbps, "peer_gbps": peer_gbps or rates.interconnect_gbps,
+        "preset": preset,
+        "n_layers": cfg.n_layers,
+        "cp_size": cp_size,
+        "rank": rank,
+        "kv_dtype": kv_dtype,
+        "page_size": page_size,
+        "wire_gbps": rates.interconnect_gbps,
+        "peer_gbps": peer_gbps or rates.interconnect_gbps,
         "kv_budget_gib": budget_gib,
         "rates": {k: {"value": v, "source": rates.sources[k]} for k, v in rates.values().items()},
         "workloads": [
-            {"name": name, "prefix": prefix, "extend": extend,
-             "designs": [design_layer(cfg, rates, d, cp_size, prefix, extend, rank, kv_dtype, page_size, peer_gbps)
-                         for d in PLANNED_DESIGNS]}
+            {
+                "name": name,
+                "prefix": prefix,
+                "extend": extend,
+                "designs": [
+                    design_layer(cfg, rates, d, cp_size, prefix, extend, rank, kv_dtype, page_size, peer_gbps)
+                    for d in PLANNED_DESIGNS
+                ],
+            }
             for name, prefix, extend in workloads
         ],
-        "capacity": [{"design": d, "max_context": max_context(cfg, d, budget, cp_size, kv_dtype, page_size)}
-                     for d in PLANNED_DESIGNS],
+        "capacity": [
+            {"design": d, "max_context": max_context(cfg, d, budget, cp_size, kv_dtype, page_size)}
+            for d in PLANNED_DESIGNS
+        ],
     }
 
 
@@ -237,22 +289,30 @@ def one_rank_parser(prog: str, description: str, layers: int | None, layers_help
     parser.add_argument("--preset", type=dsa_preset_arg(), default="deepseek-v3.2", help=", ".join(DSA_PRESETS))
     parser.add_argument("--cp-size", type=int_arg(1, MAX_PLAN_CP), default=8, help="CP ranks C")
     parser.add_argument("--rank", type=int_arg(0), default=0, help="the rank modeled, 0..C-1")
-    parser.add_argument("--layers", type=int_arg(1, MAX_LAYERS, "more than any preset's"), default=layers,
-                        help=layers_help)
+    parser.add_argument(
+        "--layers", type=int_arg(1, MAX_LAYERS, "more than any preset's"), default=layers, help=layers_help
+    )
     return parser
 
 
 @refusing
 def main(argv: list[str] | None = None) -> int:
     parser = one_rank_parser(PROG, __doc__.split("\n\n")[0], None, "model layers (default: the preset's)")
-    parser.add_argument("--peer-gbps", type=float_arg(), default=None,
-                        help="shared VMM peer-read rate, GB/s (default: the wire's)")
-    parser.add_argument("--budget-gib", type=float_arg(MAX_HBM_GIB, "1 PiB"), default=48.0,
-                        help="KV budget per GPU for max_context, GiB")
+    parser.add_argument(
+        "--peer-gbps", type=float_arg(), default=None, help="shared VMM peer-read rate, GB/s (default: the wire's)"
+    )
+    parser.add_argument(
+        "--budget-gib",
+        type=float_arg(MAX_HBM_GIB, "1 PiB"),
+        default=48.0,
+        help="KV budget per GPU for max_context, GiB",
+    )
     args = parser.parse_args(argv)
     out = output_file(args.out)
     rank_of(args.rank, args.cp_size)
-    doc = plan_designs(args.preset, args.cp_size, args.rank, args.layers, peer_gbps=args.peer_gbps, budget_gib=args.budget_gib)
+    doc = plan_designs(
+        args.preset, args.cp_size, args.rank, args.layers, peer_gbps=args.peer_gbps, budget_gib=args.budget_gib
+    )
     out.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {out}", file=sys.stderr)
     return 0

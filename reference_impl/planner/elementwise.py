@@ -25,15 +25,28 @@ from reference_impl.config import MAX_BATCH_TOKENS, MAX_PLAN_CP
 from reference_impl.errors import ConfigError
 from reference_impl.planner.model import local_queries
 from reference_impl.tool_args import (
-    NUMBER, TEXT, ToolParser, input_json, int_field, output_file, rank_of, refusing,
+    NUMBER,
+    TEXT,
+    ToolParser,
+    input_json,
+    int_field,
+    output_file,
+    rank_of,
+    refusing,
     stored_fields,
 )
 
 PROG = "python -m reference_impl.planner.elementwise"
 # What elementwise_rate reads from a ``profile_layer.py --json`` document.
 PROFILE_FIELDS = {
-    "args": {"layers": int_field(1), "extend": int_field(1, MAX_BATCH_TOKENS), "cp_size": int_field(1, MAX_PLAN_CP),
-             "level": int_field(0, 8), "rank": int_field(0), "prefix?": int_field(0)},
+    "args": {
+        "layers": int_field(1),
+        "extend": int_field(1, MAX_BATCH_TOKENS),
+        "cp_size": int_field(1, MAX_PLAN_CP),
+        "level": int_field(0, 8),
+        "rank": int_field(0),
+        "prefix?": int_field(0),
+    },
     "ops": [{"name": TEXT, "device_ms": NUMBER}],
 }
 

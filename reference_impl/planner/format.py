@@ -24,14 +24,22 @@ def format_plan(plan: dict[str, Any]) -> str:
     inp, levels = plan["inputs"], plan["levels"]
     ctxs = [f"{c:,}" for c in inp["contexts"]]
     lines = [
-        (f"Capacity plan: {inp['preset']}, C={inp['cp_size']}, {inp['kv_dtype']} KV, page {inp['page_size']}, "
-         f"{inp['n_layers']} layers. Scenario: {plan['scenario']}."),
-        (f"KV budget per GPU: {inp['budget_rule']} = {_gib(inp['kv_budget_bytes'])} GiB. "
-         "Every figure is a prediction from the inputs listed at the end."),
+        (
+            f"Capacity plan: {inp['preset']}, C={inp['cp_size']}, {inp['kv_dtype']} KV, page {inp['page_size']}, "
+            f"{inp['n_layers']} layers. Scenario: {plan['scenario']}."
+        ),
+        (
+            f"KV budget per GPU: {inp['budget_rule']} = {_gib(inp['kv_budget_bytes'])} GiB. "
+            "Every figure is a prediction from the inputs listed at the end."
+        ),
         "",
-        ("Memory per rank (GiB): KV at rest, all layers (* = KV + one layer's transient exceed the budget); "
-         "transient of one layer; max context = longest request whose KV fits (tokens)"),
-        _row("level", "adds", "status", *(f"KV @ {c}" for c in ctxs), *(f"transient @ {c}" for c in ctxs), "max context"),
+        (
+            "Memory per rank (GiB): KV at rest, all layers (* = KV + one layer's transient exceed the budget); "
+            "transient of one layer; max context = longest request whose KV fits (tokens)"
+        ),
+        _row(
+            "level", "adds", "status", *(f"KV @ {c}" for c in ctxs), *(f"transient @ {c}" for c in ctxs), "max context"
+        ),
         _rule(4 + 2 * len(ctxs)),
     ]
     for lv in levels:
@@ -40,8 +48,10 @@ def format_plan(plan: dict[str, Any]) -> str:
         lines.append(_row(lv["level"], lv["adds"], lv["status"], *kv, *tr, f"{lv['max_context']:,}"))
     lines += [
         "",
-        ("Time (ms): one layer on the slowest rank (attention slice + CP data movement); "
-         "all-gather #2 (tail) once per forward"),
+        (
+            "Time (ms): one layer on the slowest rank (attention slice + CP data movement); "
+            "all-gather #2 (tail) once per forward"
+        ),
         _row("level", "status", *(f"layer @ {c}" for c in ctxs), *(f"tail @ {c}" for c in ctxs)),
         _rule(2 + 2 * len(ctxs)),
     ]
@@ -51,7 +61,12 @@ def format_plan(plan: dict[str, Any]) -> str:
         lines.append(_row(lv["level"], lv["status"], *layer, *tail))
     last = inp["contexts"][-1]
     names = list(levels[0]["contexts"][-1]["terms_ms"])
-    lines += ["", f"Per-layer terms at {last:,} tokens (ms, slowest rank)", _row("level", *names), _rule(1 + len(names))]
+    lines += [
+        "",
+        f"Per-layer terms at {last:,} tokens (ms, slowest rank)",
+        _row("level", *names),
+        _rule(1 + len(names)),
+    ]
     for lv in levels:
         terms = lv["contexts"][-1]["terms_ms"]
         lines.append(_row(lv["level"], *(f"{terms[n]:.3f}" for n in names)))

@@ -187,7 +187,9 @@ def store_bytes(cfg: ModelConfig, layout: KVLayout, rows: int) -> tuple[int, int
 
     FP8: ``rows x (1152 + 656)`` and ``rows x (256 + 132)``.
     """
-    return rows * (cfg.kv_width * ACT_BYTES + layout.mla_bytes), rows * (cfg.index_head_dim * ACT_BYTES + layout.index_bytes)
+    return rows * (cfg.kv_width * ACT_BYTES + layout.mla_bytes), rows * (
+        cfg.index_head_dim * ACT_BYTES + layout.index_bytes
+    )
 
 
 def fill_bytes(cfg: ModelConfig, layout: KVLayout, rows: int, indexer: bool = True) -> int:
@@ -218,8 +220,15 @@ def materialize_comm_bytes(
 
 
 def transient_bytes(
-    cfg: ModelConfig, context: int, level: int, kv_dtype: KVDtype = "fp8", page_size: int = 64, act_bytes: int = ACT_BYTES,
-    cp_size: int = 1, interleave: int | None = None, prefix: int = 0,
+    cfg: ModelConfig,
+    context: int,
+    level: int,
+    kv_dtype: KVDtype = "fp8",
+    page_size: int = 64,
+    act_bytes: int = ACT_BYTES,
+    cp_size: int = 1,
+    interleave: int | None = None,
+    prefix: int = 0,
 ) -> int:
     """Transient bytes of one layer, as the engine's ``transient_peak_bytes`` counts them, for a
     chunk of ``context - prefix`` tokens after ``prefix`` cached ones (0: current-only).
@@ -262,8 +271,12 @@ def activation_bytes(cfg: ModelConfig, t_local: int, context: int, act_bytes: in
 
     h, hi, k = cfg.n_heads, cfg.index_n_heads, cfg.index_topk
     live = t_local * (
-        cfg.dim * act_bytes + h * cfg.kv_width * act_bytes + (cfg.kv_width + cfg.index_head_dim) * act_bytes
-        + hi * cfg.index_head_dim + hi * 4 + k * 4
+        cfg.dim * act_bytes
+        + h * cfg.kv_width * act_bytes
+        + (cfg.kv_width + cfg.index_head_dim) * act_bytes
+        + hi * cfg.index_head_dim
+        + hi * 4
+        + k * 4
     )
     indexer = indexer_tile_bytes(t_local, context, k)
     attention = t_local * (h * cfg.kv_lora_rank + h * cfg.v_head_dim + cfg.dim) * act_bytes
@@ -292,8 +305,18 @@ def compute_terms(
 
 
 def layer_terms(
-    cfg: ModelConfig, rates: PlannerRates, cp_size: int, context: int, level: int, rank: int,
-    kv_dtype: KVDtype = "fp8", page_size: int = 64, split_mode: str = "in-seq", *, indexer: bool = True, prefix: int = 0,
+    cfg: ModelConfig,
+    rates: PlannerRates,
+    cp_size: int,
+    context: int,
+    level: int,
+    rank: int,
+    kv_dtype: KVDtype = "fp8",
+    page_size: int = 64,
+    split_mode: str = "in-seq",
+    *,
+    indexer: bool = True,
+    prefix: int = 0,
 ) -> dict[str, float]:
     """Milliseconds of each part of one layer on ``rank`` at phase ``level`` (see the module docstring).
 
@@ -342,7 +365,9 @@ def layer_terms(
     rows = extend if not sharded else t_local if direct else owned_new
     mla_b, index_b = store_bytes(cfg, layout, rows)
     index_b = index_b if indexer else 0
-    terms["select"] = ms_for_bytes(rows * gather_row_bytes(cfg, indexer) * 2, rates.copy_gbps) if sharded and not direct else 0.0
+    terms["select"] = (
+        ms_for_bytes(rows * gather_row_bytes(cfg, indexer) * 2, rates.copy_gbps) if sharded and not direct else 0.0
+    )
     terms["store"] = ms_for_bytes(mla_b, rates.gbps(f"store_mla_{kv_dtype}", fused)) + ms_for_bytes(
         index_b, rates.gbps("store_index", fused)
     )
@@ -367,18 +392,31 @@ def layer_terms(
     # level 7 phase 7's fused current-rows fill writes the chunk's rows and the fused materialize
     # the history's (at level 8 only its index part: the prefetch wrote the MLA rows).
     if fused:
-        history = view_bytes(cfg, layout, prefix, indexer) if level < 8 else prefix * 2 * (layout.index_bytes if indexer else 0)
-        terms["full_view"] = ms_for_bytes(fill_bytes(cfg, layout, extend, indexer), rates.fill_current_fused_gbps) + ms_for_bytes(
-            history, rates.gbps("materialize", fused=True)
+        history = (
+            view_bytes(cfg, layout, prefix, indexer)
+            if level < 8
+            else prefix * 2 * (layout.index_bytes if indexer else 0)
         )
+        terms["full_view"] = ms_for_bytes(
+            fill_bytes(cfg, layout, extend, indexer), rates.fill_current_fused_gbps
+        ) + ms_for_bytes(history, rates.gbps("materialize", fused=True))
     else:
-        terms["full_view"] = ms_for_bytes(view_bytes(cfg, layout, context, indexer), rates.gbps("materialize", fused=False))
+        terms["full_view"] = ms_for_bytes(
+            view_bytes(cfg, layout, context, indexer), rates.gbps("materialize", fused=False)
+        )
     return terms
 
 
 def mean_layer_terms(
-    cfg: ModelConfig, rates: PlannerRates, cp_size: int, context: int, level: int, rank: int,
-    kv_dtype: KVDtype = "fp8", page_size: int = 64, split_mode: str = "in-seq",
+    cfg: ModelConfig,
+    rates: PlannerRates,
+    cp_size: int,
+    context: int,
+    level: int,
+    rank: int,
+    kv_dtype: KVDtype = "fp8",
+    page_size: int = 64,
+    split_mode: str = "in-seq",
 ) -> dict[str, float]:
     """:func:`layer_terms` averaged over the model's layers: IndexShare's full and shared layers
     weighted by their counts (every layer full: the full layer's terms)."""
@@ -392,7 +430,13 @@ def mean_layer_terms(
 
 
 def slowest_rank(
-    cfg: ModelConfig, rates: PlannerRates, cp_size: int, context: int, level: int, kv_dtype: KVDtype = "fp8", page_size: int = 64,
+    cfg: ModelConfig,
+    rates: PlannerRates,
+    cp_size: int,
+    context: int,
+    level: int,
+    kv_dtype: KVDtype = "fp8",
+    page_size: int = 64,
     split_mode: str = "in-seq",
 ) -> tuple[int, dict[str, float]]:
     """The rank with the longest layer (averaged over the model's layers, :func:`mean_layer_terms`)
@@ -406,7 +450,9 @@ def slowest_rank(
     return best
 
 
-def tail_ms(cfg: ModelConfig, rates: PlannerRates, cp_size: int, context: int, level: int, page_size: int = 64) -> float:
+def tail_ms(
+    cfg: ModelConfig, rates: PlannerRates, cp_size: int, context: int, level: int, page_size: int = 64
+) -> float:
     """All-gather #2 once per forward: ``(C - 1) x rows x hidden x 2`` B over the interconnect,
     ``rows = T_pad`` at level 0 and 1 (the last token of the one request) from level 1."""
     rows = padded_rank_tokens(context, cp_size, page_size, level >= 4) if level == 0 else 1

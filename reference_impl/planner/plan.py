@@ -12,8 +12,18 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from reference_impl.config import KV_DTYPES, MAX_HBM_GIB, MAX_PLAN_CP, SPLIT_MODES, ConfigError, KVDtype, check_choice, validate_page_size
+from reference_impl.config import (
+    KV_DTYPES,
+    MAX_HBM_GIB,
+    MAX_PLAN_CP,
+    SPLIT_MODES,
+    ConfigError,
+    KVDtype,
+    check_choice,
+    validate_page_size,
+)
 from reference_impl.cp.capacity import index_bytes_per_rank, kv_bytes_per_rank, max_context_per_rank, page_bytes
+from reference_impl.families import family_of
 from reference_impl.phases import IMPLEMENTED_PHASES, IN_SEQ_ONLY, PHASE_NAMES
 from reference_impl.planner.model import (
     activation_bytes,
@@ -25,7 +35,6 @@ from reference_impl.planner.model import (
     transient_bytes,
 )
 from reference_impl.planner.rates import PlannerRates
-from reference_impl.families import family_of
 from reference_impl.presets import ModelConfig, get_preset
 
 GIB = 2**30
@@ -88,7 +97,9 @@ class PlannerConfig:
         self._check_types()
         cfg = get_preset(self.preset)
         if not isinstance(cfg, ModelConfig):  # this planner models the DSA cache; another family plans elsewhere
-            raise ConfigError(f"{self.preset}: its capacity terms are in `{family_of(cfg).planner_command} --preset {self.preset}`")
+            raise ConfigError(
+                f"{self.preset}: its capacity terms are in `{family_of(cfg).planner_command} --preset {self.preset}`"
+            )
         _ = self.model  # the pattern against the preset's layer count, by name
         check_choice("split_mode", self.split_mode, SPLIT_MODES)
         check_choice("kv_dtype", self.kv_dtype, KV_DTYPES)
@@ -124,15 +135,23 @@ class PlannerConfig:
         if isinstance(self.contexts, list):
             object.__setattr__(self, "contexts", tuple(self.contexts))
         if isinstance(self.contexts, str):
-            raise ConfigError(f"contexts={self.contexts!r}: need a tuple of ints (from a spec string: "
-                              f"parse_contexts({self.contexts!r}))")
+            raise ConfigError(
+                f"contexts={self.contexts!r}: need a tuple of ints (from a spec string: "
+                f"parse_contexts({self.contexts!r}))"
+            )
         if not isinstance(self.contexts, tuple) or not all(
-                isinstance(c, int) and not isinstance(c, bool) for c in self.contexts):
+            isinstance(c, int) and not isinstance(c, bool) for c in self.contexts
+        ):
             raise ConfigError(f"contexts={self.contexts!r}: need a tuple of ints (tokens)")
         for name, kinds, optional in (
-            ("preset", (str,), False), ("split_mode", (str,), False), ("kv_dtype", (str,), False),
-            ("cp_size", (int,), False), ("page_size", (int,), False), ("hbm_gib", (int, float), False),
-            ("reserved_gib", (int, float), True), ("kv_budget_fraction", (int, float), True),
+            ("preset", (str,), False),
+            ("split_mode", (str,), False),
+            ("kv_dtype", (str,), False),
+            ("cp_size", (int,), False),
+            ("page_size", (int,), False),
+            ("hbm_gib", (int, float), False),
+            ("reserved_gib", (int, float), True),
+            ("kv_budget_fraction", (int, float), True),
             ("index_topk_pattern", (str,), True),
         ):
             value = getattr(self, name)
@@ -195,28 +214,47 @@ def plan_capacity(config: PlannerConfig, rates: PlannerRates) -> dict[str, Any]:
             index = index_bytes_per_rank(cfg, ctx, c, sharded, dt, ps, interleave=interleave)
             transient = transient_bytes(cfg, ctx, level, dt, ps, cp_size=c, interleave=interleave if sharded else None)
             t_local = local_queries(ctx, c, ps, level, rank, mode)
-            points.append({
-                "context": ctx, "kv_bytes_per_rank": kv, "index_bytes_per_rank": index,
-                "transient_bytes_per_layer": transient,
-                "activation_bytes_per_layer": activation_bytes(cfg, t_local, ctx),
-                "fits": kv + transient <= budget, "layer_ms": sum(terms.values()), "slowest_rank": rank,
-                "terms_ms": terms, "tail_ms_per_forward": tail_ms(cfg, rates, c, ctx, level, ps),
-            })
+            points.append(
+                {
+                    "context": ctx,
+                    "kv_bytes_per_rank": kv,
+                    "index_bytes_per_rank": index,
+                    "transient_bytes_per_layer": transient,
+                    "activation_bytes_per_layer": activation_bytes(cfg, t_local, ctx),
+                    "fits": kv + transient <= budget,
+                    "layer_ms": sum(terms.values()),
+                    "slowest_rank": rank,
+                    "terms_ms": terms,
+                    "tail_ms_per_forward": tail_ms(cfg, rates, c, ctx, level, ps),
+                }
+            )
             if share.shares:  # IndexShare: layer_ms is the mean over the layers; each kind apart
                 points[-1]["layer_ms_by_kind"] = {
                     kind: sum(layer_terms(cfg, rates, c, ctx, level, rank, dt, ps, mode, indexer=full).values())
                     for kind, full in (("full", True), ("shared", False))
                 }
-        levels.append({
-            "level": level, "adds": PHASE_NAMES.get(level, "baseline"), "status": level_status(level),
-            "kv_at_rest": "sharded" if sharded else "replicated",
-            "max_context": max_context_per_rank(cfg, budget, c, sharded, dt, ps), "contexts": points,
-        })
+        levels.append(
+            {
+                "level": level,
+                "adds": PHASE_NAMES.get(level, "baseline"),
+                "status": level_status(level),
+                "kv_at_rest": "sharded" if sharded else "replicated",
+                "max_context": max_context_per_rank(cfg, budget, c, sharded, dt, ps),
+                "contexts": points,
+            }
+        )
     return {
-        "inputs": {**dataclasses.asdict(config), "reserved_gib": None if config.kv_budget_fraction else config.reserved,
-                   "kv_budget_bytes": budget, "budget_rule": config.budget_rule, "n_layers": cfg.n_layers,
-                   "index_layers": share.n_full, "index_pattern": share.pattern,
-                   "page_bytes": page_bytes(cfg, dt, ps), "max_seq_len": cfg.max_seq_len},
+        "inputs": {
+            **dataclasses.asdict(config),
+            "reserved_gib": None if config.kv_budget_fraction else config.reserved,
+            "kv_budget_bytes": budget,
+            "budget_rule": config.budget_rule,
+            "n_layers": cfg.n_layers,
+            "index_layers": share.n_full,
+            "index_pattern": share.pattern,
+            "page_bytes": page_bytes(cfg, dt, ps),
+            "max_seq_len": cfg.max_seq_len,
+        },
         "rates": {k: {"value": v, "source": rates.sources[k]} for k, v in rates.values().items()},
         "scenario": f"one request of S tokens prefilled in one chunk (no prefix), {mode} split; slowest rank",
         "assumptions": _assumptions(config, cfg),
@@ -227,17 +265,27 @@ def plan_capacity(config: PlannerConfig, rates: PlannerRates) -> dict[str, Any]:
 def _assumptions(config: PlannerConfig, cfg: ModelConfig) -> list[str]:
     out = [
         f"KV budget: {config.budget_rule}; the reserved part is not modeled, only subtracted.",
-        ("Terms are added: no overlap of compute and communication. Not modeled: the MoE/MLP half of the layer, "
-         "norms, RoPE, Hadamard and q quantization, launch overheads."),
-        (f"Projections: {sum(projection_macs(cfg).values()):,} multiply-adds per token at the bf16 8192^3 matmul "
-         "rate (skinny or FP8 GEMMs run at other rates)."),
+        (
+            "Terms are added: no overlap of compute and communication. Not modeled: the MoE/MLP half of the layer, "
+            "norms, RoPE, Hadamard and q quantization, launch overheads."
+        ),
+        (
+            f"Projections: {sum(projection_macs(cfg).values()):,} multiply-adds per token at the bf16 8192^3 matmul "
+            "rate (skinny or FP8 GEMMs run at other rates)."
+        ),
         "Top-k and remap scale linearly from their measured points (T_local x S, and T).",
-        ("Levels 0-1 rebuild the full view from the local replica; from level 3 it is filled from the gathered "
-         "chunk (no history), so phase 8 has nothing to prefetch and level 8 equals level 7."),
-        ("Level >= 7: fused rerange and stores; the full-view fill from the gathered chunk stays on the torch "
-         "path, as in this package."),
-        ("Levels 2-5 remap with sort + searchsorted per layer (the production baseline phase 6 replaces; "
-         "this package computes locs arithmetically)."),
+        (
+            "Levels 0-1 rebuild the full view from the local replica; from level 3 it is filled from the gathered "
+            "chunk (no history), so phase 8 has nothing to prefetch and level 8 equals level 7."
+        ),
+        (
+            "Level >= 7: fused rerange and stores; the full-view fill from the gathered chunk stays on the torch "
+            "path, as in this package."
+        ),
+        (
+            "Levels 2-5 remap with sort + searchsorted per layer (the production baseline phase 6 replaces; "
+            "this package computes locs arithmetically)."
+        ),
     ]
     if config.kv_dtype == "bf16":
         out.append("The full-view build of a bf16 cache runs at the measured fp8 materialize rate (bf16 not measured).")

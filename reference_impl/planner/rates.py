@@ -21,7 +21,12 @@ from reference_impl.config import ConfigError
 
 RESULTS_DIR = Path(__file__).resolve().parent.parent.parent / "docs" / "results"
 
-_COMPUTE, _KERNELS, _ELEMENTWISE, _GLUE = "compute_bench.json", "kernels_bench.json", "elementwise_rate.json", "glue_h200.json"
+_COMPUTE, _KERNELS, _ELEMENTWISE, _GLUE = (
+    "compute_bench.json",
+    "kernels_bench.json",
+    "elementwise_rate.json",
+    "glue_h200.json",
+)
 _TOPK = "topk_select_h200.json"  # a bench.compute run after the top-k selection kernel became the default
 # Where each measured rate lives in the benchmark JSONs. "list[k=v,T=max]" picks, among the list's
 # entries with k == v, the one with the largest T (the longest measured sequence); any key can be
@@ -38,8 +43,12 @@ _RATE_PATHS: dict[str, tuple[str, str]] = {
     **{
         f"{op}_{impl}_gbps": (_KERNELS, f"kernels[op={bench_op},T=max].{bench_impl}_gbps")
         for op, bench_op in (
-            ("store_mla_fp8", "store_mla_fp8"), ("store_mla_bf16", "store_mla_bf16"), ("store_index", "store_index"),
-            ("rerange_kv", "rerange_kv"), ("rerange_index", "rerange_index"), ("materialize", "materialize_fp8"),
+            ("store_mla_fp8", "store_mla_fp8"),
+            ("store_mla_bf16", "store_mla_bf16"),
+            ("store_index", "store_index"),
+            ("rerange_kv", "rerange_kv"),
+            ("rerange_index", "rerange_index"),
+            ("materialize", "materialize_fp8"),
         )
         for impl, bench_impl in (("torch", "torch"), ("fused", "triton"))
     },
@@ -72,7 +81,9 @@ class PlannerRates:
     where its value came from (``file: json path``, a built-in copy, or an assumption).
     """
 
-    attention_tflops: float = 485.0  # sparse MLA (the engine's kernel: warp-specialized Gluon on an H200), rank 0 of C=8 at 128K
+    attention_tflops: float = (
+        485.0  # sparse MLA (the engine's kernel: warp-specialized Gluon on an H200), rank 0 of C=8 at 128K
+    )
     indexer_logits_tflops: float = 903.9
     topk_ms: float = 4.88  # the top-k selection kernel over [topk_ref_queries, topk_ref_keys] logits
     topk_ref_queries: float = 16384
@@ -91,7 +102,9 @@ class PlannerRates:
     rerange_index_fused_gbps: float = 3104.6
     materialize_torch_gbps: float = 161.8
     materialize_fused_gbps: float = 3688.4
-    fill_current_fused_gbps: float = 2887.9  # phase 7's current-rows fill (bench.glue), its bytes as fill_bytes counts them
+    fill_current_fused_gbps: float = (
+        2887.9  # phase 7's current-rows fill (bench.glue), its bytes as fill_bytes counts them
+    )
     remap_sort_ms: float = 0.1141  # one sort + searchsorted call over remap_ref_tokens locs
     remap_page_inverse_ms: float = 0.0297
     remap_ref_tokens: float = 131072
@@ -105,8 +118,10 @@ class PlannerRates:
                 raise ConfigError(f"rate {f.name}={getattr(self, f.name)!r} must be a positive number")
         sources = {
             f.name: _ASSUMED.get(f.name) or "built-in copy of the H200 value in {}: {}".format(*_RATE_PATHS[f.name])
-            if getattr(self, f.name) == f.default else "given in code"
-            for f in dataclasses.fields(self) if f.name != "sources"
+            if getattr(self, f.name) == f.default
+            else "given in code"
+            for f in dataclasses.fields(self)
+            if f.name != "sources"
         }
         sources.update(self.sources)
         object.__setattr__(self, "sources", sources)
@@ -171,7 +186,10 @@ def rates_from_bench(doc: dict[str, Any], file: str, label: str) -> dict[str, tu
 
 
 def load_rates(
-    paths: str | Path | Sequence[str | Path] | None = None, results_dir: Path | None = RESULTS_DIR, *, what: str = "rates",
+    paths: str | Path | Sequence[str | Path] | None = None,
+    results_dir: Path | None = RESULTS_DIR,
+    *,
+    what: str = "rates",
 ) -> PlannerRates:
     """Defaults from ``results_dir`` (where the files exist), then each of ``paths`` in order: one
     path, or a list of them.
@@ -208,8 +226,15 @@ def load_rates(
         if not isinstance(doc, dict):
             raise ConfigError(f"{what} {path_str}: expected a JSON object")
         kind = (
-            _COMPUTE if "per_rank" in doc else _KERNELS if "kernels" in doc else _GLUE if "bench" in doc
-            else _TOPK if "compute_bench" in doc else None
+            _COMPUTE
+            if "per_rank" in doc
+            else _KERNELS
+            if "kernels" in doc
+            else _GLUE
+            if "bench" in doc
+            else _TOPK
+            if "compute_bench" in doc
+            else None
         )
         if kind is None:
             rates = rates.override(doc, path_str)

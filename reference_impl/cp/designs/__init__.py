@@ -31,8 +31,16 @@ from reference_impl.cp.kv_store import KVStore
 from reference_impl.kvcache.layout import KVLayout
 
 __all__ = [
-    "DcpGatherKV", "LayerSplitKV", "RotatedShardKV", "audits_layer_loop", "design_page_lanes", "layer_owner", "layer_shard_range",
-    "make_design_store", "owners_cyclic", "rotated_page_lanes",
+    "DcpGatherKV",
+    "LayerSplitKV",
+    "RotatedShardKV",
+    "audits_layer_loop",
+    "design_page_lanes",
+    "layer_owner",
+    "layer_shard_range",
+    "make_design_store",
+    "owners_cyclic",
+    "rotated_page_lanes",
 ]
 
 

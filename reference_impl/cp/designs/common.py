@@ -36,18 +36,41 @@ def empty_view(batch: BatchLocs, layout: KVLayout, device: torch.device) -> Full
     )
 
 
-def fill_current(view: FullView, batch: BatchLocs, kv_seq: torch.Tensor, index_k_seq: torch.Tensor,
-                 layout: KVLayout, fused: bool, debug: bool) -> None:
+def fill_current(
+    view: FullView,
+    batch: BatchLocs,
+    kv_seq: torch.Tensor,
+    index_k_seq: torch.Tensor,
+    layout: KVLayout,
+    fused: bool,
+    debug: bool,
+) -> None:
     """The view's current rows from the gathered chunk ``kv_seq [T, 576]`` / ``index_k_seq [T, D]``,
     rounded as the cache stores them (phase 7's fused kernel when ``fused``)."""
     fill_current_rows(
-        kv_seq, index_k_seq, batch.extend_view_rows, view.kv, view.index_k_fp8, view.index_k_scale, layout,
-        debug=debug, force_torch=not fused, locs_checked=True,
+        kv_seq,
+        index_k_seq,
+        batch.extend_view_rows,
+        view.kv,
+        view.index_k_fp8,
+        view.index_k_scale,
+        layout,
+        debug=debug,
+        force_torch=not fused,
+        locs_checked=True,
     )
 
 
-def store_rows(pool: PagedKVPool, layer: int, kv: torch.Tensor, index_k: torch.Tensor, rows: torch.Tensor | None,
-               locs: torch.Tensor, fused: bool, debug: bool) -> None:
+def store_rows(
+    pool: PagedKVPool,
+    layer: int,
+    kv: torch.Tensor,
+    index_k: torch.Tensor,
+    rows: torch.Tensor | None,
+    locs: torch.Tensor,
+    fused: bool,
+    debug: bool,
+) -> None:
     """Quantize ``kv[rows]`` / ``index_k[rows]`` (all rows when ``rows`` is None) into ``pool`` at slots ``locs``."""
     if fused:
         fused_store(pool, layer, kv, index_k, rows, locs, debug, locs_checked=True)
@@ -99,10 +122,13 @@ class LayerAhead:
     same places, so the collectives inside ``work`` are issued in the same order everywhere.
     """
 
-    def __init__(self, device: torch.device, n_layers: int, work: Callable[[int, int], None],
-                 stream: Stream | None = None) -> None:
+    def __init__(
+        self, device: torch.device, n_layers: int, work: Callable[[int, int], None], stream: Stream | None = None
+    ) -> None:
         self.n_layers, self.work = n_layers, work
-        self.stream = stream if stream is not None else CudaSideStream(device) if device.type == "cuda" else InlineStream()
+        self.stream = (
+            stream if stream is not None else CudaSideStream(device) if device.type == "cuda" else InlineStream()
+        )
         self._handles: dict[int, Any] = {}
 
     def launch(self, layer: int) -> None:
@@ -147,8 +173,9 @@ class OwnedShare(PoolBytesAtRest):
         self._store_locs = self.ownership.physical(batch.extend_locs[own])
         check_in_range("store locs", self._store_locs, self.pool.n_slots)
 
-    def write_prefix(self, layer: int, request: int, rows: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor,
-                     start: int = 0) -> None:
+    def write_prefix(
+        self, layer: int, request: int, rows: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor, start: int = 0
+    ) -> None:
         """Install the owned part of a request's cached prefix tokens ``[start, start + len(rows))``."""
         locs = self.batch.prefix_locs(request)[start : start + rows.shape[0]]
         own = self.ownership.owner(locs) == self.group.rank
@@ -156,8 +183,14 @@ class OwnedShare(PoolBytesAtRest):
         self.pool.write_mla(layer, phys, rows[own])
         self.pool.write_index(layer, phys, k_fp8[own], k_scale[own])
 
-    def store_current(self, layer: int, kv_seq: torch.Tensor, index_k_seq: torch.Tensor,
-                      kv_local: torch.Tensor | None = None, index_k_local: torch.Tensor | None = None) -> None:
+    def store_current(
+        self,
+        layer: int,
+        kv_seq: torch.Tensor,
+        index_k_seq: torch.Tensor,
+        kv_local: torch.Tensor | None = None,
+        index_k_local: torch.Tensor | None = None,
+    ) -> None:
         """Quantize and write the tokens this rank owns of the gathered chunk."""
         store_rows(self.pool, layer, kv_seq, index_k_seq, self._store_rows, self._store_locs, self.fused, self.debug)
 
@@ -182,8 +215,9 @@ class HistoryAhead:
     materialized_bytes: int
     transient_bytes: int
 
-    def plan_history(self, rows: torch.Tensor, row_source: torch.Tensor, n_layers: int,
-                     gather: Callable[[int, int], None]) -> None:
+    def plan_history(
+        self, rows: torch.Tensor, row_source: torch.Tensor, n_layers: int, gather: Callable[[int, int], None]
+    ) -> None:
         """Per batch: history view ``rows``, their ``row_source`` in a slot, and the gather that fills a slot."""
         self._view_rows, self._row_source = rows, row_source
         self._slots: list[tuple[torch.Tensor, torch.Tensor] | None] = [None, None]
@@ -192,8 +226,9 @@ class HistoryAhead:
             check_in_range("view rows", rows, self.batch.view_len)
         check_in_range("current view rows", self.batch.extend_view_rows, self.batch.view_len)
 
-    def full_view(self, layer: int, kv_seq: torch.Tensor, index_k_seq: torch.Tensor,
-                  prefetched_kv: torch.Tensor | None = None) -> FullView:
+    def full_view(
+        self, layer: int, kv_seq: torch.Tensor, index_k_seq: torch.Tensor, prefetched_kv: torch.Tensor | None = None
+    ) -> FullView:
         """History rows from the layer's (prefetched) slot, current rows from the chunk; then start the next layer's gather."""
         if prefetched_kv is not None:
             raise ConfigError(f"{self.name} gathers its own history a layer ahead: phase 8 does not run beside it")
@@ -202,8 +237,19 @@ class HistoryAhead:
         if self._ahead is not None:
             slot = self._ahead.take(layer)
             mla, index = self._slots[slot]  # type: ignore[misc]
-            materialize_rows(mla, index, self._row_source, self._view_rows, view.kv, view.index_k_fp8, view.index_k_scale,
-                             self.layout, debug=self.debug, force_torch=not self.fused, locs_checked=True)
+            materialize_rows(
+                mla,
+                index,
+                self._row_source,
+                self._view_rows,
+                view.kv,
+                view.index_k_fp8,
+                view.index_k_scale,
+                self.layout,
+                debug=self.debug,
+                force_torch=not self.fused,
+                locs_checked=True,
+            )
             self._ahead.release(layer)
             self._ahead.launch(layer + 1)
             self.materialized_bytes += mla.numel() + index.numel()

@@ -38,12 +38,21 @@ class DcpGatherKV(OwnedShare):
     name = "dcp-gather"
     sharded = True
 
-    def __init__(self, batch: BatchLocs, layout: KVLayout, n_layers: int, group: CPGroup, debug: bool,
-                 fused: bool = False, interleave: int = 1) -> None:
+    def __init__(
+        self,
+        batch: BatchLocs,
+        layout: KVLayout,
+        n_layers: int,
+        group: CPGroup,
+        debug: bool,
+        fused: bool = False,
+        interleave: int = 1,
+    ) -> None:
         self.layout, self.group, self.debug, self.fused = layout, group, debug, fused
         self.ownership = Ownership(group.size, interleave, batch.page_size)
-        self.pool = PagedKVPool(n_layers, self.ownership.pages_held(batch.n_pages, group.rank), batch.page_size, layout,
-                                group.device, debug)
+        self.pool = PagedKVPool(
+            n_layers, self.ownership.pages_held(batch.n_pages, group.rank), batch.page_size, layout, group.device, debug
+        )
         self.batch = batch
         self.materialized_bytes = 0
         self.transient_bytes = 0
@@ -71,8 +80,9 @@ class DcpGatherKV(OwnedShare):
         check_in_range("shard rows", self._send, self.pool.n_slots)
         check_in_range("workspace rows", self._row_source, cp_size * self.n_pad)
 
-    def full_view(self, layer: int, kv_seq: torch.Tensor, index_k_seq: torch.Tensor,
-                  prefetched_kv: torch.Tensor | None = None) -> FullView:
+    def full_view(
+        self, layer: int, kv_seq: torch.Tensor, index_k_seq: torch.Tensor, prefetched_kv: torch.Tensor | None = None
+    ) -> FullView:
         """Gather every rank's shard of the batch (two padded all-gathers) and unpack the workspace into the view."""
         if prefetched_kv is not None:
             raise ConfigError("dcp-gather gathers synchronously: phase 8 does not run beside it")

@@ -58,14 +58,17 @@ class LayerSplitKV(HistoryAhead):
     sharded = True
     store_path = "layer-owner"  # the layer's owner writes the whole gathered chunk
 
-    def __init__(self, batch: BatchLocs, layout: KVLayout, n_layers: int, group: CPGroup, debug: bool,
-                 fused: bool = False) -> None:
+    def __init__(
+        self, batch: BatchLocs, layout: KVLayout, n_layers: int, group: CPGroup, debug: bool, fused: bool = False
+    ) -> None:
         self.layout, self.group, self.debug, self.fused = layout, group, debug, fused
         self.n_layers = n_layers
         self.start, self.end = layer_shard_range(group.rank, group.size, n_layers)
         owned = self.end - self.start
         # A rank that owns no layer (C > L) keeps an empty pool.
-        self.pool = PagedKVPool(max(1, owned), batch.n_pages if owned else 0, batch.page_size, layout, group.device, debug)
+        self.pool = PagedKVPool(
+            max(1, owned), batch.n_pages if owned else 0, batch.page_size, layout, group.device, debug
+        )
         self.batch = batch
         self.materialized_bytes = 0
         self.transient_bytes = 0
@@ -114,8 +117,9 @@ class LayerSplitKV(HistoryAhead):
         self.group.broadcast_rows(index, owner, tag="materialize_index")
         self._slots[slot] = (mla, index)
 
-    def write_prefix(self, layer: int, request: int, rows: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor,
-                     start: int = 0) -> None:
+    def write_prefix(
+        self, layer: int, request: int, rows: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor, start: int = 0
+    ) -> None:
         """The owner of ``layer`` installs the request's cached prefix tokens ``[start, start + len(rows))``."""
         local = self.local_layer(layer)
         if local is None:
@@ -124,15 +128,23 @@ class LayerSplitKV(HistoryAhead):
         self.pool.write_mla(local, locs, rows)
         self.pool.write_index(local, locs, k_fp8, k_scale)
 
-    def store_current(self, layer: int, kv_seq: torch.Tensor, index_k_seq: torch.Tensor,
-                      kv_local: torch.Tensor | None = None, index_k_local: torch.Tensor | None = None) -> None:
+    def store_current(
+        self,
+        layer: int,
+        kv_seq: torch.Tensor,
+        index_k_seq: torch.Tensor,
+        kv_local: torch.Tensor | None = None,
+        index_k_local: torch.Tensor | None = None,
+    ) -> None:
         """The owner of ``layer`` writes the whole gathered chunk; the other ranks write nothing."""
         local = self.local_layer(layer)
         if local is not None:
             store_rows(self.pool, local, kv_seq, index_k_seq, None, self.batch.extend_locs, self.fused, self.debug)
 
     def owned_pages(self) -> torch.Tensor:
-        raise ConfigError("layer split owns layers, not pages: its PD transfer (per owned layer) is not in this package")
+        raise ConfigError(
+            "layer split owns layers, not pages: its PD transfer (per owned layer) is not in this package"
+        )
 
     def stored_rows(self, layer: int, request_locs: list[torch.Tensor] | None = None) -> StoredRows:
         """Every token of every request on the layer's owner; nothing elsewhere."""
@@ -140,5 +152,6 @@ class LayerSplitKV(HistoryAhead):
         local = self.local_layer(layer)
         if local is None:
             return {req: nothing_stored(self.layout, self.group.device) for req in range(len(located))}
-        return stored_rows_of(self.pool, local, [(torch.arange(locs.shape[0], device=locs.device), locs)
-                                                 for locs in located])
+        return stored_rows_of(
+            self.pool, local, [(torch.arange(locs.shape[0], device=locs.device), locs) for locs in located]
+        )

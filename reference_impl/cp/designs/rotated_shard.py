@@ -64,8 +64,9 @@ class RotatedShardKV(OwnedShare, HistoryAhead):
     name = "rotated-shard"
     sharded = True
 
-    def __init__(self, batch: BatchLocs, layout: KVLayout, n_layers: int, group: CPGroup, debug: bool,
-                 fused: bool = False) -> None:
+    def __init__(
+        self, batch: BatchLocs, layout: KVLayout, n_layers: int, group: CPGroup, debug: bool, fused: bool = False
+    ) -> None:
         self.layout, self.group, self.debug, self.fused = layout, group, debug, fused
         self.n_layers = n_layers
         self.ownership = Ownership(group.size, batch.page_size, batch.page_size)
@@ -89,7 +90,9 @@ class RotatedShardKV(OwnedShare, HistoryAhead):
         locs = batch.view_locs.index_select(0, rows)
         plan = unique_in_order((locs // page_size).tolist())  # history pages, request by request, position order
         # Every request's chain cyclic: what the rotated allocator promises (a test checks it).
-        self.cyclic = all(owners_cyclic(unique_in_order((r // page_size).tolist()), cp_size) for r in batch.request_locs)
+        self.cyclic = all(
+            owners_cyclic(unique_in_order((r // page_size).tolist()), cp_size) for r in batch.request_locs
+        )
         within, counts = [], [0] * cp_size
         for page in plan:  # k_within: the page's place among its owner's plan pages (k // C when cyclic)
             within.append(counts[page % cp_size])
@@ -98,7 +101,9 @@ class RotatedShardKV(OwnedShare, HistoryAhead):
         mine = [page // cp_size for page in plan if page % cp_size == rank]
         self._send = torch.tensor(mine + [self.trash_page] * (self.block - len(mine)), dtype=torch.long, device=device)
         slot_of_page = {page: (page % cp_size) * self.block + k for page, k in zip(plan, within)}
-        page_index = torch.tensor([slot_of_page[p] for p in (locs // page_size).tolist()], dtype=torch.long, device=device)
+        page_index = torch.tensor(
+            [slot_of_page[p] for p in (locs // page_size).tolist()], dtype=torch.long, device=device
+        )
         row_source = page_index * page_size + locs % page_size
         if rows.numel():
             check_in_range("slot rows", row_source, cp_size * self.block * page_size)

@@ -36,16 +36,26 @@ import torch
 
 from reference_impl import engine
 from reference_impl.bench.layer import Workload, layers_arg, parse_levels, parse_workloads, split_fits
+from reference_impl.bench.record import loopback_cp, run_record
 from reference_impl.config import MAX_PLAN_CP, ConfigError, PhaseSet, Request, RunConfig, get_preset
 from reference_impl.cp.loopback import LoopbackGroup
+from reference_impl.families.deepseek_v4.config import V4_PRESETS
 from reference_impl.families.deepseek_v4.family import DeepSeekV4Family, synthetic_prefixes
 from reference_impl.families.deepseek_v4.planner import plan_v4
-from reference_impl.families.deepseek_v4.config import V4_PRESETS
 from reference_impl.tool_args import (
-    DSA_PRESETS, MAX_REPEATS, ToolParser, choice_arg, device_arg, float_arg, int_arg, output_file, rank_fits, rank_of,
-    refusing, require_cuda,
+    DSA_PRESETS,
+    MAX_REPEATS,
+    ToolParser,
+    choice_arg,
+    device_arg,
+    float_arg,
+    int_arg,
+    output_file,
+    rank_fits,
+    rank_of,
+    refusing,
+    require_cuda,
 )
-from reference_impl.bench.record import loopback_cp, run_record
 
 PROG = "python -m reference_impl.bench.v4"
 DTYPE_BYTES = {"uint8": 1, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4}
@@ -84,14 +94,18 @@ def measure(run: RunConfig, rank: int, wire_gbps: float | None, repeats: int) ->
     for layer in range(cfg.n_layers):
         by_kind.setdefault(cfg.layer_type(layer), []).append(statistics.median(layer_ms[layer]))
     return {
-        "level": run.phases.max_level, "phases": str(run.phases), "store_path": result.store_path,
+        "level": run.phases.max_level,
+        "phases": str(run.phases),
+        "store_path": result.store_path,
         "layer_ms": [statistics.median(ms) for ms in layer_ms],
         "layer_ms_by_type": {kind: statistics.median(ms) for kind, ms in by_kind.items()},
         "measured_peak_bytes": stats.get("measured_peak_bytes"),
         "transient_peak_bytes": stats["transient_peak_bytes"],
-        "kv_bytes": stats["kv_bytes"], "index_bytes": stats["index_bytes"],
+        "kv_bytes": stats["kv_bytes"],
+        "index_bytes": stats["index_bytes"],
         **{k: stats[k] for k in ("csa_bytes", "hca_bytes", "window_bytes", "compressor_state_bytes")},
-        "gather_bytes": stats["gather_bytes"], "materialized_bytes": stats["materialized_bytes"],
+        "gather_bytes": stats["gather_bytes"],
+        "materialized_bytes": stats["materialized_bytes"],
         "bytes_by_tag": tag_bytes(result.collectives, run.cp_size),
     }
 
@@ -99,18 +113,28 @@ def measure(run: RunConfig, rank: int, wire_gbps: float | None, repeats: int) ->
 def build_parser() -> ToolParser:
     parser = ToolParser(PROG, __doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="JSON file to write (rewritten after each workload)")
-    parser.add_argument("--preset", type=choice_arg(tuple(V4_PRESETS), "V4 preset",
-                                                   f"{', '.join(DSA_PRESETS)}: python -m reference_impl.bench.layer"),
-                        default="deepseek-v4-flash", help=", ".join(V4_PRESETS))
+    parser.add_argument(
+        "--preset",
+        type=choice_arg(
+            tuple(V4_PRESETS), "V4 preset", f"{', '.join(DSA_PRESETS)}: python -m reference_impl.bench.layer"
+        ),
+        default="deepseek-v4-flash",
+        help=", ".join(V4_PRESETS),
+    )
     parser.add_argument("--cp-size", type=int_arg(1, MAX_PLAN_CP), default=8, help="CP ranks C")
     parser.add_argument("--rank", type=int_arg(0), default=0, help="the rank this process plays, 0..C-1")
     parser.add_argument("--levels", default="0,2,3,8", help="phase levels: a range 0-8 or a list 0,2,3,8")
-    parser.add_argument("--workloads", default="128k:0+131072,1m:1040384+8192",
-                        help="name:prefix+extend, comma separated")
+    parser.add_argument(
+        "--workloads", default="128k:0+131072,1m:1040384+8192", help="name:prefix+extend, comma separated"
+    )
     parser.add_argument("--layers", type=int_arg(1), default=4, help="the preset's first layers (tiny-v4 has 3)")
     parser.add_argument("--repeats", type=int_arg(1, MAX_REPEATS), default=2, help="timed runs per level")
-    parser.add_argument("--wire-gbps", type=float_arg(), default=None,
-                        help="model the interconnect, GB/s (CUDA only; e.g. 450; default: none, no wire time)")
+    parser.add_argument(
+        "--wire-gbps",
+        type=float_arg(),
+        default=None,
+        help="model the interconnect, GB/s (CUDA only; e.g. 450; default: none, no wire time)",
+    )
     parser.add_argument("--device", type=device_arg, default="cuda", help="cuda, or cpu: a dry run")
     return parser
 
@@ -130,19 +154,29 @@ def main(argv: list[str] | None = None) -> int:
     rank_fits(runs, args.rank, args.device, "--workloads / --layers")
     doc: dict[str, Any] = {
         **run_record("v4", argv, args.device),
-        "preset": args.preset, "cp_size": args.cp_size, "rank": args.rank, "n_layers": args.layers,
+        "preset": args.preset,
+        "cp_size": args.cp_size,
+        "rank": args.rank,
+        "n_layers": args.layers,
         "layer_types": [cfg.layer_type(i) for i in range(args.layers)],
         "how_cp_runs": loopback_cp(args.rank, args.cp_size, args.wire_gbps),
-        "timing": f"CUDA events per layer, median of {args.repeats} runs after a warm-up run" if args.device == "cuda"
+        "timing": f"CUDA events per layer, median of {args.repeats} runs after a warm-up run"
+        if args.device == "cuda"
         else "perf_counter per layer (CPU dry run: the numbers mean nothing)",
-        "wire_gbps": args.wire_gbps, "workloads": [],
+        "wire_gbps": args.wire_gbps,
+        "workloads": [],
     }
     for w, base in bases:
         print(f"{w.name} {w.prefix}+{w.extend}: levels {levels}", file=sys.stderr, flush=True)
-        engine.run_rank(LoopbackGroup(args.rank, args.cp_size, torch.device(args.device), args.wire_gbps),
-                        base.replace(phases=PhaseSet.level(max(levels))), family=BENCH_FAMILY)  # warm-up: compiles
-        points = [measure(base.replace(phases=PhaseSet.level(level)), args.rank, args.wire_gbps, args.repeats)
-                  for level in levels]
+        engine.run_rank(
+            LoopbackGroup(args.rank, args.cp_size, torch.device(args.device), args.wire_gbps),
+            base.replace(phases=PhaseSet.level(max(levels))),
+            family=BENCH_FAMILY,
+        )  # warm-up: compiles
+        points = [
+            measure(base.replace(phases=PhaseSet.level(level)), args.rank, args.wire_gbps, args.repeats)
+            for level in levels
+        ]
         context = w.prefix + w.extend
         planner = plan_v4(args.preset, args.cp_size, [context], levels, 48.0) if args.preset != "tiny-v4" else None
         doc["workloads"].append({"workload": w.__dict__, "context": context, "levels": points, "planner": planner})
@@ -157,8 +191,14 @@ def workload_run(preset: str, w: Workload, n_layers: int, cp_size: int, device: 
     what = f"--workloads {w.name}:{w.prefix}+{w.extend}"
     split_fits(w.extend, None, cp_size, what)
     try:
-        return RunConfig(preset=preset, n_layers=n_layers, cp_size=cp_size, check=False, device=device,
-                         requests=(Request(w.prefix, w.extend),))
+        return RunConfig(
+            preset=preset,
+            n_layers=n_layers,
+            cp_size=cp_size,
+            check=False,
+            device=device,
+            requests=(Request(w.prefix, w.extend),),
+        )
     except ConfigError as exc:
         raise ConfigError(f"{what}: {exc}") from None
 

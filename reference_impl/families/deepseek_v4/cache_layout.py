@@ -262,7 +262,9 @@ def decode_index(rows: torch.Tensor, codec: str, index_head_dim: int = 128) -> t
     _check_codec(codec)
     d = index_head_dim
     if rows.dim() != 2 or rows.shape[1] != index_entry_bytes(codec, d):
-        raise ConfigError(f"decode_index expects [N, {index_entry_bytes(codec, d)}] {codec} rows, got {tuple(rows.shape)}")
+        raise ConfigError(
+            f"decode_index expects [N, {index_entry_bytes(codec, d)}] {codec} rows, got {tuple(rows.shape)}"
+        )
     if rows.shape[0] == 0:
         return torch.empty(0, d, dtype=torch.float32, device=rows.device)
     if codec == "bf16":

@@ -22,19 +22,30 @@ from __future__ import annotations
 import torch
 
 from reference_impl.check import (
-    EXACT_TOLERANCE, ROUNDING_TOLERANCE, Agreement, _assemble, _topk_rows_agree, compare_outputs, exact_arithmetic,
+    EXACT_TOLERANCE,
+    ROUNDING_TOLERANCE,
+    Agreement,
+    _assemble,
+    _topk_rows_agree,
+    compare_outputs,
+    exact_arithmetic,
 )
 from reference_impl.config import RunConfig
 from reference_impl.cp.split import SplitMetadata
-from reference_impl.families.deepseek_v4.cp.store import pack_pool
-from reference_impl.families.deepseek_v4.cache_layout import decode_index, decode_main
 from reference_impl.engine import RankResult
+from reference_impl.families.deepseek_v4.cache_layout import decode_index, decode_main
+from reference_impl.families.deepseek_v4.cp.store import pack_pool
 from reference_impl.families.deepseek_v4.model.oracle import V4Model, V4OracleResult
 from reference_impl.workload import resolve_device
 
 
 def compare_v4(
-    run: RunConfig, meta: SplitMetadata, model: V4Model, oracle: V4OracleResult, results: list[RankResult], dtype: torch.dtype
+    run: RunConfig,
+    meta: SplitMetadata,
+    model: V4Model,
+    oracle: V4OracleResult,
+    results: list[RankResult],
+    dtype: torch.dtype,
 ) -> Agreement:
     """Compare every rank's results with the V4 oracle; see the module docstring."""
     exact = exact_arithmetic(resolve_device(run), dtype)
@@ -73,9 +84,14 @@ def compare_v4(
 
     cache_equal, cache_err = _compare_caches(oracle, results, run.model.window_size, tol, problems)  # type: ignore[union-attr]
     return Agreement(
-        matches_oracle=not problems, max_abs_err=err, logits_max_abs_err=logits_err,
-        topk_agreement=rows_equal / max(rows_total, 1), topk_ties=ties, cache_equal=cache_equal,
-        cache_max_abs_err=cache_err, problems=problems[:20],
+        matches_oracle=not problems,
+        max_abs_err=err,
+        logits_max_abs_err=logits_err,
+        topk_agreement=rows_equal / max(rows_total, 1),
+        topk_ties=ties,
+        cache_equal=cache_equal,
+        cache_max_abs_err=cache_err,
+        problems=problems[:20],
     )
 
 
@@ -114,7 +130,9 @@ def _compare_caches(
                 n_tokens, tail, pool, ids, main, index = r.stored[layer][req]
                 if int(n_tokens) != cache.n_tokens:
                     equal = False
-                    problems.append(f"layer {layer} request {req}: rank {r.rank} holds {int(n_tokens)} tokens, not {cache.n_tokens}")
+                    problems.append(
+                        f"layer {layer} request {req}: rank {r.rank} holds {int(n_tokens)} tokens, not {cache.n_tokens}"
+                    )
                     continue
                 parts = {
                     "window tail": (tail, cache.window_tail(window).cpu(), lambda b: decode_main(b, codec), tol),
@@ -123,19 +141,28 @@ def _compare_caches(
                 }
                 if cache.ratio == 4:
                     fp4 = 0.34 if codec == "fp8" else tol
-                    parts["indexer keys"] = (index, cache.index_keys[ids].cpu(), lambda b: decode_index(b, codec, cache.index_head_dim), fp4)
+                    parts["indexer keys"] = (
+                        index,
+                        cache.index_keys[ids].cpu(),
+                        lambda b: decode_index(b, codec, cache.index_head_dim),
+                        fp4,
+                    )
                 for what, (got, ref, values, bound) in parts.items():
                     if got.shape == ref.shape and torch.equal(got, ref):
                         continue
                     equal = False
                     if got.shape != ref.shape:
-                        problems.append(f"layer {layer} request {req}: rank {r.rank}'s {what} has shape {tuple(got.shape)}, not {tuple(ref.shape)}")
+                        problems.append(
+                            f"layer {layer} request {req}: rank {r.rank}'s {what} has shape {tuple(got.shape)}, not {tuple(ref.shape)}"
+                        )
                         continue
                     a, b = values(got).float(), values(ref).float()
                     err = (a - b).abs().max().item() if a.numel() else 0.0
                     worst = max(worst, err)
                     if not err <= bound * max(1.0, b.abs().max().item() if b.numel() else 1.0):
-                        problems.append(f"layer {layer} request {req}: rank {r.rank}'s {what} differs (max abs err {err:.3g})")
+                        problems.append(
+                            f"layer {layer} request {req}: rank {r.rank}'s {what} differs (max abs err {err:.3g})"
+                        )
                 covered[ids] = True
             if not bool(covered.all()):
                 equal = False

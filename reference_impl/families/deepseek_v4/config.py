@@ -63,9 +63,7 @@ class V4ModelConfig:
 
     def __post_init__(self) -> None:
         if len(self.compress_ratios) < self.n_layers:
-            raise ConfigError(
-                f"{self.name}: {len(self.compress_ratios)} compress ratios for {self.n_layers} layers"
-            )
+            raise ConfigError(f"{self.name}: {len(self.compress_ratios)} compress ratios for {self.n_layers} layers")
         unknown = sorted({r for r in self.compress_ratios if r not in LAYER_TYPES})
         if unknown:
             raise ConfigError(f"{self.name}: compress ratios {unknown} are not 0 (sliding), 4 (CSA) or 128 (HCA)")
@@ -75,7 +73,9 @@ class V4ModelConfig:
                 f"(448 FP8 + 64 BF16 dims) needs {V4_HEAD_DIM} / {V4_ROPE_DIM}"
             )
         if (self.n_heads * self.head_dim) % self.o_groups:
-            raise ConfigError(f"{self.name}: {self.n_heads} heads x {self.head_dim} do not split into {self.o_groups} groups")
+            raise ConfigError(
+                f"{self.name}: {self.n_heads} heads x {self.head_dim} do not split into {self.o_groups} groups"
+            )
         if self.index_head_dim % 32 or self.index_head_dim & (self.index_head_dim - 1):
             raise ConfigError(
                 f"{self.name}: index_head_dim={self.index_head_dim} must be a power of two and a multiple of 32 "
@@ -118,7 +118,7 @@ class V4ModelConfig:
         """Input width of one output group: ``n_heads * head_dim / o_groups``."""
         return self.n_heads * self.head_dim // self.o_groups
 
-    def with_layers(self, n_layers: int) -> "V4ModelConfig":
+    def with_layers(self, n_layers: int) -> V4ModelConfig:
         """The first ``n_layers`` layers (their types as in the full model)."""
         if n_layers > len(self.compress_ratios):
             raise ConfigError(f"{self.name} has {len(self.compress_ratios)} layers, asked for {n_layers}")
@@ -134,21 +134,49 @@ def _alternating(n_layers: int, head: tuple[int, ...]) -> tuple[int, ...]:
 V4_PRESETS: dict[str, V4ModelConfig] = {
     # config.json of DeepSeek-V4-Flash: 2 sliding layers, then CSA / HCA alternating, CSA last.
     "deepseek-v4-flash": V4ModelConfig(
-        name="deepseek-v4-flash", n_layers=43, dim=4096, n_heads=64, q_lora_rank=1024, o_groups=8, o_lora_rank=1024,
-        compress_ratios=_alternating(43, (0, 0)), index_n_heads=64, index_head_dim=128, index_topk=512,
+        name="deepseek-v4-flash",
+        n_layers=43,
+        dim=4096,
+        n_heads=64,
+        q_lora_rank=1024,
+        o_groups=8,
+        o_lora_rank=1024,
+        compress_ratios=_alternating(43, (0, 0)),
+        index_n_heads=64,
+        index_head_dim=128,
+        index_topk=512,
     ),
     # config.json of DeepSeek-V4-Pro: 2 HCA layers, then CSA / HCA alternating, CSA last.
     "deepseek-v4-pro": V4ModelConfig(
-        name="deepseek-v4-pro", n_layers=61, dim=7168, n_heads=128, q_lora_rank=1536, o_groups=16, o_lora_rank=1024,
-        compress_ratios=_alternating(61, (HCA_RATIO, HCA_RATIO)), index_n_heads=64, index_head_dim=128,
+        name="deepseek-v4-pro",
+        n_layers=61,
+        dim=7168,
+        n_heads=128,
+        q_lora_rank=1536,
+        o_groups=16,
+        o_lora_rank=1024,
+        compress_ratios=_alternating(61, (HCA_RATIO, HCA_RATIO)),
+        index_n_heads=64,
+        index_head_dim=128,
         index_topk=1024,
     ),
     # CPU-sized, all three layer types, the real window, ratios and cache entry; top-k 16 selects a
     # strict subset of a few hundred tokens' CSA entries.
     "tiny-v4": V4ModelConfig(
-        name="tiny-v4", n_layers=3, dim=256, n_heads=4, q_lora_rank=96, o_groups=2, o_lora_rank=64,
-        compress_ratios=(0, CSA_RATIO, HCA_RATIO), index_n_heads=16, index_head_dim=128, index_topk=16,
-        vocab_size=512, original_seq_len=4096, max_seq_len=1 << 16,
+        name="tiny-v4",
+        n_layers=3,
+        dim=256,
+        n_heads=4,
+        q_lora_rank=96,
+        o_groups=2,
+        o_lora_rank=64,
+        compress_ratios=(0, CSA_RATIO, HCA_RATIO),
+        index_n_heads=16,
+        index_head_dim=128,
+        index_topk=16,
+        vocab_size=512,
+        original_seq_len=4096,
+        max_seq_len=1 << 16,
     ),
 }
 

@@ -32,8 +32,9 @@ PrefixSource = Callable[[RunConfig, torch.nn.Module, list[torch.Tensor], V4Store
 bytes) or :func:`synthetic_prefixes` (random entries of the right shapes and codecs, for benchmarks)."""
 
 
-def synthetic_prefixes(run: RunConfig, model: torch.nn.Module, inputs: list[torch.Tensor], store: V4Store,
-                       chunk: Chunk) -> None:
+def synthetic_prefixes(
+    run: RunConfig, model: torch.nn.Module, inputs: list[torch.Tensor], store: V4Store, chunk: Chunk
+) -> None:
     """A :data:`PrefixSource` for benchmarks: computing a 1M-token prefix with the oracle takes hours,
     and no timing or byte count depends on the values."""
     install_synthetic_prefixes(run, store, chunk)
@@ -81,18 +82,29 @@ class DeepSeekV4Family:
     def check_run(self, run: RunConfig) -> None:
         """The DSA-cache knobs a DeepSeek-V4 preset has no use for are refused by name, not ignored."""
         if run.mla_scale_fmt != "ue8m0":
-            raise ConfigError(f"mla_scale_fmt={run.mla_scale_fmt}: {run.preset}'s FP8 entries keep power-of-two "
-                              "scales (ue8m0) as FlashMLA stores them; drop the flag")
+            raise ConfigError(
+                f"mla_scale_fmt={run.mla_scale_fmt}: {run.preset}'s FP8 entries keep power-of-two "
+                "scales (ue8m0) as FlashMLA stores them; drop the flag"
+            )
         if run.index_topk_pattern is not None:
-            raise ConfigError(f"index_topk_pattern: {run.preset} has no IndexShare (its layer types are set by "
-                              "compress_ratios); drop the flag")
+            raise ConfigError(
+                f"index_topk_pattern: {run.preset} has no IndexShare (its layer types are set by "
+                "compress_ratios); drop the flag"
+            )
         if run.cpu_widths:
-            raise ConfigError(f"cpu_widths: {run.preset} has no CPU-width variant"
-                              + ("; tiny-v4 is already small enough for a CPU: drop the flag" if run.preset == "tiny-v4"
-                                 else "; use the tiny-v4 preset"))
+            raise ConfigError(
+                f"cpu_widths: {run.preset} has no CPU-width variant"
+                + (
+                    "; tiny-v4 is already small enough for a CPU: drop the flag"
+                    if run.preset == "tiny-v4"
+                    else "; use the tiny-v4 preset"
+                )
+            )
         if env_flag("fp8_projections"):
-            raise ConfigError(f"DSACP_FP8_PROJECTIONS=1: {run.preset}'s projections are not quantized here (FP8 "
-                              "projections are built for the DSA layer); unset it")
+            raise ConfigError(
+                f"DSACP_FP8_PROJECTIONS=1: {run.preset}'s projections are not quantized here (FP8 "
+                "projections are built for the DSA layer); unset it"
+            )
         if run.kv_design != "phases":
             raise ConfigError(
                 f"kv_design={run.kv_design} is built for the DSA cache (MLA latent + indexer K); {run.preset}'s "
@@ -108,16 +120,24 @@ class DeepSeekV4Family:
     def weight_bytes(self, cfg: V4ModelConfig, dtype_bytes: int) -> tuple[int, int]:
         return footprint.weight_bytes(cfg, dtype_bytes)
 
-    def estimate(self, run: RunConfig, device_type: str, start_method: str, cuda_devices: int, extra_process: int,
-                 b: int) -> Any:
+    def estimate(
+        self, run: RunConfig, device_type: str, start_method: str, cuda_devices: int, extra_process: int, b: int
+    ) -> Any:
         return footprint.estimate(run, device_type, start_method, cuda_devices, extra_process, b)
 
     def decode_bytes(self, run: RunConfig) -> int:
         return int(SAFETY * PROCESS_BASE["spawn"])
 
     # ---- the model -----------------------------------------------------------------------------
-    def build_model(self, cfg: V4ModelConfig, dtype: torch.dtype, seed: int, device: torch.device,
-                    kernels: bool, fp8_projections: bool = False) -> V4Model:
+    def build_model(
+        self,
+        cfg: V4ModelConfig,
+        dtype: torch.dtype,
+        seed: int,
+        device: torch.device,
+        kernels: bool,
+        fp8_projections: bool = False,
+    ) -> V4Model:
         """Its compute cores through :data:`~.kernels.dispatch.V4_KERNEL_OPS` (the torch references off
         CUDA) or the torch references (:data:`~.model.ops.V4_TORCH_OPS`)."""
         from reference_impl.families.deepseek_v4.kernels.dispatch import V4_KERNEL_OPS
@@ -134,23 +154,46 @@ class DeepSeekV4Family:
     def make_store(self, run: RunConfig, batch: BatchLocs, group: CPGroup) -> V4Store:
         return V4Store.for_run(run, batch, group)
 
-    def install_prefixes(self, run: RunConfig, model: torch.nn.Module, inputs: list[torch.Tensor], store: V4Store,
-                         chunk: Chunk, shared_tokens: dict[int, int]) -> None:
+    def install_prefixes(
+        self,
+        run: RunConfig,
+        model: torch.nn.Module,
+        inputs: list[torch.Tensor],
+        store: V4Store,
+        chunk: Chunk,
+        shared_tokens: dict[int, int],
+    ) -> None:
         self.prefixes(run, model, inputs, store, chunk)
 
     def chunk_step(self, inputs: ChunkInputs) -> _V4Step:
-        runner = V4ChunkRunner.for_run(inputs.group, inputs.run, inputs.store, inputs.meta, inputs.batch,
-                                       inputs.chunk.requests)
+        runner = V4ChunkRunner.for_run(
+            inputs.group, inputs.run, inputs.store, inputs.meta, inputs.batch, inputs.chunk.requests
+        )
         return _V4Step(runner, inputs.store)
 
     # ---- the check -----------------------------------------------------------------------------
-    def oracle(self, model: torch.nn.Module, prefixes: Sequence[int], inputs: list[torch.Tensor], kv_dtype: str,
-               page_size: int, chunk_size: int | None, view_dtype: torch.dtype) -> V4OracleResult:
+    def oracle(
+        self,
+        model: torch.nn.Module,
+        prefixes: Sequence[int],
+        inputs: list[torch.Tensor],
+        kv_dtype: str,
+        page_size: int,
+        chunk_size: int | None,
+        view_dtype: torch.dtype,
+    ) -> V4OracleResult:
         assert isinstance(model, V4Model)
         return run_v4_oracle(model, list(prefixes), inputs, kv_dtype, chunk_size, view_dtype)
 
-    def compare(self, run: RunConfig, meta: SplitMetadata, model: torch.nn.Module, oracle: Any, results: list[Any],
-                compute_dtype: torch.dtype) -> Any:
+    def compare(
+        self,
+        run: RunConfig,
+        meta: SplitMetadata,
+        model: torch.nn.Module,
+        oracle: Any,
+        results: list[Any],
+        compute_dtype: torch.dtype,
+    ) -> Any:
         from reference_impl.families.deepseek_v4.check import compare_v4
 
         assert isinstance(model, V4Model)
@@ -161,12 +204,16 @@ class DeepSeekV4Family:
         from reference_impl.families.deepseek_v4.kernels.dispatch import attention_kernel_name
 
         # Only CSA layers select entries (sliding-window and HCA layers attend to every entry they hold).
-        return {"attention_kernel": "v4-" + attention_kernel_name(device), "index_topk_pattern": None,
-                "selects": run.model.count("csa") > 0}
+        return {
+            "attention_kernel": "v4-" + attention_kernel_name(device),
+            "index_topk_pattern": None,
+            "selects": run.model.count("csa") > 0,
+        }
 
     def check_pd(self, run: RunConfig) -> None:
-        raise ConfigError(f"{run.preset}: the PD transfer moves DeepSeek-V3.2's KV layout; DeepSeek-V4's entries "
-                          "are not wired to it")
+        raise ConfigError(
+            f"{run.preset}: the PD transfer moves DeepSeek-V3.2's KV layout; DeepSeek-V4's entries are not wired to it"
+        )
 
 
 FAMILY = DeepSeekV4Family()

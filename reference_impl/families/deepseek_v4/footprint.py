@@ -20,8 +20,6 @@ def _v4_params(cfg: V4ModelConfig) -> tuple[int, int]:
     return sum(sizes), max(sizes)
 
 
-
-
 def weight_bytes(cfg: V4ModelConfig, dtype_bytes: int) -> tuple[int, int]:
     """``(the parameters in the compute dtype, the transient of their initialization)``."""
     count, biggest = _v4_params(cfg)
@@ -29,7 +27,12 @@ def weight_bytes(cfg: V4ModelConfig, dtype_bytes: int) -> tuple[int, int]:
 
 
 def estimate(
-    run: RunConfig, device_type: str, start_method: str, cuda_devices: int, extra_process: int, b: int,
+    run: RunConfig,
+    device_type: str,
+    start_method: str,
+    cuda_devices: int,
+    extra_process: int,
+    b: int,
 ) -> Footprint:
     """DeepSeek-V4 (compressed caches, :mod:`reference_impl.families.deepseek_v4.model`): each process's weights, their
     initialization and the inputs, four times over for its activations; its caches are small beside
@@ -44,7 +47,12 @@ def estimate(
     terms = {"rank 0 weights": weights, "rank 0 weight init": draw, "rank 0 inputs": inputs}
     host = (c + 1) * PROCESS_BASE["spawn"] + extra_process if device_type == "cuda" else c * rank + parent
     ranks_per_device = -(-c // max(1, cuda_devices)) if device_type == "cuda" else c
-    return Footprint((rank,) * c, int(SAFETY * PROCESS_BASE["parent"]) + extra_process, parent, host, device_type,
-                     ranks_per_device, terms)
-
-
+    return Footprint(
+        (rank,) * c,
+        int(SAFETY * PROCESS_BASE["parent"]) + extra_process,
+        parent,
+        host,
+        device_type,
+        ranks_per_device,
+        terms,
+    )

@@ -39,14 +39,21 @@ from typing import Any
 
 from reference_impl.config import MAX_HBM_GIB, MAX_PLAN_CP
 from reference_impl.cp.capacity import kv_bytes_per_rank
+from reference_impl.errors import ConfigError
 from reference_impl.families.deepseek_v4.cache_layout import index_entry_bytes, main_entry_bytes
+from reference_impl.families.deepseek_v4.config import V4_PRESETS, V4ModelConfig
 from reference_impl.families.deepseek_v4.model.compressor import state_start
-from reference_impl.planner.model import local_queries, ms_for_bytes, ms_for_flops, rank_ranges, slowest_rank, zigzag_blocks
+from reference_impl.planner.model import (
+    local_queries,
+    ms_for_bytes,
+    ms_for_flops,
+    rank_ranges,
+    slowest_rank,
+    zigzag_blocks,
+)
 from reference_impl.planner.plan import MAX_CONTEXT
 from reference_impl.planner.rates import PlannerRates, load_rates
 from reference_impl.presets import get_preset
-from reference_impl.families.deepseek_v4.config import V4_PRESETS, V4ModelConfig
-from reference_impl.errors import ConfigError
 from reference_impl.tool_args import ToolParser, choice_arg, float_arg, int_arg, int_list, output_file, refusing
 
 PROG = "python -m reference_impl.planner.v4"
@@ -80,7 +87,9 @@ def per_request_bytes(cfg: V4ModelConfig, tokens: int, codec: str = "fp8") -> di
     return out
 
 
-def kv_at_rest(cfg: V4ModelConfig, tokens: int, cp_size: int, sharded: bool, codec: str = "fp8", page_size: int = 64) -> dict[str, int]:
+def kv_at_rest(
+    cfg: V4ModelConfig, tokens: int, cp_size: int, sharded: bool, codec: str = "fp8", page_size: int = 64
+) -> dict[str, int]:
     """Bytes at rest on rank 0, all layers, by part (``csa``, ``hca``, ``window_and_state``, ``total``)."""
     entry, key = main_entry_bytes(codec), index_entry_bytes(codec, cfg.index_head_dim)
     n_csa = tokens // 4
@@ -94,7 +103,9 @@ def kv_at_rest(cfg: V4ModelConfig, tokens: int, cp_size: int, sharded: bool, cod
     return {"csa": csa, "hca": hca, "window_and_state": rest, "total": csa + hca + rest}
 
 
-def gather_bytes(cfg: V4ModelConfig, tokens: int, cp_size: int, level: int, ratio: int, codec: str = "fp8", page_size: int = 64) -> dict[str, int]:
+def gather_bytes(
+    cfg: V4ModelConfig, tokens: int, cp_size: int, level: int, ratio: int, codec: str = "fp8", page_size: int = 64
+) -> dict[str, int]:
     """Bytes rank 0 receives per layer of compress ``ratio`` (see the module docstring)."""
     c, entry, key = cp_size, main_entry_bytes(codec), index_entry_bytes(codec, cfg.index_head_dim)
     out = {"window_halo": (c - 1) * 3 * min(cfg.window_size - 1, tokens) * entry}
@@ -114,13 +125,17 @@ def _visible_entries(ranges: tuple[tuple[int, int], ...], ratio: int) -> int:
     """Sum over the queries of ``ranges`` of ``(t + 1) // ratio``."""
     total = 0
     for a, b in ranges:
-        total += sum((t + 1) // ratio for t in range(a, b)) if b - a < 4096 else int(
-            sum((t + 1) for t in (a, b - 1)) * (b - a) / 2 / ratio)
+        total += (
+            sum((t + 1) // ratio for t in range(a, b))
+            if b - a < 4096
+            else int(sum((t + 1) for t in (a, b - 1)) * (b - a) / 2 / ratio)
+        )
     return total
 
 
-def layer_ms(cfg: V4ModelConfig, rates: PlannerRates, tokens: int, cp_size: int, level: int, ratio: int,
-             page_size: int = 64) -> dict[str, float]:
+def layer_ms(
+    cfg: V4ModelConfig, rates: PlannerRates, tokens: int, cp_size: int, level: int, ratio: int, page_size: int = 64
+) -> dict[str, float]:
     """Milliseconds of one layer of compress ``ratio`` on rank 0 (see the module docstring)."""
     blocks = zigzag_blocks(tokens, cp_size, page_size, page_aligned=level >= 4)
     ranges = rank_ranges(blocks, 0)
@@ -136,41 +151,59 @@ def layer_ms(cfg: V4ModelConfig, rates: PlannerRates, tokens: int, cp_size: int,
         macs += cfg.dim * cfg.index_n_heads + 2 * cfg.dim * 2 * cfg.index_head_dim
         visible = _visible_entries(ranges, 4)
         keys += min(visible, t_local * cfg.index_topk)
-        terms["indexer_logits"] = ms_for_flops(2.0 * cfg.index_n_heads * cfg.index_head_dim * visible, rates.indexer_logits_tflops)
+        terms["indexer_logits"] = ms_for_flops(
+            2.0 * cfg.index_n_heads * cfg.index_head_dim * visible, rates.indexer_logits_tflops
+        )
     elif ratio == 128:
         macs += 2 * cfg.dim * d
         keys += _visible_entries(ranges, 128)
     terms["projections"] = ms_for_flops(2.0 * t_local * macs, rates.matmul_tflops)
     terms["attention"] = ms_for_flops(2.0 * keys * h * (d + d), rates.attention_tflops)
-    terms["wire"] = ms_for_bytes(sum(gather_bytes(cfg, tokens, cp_size, level, ratio, page_size=page_size).values()),
-                                 rates.interconnect_gbps)
+    terms["wire"] = ms_for_bytes(
+        sum(gather_bytes(cfg, tokens, cp_size, level, ratio, page_size=page_size).values()), rates.interconnect_gbps
+    )
     return terms
 
 
-def plan_v4(preset: str, cp_size: int, contexts: list[int], levels: list[int], kv_budget_gib: float,
-            rates: PlannerRates | None = None) -> dict[str, Any]:
+def plan_v4(
+    preset: str,
+    cp_size: int,
+    contexts: list[int],
+    levels: list[int],
+    kv_budget_gib: float,
+    rates: PlannerRates | None = None,
+) -> dict[str, Any]:
     """The V4 terms at each context and level, with DeepSeek-V3.2 beside (the planner's own terms).
 
     Raises :class:`ConfigError` naming the argument: a preset that is not a V4 preset, ``cp_size``
     outside 1..4096, a context outside 1..128M, a level outside 0..8, a KV budget that is not a
     positive number of at most 1 PiB, more than :data:`MAX_RANK_POINTS` ranks to walk."""
     if preset not in V4_PRESETS:
-        raise ConfigError(f"preset={preset!r}: the V4 planner takes {', '.join(V4_PRESETS)} "
-                          "(DeepSeek-V3.2 and GLM: python -m reference_impl plan)")
+        raise ConfigError(
+            f"preset={preset!r}: the V4 planner takes {', '.join(V4_PRESETS)} "
+            "(DeepSeek-V3.2 and GLM: python -m reference_impl plan)"
+        )
     if isinstance(cp_size, bool) or not isinstance(cp_size, int) or not 1 <= cp_size <= MAX_PLAN_CP:
         raise ConfigError(f"cp_size={cp_size!r}: need an integer within 1..{MAX_PLAN_CP}")
-    if not contexts or any(isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= MAX_CONTEXT
-                           for c in contexts):
+    if not contexts or any(
+        isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= MAX_CONTEXT for c in contexts
+    ):
         raise ConfigError(f"contexts={str(contexts)[:80]}: need token counts within 1..{MAX_CONTEXT:,}")
     if not levels or any(isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 8 for k in levels):
         raise ConfigError(f"levels={str(levels)[:80]}: need phase levels within 0..8")
-    if (isinstance(kv_budget_gib, bool) or not isinstance(kv_budget_gib, (int, float))
-            or not 0 < kv_budget_gib <= MAX_HBM_GIB):
-        raise ConfigError(f"kv_budget_gib={kv_budget_gib!r}: need a finite number above 0, at most {MAX_HBM_GIB:,} "
-                          "(1 PiB)")
+    if (
+        isinstance(kv_budget_gib, bool)
+        or not isinstance(kv_budget_gib, (int, float))
+        or not 0 < kv_budget_gib <= MAX_HBM_GIB
+    ):
+        raise ConfigError(
+            f"kv_budget_gib={kv_budget_gib!r}: need a finite number above 0, at most {MAX_HBM_GIB:,} (1 PiB)"
+        )
     if len(contexts) * len(levels) * cp_size > MAX_RANK_POINTS:
-        raise ConfigError(f"contexts x levels x cp_size = {len(contexts)} x {len(levels)} x {cp_size}: at most "
-                          f"{MAX_RANK_POINTS:,} ranks to walk")
+        raise ConfigError(
+            f"contexts x levels x cp_size = {len(contexts)} x {len(levels)} x {cp_size}: at most "
+            f"{MAX_RANK_POINTS:,} ranks to walk"
+        )
     cfg = get_preset(preset)
     v32 = get_preset("deepseek-v3.2")
     rates = rates or load_rates()
@@ -183,15 +216,22 @@ def plan_v4(preset: str, cp_size: int, contexts: list[int], levels: list[int], k
             per_layer = {kind: layer_ms(cfg, rates, tokens, cp_size, level, m) for kind, m in LAYER_KINDS.items()}
             gathers = {kind: gather_bytes(cfg, tokens, cp_size, level, m) for kind, m in LAYER_KINDS.items()}
             _, v32_terms = slowest_rank(v32, rates, cp_size, tokens, level)
-            points.append({
-                "context": tokens, "level": level, "kv_bytes_per_rank": at_rest,
-                "gather_bytes_per_layer": gathers,
-                "layer_ms": {kind: sum(t.values()) for kind, t in per_layer.items()}, "terms_ms": per_layer,
-                "forward_ms": sum(cfg.count(kind) * sum(t.values()) for kind, t in per_layer.items()),
-                "local_queries": local_queries(tokens, cp_size, 64, level, 0),
-                "v32": {"kv_bytes_per_rank": kv_bytes_per_rank(v32, tokens, cp_size, sharded),
-                        "layer_ms": sum(v32_terms.values())},
-            })
+            points.append(
+                {
+                    "context": tokens,
+                    "level": level,
+                    "kv_bytes_per_rank": at_rest,
+                    "gather_bytes_per_layer": gathers,
+                    "layer_ms": {kind: sum(t.values()) for kind, t in per_layer.items()},
+                    "terms_ms": per_layer,
+                    "forward_ms": sum(cfg.count(kind) * sum(t.values()) for kind, t in per_layer.items()),
+                    "local_queries": local_queries(tokens, cp_size, 64, level, 0),
+                    "v32": {
+                        "kv_bytes_per_rank": kv_bytes_per_rank(v32, tokens, cp_size, sharded),
+                        "layer_ms": sum(v32_terms.values()),
+                    },
+                }
+            )
     one_m = 1 << 20
     capacity = {
         "context": one_m,
@@ -205,12 +245,18 @@ def plan_v4(preset: str, cp_size: int, contexts: list[int], levels: list[int], k
     }
     return {
         "modeled": "planner arithmetic, nothing measured (reference_impl.planner.v4)",
-        "preset": preset, "cp_size": cp_size, "rank": 0, "codec": "fp8",
+        "preset": preset,
+        "cp_size": cp_size,
+        "rank": 0,
+        "codec": "fp8",
         "layer_counts": {kind: cfg.count(kind) for kind in LAYER_KINDS},
         "bytes_per_token_per_layer": bytes_per_token(cfg),
         "per_request_bytes_per_layer": per_request_bytes(cfg, one_m),
         "capacity_1m": capacity,
-        "rates": {k: rates.values()[k] for k in ("matmul_tflops", "attention_tflops", "indexer_logits_tflops", "interconnect_gbps")},
+        "rates": {
+            k: rates.values()[k]
+            for k in ("matmul_tflops", "attention_tflops", "indexer_logits_tflops", "interconnect_gbps")
+        },
         "points": points,
     }
 
@@ -218,16 +264,30 @@ def plan_v4(preset: str, cp_size: int, contexts: list[int], levels: list[int], k
 def build_parser() -> ToolParser:
     parser = ToolParser(PROG, __doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None, help="JSON file to write (default: print it)")
-    parser.add_argument("--preset", type=choice_arg(tuple(V4_PRESETS), "V4 preset",
-                                                   "DeepSeek-V3.2 and GLM: python -m reference_impl plan"),
-                        default="deepseek-v4-flash", help=", ".join(V4_PRESETS))
-    parser.add_argument("--cp-size", type=int_arg(1, MAX_PLAN_CP, "the planner walks every rank"), default=8,
-                        help=f"CP ranks C, at most {MAX_PLAN_CP}")
-    parser.add_argument("--contexts", default="131072,1048576", help=f"request lengths in tokens, comma separated "
-                        f"(each at most {MAX_CONTEXT:,})")
+    parser.add_argument(
+        "--preset",
+        type=choice_arg(tuple(V4_PRESETS), "V4 preset", "DeepSeek-V3.2 and GLM: python -m reference_impl plan"),
+        default="deepseek-v4-flash",
+        help=", ".join(V4_PRESETS),
+    )
+    parser.add_argument(
+        "--cp-size",
+        type=int_arg(1, MAX_PLAN_CP, "the planner walks every rank"),
+        default=8,
+        help=f"CP ranks C, at most {MAX_PLAN_CP}",
+    )
+    parser.add_argument(
+        "--contexts",
+        default="131072,1048576",
+        help=f"request lengths in tokens, comma separated (each at most {MAX_CONTEXT:,})",
+    )
     parser.add_argument("--levels", default="0,2,3,4,8", help="phase levels 0..8, comma separated")
-    parser.add_argument("--kv-budget-gib", type=float_arg(MAX_HBM_GIB, "1 PiB"), default=48.0,
-                        help="KV budget per GPU, GiB (the V3.2 planner's default)")
+    parser.add_argument(
+        "--kv-budget-gib",
+        type=float_arg(MAX_HBM_GIB, "1 PiB"),
+        default=48.0,
+        help="KV budget per GPU, GiB (the V3.2 planner's default)",
+    )
     return parser
 
 
@@ -239,8 +299,10 @@ def main(argv: list[str] | None = None) -> int:
     levels = sorted(set(int_list(args.levels, "--levels", 0, 8)))
     walked = len(contexts) * len(levels) * args.cp_size
     if walked > MAX_RANK_POINTS:
-        raise ConfigError(f"--contexts x --levels x --cp-size = {len(contexts)} x {len(levels)} x {args.cp_size} = "
-                          f"{walked:,} ranks to walk: at most {MAX_RANK_POINTS:,} (a plan of minutes)")
+        raise ConfigError(
+            f"--contexts x --levels x --cp-size = {len(contexts)} x {len(levels)} x {args.cp_size} = "
+            f"{walked:,} ranks to walk: at most {MAX_RANK_POINTS:,} (a plan of minutes)"
+        )
     doc = plan_v4(args.preset, args.cp_size, contexts, levels, args.kv_budget_gib)
     doc["command"] = "python -m reference_impl.planner.v4 " + " ".join(argv if argv is not None else sys.argv[1:])
     text = json.dumps(doc, indent=1) + "\n"

@@ -80,13 +80,21 @@ class DSAFamily:
     def weight_bytes(self, cfg: ModelConfig, dtype_bytes: int) -> tuple[int, int]:
         return footprint.weight_bytes(cfg, dtype_bytes)
 
-    def estimate(self, run: RunConfig, device_type: str, start_method: str, cuda_devices: int, extra_process: int,
-                 b: int) -> Any:
+    def estimate(
+        self, run: RunConfig, device_type: str, start_method: str, cuda_devices: int, extra_process: int, b: int
+    ) -> Any:
         return footprint.estimate(run, device_type, start_method, cuda_devices, extra_process, b)
 
     # ---- the model -----------------------------------------------------------------------------
-    def build_model(self, cfg: ModelConfig, dtype: torch.dtype, seed: int, device: torch.device,
-                    kernels: bool, fp8_projections: bool = False) -> DSAModel:
+    def build_model(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        seed: int,
+        device: torch.device,
+        kernels: bool,
+        fp8_projections: bool = False,
+    ) -> DSAModel:
         """``fp8_projections``: the attention's projections in FP8 with 128-block scales
         (:func:`~reference_impl.model.fp8_linear.quantize_projections`, the GEMM of
         :mod:`reference_impl.kernels.fp8_gemm`), as DeepSeek runs its checkpoints."""
@@ -114,15 +122,30 @@ class DSAFamily:
             # Round-robin computes token t on rank t % C: at interleave 1 that is its owner, with no lanes.
             direct = run.phases.compute_owner or run.split_mode == "round-robin"
             return ShardedKV(
-                batch, layout, run.model.n_layers, group, group.debug,
-                reuse_current=run.phases.current_reuse, direct_write=direct, fused=run.phases.fused_kernels,
+                batch,
+                layout,
+                run.model.n_layers,
+                group,
+                group.debug,
+                reuse_current=run.phases.current_reuse,
+                direct_write=direct,
+                fused=run.phases.fused_kernels,
                 ownership=Ownership(run.cp_size, run.interleave, run.page_size),
             )
-        return ReplicatedKV(batch, layout, run.model.n_layers, group.device, group.debug, fused=run.phases.fused_kernels)
+        return ReplicatedKV(
+            batch, layout, run.model.n_layers, group.device, group.debug, fused=run.phases.fused_kernels
+        )
 
     @torch.no_grad()
-    def install_prefixes(self, run: RunConfig, model: torch.nn.Module, inputs: list[torch.Tensor], store: KVStore,
-                         chunk: Chunk, shared_tokens: dict[int, int]) -> None:
+    def install_prefixes(
+        self,
+        run: RunConfig,
+        model: torch.nn.Module,
+        inputs: list[torch.Tensor],
+        store: KVStore,
+        chunk: Chunk,
+        shared_tokens: dict[int, int],
+    ) -> None:
         """Each rank runs the single-device model over the prefix tokens, chunk by chunk
         (:func:`~reference_impl.model.prefix_prefill.prefill_prefix`; deterministic, so every rank gets
         identical bytes, those of the oracle), and hands the store each chunk's rows as a layer makes
@@ -137,24 +160,41 @@ class DSAFamily:
             def write(layer: int, start: int, stop: int, cache: Any, i: int = i, shared: int = shared) -> None:
                 lo = max(start, shared)
                 if lo < stop:
-                    store.write_prefix(layer, i, cache.mla_rows[lo:stop], cache.index_fp8[lo:stop],
-                                       cache.index_scale[lo:stop], lo)
+                    store.write_prefix(
+                        layer, i, cache.mla_rows[lo:stop], cache.index_fp8[lo:stop], cache.index_scale[lo:stop], lo
+                    )
 
             prefill_prefix(model, inputs[req][:prefix], layout, write)
 
     def chunk_step(self, inputs: ChunkInputs) -> DSALayerStep:
-        host_bounds = (_host_key_bounds(inputs.meta, inputs.batch, inputs.group.rank)
-                       if audits_layer_loop(inputs.run) else None)
+        host_bounds = (
+            _host_key_bounds(inputs.meta, inputs.batch, inputs.group.rank) if audits_layer_loop(inputs.run) else None
+        )
         return DSALayerStep(inputs, host_bounds)
 
     # ---- the check -----------------------------------------------------------------------------
-    def oracle(self, model: torch.nn.Module, prefixes: Sequence[int], inputs: list[torch.Tensor], kv_dtype: str,
-               page_size: int, chunk_size: int | None, view_dtype: torch.dtype) -> OracleResult:
+    def oracle(
+        self,
+        model: torch.nn.Module,
+        prefixes: Sequence[int],
+        inputs: list[torch.Tensor],
+        kv_dtype: str,
+        page_size: int,
+        chunk_size: int | None,
+        view_dtype: torch.dtype,
+    ) -> OracleResult:
         assert isinstance(model, DSAModel)
         return run_oracle(model, list(prefixes), inputs, kv_dtype, page_size, chunk_size, view_dtype)  # type: ignore[arg-type]
 
-    def compare(self, run: RunConfig, meta: SplitMetadata, model: torch.nn.Module, oracle: Any, results: list[Any],
-                compute_dtype: torch.dtype) -> Any:
+    def compare(
+        self,
+        run: RunConfig,
+        meta: SplitMetadata,
+        model: torch.nn.Module,
+        oracle: Any,
+        results: list[Any],
+        compute_dtype: torch.dtype,
+    ) -> Any:
         from reference_impl.check import compare
 
         assert isinstance(model, DSAModel)
@@ -167,8 +207,11 @@ class DSAFamily:
 
         d_v, d_qk = run.model.kv_lora_rank, run.model.kv_lora_rank + run.model.qk_rope_head_dim
         probe = torch.empty(0, 1, d_qk, device=device, dtype=dtype)  # allocates nothing
-        return {"attention_kernel": sparse_mla_kernel(probe, probe[:, 0], d_v),
-                "index_topk_pattern": run.model.index_share.pattern, "selects": True}
+        return {
+            "attention_kernel": sparse_mla_kernel(probe, probe[:, 0], d_v),
+            "index_topk_pattern": run.model.index_share.pattern,
+            "selects": True,
+        }
 
     def check_pd(self, run: RunConfig) -> None:
         """Every DSA run ships: MLA rows and index keys (full layers only with IndexShare)."""
@@ -178,4 +221,3 @@ class DSAFamily:
 
 
 FAMILY = DSAFamily()
-

@@ -47,7 +47,13 @@ from __future__ import annotations
 from reference_impl.config import RunConfig
 from reference_impl.cp.ownership import Ownership
 from reference_impl.footprint import (
-    CHUNK_CAP, CUDA_CONTEXT, METADATA_PER_TOKEN, PROCESS_BASE, SAFETY, Footprint, local_queries,
+    CHUNK_CAP,
+    CUDA_CONTEXT,
+    METADATA_PER_TOKEN,
+    PROCESS_BASE,
+    SAFETY,
+    Footprint,
+    local_queries,
 )
 from reference_impl.kvcache.layout import KVLayout
 from reference_impl.presets import ModelConfig
@@ -57,14 +63,20 @@ def param_count(cfg: ModelConfig) -> int:
     """Parameters of ``cfg``'s model: ``n_layers`` DSA layers (MLA + indexer), the norms, the LM head."""
     h, qk, c, r = cfg.n_heads, cfg.qk_head_dim, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     per_layer = (
-        cfg.dim * cfg.q_lora_rank + cfg.q_lora_rank * h * qk  # wq_a, wq_b
-        + cfg.dim * (c + r) + c * h * (cfg.qk_nope_head_dim + cfg.v_head_dim)  # wkv_a, wkv_b
+        cfg.dim * cfg.q_lora_rank
+        + cfg.q_lora_rank * h * qk  # wq_a, wq_b
+        + cfg.dim * (c + r)
+        + c * h * (cfg.qk_nope_head_dim + cfg.v_head_dim)  # wkv_a, wkv_b
         + h * cfg.v_head_dim * cfg.dim  # wo
-        + 3 * cfg.dim + cfg.q_lora_rank + c  # norms
+        + 3 * cfg.dim
+        + cfg.q_lora_rank
+        + c  # norms
     )
     indexer = (  # IndexShare: full layers only
-        cfg.q_lora_rank * cfg.index_n_heads * cfg.index_head_dim + cfg.dim * cfg.index_head_dim
-        + cfg.dim * cfg.index_n_heads + 2 * cfg.index_head_dim  # wq_b, wk, weights_proj, k_norm
+        cfg.q_lora_rank * cfg.index_n_heads * cfg.index_head_dim
+        + cfg.dim * cfg.index_head_dim
+        + cfg.dim * cfg.index_n_heads
+        + 2 * cfg.index_head_dim  # wq_b, wk, weights_proj, k_norm
     )
     return cfg.n_layers * per_layer + cfg.index_share.n_full * indexer + cfg.vocab_size * cfg.dim + cfg.dim
 
@@ -72,8 +84,12 @@ def param_count(cfg: ModelConfig) -> int:
 def weight_bytes(cfg: ModelConfig, dtype_bytes: int) -> tuple[int, int]:
     """``(the parameters in the compute dtype, the transient of their initialization)``: each
     parameter is drawn in float32 and cast (:func:`~reference_impl.model.oracle.init_weights`)."""
-    largest = max(cfg.vocab_size * cfg.dim, cfg.n_heads * cfg.v_head_dim * cfg.dim,
-                  cfg.q_lora_rank * cfg.n_heads * cfg.qk_head_dim, cfg.kv_lora_rank * cfg.n_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim))
+    largest = max(
+        cfg.vocab_size * cfg.dim,
+        cfg.n_heads * cfg.v_head_dim * cfg.dim,
+        cfg.q_lora_rank * cfg.n_heads * cfg.qk_head_dim,
+        cfg.kv_lora_rank * cfg.n_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+    )
     return param_count(cfg) * dtype_bytes, largest * (4 + (dtype_bytes if dtype_bytes != 4 else 0))
 
 
@@ -143,8 +159,10 @@ def layer_bytes(cfg: ModelConfig, queries: int, keys: int, layout: KVLayout, b: 
     indexer's chunks are freed before the attention's)."""
     return max(
         projection_bytes(cfg, queries, b),
-        projection_held_bytes(cfg, queries, b) + view_bytes(cfg, keys, layout)
-        + indexer_bytes(cfg, queries, keys, b) + attention_bytes(cfg, queries, b),
+        projection_held_bytes(cfg, queries, b)
+        + view_bytes(cfg, keys, layout)
+        + indexer_bytes(cfg, queries, keys, b)
+        + attention_bytes(cfg, queries, b),
     )
 
 
@@ -152,9 +170,13 @@ def _row_bytes(layout: KVLayout) -> int:
     return layout.mla_bytes + layout.index_head_dim + 4
 
 
-
 def estimate(
-    run: RunConfig, device_type: str, start_method: str, cuda_devices: int, extra_process: int, b: int,
+    run: RunConfig,
+    device_type: str,
+    start_method: str,
+    cuda_devices: int,
+    extra_process: int,
+    b: int,
 ) -> Footprint:
     """The run's peak memory per process (the module docstring has the model). Arithmetic only.
 
@@ -181,8 +203,11 @@ def estimate(
         owned = [ownership.pages_held(pages, r) + 2 * len(totals) for r in range(c)]  # + lane slack per request
     else:
         owned = [pages] * c
-    install = (2 * layers * sum(prefixes) * row + layer_bytes(cfg, max(prefixes), max(prefixes), layout, b)
-               if max(prefixes) else 0)
+    install = (
+        2 * layers * sum(prefixes) * row + layer_bytes(cfg, max(prefixes), max(prefixes), layout, b)
+        if max(prefixes)
+        else 0
+    )
     gathered = t_chunk * (cfg.kv_width + cfg.index_head_dim) * b * 3  # padded gather, trimmed, reranged
     loop = layer_bytes(cfg, t_local, keys, layout, b) + gathered
     logits = len(run.requests) * cfg.vocab_size * 4 * 2
@@ -199,26 +224,56 @@ def estimate(
         stages = {"install prefixes": held + install, "layer loop": held + loop + outputs, "result": held + 2 * result}
         rank_terms.append({"base": base, "weights": weights, "inputs": inputs, "weight init": draw, **stages})
     ranks = tuple(
-        int(SAFETY * (t["base"] + t["weights"] + max(
-            t["weight init"], t["inputs"] + max(t["install prefixes"], t["layer loop"], t["result"]))))
+        int(
+            SAFETY
+            * (
+                t["base"]
+                + t["weights"]
+                + max(t["weight init"], t["inputs"] + max(t["install prefixes"], t["layer loop"], t["result"]))
+            )
+        )
         for t in rank_terms
     )
     received = sum(results)
     parent_terms = {"base": PROCESS_BASE["parent"] + metadata, "rank results": received}
     if run.check:
         longest_span = max(max(prefixes), max(chunk_extends))
-        kept = layers * sum(extends) * (cfg.n_heads * cfg.kv_width * b + cfg.kv_width * b + cfg.index_n_heads
-                                        * (cfg.index_head_dim + 4) + cfg.index_head_dim * b)
-        parent_terms.update({
-            "oracle weights": weights, "oracle weight init": draw, "oracle inputs": inputs,
-            "oracle caches": 2 * layers * sum(totals) * row, "oracle projections": kept,
-            "oracle layer": layer_bytes(cfg, longest_span, max(totals), layout, b),
-        })
+        kept = (
+            layers
+            * sum(extends)
+            * (
+                cfg.n_heads * cfg.kv_width * b
+                + cfg.kv_width * b
+                + cfg.index_n_heads * (cfg.index_head_dim + 4)
+                + cfg.index_head_dim * b
+            )
+        )
+        parent_terms.update(
+            {
+                "oracle weights": weights,
+                "oracle weight init": draw,
+                "oracle inputs": inputs,
+                "oracle caches": 2 * layers * sum(totals) * row,
+                "oracle projections": kept,
+                "oracle layer": layer_bytes(cfg, longest_span, max(totals), layout, b),
+            }
+        )
     during = int(SAFETY * (parent_terms["base"] + 2 * max(results))) + extra_process
-    after = int(SAFETY * (parent_terms["base"] + received + parent_terms.get("oracle weights", 0) + max(
-        parent_terms.get("oracle weight init", 0),
-        sum(parent_terms.get(k, 0) for k in ("oracle inputs", "oracle caches", "oracle projections", "oracle layer")),
-    )))
+    after = int(
+        SAFETY
+        * (
+            parent_terms["base"]
+            + received
+            + parent_terms.get("oracle weights", 0)
+            + max(
+                parent_terms.get("oracle weight init", 0),
+                sum(
+                    parent_terms.get(k, 0)
+                    for k in ("oracle inputs", "oracle caches", "oracle projections", "oracle layer")
+                ),
+            )
+        )
+    )
     host = sum(ranks) + during
     if device_type == "cuda":  # the host side of CUDA processes: the interpreter, results on their way back
         host = (c + 1) * (PROCESS_BASE["spawn"] + metadata) + int(SAFETY * 2 * received) + extra_process
@@ -227,12 +282,9 @@ def estimate(
     return Footprint(ranks, during, after, host, device_type, ranks_per_device, terms)
 
 
-
 def decode_bytes(run: RunConfig) -> int:
     """A PD decode process beside the ranks (:mod:`reference_impl.prefill_decode`): its own cache of
     every request's tokens in every layer, as it receives them (twice: the rows and their pages)."""
     layout = KVLayout.from_config(run.model, run.kv_dtype, run.page_size)
     tokens = sum(r.total for r in run.requests)
     return int(SAFETY * (PROCESS_BASE["spawn"] + 2 * run.model.n_layers * tokens * _row_bytes(layout)))
-
-

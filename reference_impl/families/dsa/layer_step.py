@@ -54,7 +54,8 @@ class DSALayerStep:
         kv_seq = gather_current(group, self.index, proj.kv, "kv", self.fused, debug)  # [T, 576] sequence order
         index_k_seq = (  # [T, 128]; none on an IndexShare shared layer (reference_impl.index_share)
             gather_current(group, self.index, proj.index_k, "index_k", self.fused, debug)
-            if proj.index_k is not None else None
+            if proj.index_k is not None
+            else None
         )
         store.store_current(layer, kv_seq, index_k_seq, proj.kv, proj.index_k)
         if self.on_layer_stored is not None:
@@ -64,7 +65,13 @@ class DSALayerStep:
         else:
             view = store.full_view(layer, kv_seq, index_k_seq)
         out, topk = block.attn.attend(
-            proj, view.kv, view.index_k_fp8, view.index_k_scale, self.key_start, self.key_end, self.host_bounds,
+            proj,
+            view.kv,
+            view.index_k_fp8,
+            view.index_k_scale,
+            self.key_start,
+            self.key_end,
+            self.host_bounds,
             self.last_topk,
         )
         self.last_topk = topk

@@ -33,10 +33,10 @@ from reference_impl.cp.batch import BatchLocs
 from reference_impl.cp.comm import CPGroup
 from reference_impl.cp.prefetch import CudaSideStream, InlineStream
 from reference_impl.cp.split import SplitMetadata
-from reference_impl.families.deepseek_v4.cp.plan import RatioPlan, V4ChunkPlan, build_plan
-from reference_impl.families.deepseek_v4.cp.store import Materialization, V4Store
 from reference_impl.families.deepseek_v4.cache_layout import decode_index, decode_main, encode_index, encode_main
 from reference_impl.families.deepseek_v4.config import V4ModelConfig
+from reference_impl.families.deepseek_v4.cp.plan import RatioPlan, V4ChunkPlan, build_plan
+from reference_impl.families.deepseek_v4.cp.store import Materialization, V4Store
 
 WINDOW_TAG, POOL_TAG, ENTRY_TAG = "v4_window", "v4_pool", "v4_entries"
 PER_LAYER_TAGS_V4 = (WINDOW_TAG, POOL_TAG, ENTRY_TAG, "materialize", "prefetch_v4")
@@ -79,8 +79,16 @@ class V4ChunkRunner:
     """Runs one chunk's V4 layers on one rank (see the module docstring); built before the layer loop."""
 
     def __init__(
-        self, group: CPGroup, cfg: V4ModelConfig, store: V4Store, meta: SplitMetadata, request_ids: list[int],
-        request_locs: list[torch.Tensor], view_dtype: torch.dtype, prefetch: bool = False, direct_write: bool = False,
+        self,
+        group: CPGroup,
+        cfg: V4ModelConfig,
+        store: V4Store,
+        meta: SplitMetadata,
+        request_ids: list[int],
+        request_locs: list[torch.Tensor],
+        view_dtype: torch.dtype,
+        prefetch: bool = False,
+        direct_write: bool = False,
     ) -> None:
         device = group.device
         self.group, self.cfg, self.store, self.view_dtype = group, cfg, store, view_dtype
@@ -110,14 +118,27 @@ class V4ChunkRunner:
 
     @classmethod
     def for_run(
-        cls, group: CPGroup, run: RunConfig, store: V4Store, meta: SplitMetadata, batch: BatchLocs, requests: tuple[int, ...]
-    ) -> "V4ChunkRunner":
+        cls,
+        group: CPGroup,
+        run: RunConfig,
+        store: V4Store,
+        meta: SplitMetadata,
+        batch: BatchLocs,
+        requests: tuple[int, ...],
+    ) -> V4ChunkRunner:
         """The runner of one chunk of ``run`` (the engine's hook; views in bf16, like the oracle's)."""
         cfg = run.model
         assert isinstance(cfg, V4ModelConfig)
         return cls(
-            group, cfg, store, meta, list(requests), list(batch.request_locs), torch.bfloat16,
-            prefetch=run.phases.prefetch, direct_write=run.phases.compute_owner,
+            group,
+            cfg,
+            store,
+            meta,
+            list(requests),
+            list(batch.request_locs),
+            torch.bfloat16,
+            prefetch=run.phases.prefetch,
+            direct_write=run.phases.compute_owner,
         )
 
     def _owners_compute(self, plan: V4ChunkPlan) -> bool:
@@ -163,7 +184,13 @@ class V4ChunkRunner:
                 if codec != "fp32":  # FP4 with power-of-two scales, or bf16: exact in bf16, the indexer kernel's input
                     keys = keys.to(torch.bfloat16)
                 sel = attn.ops.select_entries(
-                    proj.index_q, proj.index_weights, keys, ri.key_start, ri.n_visible, cfg.index_topk, host_bounds=ri.host_bounds
+                    proj.index_q,
+                    proj.index_weights,
+                    keys,
+                    ri.key_start,
+                    ri.n_visible,
+                    cfg.index_topk,
+                    host_bounds=ri.host_bounds,
                 )
                 indices.append(torch.where(sel >= 0, sel.long() + offset, torch.full_like(sel, -1, dtype=torch.long)))
                 topk = torch.where(sel >= 0, sel - ri.key_start[:, None].to(sel.dtype), sel)
@@ -174,7 +201,9 @@ class V4ChunkRunner:
         out = attn.attend(proj, self.positions, view, torch.cat(indices, dim=1), *dense)
         return x + out, topk
 
-    def _gather(self, rows: torch.Tensor, send: torch.Tensor, lengths: list[int], recv: torch.Tensor, tag: str) -> torch.Tensor:
+    def _gather(
+        self, rows: torch.Tensor, send: torch.Tensor, lengths: list[int], recv: torch.Tensor, tag: str
+    ) -> torch.Tensor:
         """One halo all-gather: ``rows[send]`` from every rank; this rank's needed rows, in need order."""
         if self.group.size == 1:
             return rows[:0]
@@ -182,7 +211,12 @@ class V4ChunkRunner:
         return padded.reshape(-1, rows.shape[1]).index_select(0, recv)
 
     def _entries(
-        self, layer: int, attn: Any, proj: Any, ri: _RatioIndex, dtype: torch.dtype,
+        self,
+        layer: int,
+        attn: Any,
+        proj: Any,
+        ri: _RatioIndex,
+        dtype: torch.dtype,
     ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
         """Compressor halo, this rank's entries, entry all-gather -> ``(new main rows, new index rows
         (chunk entry order), next compressor states, this rank's own encoded (main, index))``."""
@@ -195,7 +229,9 @@ class V4ChunkRunner:
         table = torch.cat([*(store.state(layer, req).pool for req in store.requests), own_pool, halo])
         pools = [table.index_select(0, rows) for rows in ri.new_state_rows]
         width = proj.pool_kv.shape[1]
-        main = attn.finish_entries(attn.ops.pool(table[:, :width], table[:, width : 2 * width], ri.slot_rows, m), ri.owned_entries, dtype)
+        main = attn.finish_entries(
+            attn.ops.pool(table[:, :width], table[:, width : 2 * width], ri.slot_rows, m), ri.owned_entries, dtype
+        )
         own_main = encode_main(main, codec)
         if m == 4:
             iw = proj.index_pool_kv.shape[1]
@@ -213,7 +249,11 @@ class V4ChunkRunner:
         return gathered[:, :b], gathered[:, b:], pools, (own_main, own_index)
 
     def _entry_view(
-        self, layer: int, ri: _RatioIndex, main_rows: torch.Tensor, index_rows: torch.Tensor,
+        self,
+        layer: int,
+        ri: _RatioIndex,
+        main_rows: torch.Tensor,
+        index_rows: torch.Tensor,
         own: tuple[torch.Tensor, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this rank's share of the new entries and return the layer's entry view

@@ -29,8 +29,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from reference_impl.cp.split import SplitMetadata
-from reference_impl.families.deepseek_v4.model.compressor import overlaps, state_start
 from reference_impl.families.deepseek_v4.config import V4ModelConfig
+from reference_impl.families.deepseek_v4.model.compressor import overlaps, state_start
 
 Key = tuple[int, int]  # (chunk request index, absolute position) of a token, or (request, entry) of an entry
 
@@ -170,7 +170,9 @@ def build_plan(meta: SplitMetadata, cfg: V4ModelConfig, rank: int) -> V4ChunkPla
         key = (i, p)
         return local_row[key] if key in local_row else halo_row[key]
 
-    window_rows = [[window_row(i, q) if q >= 0 else -1 for q in range(t - w + 1, t + 1)] for i, t in zip(requests, positions)]
+    window_rows = [
+        [window_row(i, q) if q >= 0 else -1 for q in range(t - w + 1, t + 1)] for i, t in zip(requests, positions)
+    ]
     new_tail_rows = [[window_row(i, q) for q in new_tails[i]] for i in range(n_req)]
     plan = V4ChunkPlan(rank, c, w, local, positions, requests, prefix, extend, tails, raw, window_rows, new_tail_rows)
     for ratio in sorted({r for r in cfg.compress_ratios[: cfg.n_layers] if r}):
@@ -179,8 +181,15 @@ def build_plan(meta: SplitMetadata, cfg: V4ModelConfig, rank: int) -> V4ChunkPla
 
 
 def _ratio_plan(
-    meta: SplitMetadata, m: int, rank: int, prefix: list[int], ends: list[int], holder: dict[Key, tuple[int, int]],
-    local: list[int], requests: list[int], positions: list[int],
+    meta: SplitMetadata,
+    m: int,
+    rank: int,
+    prefix: list[int],
+    ends: list[int],
+    holder: dict[Key, tuple[int, int]],
+    local: list[int],
+    requests: list[int],
+    positions: list[int],
 ) -> RatioPlan:
     c, n_req = meta.cp_size, len(prefix)
     entries = [(i, e) for i in range(n_req) for e in range(prefix[i] // m, ends[i] // m)]

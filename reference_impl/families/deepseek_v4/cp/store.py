@@ -29,9 +29,9 @@ from reference_impl.cp.batch import BatchLocs
 from reference_impl.cp.comm import CPGroup
 from reference_impl.cp.ownership import Ownership
 from reference_impl.families.deepseek_v4.cache_layout import index_entry_bytes, main_entry_bytes
+from reference_impl.families.deepseek_v4.config import V4ModelConfig
 from reference_impl.families.deepseek_v4.model.cache import V4LayerCache
 from reference_impl.families.deepseek_v4.model.compressor import state_start
-from reference_impl.families.deepseek_v4.config import V4ModelConfig
 
 
 @dataclass
@@ -80,7 +80,7 @@ class V4Store:
     name = "v4"
 
     @classmethod
-    def for_run(cls, run: RunConfig, batch: BatchLocs, group: CPGroup) -> "V4Store":
+    def for_run(cls, run: RunConfig, batch: BatchLocs, group: CPGroup) -> V4Store:
         """The store a run's phases ask for: CSA entries sharded at the run's interleave with phase 2."""
         cfg = run.model
         assert isinstance(cfg, V4ModelConfig)
@@ -149,7 +149,8 @@ class V4Store:
             device = self.group.device
             ratio = self.cfg.ratio(layer)
             self.layers[layer][req] = RequestState(
-                0, torch.empty(0, self.main_bytes, dtype=torch.uint8, device=device),
+                0,
+                torch.empty(0, self.main_bytes, dtype=torch.uint8, device=device),
                 torch.empty(0, pool_width(self.cfg, ratio), dtype=torch.float32, device=device),
                 torch.empty(0, dtype=torch.long),
                 torch.empty(0, self.main_bytes, dtype=torch.uint8, device=device),
@@ -159,7 +160,9 @@ class V4Store:
 
     # ---- per layer ----------------------------------------------------------------------------
 
-    def set_state(self, layer: int, windows: list[torch.Tensor], pools: list[torch.Tensor | None], n_tokens: list[int]) -> None:
+    def set_state(
+        self, layer: int, windows: list[torch.Tensor], pools: list[torch.Tensor | None], n_tokens: list[int]
+    ) -> None:
         """The chunk requests' new window tails and compressor states (replicated)."""
         for req, window, pool, n in zip(self.requests, windows, pools, n_tokens):
             st = self.state(layer, req)
@@ -176,10 +179,16 @@ class V4Store:
                 self.keep.append(None)
                 continue
             mine = [k for k, r in enumerate(self.entry_owner(req, span)) if r == self.group.rank]
-            self.keep.append((torch.tensor(mine, dtype=torch.long, device=self.group.device),
-                              torch.tensor([span.start + k for k in mine], dtype=torch.long)))
+            self.keep.append(
+                (
+                    torch.tensor(mine, dtype=torch.long, device=self.group.device),
+                    torch.tensor([span.start + k for k in mine], dtype=torch.long),
+                )
+            )
 
-    def add_entries(self, layer: int, new: list[tuple[range, torch.Tensor, torch.Tensor]], selected: bool = False) -> None:
+    def add_entries(
+        self, layer: int, new: list[tuple[range, torch.Tensor, torch.Tensor]], selected: bool = False
+    ) -> None:
         """Append each chunk request's new entries ``(entry ids, main rows, index rows)`` this rank keeps
         (:meth:`prepare` said which, for sharded CSA layers); ``selected``: the rows are already exactly
         the kept ones (phase 5's direct write of the rank's own entries)."""
@@ -220,7 +229,9 @@ class V4Store:
         send = [o.count(rank) for o in owners]
         return Materialization(counts, send, lengths, torch.tensor(rows, dtype=torch.long, device=self.group.device))
 
-    def materialize(self, layer: int, plan: Materialization, tag: str = "materialize") -> tuple[torch.Tensor, torch.Tensor]:
+    def materialize(
+        self, layer: int, plan: Materialization, tag: str = "materialize"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """All-gather the owned entries of ``plan`` -> dense ``(main [sum counts, B], index [sum counts, Bi])``."""
         mains, indexes = [], []
         for req, n in zip(self.requests, plan.send):
@@ -263,7 +274,9 @@ class V4Store:
             "compressor_state_bytes": self._sum("pool", (4, 128)),
         }
 
-    def stored_rows(self, layer: int, request_locs: list[torch.Tensor] | None = None) -> dict[int, tuple[torch.Tensor, ...]]:
+    def stored_rows(
+        self, layer: int, request_locs: list[torch.Tensor] | None = None
+    ) -> dict[int, tuple[torch.Tensor, ...]]:
         """What this rank holds for ``layer`` per request (run-global id, matched by logical locs):
         ``(n_tokens, window tail, compressor state, entry ids, entries, indexer keys)``."""
         out: dict[int, tuple[torch.Tensor, ...]] = {}
@@ -294,18 +307,22 @@ def pack_pool(cache: V4LayerCache) -> torch.Tensor:
 
 
 @torch.no_grad()
-def install_v4_prefixes(run: RunConfig, model: torch.nn.Module, inputs: list[torch.Tensor], store: V4Store, chunk: object) -> None:
+def install_v4_prefixes(
+    run: RunConfig, model: torch.nn.Module, inputs: list[torch.Tensor], store: V4Store, chunk: object
+) -> None:
     """Fill the store with the prefixes of ``chunk``'s requests, computed as an earlier prefill did:
     every rank runs the single-device oracle over the prefix tokens (identical bytes everywhere)
     and keeps its share."""
     from reference_impl.families.deepseek_v4.model.oracle import run_v4_oracle
 
-    requests = list(getattr(chunk, "requests"))
+    requests = list(chunk.requests)
     store.begin_chunk(requests, list(store.batch.request_locs))
     todo = [req for req in requests if run.requests[req].prefix > 0]
     if not todo:
         return
-    result = run_v4_oracle(model, [0] * len(todo), [inputs[req][: run.requests[req].prefix] for req in todo], run.kv_dtype)  # type: ignore[arg-type]
+    result = run_v4_oracle(
+        model, [0] * len(todo), [inputs[req][: run.requests[req].prefix] for req in todo], run.kv_dtype
+    )  # type: ignore[arg-type]
     for layer, caches in enumerate(result.caches):
         for req, cache in zip(todo, caches):
             store.install(layer, req, cache)
@@ -319,7 +336,7 @@ def install_synthetic_prefixes(run: RunConfig, store: V4Store, chunk: object, se
     from reference_impl.families.deepseek_v4.cache_layout import encode_index, encode_main
 
     cfg, device = store.cfg, store.group.device
-    requests = list(getattr(chunk, "requests"))
+    requests = list(chunk.requests)
     store.begin_chunk(requests, list(store.batch.request_locs))
     gen = torch.Generator(device=device).manual_seed(seed)
 
@@ -341,6 +358,10 @@ def install_synthetic_prefixes(run: RunConfig, store: V4Store, chunk: object, se
                 ids, main, index = ids[mine], main[mine.to(device)], index[mine.to(device)]
             state_rows = n - state_start(n, m) if m else 0
             store.layers[layer][req] = RequestState(
-                n, encode_main(randn(min(n, cfg.window_size - 1), cfg.head_dim), store.codec),
-                randn(state_rows, pool_width(cfg, m)), ids, main, index,
+                n,
+                encode_main(randn(min(n, cfg.window_size - 1), cfg.head_dim), store.codec),
+                randn(state_rows, pool_width(cfg, m)),
+                ids,
+                main,
+                index,
             )

@@ -37,11 +37,27 @@ H200 at V4-Flash's 64 heads (`docs/results/v4_attention_sweep_h200.json`)."""
 
 
 @triton.jit
-def _tile(q, kv_ptr, rows, valid, offs_d, d_mask, stride_kv, m_i, l_i, acc, qk_scale_log2,
-          UPCAST: tl.constexpr, IEEE: tl.constexpr):
+def _tile(
+    q,
+    kv_ptr,
+    rows,
+    valid,
+    offs_d,
+    d_mask,
+    stride_kv,
+    m_i,
+    l_i,
+    acc,
+    qk_scale_log2,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     """One tile of ``BLOCK_K`` rows: scores, online softmax, accumulate ``p @ kv``."""
-    kv = tl.load(kv_ptr + tl.where(valid, rows, 0).to(tl.int64)[:, None] * stride_kv + offs_d[None, :],
-                 mask=valid[:, None] & d_mask[None, :], other=0.0)
+    kv = tl.load(
+        kv_ptr + tl.where(valid, rows, 0).to(tl.int64)[:, None] * stride_kv + offs_d[None, :],
+        mask=valid[:, None] & d_mask[None, :],
+        other=0.0,
+    )
     if UPCAST:
         kv = kv.to(tl.float32)
     if IEEE:
@@ -63,12 +79,31 @@ def _tile(q, kv_ptr, rows, valid, offs_d, d_mask, stride_kv, m_i, l_i, acc, qk_s
 
 @triton.jit
 def _v4_attention_kernel(
-    q_ptr, kv_ptr, idx_ptr, dstart_ptr, dlen_ptr, sink_ptr, out_ptr,
-    n_heads, n_kv, topk, n_head_blocks,
-    stride_qt, stride_qh, stride_kv, stride_it, stride_ot, stride_oh,
+    q_ptr,
+    kv_ptr,
+    idx_ptr,
+    dstart_ptr,
+    dlen_ptr,
+    sink_ptr,
+    out_ptr,
+    n_heads,
+    n_kv,
+    topk,
+    n_head_blocks,
+    stride_qt,
+    stride_qh,
+    stride_kv,
+    stride_it,
+    stride_ot,
+    stride_oh,
     qk_scale_log2,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_DENSE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_DENSE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     token = pid // n_head_blocks
@@ -77,8 +112,11 @@ def _v4_attention_kernel(
     offs_kk = tl.arange(0, BLOCK_K)
     h_mask = offs_h < n_heads
     d_mask = offs_d < D
-    q = tl.load(q_ptr + token * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
-                mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + token * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
+        mask=h_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
     if UPCAST:
         q = q.to(tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -88,7 +126,9 @@ def _v4_attention_kernel(
         offs_k = k0 + offs_kk
         rows = tl.load(idx_ptr + token * stride_it + offs_k, mask=offs_k < topk, other=-1).to(tl.int64)
         valid = (rows >= 0) & (rows < n_kv)
-        m_i, l_i, acc = _tile(q, kv_ptr, rows, valid, offs_d, d_mask, stride_kv, m_i, l_i, acc, qk_scale_log2, UPCAST, IEEE)
+        m_i, l_i, acc = _tile(
+            q, kv_ptr, rows, valid, offs_d, d_mask, stride_kv, m_i, l_i, acc, qk_scale_log2, UPCAST, IEEE
+        )
     if HAS_DENSE:
         start = tl.load(dstart_ptr + token).to(tl.int64)
         length = tl.load(dlen_ptr + token).to(tl.int64)
@@ -96,20 +136,31 @@ def _v4_attention_kernel(
             offs_k = k0 + offs_kk
             rows = start + offs_k
             valid = (offs_k < length) & (rows >= 0) & (rows < n_kv)
-            m_i, l_i, acc = _tile(q, kv_ptr, rows, valid, offs_d, d_mask, stride_kv, m_i, l_i, acc, qk_scale_log2, UPCAST, IEEE)
+            m_i, l_i, acc = _tile(
+                q, kv_ptr, rows, valid, offs_d, d_mask, stride_kv, m_i, l_i, acc, qk_scale_log2, UPCAST, IEEE
+            )
     sink = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0).to(tl.float32) * 1.4426950408889634
     m_fin = tl.maximum(m_i, sink)
     scale = tl.exp2(m_i - m_fin)
     scale = tl.where(m_i == float("-inf"), 0.0, scale)
     denom = l_i * scale + tl.exp2(sink - m_fin)
     out = acc * (scale / denom)[:, None]
-    tl.store(out_ptr + token * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :], out,
-             mask=h_mask[:, None] & d_mask[None, :])
+    tl.store(
+        out_ptr + token * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
+        out,
+        mask=h_mask[:, None] & d_mask[None, :],
+    )
 
 
 def v4_sparse_attention_triton(
-    q: torch.Tensor, view: torch.Tensor, indices: torch.Tensor, sinks: torch.Tensor, softmax_scale: float,
-    dense_start: torch.Tensor | None = None, dense_len: torch.Tensor | None = None, dense_width: int | None = None,
+    q: torch.Tensor,
+    view: torch.Tensor,
+    indices: torch.Tensor,
+    sinks: torch.Tensor,
+    softmax_scale: float,
+    dense_start: torch.Tensor | None = None,
+    dense_len: torch.Tensor | None = None,
+    dense_width: int | None = None,
     config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """The kernel behind :func:`~reference_impl.families.deepseek_v4.model.sparse.sparse_attention_sinks`'s contract
@@ -130,11 +181,32 @@ def v4_sparse_attention_triton(
     dlen = dense_len.contiguous() if has_dense else indices
     n_blocks = triton.cdiv(n_heads, block_h)
     _v4_attention_kernel[(n_tok * n_blocks,)](
-        q, view, indices, dstart, dlen, sinks.float().contiguous(), out,
-        n_heads, view.shape[0], indices.shape[1], n_blocks,
-        q.stride(0), q.stride(1), view.stride(0), indices.stride(0), out.stride(0), out.stride(1),
+        q,
+        view,
+        indices,
+        dstart,
+        dlen,
+        sinks.float().contiguous(),
+        out,
+        n_heads,
+        view.shape[0],
+        indices.shape[1],
+        n_blocks,
+        q.stride(0),
+        q.stride(1),
+        view.stride(0),
+        indices.stride(0),
+        out.stride(0),
+        out.stride(1),
         softmax_scale * LOG2E,
-        D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_H=block_h, BLOCK_K=block_k, HAS_DENSE=has_dense,
-        UPCAST=interp, IEEE=q.dtype == torch.float32 and not interp, num_warps=warps, num_stages=stages,
+        D=d,
+        BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_H=block_h,
+        BLOCK_K=block_k,
+        HAS_DENSE=has_dense,
+        UPCAST=interp,
+        IEEE=q.dtype == torch.float32 and not interp,
+        num_warps=warps,
+        num_stages=stages,
     )
     return out

@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from reference_impl.kernels import interpreter_compat  # noqa: F401  (repairs triton < 3.7's interpreter)
 from reference_impl.families.deepseek_v4.model.compressor import overlaps
+from reference_impl.kernels import interpreter_compat  # noqa: F401  (repairs triton < 3.7's interpreter)
 
 BLOCK_D = 128
 """Features per program: 512 B of values and 512 B of scores per slot row, coalesced."""
@@ -36,9 +36,19 @@ BLOCK_D = 128
 
 @triton.jit
 def _pool_kernel(
-    kv_ptr, score_ptr, slot_ptr, out_ptr,
-    n_slots, stride_kv, stride_score, stride_slot, stride_out,
-    D: tl.constexpr, RATIO: tl.constexpr, OVERLAP: tl.constexpr, BLOCK: tl.constexpr,
+    kv_ptr,
+    score_ptr,
+    slot_ptr,
+    out_ptr,
+    n_slots,
+    stride_kv,
+    stride_score,
+    stride_slot,
+    stride_out,
+    D: tl.constexpr,
+    RATIO: tl.constexpr,
+    OVERLAP: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     entry = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -77,10 +87,14 @@ def pool_triton(
     n_entries, n_slots = slot_rows.shape
     width = kv_rows.shape[1] // (2 if overlap else 1)
     if kv_rows.dtype != torch.float32 or score_rows.dtype != torch.float32 or kv_rows.shape != score_rows.shape:
-        raise ValueError(f"kv {tuple(kv_rows.shape)} {kv_rows.dtype} and score {tuple(score_rows.shape)} "
-                         f"{score_rows.dtype}: need two float32 tensors of one shape")
+        raise ValueError(
+            f"kv {tuple(kv_rows.shape)} {kv_rows.dtype} and score {tuple(score_rows.shape)} "
+            f"{score_rows.dtype}: need two float32 tensors of one shape"
+        )
     if n_slots != (2 * ratio if overlap else ratio):
-        raise ValueError(f"slot_rows has {n_slots} slots per entry; ratio {ratio} pools {2 * ratio if overlap else ratio}")
+        raise ValueError(
+            f"slot_rows has {n_slots} slots per entry; ratio {ratio} pools {2 * ratio if overlap else ratio}"
+        )
     out = torch.empty(n_entries, width, dtype=torch.float32, device=kv_rows.device)
     if n_entries == 0:
         return out
@@ -88,8 +102,19 @@ def pool_triton(
         kv_rows, score_rows = kv_rows.contiguous(), score_rows.contiguous()
     slot_rows = slot_rows.contiguous()
     _pool_kernel[(n_entries, triton.cdiv(width, BLOCK_D))](
-        kv_rows, score_rows, slot_rows, out,
-        n_slots, kv_rows.stride(0), score_rows.stride(0), slot_rows.stride(0), out.stride(0),
-        D=width, RATIO=ratio, OVERLAP=overlap, BLOCK=BLOCK_D, num_warps=4,
+        kv_rows,
+        score_rows,
+        slot_rows,
+        out,
+        n_slots,
+        kv_rows.stride(0),
+        score_rows.stride(0),
+        slot_rows.stride(0),
+        out.stride(0),
+        D=width,
+        RATIO=ratio,
+        OVERLAP=overlap,
+        BLOCK=BLOCK_D,
+        num_warps=4,
     )
     return out

@@ -29,13 +29,13 @@ from collections.abc import Callable
 
 import torch
 
-from reference_impl.kernels import fallback
 from reference_impl.families.deepseek_v4.cache_layout import fp4_simulate as fp4_simulate_reference
-from reference_impl.model.sparse_attention import HostKeyBounds
 from reference_impl.families.deepseek_v4.model import sparse as reference
 from reference_impl.families.deepseek_v4.model.compressor import pool as pool_reference
 from reference_impl.families.deepseek_v4.model.ops import V4Ops
 from reference_impl.families.deepseek_v4.model.rope_tail import rope_tail as rope_tail_reference
+from reference_impl.kernels import fallback
+from reference_impl.model.sparse_attention import HostKeyBounds
 
 
 def _kernel(module: str, name: str) -> Callable[..., torch.Tensor]:
@@ -51,7 +51,11 @@ def _shared_kernel(module: str, name: str) -> Callable[..., torch.Tensor]:
 
 
 def _dispatch(
-    what: str, device: torch.device, force_torch: bool, kernel: Callable[[], torch.Tensor], torch_path: Callable[[], torch.Tensor],
+    what: str,
+    device: torch.device,
+    force_torch: bool,
+    kernel: Callable[[], torch.Tensor],
+    torch_path: Callable[[], torch.Tensor],
 ) -> torch.Tensor:
     """``kernel()`` where kernels run on ``device`` (falling back to ``torch_path()`` if it raises,
     one warning per ``what`` per process), else ``torch_path()``."""
@@ -61,15 +65,26 @@ def _dispatch(
 
 
 def sparse_attention(
-    q: torch.Tensor, view: torch.Tensor, indices: torch.Tensor, sinks: torch.Tensor, softmax_scale: float,
-    dense_start: torch.Tensor | None = None, dense_len: torch.Tensor | None = None, dense_width: int | None = None,
-    *, force_torch: bool = False,
+    q: torch.Tensor,
+    view: torch.Tensor,
+    indices: torch.Tensor,
+    sinks: torch.Tensor,
+    softmax_scale: float,
+    dense_start: torch.Tensor | None = None,
+    dense_len: torch.Tensor | None = None,
+    dense_width: int | None = None,
+    *,
+    force_torch: bool = False,
 ) -> torch.Tensor:
     """:func:`~reference_impl.families.deepseek_v4.model.sparse.sparse_attention_sinks`, by the Triton kernel where it runs."""
     args = (q, view, indices, sinks, softmax_scale, dense_start, dense_len, dense_width)
-    return _dispatch("Triton V4 sparse attention", q.device, force_torch,
-                     lambda: _kernel("attention_triton", "v4_sparse_attention_triton")(*args),
-                     lambda: reference.sparse_attention_sinks(*args))
+    return _dispatch(
+        "Triton V4 sparse attention",
+        q.device,
+        force_torch,
+        lambda: _kernel("attention_triton", "v4_sparse_attention_triton")(*args),
+        lambda: reference.sparse_attention_sinks(*args),
+    )
 
 
 def attention_kernel_name(device: torch.device, *, force_torch: bool = False) -> str:
@@ -78,8 +93,15 @@ def attention_kernel_name(device: torch.device, *, force_torch: bool = False) ->
 
 
 def select_entries(
-    q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_start: torch.Tensor, n_visible: torch.Tensor,
-    topk: int, *, host_bounds: HostKeyBounds | None = None, force_torch: bool = False,
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys: torch.Tensor,
+    key_start: torch.Tensor,
+    n_visible: torch.Tensor,
+    topk: int,
+    *,
+    host_bounds: HostKeyBounds | None = None,
+    force_torch: bool = False,
 ) -> torch.Tensor:
     """:func:`~reference_impl.families.deepseek_v4.model.sparse.select_entries`, by the indexer kernels where they run
     and ``q`` and ``keys`` are bf16 (rows of a query's set in ascending order; the reference lists
@@ -88,8 +110,16 @@ def select_entries(
     def kernel() -> torch.Tensor:
         unit_scale = torch.ones(keys.shape[0], dtype=torch.float32, device=keys.device)
         return _shared_kernel("indexer_triton", "indexer_topk_triton")(
-            q, weights.float(), keys, unit_scale, key_start, key_start + n_visible, topk,
-            host_bounds=host_bounds, selector="triton", dot_dtype="bf16",
+            q,
+            weights.float(),
+            keys,
+            unit_scale,
+            key_start,
+            key_start + n_visible,
+            topk,
+            host_bounds=host_bounds,
+            selector="triton",
+            dot_dtype="bf16",
         )
 
     def torch_path() -> torch.Tensor:
@@ -110,28 +140,54 @@ def indexer_kernel_name(q: torch.Tensor, keys: torch.Tensor, *, force_torch: boo
 
 
 def pool(
-    kv_rows: torch.Tensor, score_rows: torch.Tensor, slot_rows: torch.Tensor, ratio: int, *, force_torch: bool = False,
+    kv_rows: torch.Tensor,
+    score_rows: torch.Tensor,
+    slot_rows: torch.Tensor,
+    ratio: int,
+    *,
+    force_torch: bool = False,
 ) -> torch.Tensor:
     """:func:`~reference_impl.families.deepseek_v4.model.compressor.pool`, by the Triton kernel where it runs."""
     args = (kv_rows, score_rows, slot_rows, ratio)
-    return _dispatch("Triton V4 compressor pool", kv_rows.device, force_torch,
-                     lambda: _kernel("compressor_triton", "pool_triton")(*args), lambda: pool_reference(*args))
+    return _dispatch(
+        "Triton V4 compressor pool",
+        kv_rows.device,
+        force_torch,
+        lambda: _kernel("compressor_triton", "pool_triton")(*args),
+        lambda: pool_reference(*args),
+    )
 
 
 def rope_tail(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int, rms_eps: float | None = None,
-    out_dtype: torch.dtype | None = None, *, force_torch: bool = False,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rope_dim: int,
+    rms_eps: float | None = None,
+    out_dtype: torch.dtype | None = None,
+    *,
+    force_torch: bool = False,
 ) -> torch.Tensor:
     """:func:`~reference_impl.families.deepseek_v4.model.rope_tail.rope_tail`, by the Triton kernel where it runs."""
     args = (x, cos, sin, rope_dim, rms_eps, out_dtype)
-    return _dispatch("Triton V4 rope tail", x.device, force_torch,
-                     lambda: _kernel("rope_triton", "rope_tail_triton")(*args), lambda: rope_tail_reference(*args))
+    return _dispatch(
+        "Triton V4 rope tail",
+        x.device,
+        force_torch,
+        lambda: _kernel("rope_triton", "rope_tail_triton")(*args),
+        lambda: rope_tail_reference(*args),
+    )
 
 
 def fp4_simulate(x: torch.Tensor, *, force_torch: bool = False) -> torch.Tensor:
     """:func:`~reference_impl.families.deepseek_v4.cache_layout.fp4_simulate`, by the Triton kernel where it runs."""
-    return _dispatch("Triton V4 FP4 round trip", x.device, force_torch,
-                     lambda: _kernel("fp4_triton", "fp4_simulate_triton")(x), lambda: fp4_simulate_reference(x))
+    return _dispatch(
+        "Triton V4 FP4 round trip",
+        x.device,
+        force_torch,
+        lambda: _kernel("fp4_triton", "fp4_simulate_triton")(x),
+        lambda: fp4_simulate_reference(x),
+    )
 
 
 V4_KERNEL_OPS = V4Ops("kernels", select_entries, sparse_attention, pool, rope_tail, fp4_simulate)

@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from reference_impl.kernels import interpreter_compat  # noqa: F401  (repairs triton < 3.7's interpreter)
 from reference_impl.families.deepseek_v4.cache_layout import FP4_BLOCK, FP4_MAX
+from reference_impl.kernels import interpreter_compat  # noqa: F401  (repairs triton < 3.7's interpreter)
 
 BLOCKS_PER_PROGRAM = 64
 """Quantization blocks per program: 64 x 32 values (4 KiB of bf16 in, 4 KiB out)."""
@@ -31,7 +31,9 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 
 
 @triton.jit
-def _fp4_simulate_kernel(x_ptr, out_ptr, n_blocks, BLOCK: tl.constexpr, PER_PROGRAM: tl.constexpr, OUT_DTYPE: tl.constexpr):
+def _fp4_simulate_kernel(
+    x_ptr, out_ptr, n_blocks, BLOCK: tl.constexpr, PER_PROGRAM: tl.constexpr, OUT_DTYPE: tl.constexpr
+):
     blocks = tl.program_id(0).to(tl.int64) * PER_PROGRAM + tl.arange(0, PER_PROGRAM)
     offs = blocks[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     mask = (blocks < n_blocks)[:, None]
@@ -43,11 +45,19 @@ def _fp4_simulate_kernel(x_ptr, out_ptr, n_blocks, BLOCK: tl.constexpr, PER_PROG
     y = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
     a = tl.abs(y)
     # Nearest e2m1 index: one up past each midpoint of (0, .5, 1, 1.5, 2, 3, 4, 6); a tie goes to the even index.
-    index = ((a > 0.25).to(tl.int32) + ((a > 0.75) | (a == 0.75)).to(tl.int32) + (a > 1.25).to(tl.int32)
-             + ((a > 1.75) | (a == 1.75)).to(tl.int32) + (a > 2.5).to(tl.int32)
-             + ((a > 3.5) | (a == 3.5)).to(tl.int32) + (a > 5.0).to(tl.int32))
+    index = (
+        (a > 0.25).to(tl.int32)
+        + ((a > 0.75) | (a == 0.75)).to(tl.int32)
+        + (a > 1.25).to(tl.int32)
+        + ((a > 1.75) | (a == 1.75)).to(tl.int32)
+        + (a > 2.5).to(tl.int32)
+        + ((a > 3.5) | (a == 3.5)).to(tl.int32)
+        + (a > 5.0).to(tl.int32)
+    )
     half = (index >> 1).to(tl.float32)
-    magnitude = tl.where(index >= 2, tl.exp2(half - 1.0) * (1.0 + 0.5 * (index & 1).to(tl.float32)), 0.5 * index.to(tl.float32))
+    magnitude = tl.where(
+        index >= 2, tl.exp2(half - 1.0) * (1.0 + 0.5 * (index & 1).to(tl.float32)), 0.5 * index.to(tl.float32)
+    )
     value = tl.where((y < 0) & (index > 0), -magnitude, magnitude) * scale[:, None]
     tl.store(out_ptr + offs, value.to(OUT_DTYPE), mask=mask)
 
@@ -64,6 +74,12 @@ def fp4_simulate_triton(x: torch.Tensor, block: int = FP4_BLOCK) -> torch.Tensor
     n_blocks = src.numel() // block
     if n_blocks:
         _fp4_simulate_kernel[(triton.cdiv(n_blocks, BLOCKS_PER_PROGRAM),)](
-            src, out, n_blocks, BLOCK=block, PER_PROGRAM=BLOCKS_PER_PROGRAM, OUT_DTYPE=_TL_DTYPES[x.dtype], num_warps=4,
+            src,
+            out,
+            n_blocks,
+            BLOCK=block,
+            PER_PROGRAM=BLOCKS_PER_PROGRAM,
+            OUT_DTYPE=_TL_DTYPES[x.dtype],
+            num_warps=4,
         )
     return out

@@ -33,10 +33,23 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 
 @triton.jit
 def _rope_tail_kernel(
-    x_ptr, cos_ptr, sin_ptr, out_ptr,
-    n_rows, heads, stride_x, stride_out, stride_cs, eps,
-    D: tl.constexpr, ROPE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
-    RMS: tl.constexpr, IN_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    n_rows,
+    heads,
+    stride_x,
+    stride_out,
+    stride_cs,
+    eps,
+    D: tl.constexpr,
+    ROPE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    RMS: tl.constexpr,
+    IN_DTYPE: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_mask = rows < n_rows
@@ -66,8 +79,12 @@ def _rope_tail_kernel(
 
 
 def rope_tail_triton(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int,
-    rms_eps: float | None = None, out_dtype: torch.dtype | None = None,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rope_dim: int,
+    rms_eps: float | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """The kernel behind :func:`~reference_impl.families.deepseek_v4.model.rope_tail.rope_tail`'s contract."""
     out_dtype = out_dtype or x.dtype
@@ -89,9 +106,23 @@ def rope_tail_triton(
     heads = n_rows // n_tok
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
     _rope_tail_kernel[(triton.cdiv(n_rows, BLOCK_ROWS),)](
-        rows, cos, sin, out.view(-1, d),
-        n_rows, heads, rows.stride(0), d, cos.stride(0), 0.0 if rms_eps is None else rms_eps,
-        D=d, ROPE=rope_dim, BLOCK_D=triton.next_power_of_2(d), BLOCK_R=BLOCK_ROWS,
-        RMS=rms_eps is not None, IN_DTYPE=_TL_DTYPES[x.dtype], OUT_DTYPE=_TL_DTYPES[out_dtype], num_warps=4,
+        rows,
+        cos,
+        sin,
+        out.view(-1, d),
+        n_rows,
+        heads,
+        rows.stride(0),
+        d,
+        cos.stride(0),
+        0.0 if rms_eps is None else rms_eps,
+        D=d,
+        ROPE=rope_dim,
+        BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_R=BLOCK_ROWS,
+        RMS=rms_eps is not None,
+        IN_DTYPE=_TL_DTYPES[x.dtype],
+        OUT_DTYPE=_TL_DTYPES[out_dtype],
+        num_warps=4,
     )
     return out

@@ -25,12 +25,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from reference_impl.families.deepseek_v4.config import V4ModelConfig
+from reference_impl.families.deepseek_v4.model.compressor import CSA_RATIO, Compressor
+from reference_impl.families.deepseek_v4.model.ops import V4_TORCH_OPS, V4Ops
 from reference_impl.fp8 import hadamard_matrix, hadamard_rotate
 from reference_impl.model.attention import RMSNorm, RowStableLinear, pad_rows
 from reference_impl.model.rope import rope_cos_sin, yarn_frequencies
-from reference_impl.families.deepseek_v4.model.compressor import CSA_RATIO, Compressor
-from reference_impl.families.deepseek_v4.model.ops import V4_TORCH_OPS, V4Ops
-from reference_impl.families.deepseek_v4.config import V4ModelConfig
 
 
 def layer_frequencies(cfg: V4ModelConfig, ratio: int) -> torch.Tensor:
@@ -73,7 +73,11 @@ class V4Attention(nn.Module):
     """One V4 attention layer; ``ratio`` 0, 4 or 128 picks sliding, CSA or HCA (see the module docstring)."""
 
     def __init__(
-        self, cfg: V4ModelConfig, ratio: int, dtype: torch.dtype = torch.bfloat16, ops: V4Ops = V4_TORCH_OPS,
+        self,
+        cfg: V4ModelConfig,
+        ratio: int,
+        dtype: torch.dtype = torch.bfloat16,
+        ops: V4Ops = V4_TORCH_OPS,
     ) -> None:
         super().__init__()
         self.cfg, self.ratio, self.ops = cfg, ratio, ops
@@ -86,7 +90,9 @@ class V4Attention(nn.Module):
         self.wo_a = RowStableLinear(cfg.group_width, cfg.o_groups * cfg.o_lora_rank, bias=False, dtype=dtype)
         self.wo_b = RowStableLinear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, bias=False, dtype=dtype)
         self.attn_sink = nn.Parameter(torch.zeros(h, dtype=torch.float32))
-        self.compressor = Compressor(cfg.dim, d, ratio, cfg.rope_head_dim, cfg.norm_eps, rotate=False) if ratio else None
+        self.compressor = (
+            Compressor(cfg.dim, d, ratio, cfg.rope_head_dim, cfg.norm_eps, rotate=False) if ratio else None
+        )
         self.indexer = Indexer(cfg, dtype) if ratio == CSA_RATIO else None
         self.register_buffer("freqs", layer_frequencies(cfg, ratio), persistent=False)
 

@@ -20,7 +20,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from reference_impl.families.deepseek_v4.cache_layout import decode_index, decode_main, encode_index, encode_main, main_entry_bytes, index_entry_bytes
+from reference_impl.families.deepseek_v4.cache_layout import (
+    decode_index,
+    decode_main,
+    encode_index,
+    encode_main,
+    index_entry_bytes,
+    main_entry_bytes,
+)
 from reference_impl.families.deepseek_v4.model.attention import V4Attention, V4Projection
 from reference_impl.families.deepseek_v4.model.compressor import Compressor, pool, slot_positions, state_start
 from reference_impl.families.deepseek_v4.model.sparse import visible_entries, window_indices
@@ -61,15 +68,21 @@ class V4LayerCache:
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
-    def empty(cls, codec: str, ratio: int, head_dim: int, index_head_dim: int, device: torch.device | str) -> "V4LayerCache":
+    def empty(
+        cls, codec: str, ratio: int, head_dim: int, index_head_dim: int, device: torch.device | str
+    ) -> V4LayerCache:
         coff = 2 if ratio == 4 else 1
         f32 = dict(dtype=torch.float32, device=device)
         u8 = dict(dtype=torch.uint8, device=device)
         return cls(
-            codec, ratio, index_head_dim,
-            torch.empty(0, main_entry_bytes(codec), **u8), torch.empty(0, main_entry_bytes(codec), **u8),
+            codec,
+            ratio,
+            index_head_dim,
+            torch.empty(0, main_entry_bytes(codec), **u8),
+            torch.empty(0, main_entry_bytes(codec), **u8),
             torch.empty(0, index_entry_bytes(codec, index_head_dim) if ratio == 4 else 0, **u8),
-            torch.empty(0, coff * head_dim if ratio else 0, **f32), torch.empty(0, coff * head_dim if ratio else 0, **f32),
+            torch.empty(0, coff * head_dim if ratio else 0, **f32),
+            torch.empty(0, coff * head_dim if ratio else 0, **f32),
             torch.empty(0, 2 * index_head_dim if ratio == 4 else 0, **f32),
             torch.empty(0, 2 * index_head_dim if ratio == 4 else 0, **f32),
         )
@@ -93,7 +106,9 @@ class V4LayerCache:
             new = torch.arange(start // self.ratio, stop // self.ratio, device=self.raw.device)
             kv = torch.cat([self.pool_kv, proj.pool_kv])
             score = torch.cat([self.pool_score, proj.pool_score])
-            main = compress_new(attn.compressor, lambda p, e: attn.finish_entries(p, e, dtype), kv, score, base, new, attn.ops.pool)
+            main = compress_new(
+                attn.compressor, lambda p, e: attn.finish_entries(p, e, dtype), kv, score, base, new, attn.ops.pool
+            )
             self.entries = torch.cat([self.entries, encode_main(main, self.codec)])
             keep = state_start(stop, self.ratio) - base
             self.pool_kv, self.pool_score = kv[keep:], score[keep:]
@@ -101,7 +116,13 @@ class V4LayerCache:
                 ikv = torch.cat([self.index_pool_kv, proj.index_pool_kv])
                 iscore = torch.cat([self.index_pool_score, proj.index_pool_score])
                 keys = compress_new(
-                    attn.indexer.compressor, lambda p, e: attn.finish_index_keys(p, e, dtype), ikv, iscore, base, new, attn.ops.pool
+                    attn.indexer.compressor,
+                    lambda p, e: attn.finish_index_keys(p, e, dtype),
+                    ikv,
+                    iscore,
+                    base,
+                    new,
+                    attn.ops.pool,
                 )
                 self.index_keys = torch.cat([self.index_keys, encode_index(keys, self.codec)])
                 self.index_pool_kv, self.index_pool_score = ikv[keep:], iscore[keep:]

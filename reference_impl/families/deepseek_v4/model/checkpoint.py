@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from reference_impl.model.checkpoint import HF_HEAD_NAMES, load_hf_weights
 from reference_impl.families.deepseek_v4.config import V4ModelConfig
+from reference_impl.model.checkpoint import HF_HEAD_NAMES, load_hf_weights
 
 # Every layer: ours under ``layers.{i}.attn.`` -> Hugging Face's under ``model.layers.{i}.self_attn.``.
 HF_V4_ATTENTION_NAMES: dict[str, str] = {
@@ -76,5 +76,5 @@ def load_v4_hf_weights(
 ) -> dict[str, str]:
     """Copy the attention weights of checkpoint layers ``first_layer ..`` into a
     :class:`~reference_impl.families.deepseek_v4.model.oracle.V4Model`; see :func:`reference_impl.model.checkpoint.load_hf_weights`."""
-    cfg: V4ModelConfig = getattr(model, "cfg")
+    cfg: V4ModelConfig = model.cfg
     return load_hf_weights(model, source, names=v4_hf_names(cfg, first_layer, head))

@@ -88,7 +88,11 @@ class Compressor(nn.Module):
         return self.wkv(xf), self.wgate(xf) + self.ape[positions % self.ratio]
 
     def finish(
-        self, pooled: torch.Tensor, entries: torch.Tensor, freqs: torch.Tensor, dtype: torch.dtype,
+        self,
+        pooled: torch.Tensor,
+        entries: torch.Tensor,
+        freqs: torch.Tensor,
+        dtype: torch.dtype,
         hadamard: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Pooled ``[E, D]`` -> entries in ``dtype``: ``norm``, RoPE at ``entries * ratio`` on the last

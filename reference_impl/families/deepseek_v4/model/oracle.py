@@ -14,12 +14,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from reference_impl.model.attention import RMSNorm
-from reference_impl.model.oracle import chunk_spans, init_weights
+from reference_impl.families.deepseek_v4.config import V4ModelConfig
 from reference_impl.families.deepseek_v4.model.attention import V4Attention, V4Projection
 from reference_impl.families.deepseek_v4.model.cache import V4LayerCache, v4_layer_forward
 from reference_impl.families.deepseek_v4.model.ops import V4_TORCH_OPS, V4Ops
-from reference_impl.families.deepseek_v4.config import V4ModelConfig
+from reference_impl.model.attention import RMSNorm
+from reference_impl.model.oracle import chunk_spans, init_weights
 
 
 class V4Block(nn.Module):
@@ -46,7 +46,9 @@ class V4Model(nn.Module):
         return self.head(self.norm(hidden)).float()
 
 
-def build_v4_model(cfg: V4ModelConfig, dtype: torch.dtype, seed: int, device: torch.device | str, ops: V4Ops = V4_TORCH_OPS) -> V4Model:
+def build_v4_model(
+    cfg: V4ModelConfig, dtype: torch.dtype, seed: int, device: torch.device | str, ops: V4Ops = V4_TORCH_OPS
+) -> V4Model:
     """Deterministic random weights (:func:`reference_impl.model.oracle.init_weights`'s rules)."""
     with torch.device(device):
         model = V4Model(cfg, dtype, ops)
@@ -105,7 +107,9 @@ def run_v4_oracle(
                 continue
             h = x_all[start:stop]
             for layer, block in enumerate(model.layers):
-                out, topk, proj = v4_layer_forward(block.attn, block.attn_norm(h), start, caches[layer][req], view_dtype)
+                out, topk, proj = v4_layer_forward(
+                    block.attn, block.attn_norm(h), start, caches[layer][req], view_dtype
+                )
                 h = h + out
                 if start >= prefix:
                     outs[layer].append(topk)
@@ -123,4 +127,6 @@ def _cat(parts: list[V4Projection]) -> V4Projection:
     if len(parts) == 1:
         return parts[0]
     fields = ("q", "kv", "pool_kv", "pool_score", "index_q", "index_weights", "index_pool_kv", "index_pool_score")
-    return V4Projection(*(None if getattr(parts[0], f) is None else torch.cat([getattr(p, f) for p in parts]) for f in fields))
+    return V4Projection(
+        *(None if getattr(parts[0], f) is None else torch.cat([getattr(p, f) for p in parts]) for f in fields)
+    )

@@ -44,8 +44,15 @@ def index_scores(
 
 
 def select_entries(
-    q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_start: torch.Tensor, n_visible: torch.Tensor,
-    topk: int, rows_per_chunk: int = 0, *, host_bounds: HostKeyBounds | None = None,
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys: torch.Tensor,
+    key_start: torch.Tensor,
+    n_visible: torch.Tensor,
+    topk: int,
+    rows_per_chunk: int = 0,
+    *,
+    host_bounds: HostKeyBounds | None = None,
 ) -> torch.Tensor:
     """Top-``topk`` rows of ``keys`` by index score among ``[key_start[t], key_start[t] + n_visible[t])``
     -> ``[T, topk]`` int32 rows of ``keys``, ``-1`` padded.
@@ -73,7 +80,9 @@ def select_entries(
     return out
 
 
-def window_indices(positions: torch.Tensor, window: int, row_of_position: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+def window_indices(
+    positions: torch.Tensor, window: int, row_of_position: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
     """The sliding window of each query ``[T] -> [T, window]``: positions ``t - window + 1 .. t``
     mapped to view rows by ``row_of_position``; positions below 0 give ``-1``."""
     pos = positions[:, None] - (window - 1) + torch.arange(window, device=positions.device)[None, :]
@@ -97,7 +106,9 @@ def sparse_attention_sinks(
     if dense_len is not None and dense_start is not None and n_rows:
         width = dense_width if dense_width is not None else int(dense_len.max())
         run = dense_start[:, None] + torch.arange(width, device=q.device)[None, :]
-        run = torch.where(torch.arange(width, device=q.device)[None, :] < dense_len[:, None], run, torch.full_like(run, -1))
+        run = torch.where(
+            torch.arange(width, device=q.device)[None, :] < dense_len[:, None], run, torch.full_like(run, -1)
+        )
         indices = torch.cat([indices.long(), run], dim=1)
     k = indices.shape[1]
     if rows_per_chunk <= 0:
