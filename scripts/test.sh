@@ -58,6 +58,21 @@ build_docs() {
   echo "docs built clean ($(grep -c . "$docs_log") log lines, no warning)"
 }
 
+# Lint: ruff's rules and format, and mypy against its baseline (scripts/mypy_baseline.py). Where the tools
+# are not installed (an offline GPU box without their wheels) the stage says so and passes.
+lint_status=0
+lint() {
+  if ! python3 -c "import ruff, mypy" 2>/dev/null; then echo "ruff or mypy not installed: lint skipped"; return 0; fi
+  local status=0
+  python3 -m ruff check reference_impl tests scripts || status=1
+  python3 -m ruff format --check reference_impl tests scripts > /dev/null || { python3 -m ruff format --diff reference_impl tests scripts | head -40; status=1; }
+  python3 scripts/mypy_baseline.py || status=1
+  [ "$status" = 0 ] && echo "ruff check, ruff format --check and mypy (baseline) clean"
+  return $status
+}
+stage "lint: ruff check, ruff format --check, mypy against mypy-baseline.txt"
+lint 2>&1 | tee "$logs/lint.log" || lint_status=$?
+
 if [ "$cuda" = 1 ]; then
   # Three jobs side by side, each writing its own log: the GPU tier in front, from the start; behind
   # it, at a lower CPU priority (nice), the docs build followed by the CPU tier (it hides CUDA
@@ -104,10 +119,11 @@ fi
 outcome() { [ "$1" = 0 ] && echo "ok" || echo "FAILED (exit $1)"; }
 stage "summary"
 [ "$cuda" = 1 ] && echo "GPU tier:  $(outcome "$gpu_status"): $(summary "$logs/gpu-tier.log")"
+echo "lint:      $(outcome "$lint_status")"
 [ "$cuda" = 1 ] || echo "docs:      $(outcome "$docs_status")"
 echo "CPU tier:  $(outcome "$cpu_status"): $(summary "$logs/cpu-tier.log")"
 echo "notebooks: $(outcome "$notebook_status"): $(summary "$logs/notebooks.log")"
-if [ "$gpu_status" != 0 ] || [ "$docs_status" != 0 ] || [ "$cpu_status" != 0 ] || [ "$notebook_status" != 0 ]; then
+if [ "$lint_status" != 0 ] || [ "$gpu_status" != 0 ] || [ "$docs_status" != 0 ] || [ "$cpu_status" != 0 ] || [ "$notebook_status" != 0 ]; then
   echo "some tests failed in $((SECONDS - start)) s: see the stages above and the logs in $logs" >&2
   exit 1
 fi
