@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         flops = 4 * t * 64 * idx.shape[1] * 512
         for cfg in CONFIGS:
             ms = triton.testing.do_bench(
-                lambda: v4_sparse_attention_triton(q, view, idx, sinks, 512**-0.5, config=cfg), rep=200
+                lambda idx=idx, cfg=cfg: v4_sparse_attention_triton(q, view, idx, sinks, 512**-0.5, config=cfg),
+                rep=200,
             )
             rows.append({"shape": shape, "config": list(cfg), "ms": ms, "tflops": flops / ms / 1e9})
             print(f"{shape} {cfg}: {ms:.3f} ms, {flops / ms / 1e9:.0f} TFLOPS", file=sys.stderr, flush=True)

@@ -289,13 +289,13 @@ def components(cfg: Any, positions: torch.Tensor, context: int, device: torch.de
     gen = torch.Generator().manual_seed(0)
     iq = indexer_inputs(positions, context, cfg.index_n_heads, cfg.index_head_dim, device)
     bounds = ([0] * positions.numel(), (positions + 1).tolist())  # host key ranges, as phase 6 gives them
-    topk_total, timer = _time(lambda: dispatch.indexer_topk(*iq, cfg.index_topk, host_bounds=bounds), slow_ms)
-    logits_ms, _ = _time(lambda: indexer_logits_pass(*iq, topk=cfg.index_topk), slow_ms)
+    topk_total, timer = _time(lambda iq=iq: dispatch.indexer_topk(*iq, cfg.index_topk, host_bounds=bounds), slow_ms)
+    logits_ms, _ = _time(lambda iq=iq: indexer_logits_pass(*iq, topk=cfg.index_topk), slow_ms)
     visible = float((positions + 1).sum())
     del iq
     q, kv, idx = attention_inputs(positions, context, cfg.n_heads, cfg.index_topk, gen, device)
     attention_ms, _ = _time(
-        lambda: dispatch.sparse_mla_attention(
+        lambda q=q, kv=kv, idx=idx: dispatch.sparse_mla_attention(
             q, kv, idx, cfg.softmax_scale, cfg.kv_lora_rank, out_dtype=torch.bfloat16
         ),
         slow_ms,
