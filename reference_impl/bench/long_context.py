@@ -254,7 +254,8 @@ def modeled_doc(
         "modeled": True,
         "what": "the planner's prediction (no measurement): rates measured on an H200 (docs/results), loopback "
         "(no wire time), one request prefilled in chunks",
-        "command": f"python -m reference_impl.bench.long_context --modeled --out docs/results/long_context_modeled.json "
+        "command": "python -m reference_impl.bench.long_context --modeled "
+        "--out docs/results/long_context_modeled.json "
         f"--contexts {','.join(map(str, contexts))} --chunk {chunk} --levels {','.join(map(str, levels))} "
         f"--layers {n_layers} --cp-size {cp_size} --rank {rank} --preset {preset}",
         "preset": preset,
@@ -541,7 +542,8 @@ def format_table(doc: dict[str, Any]) -> str:
         for p in r["levels"]:
             peak = p["measured_peak_bytes"]
             lines.append(
-                f"{r['context']:>9} {p['level']:>3} {p['last_chunk_layer_ms']:>9.1f} {p['planner']['last_chunk_layer_ms']:>8.1f} "
+                f"{r['context']:>9} {p['level']:>3} {p['last_chunk_layer_ms']:>9.1f} "
+                f"{p['planner']['last_chunk_layer_ms']:>8.1f} "
                 f"{p['prefill_ms_per_layer']:>17.1f} {p['kv_bytes'] / gib:>7.2f} "
                 f"{(peak or 0) / gib:>14.2f} {p['planner']['peak_bytes'] / gib:>8.2f}"
             )

@@ -158,7 +158,8 @@ def _compare_caches(
                     equal = False
                     if got.shape != ref.shape:
                         problems.append(
-                            f"layer {layer} request {req}: rank {r.rank}'s {what} has shape {tuple(got.shape)}, not {tuple(ref.shape)}"
+                            f"layer {layer} request {req}: rank {r.rank}'s {what} has shape {tuple(got.shape)}, "
+                            f"not {tuple(ref.shape)}"
                         )
                         continue
                     a, b = values(got).float(), values(ref).float()
