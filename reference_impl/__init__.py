@@ -29,15 +29,19 @@ Where each phase lives (one module each; the phase set asks for them by name,
 
 | phase | what | module |
 | --- | --- | --- |
-| 0 | split, all-gather #1, replicated cache, tail gather | `cp/split.py`, `cp/split_metadata.py`, `cp/rerange.py`, `cp/kv_replicated.py`, `cp/tail.py` |
+| 0 | split, all-gather #1, replicated cache, tail gather | `cp/split.py`, `cp/kv_replicated.py`, `cp/tail.py` |
 | 1 | narrow output collection | `cp/narrow_output.py` |
-| 2 | KV sharded at rest, materialization, PD transfer | `cp/kv_sharded.py`, `cp/ownership.py`, `cp/page_gather.py`, `pd/` |
+| 2 | KV sharded at rest, materialization, PD transfer | `cp/kv_sharded.py`, `cp/page_gather.py`, `pd/` |
 | 3 | current-chunk reuse | `cp/current_reuse.py` |
 | 4 | page-aligned split | `cp/page_aligned.py` |
 | 5 | compute-owner layout | `cp/compute_owner.py` |
-| 6 | sync-free layer loop: no host sync, store locs once per batch, page-inverse remap | `sync_audit.py`, `cp/split_index.py`, `cp/remap.py` |
+| 6 | sync-free layer loop: store locs once per batch, page-inverse remap | `cp/split_index.py`, `cp/remap.py` |
 | 7 | fused Triton kernels | `cp/fused_ops.py`, `kernels/fused_*.py` |
 | 8 | one-layer-ahead prefix prefetch | `cp/prefetch.py` |
+
+Beside them: phase 0's split as data is ``cp/split_metadata.py`` and its all-gather #1 with the rerange
+``cp/rerange.py``; phase 2's owner of each token is ``cp/ownership.py``; ``sync_audit.py`` counts the host
+syncs phase 6 takes out of the layer loop.
 
 Reading order for a newcomer: ``config`` -> ``model/attention.py`` -> ``model/oracle.py`` ->
 ``cp/split.py`` -> ``engine.py`` -> the phase modules in the table -> ``runner.py``.

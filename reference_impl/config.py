@@ -322,14 +322,16 @@ class RunConfig:
             raise ConfigError("a batch needs at least one request")
         if self.split_mode == "round-robin" and self.phases.page_aligned:
             raise ConfigError(
-                "round-robin split cannot run phase 4 (page-aligned split): it is an in-seq split; use --split-mode in-seq"
+                "round-robin split cannot run phase 4 (page-aligned split): it is an in-seq split; "
+                "use --split-mode in-seq"
             )
         validate_kv_design(self.kv_design)
         self._check_design()
         if self.kv_interleave is not None:
             if not (self.phases.sharded_kv or self.kv_design == "dcp-gather"):
                 raise ConfigError(
-                    "kv_interleave shapes KV sharded at rest: it needs phase 2 (e.g. --phases 2) or kv_design=dcp-gather"
+                    "kv_interleave shapes KV sharded at rest: it needs phase 2 (e.g. --phases 2) "
+                    "or kv_design=dcp-gather"
                 )
             validate_interleave(self.kv_interleave, self.page_size)
         if self.phases.compute_owner and self.interleave != self.page_size:
@@ -363,7 +365,8 @@ class RunConfig:
         if clash:
             raise ConfigError(
                 f"kv_design={self.kv_design} replaces the KV path of phases 2, 3, 5, 6 and 8 (it shards, reuses the "
-                f"current chunk, plans once per batch and prefetches its own way); phase(s) {clash} cannot run with it: "
+                f"current chunk, plans once per batch and prefetches its own way); "
+                f"phase(s) {clash} cannot run with it: "
                 f"use phases from {sorted(DESIGN_PHASES)} (e.g. --phases 1,7)"
             )
 
@@ -377,7 +380,8 @@ class RunConfig:
             or not all(isinstance(r, Request) for r in self.requests)
         ):
             raise ConfigError(
-                f"requests={self.requests!r}: need a tuple of Request (from a spec string: parse_requests({self.requests!r}))"
+                f"requests={self.requests!r}: need a tuple of Request "
+                f"(from a spec string: parse_requests({self.requests!r}))"
                 if isinstance(self.requests, str)
                 else f"requests={self.requests!r}: need a tuple of Request"
             )
@@ -439,13 +443,15 @@ class RunConfig:
             batch = self.batch_of(index)
             if request.shares >= len(self.requests) or self.batch_of(request.shares) >= batch:
                 raise ConfigError(
-                    f"request r{index} = r{request.shares}:{request.prefix}+{request.extend}: r{request.shares} must be a "
+                    f"request r{index} = r{request.shares}:{request.prefix}+{request.extend}: "
+                    f"r{request.shares} must be a "
                     "request of an earlier batch (batches are separated by ';')"
                 )
             source = self.requests[request.shares]
             if request.prefix > source.total:
                 raise ConfigError(
-                    f"request r{index} starts with {request.prefix} tokens of r{request.shares}, which has {source.total}"
+                    f"request r{index} starts with {request.prefix} tokens of r{request.shares}, "
+                    f"which has {source.total}"
                 )
 
     def _check_sizes(self) -> None:

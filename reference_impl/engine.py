@@ -107,7 +107,8 @@ class LayerStoredHook(Protocol):
 
 
 def make_kv_store(run: RunConfig, batch: BatchLocs, group: CPGroup) -> RankStore:
-    """The rank's store for ``run``, serving ``batch``: its family's (:meth:`~reference_impl.families.base.ModelFamily.make_store`)."""
+    """The rank's store for ``run``, serving ``batch``: its family's
+    (:meth:`~reference_impl.families.base.ModelFamily.make_store`)."""
     return family_of(run.model).make_store(run, batch, group)
 
 

@@ -419,13 +419,15 @@ def format_pd(doc: dict[str, Any]) -> str:
     if doc["transport"] != "torch":  # the default (gloo) line stays as it was; the JSON names both always
         how += f"; transport {doc['transport']} ({doc['protocol']})"
     lines = [
-        f"PD | prefill on C={doc['cp_size']} ranks ({doc['split_mode']}, phases {doc['phases']}), decode on one process "
+        f"PD | prefill on C={doc['cp_size']} ranks ({doc['split_mode']}, phases {doc['phases']}), "
+        "decode on one process "
         f"| {doc['preset']} | requests {doc['requests']} | transfer {how}",
         f"  decode {verdict[doc['decode_matches_oracle']]}; received {doc['bytes_received']:,} B",
     ]
     if doc["decode_matches_oracle"] is None and doc["decode_matches_prefill"] is not None:
         lines[-1] = (
-            f"  decode {'MATCHES' if doc['decode_matches_prefill'] else 'DIFFERS from'} the prefill ranks' rows at rest "
+            f"  decode {'MATCHES' if doc['decode_matches_prefill'] else 'DIFFERS from'} "
+            "the prefill ranks' rows at rest "
             f"byte for byte (on {doc['device']}: the GPU tier checks the prefill against the oracle); "
             f"received {doc['bytes_received']:,} B"
         )

@@ -85,7 +85,8 @@ def main(path: str) -> None:
         best = result.get("best")
         if name in configs and best and best != configs[name]:
             print(
-                f"{name}: {configs[name]} -> {best} ({result['default_fraction_of_copy']:.0%} -> {result['fraction_of_copy']:.0%} of copy)"
+                f"{name}: {configs[name]} -> {best} "
+                f"({result['default_fraction_of_copy']:.0%} -> {result['fraction_of_copy']:.0%} of copy)"
             )
             configs[name] = {**configs[name], **best}
     text = TARGET.read_text()

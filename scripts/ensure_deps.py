@@ -6,8 +6,8 @@ everything (a GPU box with its own CUDA torch, offline) installs nothing. torch 
 special: an installed build within the project's range (``pyproject.toml``: ``torch>=2.4,<2.15``,
 ``triton>=3.1``) is kept, whatever the pin, so a CUDA build is never replaced by the pinned CPU
 wheel; the pin applies only where they are missing. So is an installed ``transformers`` 5.x (an
-offline GPU box cannot fetch the pin; the cross-check tests skip a model its version lacks). Then the package itself, in editable mode,
-unless it is installed already.
+offline GPU box cannot fetch the pin; the cross-check tests skip a model its version lacks). Then
+the package itself, in editable mode, unless it is installed already.
 
 Then the Mooncake Transfer Engine (``pd --transport mooncake``), kept apart from the requirements
 because a machine may hold any of its builds and the CPU one needs two Debian libraries: when

@@ -9,11 +9,11 @@ marks each chunk's layer loop with a profiler range (``engine.LAYER_LOOP_RANGE``
 input building, the prefix install and the tail fall outside it and are left out. On CUDA: every
 kernel that runs on the device while the loop's work does, by kernel name, its device time
 (``device_ms``, the key ``planner/elementwise.py`` reads): every kernel a runtime or driver launch
-inside a loop range made (matched by CUPTI correlation id), and every kernel no recorded launch
-made that starts inside the device window of those (so Triton and Gluon kernels count whichever
-way the trace records their launch); a kernel launched outside the ranges never counts. On a CPU: each op's self CPU time (``cpu_ms``), so a
-nested op is counted once. Prints the top ``--rows``, their sum per layer next to
-the engine's per-layer times, and with ``--json`` writes every one.
+inside a loop range made (matched by CUPTI correlation id), and every kernel no recorded launch made
+that starts inside the device window of those (so Triton and Gluon kernels count whichever way the
+trace records their launch); a kernel launched outside the ranges never counts. On a CPU: each op's
+self CPU time (``cpu_ms``), so a nested op is counted once. Prints the top ``--rows``, their sum per
+layer next to the engine's per-layer times, and with ``--json`` writes every one.
 """
 
 from __future__ import annotations
@@ -234,7 +234,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     total = sum(ms.values())
     layer_ms = result.timings["layer_ms"]
     print(
-        f"level {args.level}, {args.prefix}+{args.extend} tokens, rank {args.rank} of C={args.cp_size} on {args.device}: "
+        f"level {args.level}, {args.prefix}+{args.extend} tokens, "
+        f"rank {args.rank} of C={args.cp_size} on {args.device}: "
         f"engine layer ms {[round(t, 2) for t in layer_ms]}; inside the layer loop the ops sum to "
         f"{total / args.layers:.2f} ms per layer ({'device' if args.device == 'cuda' else 'CPU'} self time)"
     )

@@ -6,9 +6,9 @@ launch at one rank's 128K shape, per launch config, on one GPU.
 The script runs itself under ``ncu`` in ``--worker`` mode. The worker builds the indexer inputs the
 limits benchmark uses (:func:`reference_impl.bench.compute_cases.indexer_inputs`: rank 0 of
 ``C = 8`` at 131,072 tokens, 64 heads of 128) and launches the logits kernel on the last chunk of
-rows the streamed top-k computes (the second zigzag block's end) against its first key tile once per variant: the default config
-and 8 warps, with and without block pointers. Each launch runs alone between
-``cudaProfilerStart`` and ``cudaProfilerStop`` after a warm-up launch; ncu runs with
+rows the streamed top-k computes (the second zigzag block's end) against its first key tile once per
+variant: the default config and 8 warps, with and without block pointers. Each launch runs alone
+between ``cudaProfilerStart`` and ``cudaProfilerStop`` after a warm-up launch; ncu runs with
 ``--clock-control none`` (the card's clocks as found).
 
 Per launch, every metric of ncu's SpeedOfLight, ComputeWorkloadAnalysis, WarpStateStats,
@@ -164,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         "triton": __import__("triton").__version__,
         "ncu": version.splitlines()[-1] if version else None,
         "command": "python3 scripts/profile_logits_kernel.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
-        "what": "the indexer logits kernel on the last row chunk's first key tile of rank 0 of C=8 at 131,072 tokens (64 heads x 128), "
+        "what": "the indexer logits kernel on the last row chunk's first key tile of rank 0 of C=8 "
+        "at 131,072 tokens (64 heads x 128), "
         "one launch per variant under ncu, clocks as found, caches flushed before it (ncu's default)",
         "launches": [dict(o, **launch) for o, launch in zip(order, launches)],
     }

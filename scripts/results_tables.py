@@ -35,7 +35,10 @@ def _ok(check: dict | None) -> str:
 def compute(doc: dict) -> str:
     lines = [
         f"Device: {doc['device']}, torch {doc['torch']}, triton {doc['triton']}; timer: {doc['timing']}.",
-        f"Command: `{doc['command']}`. bf16 matmul 8192^3 on the same device: {doc['bf16_matmul_8192_tflops']:.0f} TFLOPS.",
+        (
+            f"Command: `{doc['command']}`. bf16 matmul 8192^3 on the same device: "
+            f"{doc['bf16_matmul_8192_tflops']:.0f} TFLOPS."
+        ),
         "",
         (
             "Engine: the kernel the dispatch runs on this device (the warp-specialized Gluon kernel, `gluon_ws`, "
@@ -73,7 +76,8 @@ def compute(doc: dict) -> str:
         torch_ms = f"{i['torch_ms']:.1f}" if i.get("torch_ms") else "-"
         speed = f"{i['speedup']:.1f}x" if i.get("speedup") else "-"
         lines.append(
-            f"| {name} | {i['T']} | {i['S']} | {i['triton_ms']:.2f} ({i['triton_logits_ms']:.2f} + {i['topk_ms']:.2f}) | "
+            f"| {name} | {i['T']} | {i['S']} | "
+            f"{i['triton_ms']:.2f} ({i['triton_logits_ms']:.2f} + {i['topk_ms']:.2f}) | "
             f"{i['logits_tflops']:.0f} | {_ms(_torch_topk_ms(i))} | {_ms(i.get('select_kernel_topk_ms'))} | "
             f"{torch_ms} | {speed} | {'ok' if i['check']['ok'] else 'FAIL'} |"
         )
@@ -115,7 +119,10 @@ def kernels(doc: dict) -> str:
     copy = doc["copy"]
     lines = [
         f"Device: {doc['device']}, torch {doc['torch']}, triton {doc['triton']}; timer: {doc['timing']}.",
-        f"Command: `{doc['command']}`. Device copy bandwidth: {copy['gbps']:.0f} GB/s (read + write). Bar: {doc['bar']}.",
+        (
+            f"Command: `{doc['command']}`. Device copy bandwidth: {copy['gbps']:.0f} GB/s (read + write). "
+            f"Bar: {doc['bar']}."
+        ),
         "",
         "| op | T | Triton ms | GB/s | / copy | / same-size copy | torch ms | GB/s | speed-up | bytes equal to torch |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -128,8 +135,9 @@ def kernels(doc: dict) -> str:
         )
         same = k.get("triton_fraction_of_same_size_copy")  # runs before it was measured have none
         lines.append(
-            f"| {k['op']} | {k['T']} | {k['triton_ms']:.3f} | {k['triton_gbps']:.0f} | {k['triton_fraction_of_copy']:.0%} | "
-            f"{'-' if same is None else f'{same:.0%}'} | {k['torch_ms']:.3f} | {k['torch_gbps']:.0f} | {k['speedup']:.1f}x | {check} |"
+            f"| {k['op']} | {k['T']} | {k['triton_ms']:.3f} | {k['triton_gbps']:.0f} | "
+            f"{k['triton_fraction_of_copy']:.0%} | {'-' if same is None else f'{same:.0%}'} | "
+            f"{k['torch_ms']:.3f} | {k['torch_gbps']:.0f} | {k['speedup']:.1f}x | {check} |"
         )
     if doc.get("sweep"):
         settings = doc["sweep_settings"]
@@ -146,12 +154,16 @@ def kernels(doc: dict) -> str:
             fmt = lambda c: " ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in c.items())  # noqa: E731
             default = next(c for c in sw["candidates"] if c["config"] == sw["default"])
             lines.append(
-                f"| {name} | {ok}/{len(sw['candidates'])} | {fmt(sw['default'])} | {default['mean_fraction_of_copy']:.0%} | "
+                f"| {name} | {ok}/{len(sw['candidates'])} | {fmt(sw['default'])} | "
+                f"{default['mean_fraction_of_copy']:.0%} | "
                 f"{fmt(sw['best'])} | {sw['mean_fraction_of_copy']:.0%} |"
             )
     lines += [
         "",
-        "| remap (phase 6) | T | sort + searchsorted ms | page-inverse ms | per call | per layer | per forward (61 layers) |",
+        (
+            "| remap (phase 6) | T | sort + searchsorted ms | page-inverse ms | per call | per layer "
+            "| per forward (61 layers) |"
+        ),
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in doc["remap"]:
@@ -241,7 +253,10 @@ def layer(doc: dict) -> str:
             )
             if planner:
                 e, pl = p["planner_error"], p["planner"]
-                row += f" {pl['layer_ms']:.2f} ({e['layer_ms']:+.0%}) | {_mib(pl['peak_bytes'])} ({e.get('peak_bytes', 0):+.0%}) |"
+                row += (
+                    f" {pl['layer_ms']:.2f} ({e['layer_ms']:+.0%}) | "
+                    f"{_mib(pl['peak_bytes'])} ({e.get('peak_bytes', 0):+.0%}) |"
+                )
             lines.append(row)
         if "prefetch" in w:
             pf = w["prefetch"]
@@ -250,7 +265,8 @@ def layer(doc: dict) -> str:
                 f"Phase 8 at {doc['wire_gbps']:g} GB/s, measured apart from the rows above (which are one run "
                 f"per level): {pf['repeats']} alternating runs per level, median of "
                 f"{pf['samples_per_level']} layers each: level 7 {pf['level7_ms']:.3f} ms, "
-                f"level 8 {pf['level8_ms']:.3f} ms per layer; prefetch payload alone {pf['payload_ms']:.3f} ms; hidden by layer difference: "
+                f"level 8 {pf['level8_ms']:.3f} ms per layer; prefetch payload alone {pf['payload_ms']:.3f} ms; "
+                "hidden by layer difference: "
                 f"**{pf['hidden_fraction']:.0%}**"
                 + (
                     f" (paired per repeat: {pf['hidden_fraction_paired']:.0%}); hidden by the stall at the wait "
@@ -282,7 +298,10 @@ def demo(doc: dict) -> str:
     check, per_rank, versions = doc["check"], doc["per_rank"], doc["versions"]
     wl, pf = per_rank["workload"], per_rank["prefetch"]
     lines = [
-        f"Device: {doc['device']}, torch {versions['torch']}, triton {versions['triton']}. Command: `{doc['command']}`.",
+        (
+            f"Device: {doc['device']}, torch {versions['torch']}, triton {versions['triton']}. "
+            f"Command: `{doc['command']}`."
+        ),
         f"Oracle check: {check['how']}, {check['preset']}, {check['n_layers']} layers, {check['compute_dtype']}, "
         f"requests (prefix, new) {', '.join(f'({p:,}, {e:,})' for p, e in check['requests'])}. "
         f"Per rank: {per_rank['how']}; {wl['prefix']:,} cached + {wl['extend']:,} new tokens; {per_rank['timing']}.",
@@ -366,7 +385,8 @@ def phases(doc: dict) -> str:
     for k, (row, planned) in enumerate(zip(levels, plan["levels"])):
         at = next(c for c in planned["contexts"] if c["context"] == tokens)
         lines.append(
-            f"| {row['level']} | {planned['adds']} | {at['kv_bytes_per_rank'] / 2**30:.2f} | {planned['max_context']:,} "
+            f"| {row['level']} | {planned['adds']} | {at['kv_bytes_per_rank'] / 2**30:.2f} "
+            f"| {planned['max_context']:,} "
             f"| {per_layer_mib(row['gather_bytes'], n_layers)} "
             f"| {materialized_mib(row['materialized_bytes'], row['store_path'], n_layers)} "
             f"| {row['tail_ms']:.1f} | {row['layer_ms_median']:.1f} | {level_change(levels, k, run_spread)} |"
@@ -414,8 +434,9 @@ def pd_stream(doc: dict) -> str:
         hidden = "-" if w["hidden_fraction"] is None else f"{w['hidden_fraction']:.0%}"
         exposed = "-" if w["exposed_after_loop_ms"] is None else f"{w['exposed_after_loop_ms']:.3f}"
         lines.append(
-            f"| {wl['name']} ({wl['prefix']:,} + {wl['extend']:,}) | {w['layer_ms_plain']:.2f} | {w['layer_ms_streamed']:.2f} "
-            f"| {w['layer_ms_added_paired']:+.3f} | {w['bytes_sent_per_layer'] / 2**20:.1f} | {staging} | {hidden} | {exposed} "
+            f"| {wl['name']} ({wl['prefix']:,} + {wl['extend']:,}) | {w['layer_ms_plain']:.2f} "
+            f"| {w['layer_ms_streamed']:.2f} | {w['layer_ms_added_paired']:+.3f} "
+            f"| {w['bytes_sent_per_layer'] / 2**20:.1f} | {staging} | {hidden} | {exposed} "
             f"| {w['completion_wait_ms']:.3f} | {w['received_equal_rows_at_rest']} |"
         )
     return "\n".join(lines)
@@ -428,7 +449,8 @@ def kv_designs(doc: dict) -> str:
         head = (
             f"Measured on {doc['device']}, torch {doc['torch']}; {doc['preset']}, {doc['n_layers']} layers run; "
             f"how CP runs: {doc['how_cp_runs']}; timer: {doc['timing']}; min-max: every layer of every timed run. "
-            f"Command: `{doc['command']}`. Shared VMM is the planner's row (modeled; peer reads assumed at the wire's rate), its time in the planner column."
+            f"Command: `{doc['command']}`. Shared VMM is the planner's row "
+            "(modeled; peer reads assumed at the wire's rate), its time in the planner column."
         )
     else:
         head = (
@@ -514,7 +536,8 @@ def pd_mooncake(doc: dict) -> str:
             if m is None:
                 continue
             lines.append(
-                f"| {w['workload']['name']} | {pool} | {m['bytes_per_layer'] / 2**20:.1f} | {m['pieces_per_layer']:.0f} "
+                f"| {w['workload']['name']} | {pool} | {m['bytes_per_layer'] / 2**20:.1f} "
+                f"| {m['pieces_per_layer']:.0f} "
                 f"| {m['network_ms_per_layer']:.1f} | {m['network_gbps']:.2f} | {m['network_hidden_fraction']:.0%} "
                 f"| {m['last_write_after_loop_ms']:.1f} | {m['completion_after_loop_ms']:.1f} "
                 f"| {m['wait_after_prefill_ms']:.1f} | {m['received_equal_rows_at_rest']} |"
@@ -529,7 +552,8 @@ def v4(doc: dict) -> str:
     count = {t: types.count(t) for t in set(types)}
     lines = [
         f"Measured on {doc['device']}, torch {doc['torch']}; {doc['preset']}, the first {doc['n_layers']} layers "
-        f"({', '.join(types)}); how CP runs: {doc['how_cp_runs']}; timer: {doc['timing']}. Command: `{doc['command']}`.",
+        f"({', '.join(types)}); how CP runs: {doc['how_cp_runs']}; timer: {doc['timing']}. "
+        f"Command: `{doc['command']}`.",
         "",
         "| workload | level | sliding ms, each layer | CSA ms | HCA ms | planner ms: sliding / CSA / HCA | peak GiB "
         "| CSA at rest, MiB per layer | HCA at rest, MiB per layer | window + state, KiB (all layers) "
@@ -552,7 +576,8 @@ def v4(doc: dict) -> str:
             lines.append(
                 f"| {wl['name']} ({wl['prefix']:,} + {wl['extend']:,}) | {p['level']} | {t['sliding']} "
                 f"| {t['csa']} | {t['hca']} | {planned} | {peak} "
-                f"| {p['csa_bytes'] / count.get('csa', 1) / 2**20:.1f} | {p['hca_bytes'] / count.get('hca', 1) / 2**20:.1f} "
+                f"| {p['csa_bytes'] / count.get('csa', 1) / 2**20:.1f} "
+                f"| {p['hca_bytes'] / count.get('hca', 1) / 2**20:.1f} "
                 f"| {(p['window_bytes'] + p['compressor_state_bytes']) / 2**10:,.0f} "
                 f"| {p['gather_bytes'] / 2**20:.1f} | {p['materialized_bytes'] / 2**20:.1f} |"
             )

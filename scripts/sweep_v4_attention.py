@@ -1,7 +1,8 @@
 """Launch configurations of the V4 sparse attention kernel, timed on a GPU: the data behind
 ``v4_attention_triton.GPU_CONFIG``.
 
-    PYTHONPATH=. python3 scripts/sweep_v4_attention.py --out docs/results/v4_attention_sweep_h200.json   # ~20 s on an H200
+    # about 20 s on an H200:
+    PYTHONPATH=. python3 scripts/sweep_v4_attention.py --out docs/results/v4_attention_sweep_h200.json
 
 Two shapes of V4-Flash (64 heads of 512; 4,096 queries, random rows of a 40,000-entry view): a CSA
 layer's 128-token window plus 512 selected entries (640 keys per query) and a sliding layer's
@@ -61,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         flops = 4 * t * 64 * idx.shape[1] * 512
         for cfg in CONFIGS:
             ms = triton.testing.do_bench(
-                lambda: v4_sparse_attention_triton(q, view, idx, sinks, 512**-0.5, config=cfg), rep=200
+                lambda idx=idx, cfg=cfg: v4_sparse_attention_triton(q, view, idx, sinks, 512**-0.5, config=cfg),
+                rep=200,
             )
             rows.append({"shape": shape, "config": list(cfg), "ms": ms, "tflops": flops / ms / 1e9})
             print(f"{shape} {cfg}: {ms:.3f} ms, {flops / ms / 1e9:.0f} TFLOPS", file=sys.stderr, flush=True)

@@ -18,9 +18,11 @@ rank's. The figures are those of one rank of a CP group **modeled on one GPU**.
 
 Per workload (one request ``prefix + extend`` tokens, DeepSeek-V3.2 dims, ``--layers`` layers) and
 level 0..8: the per-layer times (CUDA events around each layer, the median over the layers of one
-run, or of ``--level-repeats`` runs, after a warm-up run of that level, :func:`warm_up`), KV at rest per rank (the pools' bytes), the engine's transient count and the measured
-peak of ``torch.cuda.max_memory_allocated`` during the prefill, the data-movement byte counts, and the planner's prediction for the same
-rank, level and context (current-only workloads: the planner's scenario) with the relative error.
+run, or of ``--level-repeats`` runs, after a warm-up run of that level, :func:`warm_up`), KV at rest
+per rank (the pools' bytes), the engine's transient count and the measured peak of
+``torch.cuda.max_memory_allocated`` during the prefill, the data-movement byte counts, and the
+planner's prediction for the same rank, level and context (current-only workloads: the planner's
+scenario) with the relative error.
 
 Phase 8: for each workload with a prefix, levels 7 and 8 then run alternately ``--prefetch-repeats``
 times more, and each level's layer time is the median over those runs' layers after the first (the

@@ -156,7 +156,10 @@ def fp8_projections(device: str, tokens: int, slow_ms: float) -> dict[str, Any]:
                 want,
             )
             ms, _ = _time(
-                lambda c=config: fp8_gemm.block_fp8_gemm_triton(x_fp8, x_scale, w_fp8, w_scale, config=c), slow_ms
+                lambda c=config, xq=x_fp8, xs=x_scale, wq=w_fp8, ws=w_scale: fp8_gemm.block_fp8_gemm_triton(
+                    xq, xs, wq, ws, config=c
+                ),
+                slow_ms,
             )
             sweep.append({"config": config, "ms": ms, "rel_err_vs_emulation": err})
         except Exception as exc:  # a config that does not build: recorded, never picked
@@ -188,7 +191,10 @@ def fp8_projections(device: str, tokens: int, slow_ms: float) -> dict[str, Any]:
         for path, gemm in paths.items():
             try:
                 got = gemm(x_fp8[:64], x_scale[:64], w_fp8, w_scale, torch.float32)[:, :n]
-                ms, timer = _time(lambda g=gemm: g(x_fp8, x_scale, w_fp8, w_scale, torch.bfloat16), slow_ms)
+                ms, timer = _time(
+                    lambda g=gemm, xq=x_fp8, xs=x_scale, wq=w_fp8, ws=w_scale: g(xq, xs, wq, ws, torch.bfloat16),
+                    slow_ms,
+                )
                 row[path] = {
                     "ms": ms,
                     "tflops": flops / ms / 1e9,

@@ -254,7 +254,8 @@ def modeled_doc(
         "modeled": True,
         "what": "the planner's prediction (no measurement): rates measured on an H200 (docs/results), loopback "
         "(no wire time), one request prefilled in chunks",
-        "command": f"python -m reference_impl.bench.long_context --modeled --out docs/results/long_context_modeled.json "
+        "command": "python -m reference_impl.bench.long_context --modeled "
+        "--out docs/results/long_context_modeled.json "
         f"--contexts {','.join(map(str, contexts))} --chunk {chunk} --levels {','.join(map(str, levels))} "
         f"--layers {n_layers} --cp-size {cp_size} --rank {rank} --preset {preset}",
         "preset": preset,
@@ -289,13 +290,13 @@ def components(cfg: Any, positions: torch.Tensor, context: int, device: torch.de
     gen = torch.Generator().manual_seed(0)
     iq = indexer_inputs(positions, context, cfg.index_n_heads, cfg.index_head_dim, device)
     bounds = ([0] * positions.numel(), (positions + 1).tolist())  # host key ranges, as phase 6 gives them
-    topk_total, timer = _time(lambda: dispatch.indexer_topk(*iq, cfg.index_topk, host_bounds=bounds), slow_ms)
-    logits_ms, _ = _time(lambda: indexer_logits_pass(*iq, topk=cfg.index_topk), slow_ms)
+    topk_total, timer = _time(lambda iq=iq: dispatch.indexer_topk(*iq, cfg.index_topk, host_bounds=bounds), slow_ms)
+    logits_ms, _ = _time(lambda iq=iq: indexer_logits_pass(*iq, topk=cfg.index_topk), slow_ms)
     visible = float((positions + 1).sum())
     del iq
     q, kv, idx = attention_inputs(positions, context, cfg.n_heads, cfg.index_topk, gen, device)
     attention_ms, _ = _time(
-        lambda: dispatch.sparse_mla_attention(
+        lambda q=q, kv=kv, idx=idx: dispatch.sparse_mla_attention(
             q, kv, idx, cfg.softmax_scale, cfg.kv_lora_rank, out_dtype=torch.bfloat16
         ),
         slow_ms,
@@ -541,7 +542,8 @@ def format_table(doc: dict[str, Any]) -> str:
         for p in r["levels"]:
             peak = p["measured_peak_bytes"]
             lines.append(
-                f"{r['context']:>9} {p['level']:>3} {p['last_chunk_layer_ms']:>9.1f} {p['planner']['last_chunk_layer_ms']:>8.1f} "
+                f"{r['context']:>9} {p['level']:>3} {p['last_chunk_layer_ms']:>9.1f} "
+                f"{p['planner']['last_chunk_layer_ms']:>8.1f} "
                 f"{p['prefill_ms_per_layer']:>17.1f} {p['kv_bytes'] / gib:>7.2f} "
                 f"{(peak or 0) / gib:>14.2f} {p['planner']['peak_bytes'] / gib:>8.2f}"
             )

@@ -141,7 +141,8 @@ def format_table(doc: dict[str, Any]) -> str:
             planned = p.get("planner", {}).get("layer_ms")
             lines.append(
                 f"{p['level']:>6}{p['layer_ms_median']:>16.2f}{per_rank[:27]:>28}"
-                f"{'-' if peak is None else f'{peak / 2**20:,.0f}':>16}{'-' if planned is None else f'{planned:.2f}':>12}"
+                f"{'-' if peak is None else f'{peak / 2**20:,.0f}':>16}"
+                f"{'-' if planned is None else f'{planned:.2f}':>12}"
             )
     return "\n".join(lines)
 

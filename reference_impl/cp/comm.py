@@ -318,7 +318,8 @@ class CPGroup:
         return rows
 
     def _broadcast_exchange(self, data: torch.Tensor, src: int) -> None:
-        """The wire of :meth:`broadcast_rows`: ``data`` (uint8, flat) of group rank ``src`` into every rank's ``data``."""
+        """The wire of :meth:`broadcast_rows`: ``data`` (uint8, flat) of group rank ``src`` into every
+        rank's ``data``."""
         dist.broadcast(data, src=dist.get_global_rank(self._pg, src), group=self._pg)
 
     def _exchange(self, out_bytes: torch.Tensor, send_bytes: torch.Tensor) -> None:

@@ -48,7 +48,8 @@ class ReplicatedKV(PoolBytesAtRest):
     def write_prefix(
         self, layer: int, request: int, rows: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor, start: int = 0
     ) -> None:
-        """Install a request's already-cached prefix tokens ``[start, start + len(rows))`` (packed rows and quantized index K)."""
+        """Install a request's already-cached prefix tokens ``[start, start + len(rows))`` (packed rows and
+        quantized index K)."""
         locs = self.batch.prefix_locs(request)[start : start + rows.shape[0]]
         self.pool.write_mla(layer, locs, rows)
         if self.pool.has_index(layer):  # IndexShare: a shared layer keeps no index K

@@ -66,7 +66,8 @@ RERANGE_NARROW_ROW_BYTES = 512
 
 
 def default_config(kernel: str, device: torch.device) -> LaunchConfig:
-    """``kernel``'s default config on ``device``'s kind (CUDA: :data:`GPU_CONFIGS`, else :data:`CPU_CONFIGS`), a copy."""
+    """``kernel``'s default config on ``device``'s kind (CUDA: :data:`GPU_CONFIGS`, else
+    :data:`CPU_CONFIGS`), a copy."""
     table = GPU_CONFIGS if device.type == "cuda" else CPU_CONFIGS
     if kernel not in table:
         raise ConfigError(f"no launch config for {kernel!r}; known: {', '.join(KERNELS)}")

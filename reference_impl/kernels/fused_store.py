@@ -24,26 +24,29 @@ Launch configs are per kernel (``store_mla_fp8``, ``store_mla_bf16``, ``store_in
 ``num_warps``, and two code paths with the same bytes. ``one_pass`` (FP8 MLA store): a row's
 ``L / 128`` blocks load as one ``[BLOCK_M, L / 128, 128]`` tile, with the rope, before the first
 store, and the row's scales store as one vector; without it the kernel loads, quantizes and stores
-one 128-value block at a time, and each block waits on memory (a load is not moved above a store
-to a pointer that may alias). ``fast_div`` (FP8 MLA and index stores, bf16 input on the GPU): the
-division by the block scale as reciprocal + one FMA correction (:func:`~reference_impl.kernels.triton_helpers.negated_quotient`), about
-half the instructions per value of ``div.rn`` (~10 instead of ~21 SASS instructions per value for
-the FP8 store, ptxas for sm_90), which matters because the FP8 store issues about as many
-instructions as the copy of its bytes allows.
+one 128-value block at a time, and each block waits on memory (a load is not moved above a store to
+a pointer that may alias). ``fast_div`` (FP8 MLA and index stores, bf16 input on the GPU): the
+division by the block scale as reciprocal + one FMA correction
+(:func:`~reference_impl.kernels.triton_helpers.negated_quotient`), about half the instructions per
+value of ``div.rn`` (~10 instead of ~21 SASS instructions per value for the FP8 store, ptxas for
+sm_90), which matters because the FP8 store issues about as many instructions as the copy of its
+bytes allows.
 
 Rounding, and why the interpreter needs help. Every step equals torch's: ``amax`` is exact, the
 scale and ``x / scale`` are IEEE divisions (``tl.math.div_rn``; Triton's ``/`` on fp32 may compile
 to the approximate ``div.full.f32``; ``fast_div`` gives the same quotients, proven for bf16 input),
 the clamp to +-448 precedes the cast (``fast_div`` on the hardware cast leaves it to the cast's
 saturation, same bytes for finite values), and the fp32 -> e4m3 and fp32 -> bf16 casts round to
-nearest even. On GPU the casts are Triton's hardware conversions
-(round to nearest even, saturating for fp8). The CPU interpreter (``TRITON_INTERPRET=1``) rounds both casts wrongly (it
-truncates), so under it (``soft=True``, the default for CPU tensors) the kernels convert with
-explicit round-to-nearest-even arithmetic on the int32 bit pattern (:func:`~reference_impl.kernels.triton_helpers.e4m3_bits`,
-:func:`~reference_impl.kernels.triton_helpers.bf16_bits`), which the interpreter executes exactly; the CPU tests check that path byte for
-byte and the GPU benchmark checks the hardware path (and times ``soft=True`` on GPU too: a dozen
-integer operations per value, the fallback if a hardware conversion ever differed). NaN inputs give
-NaN outputs, not necessarily torch's NaN bit pattern (torch's own CPU and CUDA patterns differ).
+nearest even. On GPU the casts are Triton's hardware conversions (round to nearest even, saturating
+for fp8). The CPU interpreter (``TRITON_INTERPRET=1``) rounds both casts wrongly (it truncates), so
+under it (``soft=True``, the default for CPU tensors) the kernels convert with explicit
+round-to-nearest-even arithmetic on the int32 bit pattern
+(:func:`~reference_impl.kernels.triton_helpers.e4m3_bits`,
+:func:`~reference_impl.kernels.triton_helpers.bf16_bits`), which the interpreter executes exactly;
+the CPU tests check that path byte for byte and the GPU benchmark checks the hardware path (and
+times ``soft=True`` on GPU too: a dozen integer operations per value, the fallback if a hardware
+conversion ever differed). NaN inputs give NaN outputs, not necessarily torch's NaN bit pattern
+(torch's own CPU and CUDA patterns differ).
 
 With ``ue8m0`` (the index store always follows ``index_scale_fmt``, the FP8 MLA store
 ``mla_scale_fmt``) the kernel rounds the scale up to a power of two exactly (exponent + 1 when the

@@ -759,7 +759,8 @@ def sparse_mla_attention_gluon_ws(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA attention with the warp-specialized kernel -> (out [T, H, d_v] ``out_dtype``, lse [T, H] f32).
 
-    ``pipeline_qk`` overrides :data:`GPU_PIPELINE_QK` (benchmark sweeps). Raises ``ValueError`` naming the problem for inputs :func:`unsupported_reason` rejects.
+    ``pipeline_qk`` overrides :data:`GPU_PIPELINE_QK` (benchmark sweeps). Raises ``ValueError`` naming the
+    problem for inputs :func:`unsupported_reason` rejects.
     """
     launch = prepare_launch(
         q, kv, indices, d_v, out_dtype, "warp-specialized Gluon sparse MLA kernel", unsupported_reason

@@ -183,7 +183,8 @@ class PagedKVPool:
     # ---------------------------------------------------------------------------------------
 
     def read_pages(self, layer: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Raw bytes of whole pages ``pages [n] int64`` -> ``(mla uint8 [n, P * mla_bytes], index uint8 [n, index_page_bytes])``."""
+        """Raw bytes of whole pages ``pages [n] int64`` ->
+        ``(mla uint8 [n, P * mla_bytes], index uint8 [n, index_page_bytes])``."""
         mla = self.mla[layer].view(self.n_pages, self.layout.mla_page_bytes).index_select(0, pages)
         return mla, self.index_of(layer).index_select(0, pages)
 

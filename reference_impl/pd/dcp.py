@@ -43,7 +43,8 @@ from .transport import RowBlock
 
 @dataclass(frozen=True)
 class DcpLayout:
-    """Where a DCP decode keeps token ``t`` of a request: rank ``(t // I) % C``, local row ``(t // (I C)) I + t % I``."""
+    """Where a DCP decode keeps token ``t`` of a request: rank ``(t // I) % C``, local row
+    ``(t // (I C)) I + t % I``."""
 
     cp_size: int
     interleave: int

@@ -84,12 +84,14 @@ class DecodeCache:
         self.manifests.append(manifest)
 
     def write(self, manifest: TransferManifest, layer: int, rows: torch.Tensor) -> None:
-        """Install ``rows uint8 [manifest.n_pages, page row bytes]`` (:func:`pack_pages`) at ``manifest``'s logical pages."""
+        """Install ``rows uint8 [manifest.n_pages, page row bytes]`` (:func:`pack_pages`) at ``manifest``'s
+        logical pages."""
         if manifest not in self.manifests:
             self.add_manifest(manifest)
         if rows.dtype != torch.uint8 or tuple(rows.shape) != (manifest.n_pages, manifest.page_row_bytes):
             raise ConfigError(
-                f"rank {manifest.rank} layer {layer}: expected page rows uint8 [{manifest.n_pages}, {manifest.page_row_bytes}], "
+                f"rank {manifest.rank} layer {layer}: expected page rows uint8 "
+                f"[{manifest.n_pages}, {manifest.page_row_bytes}], "
                 f"got {rows.dtype} {tuple(rows.shape)}"
             )
         if not manifest.n_pages:

@@ -283,7 +283,8 @@ def plan_designs(
 
 
 def one_rank_parser(prog: str, description: str, layers: int | None, layers_help: str) -> ToolParser:
-    """The flags the designs' planner and benchmark share: ``--out``, ``--preset``, ``--cp-size``, ``--rank``, ``--layers``."""
+    """The flags the designs' planner and benchmark share: ``--out``, ``--preset``, ``--cp-size``, ``--rank``,
+    ``--layers``."""
     parser = ToolParser(prog, description)
     parser.add_argument("--out", required=True, help="JSON file to write")
     parser.add_argument("--preset", type=dsa_preset_arg(), default="deepseek-v3.2", help=", ".join(DSA_PRESETS))

@@ -6,11 +6,15 @@ phases on top); the others are the designs the engines merged or have in review,
 store, gather and materialization, behind the same :class:`~reference_impl.cp.kv_store.KVStore`
 interface, so the layer loop, the oracle check and the report do not change:
 
-| design | module | what a rank keeps | per-layer movement |
-| --- | --- | --- | --- |
-| ``layer-split`` | :mod:`.layer_split` | every token of its block of layers | owner broadcasts the layer's history pages, a layer ahead |
-| ``rotated-shard`` | :mod:`.rotated_shard` | its pages, owners cyclic by a rotated allocator | one regular owner-major all-gather of history pages, a layer ahead |
-| ``dcp-gather`` | :mod:`.dcp_gather` | its token-interleaved DCP shard | one padded all-gather of every shard (prefix and current) into a rank-major workspace |
+| design | what a rank keeps | per-layer movement |
+| --- | --- | --- |
+| ``layer-split`` | every token of its block of layers | owner broadcasts the layer's history pages, a layer ahead |
+| ``rotated-shard`` | its pages (owners cyclic) | one regular owner-major all-gather of history pages, a layer ahead |
+| ``dcp-gather`` | its token-interleaved DCP shard | one padded all-gather of every shard (prefix and current) |
+
+Each design lives in the module of its name (:mod:`.layer_split`, :mod:`.rotated_shard`, :mod:`.dcp_gather`);
+``rotated-shard`` cycles the owners with a rotated page allocator, and ``dcp-gather`` gathers into a
+rank-major workspace.
 
 A design replaces the KV path of phases 2, 3, 5, 6 and 8; phases 1, 4 and 7 run beside it
 (:data:`reference_impl.config.DESIGN_PHASES`). Each design plans once per batch (in ``bind``),
@@ -45,7 +49,8 @@ __all__ = [
 
 
 def make_design_store(run: RunConfig, batch: BatchLocs, layout: KVLayout, group: CPGroup) -> KVStore:
-    """The KV store of ``run.kv_design`` (not ``"phases"``: :func:`reference_impl.engine.make_kv_store` builds those)."""
+    """The KV store of ``run.kv_design`` (not ``"phases"``: :func:`reference_impl.engine.make_kv_store`
+    builds those)."""
     n_layers, fused = run.model.n_layers, run.phases.fused_kernels
     if run.kv_design == "layer-split":
         return LayerSplitKV(batch, layout, n_layers, group, group.debug, fused)

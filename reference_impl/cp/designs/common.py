@@ -27,7 +27,8 @@ from reference_impl.kvcache.pool import PagedKVPool, check_in_range
 
 
 def empty_view(batch: BatchLocs, layout: KVLayout, device: torch.device) -> FullView:
-    """An uninitialized full view of ``batch``: ``kv [S, kv_width]`` bf16, ``index_k_fp8 [S, D]``, ``index_k_scale [S]``."""
+    """An uninitialized full view of ``batch``: ``kv [S, kv_width]`` bf16, ``index_k_fp8 [S, D]``,
+    ``index_k_scale [S]``."""
     n = batch.view_len
     return FullView(
         torch.empty(n, layout.kv_width, dtype=torch.bfloat16, device=device),
@@ -89,7 +90,8 @@ def owned_rows(ownership: Ownership, rank: int, locs: torch.Tensor) -> tuple[tor
 
 
 def stored_rows_of(pool: PagedKVPool, layer: int, located: list[tuple[torch.Tensor, torch.Tensor]]) -> StoredRows:
-    """Per request ``(positions, physical locs)`` -> ``(positions, mla rows, index bytes, index scale)`` of ``layer``."""
+    """Per request ``(positions, physical locs)`` -> ``(positions, mla rows, index bytes, index scale)``
+    of ``layer``."""
     out = {}
     for req, (positions, phys) in enumerate(located):
         k_fp8, k_scale = pool.read_index(layer, phys)
@@ -229,7 +231,8 @@ class HistoryAhead:
     def full_view(
         self, layer: int, kv_seq: torch.Tensor, index_k_seq: torch.Tensor, prefetched_kv: torch.Tensor | None = None
     ) -> FullView:
-        """History rows from the layer's (prefetched) slot, current rows from the chunk; then start the next layer's gather."""
+        """History rows from the layer's (prefetched) slot, current rows from the chunk; then start the
+        next layer's gather."""
         if prefetched_kv is not None:
             raise ConfigError(f"{self.name} gathers its own history a layer ahead: phase 8 does not run beside it")
         view = empty_view(self.batch, self.layout, kv_seq.device)

@@ -135,16 +135,21 @@ def _compare_caches(
                     )
                     continue
                 parts = {
-                    "window tail": (tail, cache.window_tail(window).cpu(), lambda b: decode_main(b, codec), tol),
+                    "window tail": (
+                        tail,
+                        cache.window_tail(window).cpu(),
+                        lambda b, codec=codec: decode_main(b, codec),
+                        tol,
+                    ),
                     "compressor state": (pool, pack_pool(cache).cpu(), lambda b: b, tol),
-                    "entries": (main, cache.entries[ids].cpu(), lambda b: decode_main(b, codec), tol),
+                    "entries": (main, cache.entries[ids].cpu(), lambda b, codec=codec: decode_main(b, codec), tol),
                 }
                 if cache.ratio == 4:
                     fp4 = 0.34 if codec == "fp8" else tol
                     parts["indexer keys"] = (
                         index,
                         cache.index_keys[ids].cpu(),
-                        lambda b: decode_index(b, codec, cache.index_head_dim),
+                        lambda b, codec=codec, cache=cache: decode_index(b, codec, cache.index_head_dim),
                         fp4,
                     )
                 for what, (got, ref, values, bound) in parts.items():
@@ -153,7 +158,8 @@ def _compare_caches(
                     equal = False
                     if got.shape != ref.shape:
                         problems.append(
-                            f"layer {layer} request {req}: rank {r.rank}'s {what} has shape {tuple(got.shape)}, not {tuple(ref.shape)}"
+                            f"layer {layer} request {req}: rank {r.rank}'s {what} has shape {tuple(got.shape)}, "
+                            f"not {tuple(ref.shape)}"
                         )
                         continue
                     a, b = values(got).float(), values(ref).float()

@@ -306,7 +306,7 @@ class _HistoryPrefetcher:
             store, plan = self.runner.store, self.runner.materialization
             assert plan is not None
 
-            def work(target: int = target) -> None:
+            def work(target: int = target, store: V4Store = store, plan: Materialization = plan) -> None:
                 self.results[target] = store.materialize(target, plan, tag="prefetch_v4")
 
             self.handles[target] = self.stream.submit(work, slot)

@@ -282,7 +282,9 @@ class V4Store:
         out: dict[int, tuple[torch.Tensor, ...]] = {}
         wanted = request_locs if request_locs is not None else [self.locs[r] for r in self.requests]
         for k, locs in enumerate(wanted):
-            req = next(r for r, l in self.locs.items() if l.numel() == locs.numel() and torch.equal(l, locs.cpu()))
+            req = next(
+                r for r, held in self.locs.items() if held.numel() == locs.numel() and torch.equal(held, locs.cpu())
+            )
             st = self.state(layer, req)
             out[k] = (torch.tensor(st.n_tokens), st.window, st.pool, st.ids, st.main, st.index)
         return out

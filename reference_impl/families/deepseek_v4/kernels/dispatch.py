@@ -76,7 +76,8 @@ def sparse_attention(
     *,
     force_torch: bool = False,
 ) -> torch.Tensor:
-    """:func:`~reference_impl.families.deepseek_v4.model.sparse.sparse_attention_sinks`, by the Triton kernel where it runs."""
+    """:func:`~reference_impl.families.deepseek_v4.model.sparse.sparse_attention_sinks`, by the Triton kernel
+    where it runs."""
     args = (q, view, indices, sinks, softmax_scale, dense_start, dense_len, dense_width)
     return _dispatch(
         "Triton V4 sparse attention",

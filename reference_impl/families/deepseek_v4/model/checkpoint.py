@@ -75,6 +75,7 @@ def load_v4_hf_weights(
     model: torch.nn.Module, source: str | Path | Mapping[str, torch.Tensor], *, first_layer: int = 0, head: bool = False
 ) -> dict[str, str]:
     """Copy the attention weights of checkpoint layers ``first_layer ..`` into a
-    :class:`~reference_impl.families.deepseek_v4.model.oracle.V4Model`; see :func:`reference_impl.model.checkpoint.load_hf_weights`."""
+    :class:`~reference_impl.families.deepseek_v4.model.oracle.V4Model`; see
+    :func:`reference_impl.model.checkpoint.load_hf_weights`."""
     cfg: V4ModelConfig = model.cfg
     return load_hf_weights(model, source, names=v4_hf_names(cfg, first_layer, head))

@@ -31,7 +31,8 @@ class V4Ops:
     """What a V4 layer hands to kernels (the torch references by default, :data:`V4_TORCH_OPS`):
 
     * ``select_entries(q, weights, keys, key_start, n_visible, topk, *, host_bounds=None)`` -> ``[T, topk]``
-      int32 (:func:`~reference_impl.families.deepseek_v4.model.sparse.select_entries`; the rows of the set in any order);
+      int32 (:func:`~reference_impl.families.deepseek_v4.model.sparse.select_entries`; the rows of the set in
+      any order);
     * ``sparse_attention(q, view, indices, sinks, softmax_scale, dense_start=None, dense_len=None, dense_width=None)``
       -> ``[T, H, D]`` float32 (:func:`~reference_impl.families.deepseek_v4.model.sparse.sparse_attention_sinks`);
     * ``pool(kv_rows, score_rows, slot_rows, ratio)`` -> ``[E, D]`` float32: the compressors' gated
