@@ -26,8 +26,9 @@ _ERROR = re.compile(r"^(?P<path>[^:\s]+\.py):\d+(?::\d+)?: error: (?P<message>.*
 
 def current_errors() -> Counter[str]:
     """mypy's errors on the package (its settings: ``[tool.mypy]`` in pyproject.toml), line numbers dropped."""
-    proc = subprocess.run([sys.executable, "-m", "mypy", "--no-error-summary"], cwd=ROOT, capture_output=True,
-                          text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mypy", "--no-error-summary"], cwd=ROOT, capture_output=True, text=True
+    )
     if proc.returncode not in (0, 1):  # 2: mypy itself failed (bad config, crash)
         raise SystemExit(f"error: mypy did not run: {(proc.stderr or proc.stdout).strip()[-2000:]}")
     found = [m for line in proc.stdout.splitlines() if (m := _ERROR.match(line))]
@@ -42,7 +43,9 @@ def read_baseline() -> Counter[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python3 scripts/mypy_baseline.py", description=__doc__.splitlines()[0])
-    parser.add_argument("--update", action="store_true", help="rewrite the baseline from the current errors (default: check)")
+    parser.add_argument(
+        "--update", action="store_true", help="rewrite the baseline from the current errors (default: check)"
+    )
     args = parser.parse_args(argv)
     now, baseline = current_errors(), read_baseline()
     new, gone = now - baseline, baseline - now
