@@ -28,9 +28,9 @@ import logging
 import matplotlib.pyplot as plt
 import torch
 
-from reference_impl import engine
 from reference_impl.config import PhaseSet, Request, RunConfig, env_flag
 from reference_impl.cp.prefetch import MlaPrefetcher
+from reference_impl.families.dsa.family import FAMILY as DSA
 from reference_impl.runner import run_prefill
 
 ON_GPU = torch.cuda.is_available()
@@ -79,11 +79,11 @@ class NoWaitStream(DeferredStream):
 run = RunConfig(preset="tiny", cp_size=1, requests=(Request(16, 150), Request(13, 130)), page_size=8, n_layers=4,
                 compute_dtype="fp32", device="cpu", phases=PhaseSet.level(8))
 logging.getLogger("reference_impl").setLevel(logging.CRITICAL)  # the disagreement is the point here
-real = engine.MlaPrefetcher
+real = DSA.prefetcher  # the DSA family's phase-8 prefetcher: one rank runs in this process and uses it
 for stream in (DeferredStream, NoWaitStream):
-    engine.MlaPrefetcher = lambda store, n, s=stream: MlaPrefetcher(store, n, s())
+    DSA.prefetcher = lambda store, n, s=stream: MlaPrefetcher(store, n, s())
     print(f"{stream.__name__}: matches oracle {run_prefill(run)['matches_oracle']}")
-engine.MlaPrefetcher = real
+DSA.prefetcher = real
 logging.getLogger("reference_impl").setLevel(logging.WARNING)
 rep = run_prefill(run.replace(cp_size=3))
 print(f"C=3 with the real stream: matches oracle {rep['matches_oracle']}, collectives per rank {rep['per_rank'][0]['collectives']}")

@@ -21,8 +21,8 @@
 # their indexer keys are sharded at rest by entry page, while HCA entries, window tails and
 # compressor states stay replicated.
 #
-# Code: `reference_impl/model/v4/` (layer and oracle), `reference_impl/kvcache/v4_layout.py`
-# (entries byte by byte), `reference_impl/cp/v4/` (plan, store, layer step). Design page:
+# Code: `reference_impl/families/deepseek_v4/model/` (layer and oracle), `reference_impl/families/deepseek_v4/cache_layout.py`
+# (entries byte by byte), `reference_impl/families/deepseek_v4/cp/` (plan, store, layer step). Design page:
 # `docs/deepseek-v4.md`.
 
 # %%
@@ -32,9 +32,9 @@ import torch
 
 from reference_impl.config import PhaseSet, Request, RunConfig, env_flag, get_preset
 from reference_impl.cp.split import build_split
-from reference_impl.cp.v4.plan import build_plan
-from reference_impl.model.v4.compressor import slot_positions
-from reference_impl.planner.v4 import plan_v4
+from reference_impl.families.deepseek_v4.cp.plan import build_plan
+from reference_impl.families.deepseek_v4.model.compressor import slot_positions
+from reference_impl.families.deepseek_v4.planner import plan_v4
 from reference_impl.runner import run_prefills
 
 ON_GPU = torch.cuda.is_available()
@@ -107,7 +107,7 @@ for k, rep in zip(levels, reports):
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from reference_impl.bench.v4 import tag_bytes  # noqa: E402
+from reference_impl.families.deepseek_v4.bench import tag_bytes  # noqa: E402
 from reference_impl.runner import run_prefill  # noqa: E402
 
 result = run_prefill(base.replace(phases=PhaseSet.level(3), check=False), tensors=True)
@@ -123,7 +123,7 @@ print(json.dumps(tag_bytes(result.ranks[0].collectives, base.cp_size), indent=1)
 
 # %%
 if ON_GPU:
-    from reference_impl.bench import v4 as bench_v4
+    from reference_impl.families.deepseek_v4 import bench as bench_v4
 
     workloads = "128k:0+16384,1m:131072+2048" if SMOKE else "128k:0+131072,1m:1040384+8192"
     bench_v4.main(["--out", "/tmp/v4_walkthrough.json", "--workloads", workloads, "--levels", "0,3,8",

@@ -11,6 +11,8 @@ from conftest import tiny
 from reference_impl import engine
 from reference_impl.config import PhaseSet, Request
 from reference_impl.cp.prefetch import MlaPrefetcher
+from reference_impl.families.dsa import family as dsa_family
+from reference_impl.families.dsa.family import DSAFamily
 from reference_impl.runner import run_prefill
 
 MIXED = (Request(16, 150), Request(13, 130))
@@ -78,7 +80,8 @@ class NoWaitStream(DeferredStream):
 
 @pytest.mark.parametrize(("stream", "agrees"), [(DeferredStream, True), (NoWaitStream, False)])
 def test_the_wait_is_what_makes_it_correct(monkeypatch, stream: type, agrees: bool) -> None:
-    monkeypatch.setattr(engine, "MlaPrefetcher", lambda store, n: MlaPrefetcher(store, n, stream()))
+    # One rank runs in this process: the registered DSA family's prefetcher is the one it uses.
+    monkeypatch.setattr(dsa_family.FAMILY, "prefetcher", lambda store, n: MlaPrefetcher(store, n, stream()))
     run = tiny(cp_size=1, requests=MIXED, page_size=8, n_layers=4, phases=PhaseSet.level(8))
     rep = run_prefill(run)
     assert rep["matches_oracle"] is agrees
@@ -104,9 +107,9 @@ def test_exposed_waits_reach_the_rank_timings(monkeypatch) -> None:
     direct measure of the unhidden prefetch); none without phase 8."""
     from reference_impl.cp.loopback import LoopbackGroup
 
-    monkeypatch.setattr(engine, "MlaPrefetcher", lambda store, n: MlaPrefetcher(store, n, TimedDeferredStream()))
+    family = DSAFamily(prefetcher=lambda store, n: MlaPrefetcher(store, n, TimedDeferredStream()))
     run = tiny(cp_size=2, requests=MIXED, page_size=8, n_layers=3, phases=PhaseSet.level(8), check=False)
-    result = engine.run_rank(LoopbackGroup(0, 2, torch.device("cpu")), run)
+    result = engine.run_rank(LoopbackGroup(0, 2, torch.device("cpu")), run, family=family)
     assert result.timings["prefetch_wait_ms"] == [1.0, 2.0, 3.0]
     no_prefetch = engine.run_rank(LoopbackGroup(0, 2, torch.device("cpu")), run.replace(phases=PhaseSet.level(7)))
     assert no_prefetch.timings["prefetch_wait_ms"] == []

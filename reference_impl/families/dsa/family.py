@@ -15,7 +15,7 @@ What the engine gets from here, and where the phases plug in:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -28,6 +28,7 @@ from reference_impl.cp.kv_replicated import ReplicatedKV
 from reference_impl.cp.kv_sharded import ShardedKV
 from reference_impl.cp.kv_store import KVStore
 from reference_impl.cp.ownership import Ownership
+from reference_impl.cp.prefetch import MlaPrefetcher
 from reference_impl.cp.split import SplitMetadata
 from reference_impl.families.base import ChunkInputs
 from reference_impl.families.dsa import footprint
@@ -59,6 +60,11 @@ class DSAFamily:
     presets = PRESETS
     per_layer_tags = ("kv", "index_k", "materialize", "prefetch_mla", "materialize_index")
     planner_command = "python -m reference_impl plan"
+
+    def __init__(self, prefetcher: Callable[[Any, int], MlaPrefetcher] = MlaPrefetcher) -> None:
+        """``prefetcher(store, n_layers)``: phase 8's one-layer-ahead prefetcher (a walkthrough or a test passes
+        one on another stream, e.g. one that never waits, to show what the wait is for)."""
+        self.prefetcher = prefetcher
 
     # ---- configuration -------------------------------------------------------------------------
     def model_for_run(self, cfg: ModelConfig, run: RunConfig) -> ModelConfig:
@@ -170,7 +176,7 @@ class DSAFamily:
         host_bounds = (
             _host_key_bounds(inputs.meta, inputs.batch, inputs.group.rank) if audits_layer_loop(inputs.run) else None
         )
-        return DSALayerStep(inputs, host_bounds)
+        return DSALayerStep(inputs, host_bounds, self.prefetcher)
 
     # ---- the check -----------------------------------------------------------------------------
     def oracle(

@@ -15,6 +15,7 @@ full layer's top-k.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,7 +29,10 @@ from reference_impl.model.sparse_attention import HostKeyBounds
 class DSALayerStep:
     """The DSA layer step of one chunk on one rank (a :class:`~reference_impl.families.base.ChunkStep`)."""
 
-    def __init__(self, inputs: ChunkInputs, host_bounds: HostKeyBounds | None) -> None:
+    def __init__(
+        self, inputs: ChunkInputs, host_bounds: HostKeyBounds | None,
+        prefetcher: Callable[[Any, int], MlaPrefetcher] = MlaPrefetcher,
+    ) -> None:
         self.group, self.run, self.store = inputs.group, inputs.run, inputs.store
         self.index, self.positions, self.on_layer_stored = inputs.index, inputs.positions, inputs.on_layer_stored
         local = self.index.local
@@ -38,7 +42,7 @@ class DSALayerStep:
         self.host_bounds = host_bounds  # phase 6: the indexer bounds its row chunks without reading the device
         self.fused = self.run.phases.fused_kernels  # phase 7: one-pass rerange of the per-layer all-gathers
         n_layers = len(inputs.model.layers)
-        self.prefetch = MlaPrefetcher(self.store, n_layers) if self.run.phases.prefetch else None
+        self.prefetch = prefetcher(self.store, n_layers) if self.run.phases.prefetch else None
         self.last_topk: torch.Tensor | None = None  # IndexShare: a shared layer attends with the last full layer's
         self.transient_bytes = 0
 
