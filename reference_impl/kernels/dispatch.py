@@ -24,8 +24,8 @@ Indexer top-k is the Triton logits kernel, then the Triton selection kernel
 (:mod:`reference_impl.kernels.topk_select`; ``torch.topk`` after a selection failure, one warning,
 or where ``DSACP_TRITON_TOPK=0``); the torch reference where the kernels do not run. With
 ``DSACP_FUSED_BOUND=1`` the selection's bound reads the group maxima the logits kernel writes beside
-the logits instead of the logits (the fused bound; off by default: slower on the H200, see
-:mod:`reference_impl.kernels.topk_select`).
+the logits instead of the logits (the fused bound; off by default, see
+:mod:`reference_impl.kernels.topk_select`; measured: ``docs/compute-kernels.md#top-k-selection``).
 
 The per-token glue runs one-pass Triton kernels where the kernels run: the query preparation
 (:mod:`reference_impl.model.query_prep`: the indexer query's RoPE, Hadamard rotation and FP8
@@ -122,8 +122,9 @@ def _triton_indexer_topk(
 
 def topk_selector() -> str:
     """What picks the indexer's top-k after the Triton logits: ``"triton"`` (the selection kernel,
-    :mod:`reference_impl.kernels.topk_select`, exact and faster than ``torch.topk`` on the H200)
-    unless ``DSACP_TRITON_TOPK=0`` asks for ``"torch"`` (``torch.topk``, for comparisons)."""
+    :mod:`reference_impl.kernels.topk_select`, exact; measured against ``torch.topk``:
+    ``docs/compute-kernels.md#top-k-selection``) unless ``DSACP_TRITON_TOPK=0`` asks for ``"torch"``
+    (``torch.topk``, for comparisons)."""
     return "triton" if env_flag("triton_topk", default=True) else "torch"
 
 
@@ -203,7 +204,7 @@ def _sparse_mla_chain(
 
     A module function, not a closure that calls itself: such a closure is a reference cycle that
     holds the layer's ``q``, ``kv`` and ``indices`` until the cyclic garbage collector happens to run
-    (on the H200, 2.25 GiB of ``q`` per layer at 16K local tokens, accumulating over layers)."""
+    (2.25 GiB of bf16 ``q`` per layer at 16K local tokens and 128 heads, accumulating over layers)."""
     path, rest = paths[0], paths[1:]
     if path == "torch":
         q, kv, indices, softmax_scale, d_v, out_dtype = args

@@ -20,11 +20,10 @@ The rerange is one kernel for every row width; it takes ``rerange_index``'s conf
 most :data:`RERANGE_NARROW_ROW_BYTES` bytes (indexer K: 256 B) and ``rerange_kv``'s otherwise (the
 MLA latent: 1152 B).
 
-The GPU defaults are the configs measured on the H200 so far (``docs/results/kernels_bench.json``:
-stores and materialize 32 rows and 4 warps, rerange 16 rows x 256 words and 4 warps, the original
-code paths). ``python -m
-reference_impl.bench.kernels --sweep`` checks and times candidate configs per kernel and records
-the fastest under ``"sweep"`` (``best``), the values to put here. The CPU defaults are what the
+The GPU defaults (:data:`GPU_CONFIGS`) were chosen on an H200 from ``python -m
+reference_impl.bench.kernels --sweep``, which checks and times candidate configs per kernel and
+records the fastest byte-exact one under ``"sweep"`` (``best``), the values to put here (measured:
+``docs/benchmarks.md#fused-kernels-and-the-remap-phases-6-and-7``). The CPU defaults are what the
 interpreter runs: one config per kernel, small tiles, one warp.
 """
 

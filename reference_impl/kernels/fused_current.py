@@ -12,8 +12,8 @@ the cache stores them (:func:`reference_impl.cp.current_reuse.fill_current`):
 
 As torch ops that is a float32 copy of the chunk, ``abs``, ``amax``, two divisions, clamps, the
 e4m3 cast, the packed bytes, their float32 dequantization, a bf16 cast and an ``index_put``: about
-twenty passes over the ``[T, 576]`` chunk per layer (2-3 ms at 131,072 tokens on the H200). The kernel reads each row
-once and writes each view byte once: read ``2 x 576 + 2 x 128`` bytes per token (bf16), write
+twenty passes over the ``[T, 576]`` chunk per layer (measured: ``docs/glue-kernels.md#measured-results``). The
+kernel reads each row once and writes each view byte once: read ``2 x 576 + 2 x 128`` bytes per token (bf16), write
 ``2 x 576 + 128 + 4``.
 
 Equal to the torch path bit for bit: the quantization is :func:`~reference_impl.kernels.triton_helpers.quantize_block`

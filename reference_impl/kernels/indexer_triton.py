@@ -22,8 +22,8 @@ Where Triton is used and where it is not:
   ``torch.topk``, :func:`~reference_impl.kernels.fallback.run_with_fallback`). With
   ``fused_bound=True`` (opt-in) the logits kernel also writes each row's group maxima
   (:func:`~reference_impl.kernels.topk_select.span_maxima`, 1/16 of the logits' bytes), so that the
-  selection's first kernel reads those instead of every logit of a long row. On the H200 the
-  kernel's epilogue costs more than the bound saves (the compute-kernels page has the times). ``selector="torch"``
+  selection's first kernel reads those instead of every logit of a long row (measured:
+  ``docs/compute-kernels.md#top-k-selection``). ``selector="torch"``
   (this function's default, and the dispatch's with ``DSACP_TRITON_TOPK=0``): ``torch.topk`` over
   the masked ``[rows, keys]`` logits of a chunk of rows, as the reference does.
 * **Memory: a tile, not the context.** The rows are processed in chunks so the fp32 logits buffer
@@ -61,11 +61,10 @@ GPU_DEFAULT_CONFIG: tuple[int, int, int, int, str] = (64, 128, 4, 3, "fp8")
 CPU_DEFAULT_CONFIG: tuple[int, int, int, int, str] = (16, 128, 4, 1, "fp8")
 GPU_BLOCK_POINTERS = False
 """Whether the logits kernel loads its q and key tiles through block pointers. Built for sm_90
-(``scripts/inspect_logits_kernel.py``), the default config with per-element address tensors uses
-255 registers and spills 256 bytes per thread: the ``[64, 128]`` q tile's 64-bit addresses stay
-live across the head loop. Through block pointers it uses 242 registers and spills nothing (so does
-the address-tensor kernel at 8 warps: 238). Off until timed on the H200
-(``python -m reference_impl.bench.compute_h200`` times both)."""
+(``scripts/inspect_logits_kernel.py``), the default config with per-element address tensors spills
+under Triton 3.7: the ``[64, 128]`` q tile's 64-bit addresses stay live across the head loop.
+Through block pointers nothing spills. Off by default (registers, spills and times:
+``docs/long-context.md#the-indexers-logits``)."""
 
 
 @triton.jit

@@ -42,8 +42,8 @@ import triton.language as tl
 from reference_impl.kernels.triton_helpers import bf16_bits, quantize_block
 
 QUERY_PREP_CONFIG: dict[str, tuple[int, int]] = {"indexer_query": (64, 4), "rope_into": (16, 2)}
-"""(BLOCK_M rows, num_warps) per kernel, the fastest of a sweep on the H200 at 16K tokens
-(``BLOCK_M`` 16-256 x 2, 4, 8 warps); the CPU interpreter uses the same."""
+"""(BLOCK_M rows, num_warps) per kernel, tuned on an H200 (measured: ``docs/glue-kernels.md#tuning-history``);
+the CPU interpreter uses the same."""
 
 _DTYPES = (torch.bfloat16, torch.float32)
 

@@ -20,19 +20,19 @@ for the value product, in which each warp group owns half of ``d_v``:
       P  -> shared memory         [64, 64] bf16, read by both warp groups
       O  = O * alpha + P @ kv[s]  warp group g: d_v columns [256g, 256g + 256)
 
-Shared memory: q 72 KiB + 2 slots x 72 KiB + P 8 KiB = 224 KiB of the H200's 227; 216 registers
-per thread. On the H200 at the per-rank shape (rank 0 of C = 8, 128K) it runs at 315 TFLOPS
-against the Triton kernel's 237 (``python -m reference_impl.bench.compute``,
-``docs/results/compute_bench.json``).
+Shared memory: q 72 KiB + 2 slots x 72 KiB + P 8 KiB = 224 KiB of the 227 an sm_90 SM offers; 216
+registers per thread. Measured against the Triton kernel at the per-rank shape (rank 0 of C = 8,
+128K; ``python -m reference_impl.bench.compute``): ``docs/compute-kernels.md#first-gluon-kernel``.
 
-Two switches, both off by the same benchmark's ``--sweep`` (:data:`GPU_DEFAULT_CONFIG`):
+Two switches, both off in :data:`GPU_DEFAULT_CONFIG` (the same benchmark's ``--sweep``; measured:
+``docs/compute-kernels.md#first-gluon-kernel``):
 
 * ``OVERLAP_PV`` queues the next tile's score product behind this tile's value product and waits
-  for both at once, so that the tensor cores run them back to back; the next tile's gather is then
-  issued after that wait. Slower on the H200 (276 against 316 TFLOPS): ptxas serializes the
-  products (its warning C7515), because the accumulator rescale touches the output accumulator
-  between them.
-* ``EVICT_LAST`` gathers the KV rows with an L2 ``evict_last`` policy (FlashMLA's): 312 TFLOPS, within noise.
+  for both at once, so that the tensor cores could run them back to back; the next tile's gather is
+  then issued after that wait. ptxas serializes the two products anyway (its warning C7515),
+  because the accumulator rescale touches the output accumulator between them.
+* ``EVICT_LAST`` gathers the KV rows with an L2 ``evict_last`` policy (FlashMLA's). Triton 3.6's
+  Gluon copy emits the same PTX with and without the policy.
 
 Gluon has no CPU interpreter: this kernel is checked against the torch reference on a GPU
 (``tests/gpu/test_gpu_sparse_mla_gluon.py`` runs there and skips elsewhere); the Triton kernel remains the
@@ -60,7 +60,8 @@ LOG2E = math.log2(math.e)
 BLOCK_H = 64
 BLOCK_K = 64
 NUM_WARPS = 8
-# (OVERLAP_PV, EVICT_LAST), see the kernel; measured by the compute benchmark's sweep.
+# (OVERLAP_PV, EVICT_LAST), see the kernel; chosen by the compute benchmark's sweep
+# (measured: docs/compute-kernels.md#first-gluon-kernel).
 GPU_DEFAULT_CONFIG: tuple[bool, bool] = (False, False)
 
 # The CTA-wide barrier is `gl.barrier` from Triton 3.7 and `gl.thread_barrier` before it.

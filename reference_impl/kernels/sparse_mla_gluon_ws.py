@@ -7,9 +7,9 @@ Contract: the same as :func:`reference_impl.kernels.sparse_mla_triton.sparse_mla
 Why a third kernel. The first Gluon kernel (:mod:`reference_impl.kernels.sparse_mla_gluon`) runs
 one instruction stream in both warp groups: each waits for the gathered rows, computes half of the
 score tile (64 heads x 32 keys, a narrow product), meets the other for the softmax, then computes
-half of the value product. The tensor cores idle through every gather wait, softmax and barrier:
-315 TFLOPS on the H200. This kernel gives each job its own warps (FlashMLA's SM90 sparse prefill
-schedule, expressed with Gluon's ``warp_specialize``):
+half of the value product. The tensor cores idle through every gather wait, softmax and barrier
+(measured: ``docs/compute-kernels.md#warp-specialized-gluon-kernel``). This kernel gives each job
+its own warps (FlashMLA's SM90 sparse prefill schedule, expressed with Gluon's ``warp_specialize``):
 
 * a **producer** warp group gathers the selected KV rows with ``cp.async`` into two key blocks of
   shared memory, each split into a left quarter (``d_v / 2`` columns) and a right one (the other
@@ -67,7 +67,7 @@ BLOCK_K = 64
 CONSUMER_REGS = 232
 PRODUCER_REGS = 40
 # Queue the next pair's score product behind consumer 0's last value product (`_consumer0_pair`);
-# measured by the compute benchmark's sweep.
+# on by default (measured: docs/compute-kernels.md#warp-specialized-gluon-kernel).
 GPU_PIPELINE_QK: bool = True
 # The running max starts finite so that exp2(m_old - m_new) is 1, not NaN, before any valid key.
 MAX_INIT = gl.constexpr(-1.0e30)
@@ -702,7 +702,7 @@ def row_copy_layout(width: int, num_warps: int = 4) -> gl.BlockedLayout:
     return gl.BlockedLayout([1, 8], [32 // lanes_along_row, lanes_along_row], [num_warps, 1], [1, 0])
 
 
-# Shared memory at d_v = 512, rope 64: q, two key blocks and sS1 fill 224 KiB of the H200's 227.
+# Shared memory at d_v = 512, rope 64: q, two key blocks and sS1 fill 224 KiB of the 227 an sm_90 SM offers.
 MAX_D_V = 512
 MAX_D_ROPE = 64
 

@@ -17,36 +17,35 @@ global memory) and reuses them for every head of the block, which turns the work
 products per tile, ``[BLOCK_H, D_qk] x [D_qk, BLOCK_K]`` then ``[BLOCK_H, BLOCK_K] x [BLOCK_K, d_v]``,
 with an online softmax in base 2 (scores pre-multiplied by ``scale * log2(e)``) between them.
 
-Four switches, each measured at the per-rank shape by ``python -m reference_impl.bench.compute
---sweep`` (``docs/results/compute_bench.json``); the GPU default is the sweep's winner (all off):
+Four switches, all off in :data:`GPU_DEFAULT_CONFIG` (the winner of ``python -m reference_impl.bench.compute
+--sweep`` at the per-rank shape, which ``scripts/apply_sweep.py`` writes there; measured:
+``docs/compute-kernels.md#triton-sparse-mla-kernel``):
 
 * ``DEFER_PV`` performs each tile's value product one iteration late. Triton lays a product whose
   result feeds another product in the same iteration out over the M axis only; with
   ``BLOCK_H = 64`` (one warp group tall) and 8 warps that repeats the score product in both warp
   groups. Deferred, the score product is split across the warp groups along the keys and the value
-  product along ``d_v``; the price is the previous tile's latent rows held in registers. On the
-  H200 it loses: 200 TFLOPS with ``BLOCK_K = 32``, 178 with 64, against 234 undeferred at 64.
+  product along ``d_v``; the price is the previous tile's latent rows held in registers.
 * ``LAZY_RESCALE`` skips the ``[BLOCK_H, d_v]`` rescale of the accumulator unless some row's max
-  grew by more than ``RESCALE_THRESHOLD_LOG2`` (FlashAttention-4's trick). Exact, and slower on the
-  H200 by 15-35%: the scalar branch around the accumulator stops Triton pipelining the products.
+  grew by more than ``RESCALE_THRESHOLD_LOG2`` (FlashAttention-4's trick). Exact; the scalar branch
+  around the accumulator stops Triton pipelining the products.
 * ``WARP_SPECIALIZE`` asks Triton to split the loop into producer and consumer warps
-  (``tl.range(..., warp_specialize=True)``): no change on the H200.
+  (``tl.range(..., warp_specialize=True)``).
 * ``RELOAD_PREV`` (with ``DEFER_PV``) carries only the previous tile's row numbers and gathers its
   latent rows again for the deferred product, trading an L2 read for the registers that held
-  them. No gain on the H200 (199 TFLOPS at ``BLOCK_K = 32``; 64-key tiles need more shared
-  memory than the SM has with two stages).
+  them. With 64-key tiles and two stages it needs more shared memory than the SM has.
 
 The KV gathers are software-pipelined by Triton (``num_stages``) into shared memory.
 
-On Hopper the dispatch runs :mod:`reference_impl.kernels.sparse_mla_gluon` instead: the same
-algorithm with the warp layouts stated, so that the score product is not repeated in both warp
-groups (315 against 237 TFLOPS on the H200). This kernel is the path on other GPUs, for fp32, and
-the one the CPU suite checks under the interpreter.
+On Hopper the dispatch runs the Gluon kernels instead (:mod:`reference_impl.kernels.sparse_mla_gluon_ws`,
+then :mod:`reference_impl.kernels.sparse_mla_gluon`): the same algorithm with the warp layouts stated,
+so that the score product is not repeated in both warp groups. This kernel is the path on other
+GPUs, for fp32, and the one the CPU suite checks under the interpreter.
 
 On GPU the products run on bf16 / fp16 operands with fp32 accumulation (probabilities are cast to
 the KV dtype for the second product, as FlashAttention does). Under the CPU interpreter
 (``TRITON_INTERPRET=1``) low-precision ``tl.dot`` is not faithful, so operands are upcast to fp32
-(``UPCAST``); fp32 inputs on GPU use IEEE fp32 products (exact, slower).
+(``UPCAST``); fp32 inputs on GPU use IEEE fp32 products (exact, no TF32 rounding).
 """
 
 from __future__ import annotations

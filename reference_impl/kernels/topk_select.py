@@ -9,11 +9,11 @@ unspecified); the order differs: ``torch.topk`` sorts by value, which sparse att
 (the top-k feeds a softmax over a set) and which would cost a sort per row. NaN logits are not
 supported (the logits kernel never writes one).
 
-Why: at one rank of C=8 at 128K (16K rows over up to 128K keys) ``torch.topk`` spends about 13 ms
-per layer in radix digit counting, gathers and sorts over the whole ``[rows, keys]`` buffer, the
-invisible ``-inf`` columns included. Here each row's visible keys are read twice, and the second
-read is split across several programs per row so that it runs near the HBM rate (the
-compute-kernels page has the times on the H200).
+Why: at one rank of C=8 at 128K (16K rows over up to 128K keys) ``torch.topk`` spends its time
+in radix digit counting, gathers and sorts over the whole ``[rows, keys]`` buffer, the invisible
+``-inf`` columns included. Here each row's visible keys are read twice, and the second read is
+split across several programs per row so that it can run near the HBM rate (measured against
+``torch.topk``: ``docs/compute-kernels.md#top-k-selection``).
 
 Three kernels, each row's keys read twice in all:
 
@@ -32,8 +32,9 @@ Three kernels, each row's keys read twice in all:
    with at least ``G`` group maxima folds those instead of its keys (read 4 B per 16 keys): a
    folded column is still the largest of a disjoint set of visible keys, so the bound is as valid,
    and as tight (about ``visible / G`` keys per column either way). Shorter rows read their keys.
-   Off by default: on the H200 the logits kernel, already out of registers, slows by more than the
-   bound's pass costs (``python -m reference_impl.bench.topk`` times both).
+   Off by default: the logits kernel is already out of registers, and the epilogue costs it more
+   than the bound's pass saves (``python -m reference_impl.bench.topk`` times both; measured:
+   ``docs/compute-kernels.md#top-k-selection``).
 
 2. **Candidates** (``_topk_select_compact_kernel``, ``S`` programs per row, each a segment of the
    row; read 4 B per key, write 4 B per candidate): the columns of the keys ``>= L``, in column
@@ -94,8 +95,8 @@ GPU_CONFIG = SelectConfig(
     max_segments=16,
     finish_warps=8,
 )
-"""The H200's config: the fastest exact candidate of ``python -m reference_impl.bench.topk --sweep``
-(``docs/results/topk_select_h200.json``)."""
+"""The GPU config, tuned on an H200: the fastest exact candidate of ``python -m reference_impl.bench.topk
+--sweep`` (measured: ``docs/compute-kernels.md#top-k-selection``)."""
 CPU_CONFIG = SelectConfig(
     bound_warps=4, bound_steps=8, compact_block=64, compact_warps=1, segment_keys=256, max_segments=4, finish_warps=4
 )
@@ -228,7 +229,7 @@ def _topk_select_bound_kernel(
     else:
         row_logits = logits_ptr + row * stride_l
         # Read 4 B per visible key. (Issuing the next block's load before this block's max, by hand,
-        # measured slower on the H200: more registers, fewer programs per SM.)
+        # costs registers and so programs per SM; measured: docs/compute-kernels.md#top-k-selection.)
         for b in range(lo, hi, G):
             rotation = ((b - lo) // G * 1031) % G
             key, in_row = _row_keys(row_logits, b + (offs + rotation) % G, hi)

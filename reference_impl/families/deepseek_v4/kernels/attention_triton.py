@@ -32,8 +32,8 @@ from reference_impl.kernels.triton_helpers import pow2_at_least_16
 
 LOG2E = math.log2(math.e)
 GPU_CONFIG = (64, 64, 8, 2)
-"""BLOCK_H, BLOCK_K, num_warps, num_stages on GPU: the fastest of `scripts/sweep_v4_attention.py` on the
-H200 at V4-Flash's 64 heads (`docs/results/v4_attention_sweep_h200.json`)."""
+"""BLOCK_H, BLOCK_K, num_warps, num_stages on GPU, chosen by `scripts/sweep_v4_attention.py` at V4-Flash's
+64 heads (measured: `docs/deepseek-v4.md#tuning-history-the-attention-kernel`)."""
 
 
 @triton.jit
