@@ -16,6 +16,7 @@ from reference_impl.config import ConfigError, PhaseSet, RunConfig, parse_batche
 from reference_impl.cp.ownership import Ownership
 from reference_impl.cp.split import build_split
 from reference_impl.engine import request_locs
+from reference_impl.families.deepseek_v4.cache_layout import index_entry_bytes, main_entry_bytes
 from reference_impl.families.deepseek_v4.cp.plan import build_plan
 from reference_impl.families.deepseek_v4.cp.store import V4Store
 from reference_impl.families.deepseek_v4.model.compressor import state_start
@@ -24,6 +25,7 @@ from reference_impl.runner import run_prefill, run_prefills
 
 CFG = get_preset("tiny-v4")
 CSA_LAYER = CFG.compress_ratios.index(4)
+CFG_CODEC = RunConfig(preset="tiny-v4").kv_dtype
 
 
 def pool_run(spec: str, cp_size: int, level: int | str, **changes) -> RunConfig:  # noqa: ANN003
@@ -46,6 +48,9 @@ CASES = [
     ("0+130;r0:126+30", 4, 0, {"chunk_size": 30}),  # (2, 6, 126): replicated entries, window across chunks
     ("0+150;r0:70+30", 3, 8, {"page_size": 16}),  # a partial page of entries moves to the fresh page's owner
     ("0+100;r0:100+20", 2, 8, {}),  # the whole request: the checkpoint is its end state
+    ("0+150;r0:3+30", 2, 8, {}),  # (3, 3, 3): no complete entry, no whole page; the carry is everything
+    ("0+300;r0:257+20,r0:130+9", 4, 8, {"chunk_size": 100}),  # two hit points of one request, past 2 HCA entries
+    ("0+150;r0:70+30,r0:70+5", 2, 3, {}),  # two requests hit the same checkpoint
     ("0+96,40+70;r0:64+50,13+37;r1:42+20", 2, 8, {}),  # frees between batches; P = 42 inside r1's cached 40+70
     ("0+96,40+70;r0:64+50,13+37;r1:40+20", 3, 2, {"chunk_size": 30}),  # P = r1's own cached prefix
 ]
@@ -110,3 +115,14 @@ def test_a_hit_inside_a_hit_is_refused_by_name() -> None:
     with pytest.raises(ConfigError, match="r2 = r1:30"):
         pool_run("0+96;r0:64+20;r1:30+5", 2, 2)
     pool_run("0+96;r0:64+20;r1:70+5", 2, 2)  # past r1's own hit: r1 computed it
+
+
+def test_entries_in_shared_pages_are_counted_once() -> None:
+    """r1 = r0:64+30 shares r0's first 64-token page: its 16 CSA entries are at rest once, so the
+    ranks' CSA bytes sum to r0's 37 entries and r1's 23 - 16 own ones; HCA's first entry is past 64,
+    so r1's HCA has no entry, and r0's has one (150 // 128)."""
+    rep = run_prefills([pool_run("0+150;r0:64+30", 2, 2)])[0]
+    assert rep["matches_oracle"] is True
+    per_entry = main_entry_bytes(CFG_CODEC) + index_entry_bytes(CFG_CODEC, CFG.index_head_dim)
+    assert sum(r["csa_bytes"] for r in rep["per_rank"]) == (37 + 23 - 16) * per_entry * CFG.count("csa")
+    assert all(r["hca_bytes"] == 1 * main_entry_bytes(CFG_CODEC) * CFG.count("hca") for r in rep["per_rank"])

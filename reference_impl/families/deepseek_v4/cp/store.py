@@ -80,6 +80,8 @@ class RequestState:
     ids: torch.Tensor  # int64 [n] entry indices stored here (all of them unless sharded)
     main: torch.Tensor  # uint8 [n, main bytes]
     index: torch.Tensor  # uint8 [n, index bytes] (CSA)
+    source: int | None = None  # a hit's: the request whose pages its leading entries share
+    referenced: int = 0  # leading rows of main / index in pages shared with ``source`` (counted there)
 
 
 @dataclass
@@ -233,6 +235,9 @@ class V4Store:
                     del self.locs[old]
                     for states in self.layers:
                         states.pop(old, None)
+                        for st in states.values():
+                            if st.source == old:  # its shared pages' entries are now counted with it
+                                st.source, st.referenced = None, 0
                     for key in [key for key in self.checkpoints if key[0] == old]:
                         del self.checkpoints[key]
 
@@ -252,9 +257,11 @@ class V4Store:
             n = n_tokens // m if m else 0
             if not self.owns(layer):
                 ids, main, index = torch.arange(n), src.main[:n], src.index[:n]
+                referenced = shared_tokens // m if m else 0
             else:
                 ids, main, index = self._hit_entries(req, source, src, n, shared_tokens // 4)
-            self.layers[layer][req] = RequestState(n_tokens, window, pool, ids, main, index)
+                referenced = int((ids < shared_tokens // 4).sum())
+            self.layers[layer][req] = RequestState(n_tokens, window, pool, ids, main, index, source, referenced)
 
     def _hit_entries(
         self, req: int, source: int, src: RequestState, n: int, by_reference: int
@@ -365,12 +372,16 @@ class V4Store:
         total = 0
         for layer, states in enumerate(self.layers):
             if self.cfg.ratio(layer) in kinds:
-                total += sum(getattr(st, what).numel() * getattr(st, what).element_size() for st in states.values())
+                for st in states.values():
+                    part = getattr(st, what)
+                    rows = part.shape[0] - (st.referenced if what in ("main", "index") else 0)
+                    total += rows * (part[0].numel() if part.shape[0] else 0) * part.element_size()
         return total
 
     @property
     def kv_bytes(self) -> int:
-        """CSA and HCA entries at rest (the sharded CSA part is ~1/C per rank from phase 2)."""
+        """CSA and HCA entries at rest (the sharded CSA part is ~1/C per rank from phase 2); a hit's entries
+        in pages it shares are counted once, with the request that holds them."""
         return self._sum("main", (4, 128))
 
     @property
