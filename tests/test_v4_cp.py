@@ -109,8 +109,12 @@ def test_every_new_entry_has_one_compute_owner_holding_its_last_token():
 def test_v4_refuses_what_is_not_wired():
     from reference_impl.planner import PlannerConfig
 
-    with pytest.raises(ConfigError, match="one batch"):
-        RunConfig(preset="tiny-v4", requests=(Request(0, 130), Request(64, 9, 0)), batch_sizes=(1, 1))
+    # Several batches and hits are wired (tests/test_v4_pool.py); a hit inside another request's hit is not.
+    RunConfig(preset="tiny-v4", requests=(Request(0, 130), Request(64, 9, 0)), batch_sizes=(1, 1))
+    with pytest.raises(ConfigError, match="hits inside r1's own hit"):
+        RunConfig(
+            preset="tiny-v4", requests=(Request(0, 130), Request(64, 9, 0), Request(30, 5, 1)), batch_sizes=(1, 1, 1)
+        )
     with pytest.raises(ConfigError, match="planner.v4"):
         PlannerConfig(preset="deepseek-v4-flash")
 

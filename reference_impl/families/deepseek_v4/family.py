@@ -3,7 +3,8 @@
 What the engine gets from here: the compressed-entry store (:class:`~.cp.store.V4Store`: CSA entries
 sharded by their compute owner with phase 2, HCA entries, window tails and compressor states
 replicated), the prefixes (the oracle over each prefix, each rank keeping its share, or synthetic
-entries of the right shapes for benchmarks: :data:`PrefixSource`), and the layer step
+entries of the right shapes for benchmarks: :data:`PrefixSource`; a request ``rN:P+E`` of a later
+batch hits request ``N``'s cache instead, by the rules of :mod:`~.cp.store`), and the layer step
 (:class:`~.cp.layer.V4ChunkRunner`: halos, compression, the sharded CSA indexer, attention with sinks).
 """
 
@@ -22,7 +23,12 @@ from reference_impl.families.base import ChunkInputs
 from reference_impl.families.deepseek_v4 import footprint
 from reference_impl.families.deepseek_v4.config import V4_PRESETS, V4ModelConfig
 from reference_impl.families.deepseek_v4.cp.layer import PER_LAYER_TAGS_V4, V4ChunkRunner
-from reference_impl.families.deepseek_v4.cp.store import V4Store, install_synthetic_prefixes, install_v4_prefixes
+from reference_impl.families.deepseek_v4.cp.store import (
+    V4Store,
+    install_hits,
+    install_synthetic_prefixes,
+    install_v4_prefixes,
+)
 from reference_impl.families.deepseek_v4.model.oracle import V4Model, V4OracleResult, build_v4_model, run_v4_oracle
 from reference_impl.footprint import PROCESS_BASE, SAFETY
 from reference_impl.schedule import Chunk
@@ -110,11 +116,14 @@ class DeepSeekV4Family:
                 f"kv_design={run.kv_design} is built for the DSA cache (MLA latent + indexer K); {run.preset}'s "
                 "compressed caches run under the phases only (kv_design=phases)"
             )
-        if run.batch_sizes is not None or any(r.shares is not None for r in run.requests):
-            raise ConfigError(
-                f"{run.preset}: several batches and shared prefixes (rN:P+E) are not wired to DeepSeek-V4's cache; "
-                "run one batch"
-            )
+        for i, r in enumerate(run.requests):
+            source = run.requests[r.shares] if r.shares is not None else None
+            if source is not None and source.shares is not None and r.prefix <= source.prefix:
+                raise ConfigError(
+                    f"requests: r{i} = r{r.shares}:{r.prefix}+{r.extend} hits inside r{r.shares}'s own hit of "
+                    f"r{source.shares} ({source.prefix} tokens); on {run.preset} write it as "
+                    f"r{source.shares}:{r.prefix}+{r.extend}"
+                )
 
     # ---- sizing --------------------------------------------------------------------------------
     def weight_bytes(self, cfg: V4ModelConfig, dtype_bytes: int) -> tuple[int, int]:
@@ -163,7 +172,13 @@ class DeepSeekV4Family:
         chunk: Chunk,
         shared_tokens: dict[int, int],
     ) -> None:
+        """A batch's first chunk: requests freed since are dropped, cached prefixes installed
+        (:data:`PrefixSource`), and requests that start with an earlier request's prefix served from
+        the store (the hit rules of :mod:`~.cp.store`)."""
+        store.begin_chunk(list(chunk.requests), list(store.batch.request_locs))
+        store.forget_freed({req: shared_tokens.get(req, 0) for req in chunk.requests})
         self.prefixes(run, model, inputs, store, chunk)
+        install_hits(run, store, chunk, shared_tokens)
 
     def chunk_step(self, inputs: ChunkInputs) -> _V4Step:
         runner = V4ChunkRunner.for_run(

@@ -36,7 +36,7 @@ from reference_impl.cp.split import SplitMetadata
 from reference_impl.families.deepseek_v4.cache_layout import decode_index, decode_main, encode_index, encode_main
 from reference_impl.families.deepseek_v4.config import V4ModelConfig
 from reference_impl.families.deepseek_v4.cp.plan import RatioPlan, V4ChunkPlan, build_plan
-from reference_impl.families.deepseek_v4.cp.store import Materialization, V4Store
+from reference_impl.families.deepseek_v4.cp.store import Materialization, V4Store, hit_points
 
 WINDOW_TAG, POOL_TAG, ENTRY_TAG = "v4_window", "v4_pool", "v4_entries"
 PER_LAYER_TAGS_V4 = (WINDOW_TAG, POOL_TAG, ENTRY_TAG, "materialize", "prefetch_v4")
@@ -58,6 +58,7 @@ class _RatioIndex:
         self.slot_rows = _long(rp.slot_rows, device).reshape(len(rp.owned), n_slots)
         self.owned_entries = _long([rp.entries[k][1] for k in rp.owned], device)
         self.new_state_rows = [_long(rows, device) for rows in rp.new_state_rows]
+        self.checkpoint_state_rows = {key: _long(rows, device) for key, rows in rp.checkpoint_state_rows.items()}
         self.entry_rows = _long(rp.entry_rows, device)
         self.entry_lengths = rp.entry_lengths
         counts = [0] * len(plan.prefix_lens)
@@ -89,11 +90,13 @@ class V4ChunkRunner:
         view_dtype: torch.dtype,
         prefetch: bool = False,
         direct_write: bool = False,
+        hit_points: list[list[int]] | None = None,
     ) -> None:
         device = group.device
         self.group, self.cfg, self.store, self.view_dtype = group, cfg, store, view_dtype
-        self.plan = build_plan(meta, cfg, group.rank)
+        self.plan = build_plan(meta, cfg, group.rank, hit_points)
         plan = self.plan
+        self.checkpoint_tail_rows = {key: _long(rows, device) for key, rows in plan.checkpoint_tail_rows.items()}
         self.positions = _long(plan.positions, device)
         self.raw_send = _long(plan.raw.send[group.rank], device)
         self.raw_rows = _long(plan.raw.rows, device)
@@ -129,6 +132,7 @@ class V4ChunkRunner:
         """The runner of one chunk of ``run`` (the engine's hook; views in bf16, like the oracle's)."""
         cfg = run.model
         assert isinstance(cfg, V4ModelConfig)
+        points = hit_points(run)
         return cls(
             group,
             cfg,
@@ -139,6 +143,7 @@ class V4ChunkRunner:
             torch.bfloat16,
             prefetch=run.phases.prefetch,
             direct_write=run.phases.compute_owner,
+            hit_points=[sorted(points.get(req, ())) for req in requests],
         )
 
     def _owners_compute(self, plan: V4ChunkPlan) -> bool:
@@ -169,12 +174,15 @@ class V4ChunkRunner:
         topk = torch.full((plan.n_local, 0), -1, dtype=torch.int32, device=x.device)
         dense = (None, None, None)
         transient = table.numel()
+        checkpoint_tails = {key: table.index_select(0, rows) for key, rows in self.checkpoint_tail_rows.items()}
         if not m:
             store.set_state(layer, tails, [None] * len(tails), self.n_tokens)
+            store.set_checkpoints(layer, checkpoint_tails, {})
         else:
             ri = self.ratios[m]
-            main_rows, index_rows, pools, new_local = self._entries(layer, attn, proj, ri, x.dtype)
+            main_rows, index_rows, pools, new_local, checkpoint_pools = self._entries(layer, attn, proj, ri, x.dtype)
             store.set_state(layer, tails, pools, self.n_tokens)
+            store.set_checkpoints(layer, checkpoint_tails, checkpoint_pools)
             main_view, index_view = self._entry_view(layer, ri, main_rows, index_rows, new_local)
             offset = table.shape[0]
             views.append(decode_main(main_view, codec).to(self.view_dtype))
@@ -217,9 +225,16 @@ class V4ChunkRunner:
         proj: Any,
         ri: _RatioIndex,
         dtype: torch.dtype,
-    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    ) -> tuple[
+        torch.Tensor,
+        torch.Tensor,
+        list[torch.Tensor],
+        tuple[torch.Tensor, torch.Tensor],
+        dict[tuple[int, int], torch.Tensor],
+    ]:
         """Compressor halo, this rank's entries, entry all-gather -> ``(new main rows, new index rows
-        (chunk entry order), next compressor states, this rank's own encoded (main, index))``."""
+        (chunk entry order), next compressor states, this rank's own encoded (main, index), compressor
+        states at the checkpoints)``."""
         store, codec, m = self.store, self.store.codec, attn.ratio
         parts = [proj.pool_kv, proj.pool_score]
         if m == 4:
@@ -228,6 +243,7 @@ class V4ChunkRunner:
         halo = self._gather(own_pool, ri.pool_send, ri.pool_lengths, ri.pool_rows, POOL_TAG)
         table = torch.cat([*(store.state(layer, req).pool for req in store.requests), own_pool, halo])
         pools = [table.index_select(0, rows) for rows in ri.new_state_rows]
+        checkpoint_pools = {key: table.index_select(0, rows) for key, rows in ri.checkpoint_state_rows.items()}
         width = proj.pool_kv.shape[1]
         main = attn.finish_entries(
             attn.ops.pool(table[:, :width], table[:, width : 2 * width], ri.slot_rows, m), ri.owned_entries, dtype
@@ -246,7 +262,7 @@ class V4ChunkRunner:
             padded = self.group.all_gather_rows_padded_raw(packed, ri.entry_lengths, ENTRY_TAG)
             gathered = padded.reshape(-1, packed.shape[1]).index_select(0, ri.entry_rows)
         b = own_main.shape[1]
-        return gathered[:, :b], gathered[:, b:], pools, (own_main, own_index)
+        return gathered[:, :b], gathered[:, b:], pools, (own_main, own_index), checkpoint_pools
 
     def _entry_view(
         self,

@@ -89,6 +89,7 @@ class RatioPlan:
     pool: Transfer  # the pre-pool halo and state rows this rank reads from others
     slot_rows: list[list[int]]  # per owned entry: pool-table row of each slot (-1: absent)
     new_state_rows: list[list[int]]  # per request: pool-table rows of its next compressor state
+    checkpoint_state_rows: dict[tuple[int, int], list[int]]  # (request, hit point Q) -> its state's rows at Q
     view_offsets: list[int]  # per request: first row of its entries in the entry view
     n_entries: list[int]  # per request: entries after the chunk (history + new)
 
@@ -110,6 +111,8 @@ class V4ChunkPlan:
     window_rows: list[list[int]]  # per local query: window-table row of positions t - W + 1 .. t (-1: none)
     new_tail_rows: list[list[int]]  # per request: window-table rows of its next window tail
     ratios: dict[int, RatioPlan] = field(default_factory=dict)
+    # (request, hit point Q) -> window-table rows of its window tail at Q (a later request hits it there)
+    checkpoint_tail_rows: dict[tuple[int, int], list[int]] = field(default_factory=dict)
 
     @property
     def n_local(self) -> int:
@@ -130,8 +133,14 @@ def _positions(meta: SplitMetadata) -> tuple[dict[Key, int], dict[Key, tuple[int
     return gid, holder
 
 
-def build_plan(meta: SplitMetadata, cfg: V4ModelConfig, rank: int) -> V4ChunkPlan:
-    """The plan of ``rank`` for the chunk ``meta`` (every rank builds every rank's sends alike)."""
+def build_plan(
+    meta: SplitMetadata, cfg: V4ModelConfig, rank: int, hit_points: Sequence[Sequence[int]] | None = None
+) -> V4ChunkPlan:
+    """The plan of ``rank`` for the chunk ``meta`` (every rank builds every rank's sends alike).
+
+    ``hit_points[i]``: positions ``Q`` of chunk request ``i`` where a later request hits its prefix;
+    those this chunk reaches (``prefix < Q <= end``) get a **checkpoint**: every rank keeps the window
+    tail and the compressor states at ``Q`` (replicated, like the state at a request's end)."""
     c, w = meta.cp_size, cfg.window_size
     prefix, extend = list(meta.prefix_lens), list(meta.extend_lens)
     ends = [p + e for p, e in zip(prefix, extend)]
@@ -144,8 +153,13 @@ def build_plan(meta: SplitMetadata, cfg: V4ModelConfig, rank: int) -> V4ChunkPla
 
     tails = [(max(0, p - (w - 1)), min(w - 1, p)) for p in prefix]
     new_tails = [range(max(0, e - (w - 1)), e) for e in ends]
-    # Raw rows: every rank needs its queries' windows and every request's next window tail.
+    checkpoints = [
+        sorted(q for q in set(hit_points[i]) if prefix[i] < q <= ends[i]) if hit_points else [] for i in range(n_req)
+    ]
+    checkpoint_tails = {(i, q): range(max(0, q - (w - 1)), q) for i in range(n_req) for q in checkpoints[i]}
+    # Raw rows: every rank needs its queries' windows and every request's next window tail (and checkpoints').
     tail_keys = {(i, p) for i, span in enumerate(new_tails) for p in span if current(i, p)}
+    tail_keys |= {(i, p) for (i, _), span in checkpoint_tails.items() for p in span if current(i, p)}
     raw_needs: list[set[Key]] = []
     for r in range(c):
         keys = set(tail_keys)
@@ -175,8 +189,11 @@ def build_plan(meta: SplitMetadata, cfg: V4ModelConfig, rank: int) -> V4ChunkPla
     ]
     new_tail_rows = [[window_row(i, q) for q in new_tails[i]] for i in range(n_req)]
     plan = V4ChunkPlan(rank, c, w, local, positions, requests, prefix, extend, tails, raw, window_rows, new_tail_rows)
+    plan.checkpoint_tail_rows = {key: [window_row(key[0], q) for q in span] for key, span in checkpoint_tails.items()}
     for ratio in sorted({r for r in cfg.compress_ratios[: cfg.n_layers] if r}):
-        plan.ratios[ratio] = _ratio_plan(meta, ratio, rank, prefix, ends, holder, local, requests, positions)
+        plan.ratios[ratio] = _ratio_plan(
+            meta, ratio, rank, prefix, ends, holder, local, requests, positions, checkpoints
+        )
     return plan
 
 
@@ -190,6 +207,7 @@ def _ratio_plan(
     local: list[int],
     requests: list[int],
     positions: list[int],
+    checkpoints: list[list[int]],
 ) -> RatioPlan:
     c, n_req = meta.cp_size, len(prefix)
     entries = [(i, e) for i in range(n_req) for e in range(prefix[i] // m, ends[i] // m)]
@@ -204,6 +222,7 @@ def _ratio_plan(
     entry_rows = [r * width + k for r, k in zip(owner, slot_in_rank)]
     states = [(state_start(p, m), p - state_start(p, m)) for p in prefix]
     new_states = [range(state_start(e, m), e) for e in ends]
+    checkpoint_states = {(i, q): range(state_start(q, m), q) for i in range(n_req) for q in checkpoints[i]}
 
     def slots(i: int, e: int) -> list[int]:
         own = [e * m + j for j in range(m)]
@@ -212,6 +231,7 @@ def _ratio_plan(
     pool_needs: list[set[Key]] = []
     for r in range(c):
         keys = {(i, p) for i, span in enumerate(new_states) for p in span if p >= prefix[i]}
+        keys |= {(i, p) for (i, _), span in checkpoint_states.items() for p in span if p >= prefix[i]}
         for (i, e), o in zip(entries, owner):
             if o == r:
                 keys.update((i, p) for p in slots(i, e) if p >= prefix[i])
@@ -245,6 +265,7 @@ def _ratio_plan(
         pool=pool,
         slot_rows=[[pool_row(entries[k][0], p) for p in slots(*entries[k])] for k in owned],
         new_state_rows=[[pool_row(i, p) for p in new_states[i]] for i in range(n_req)],
+        checkpoint_state_rows={key: [pool_row(key[0], p) for p in span] for key, span in checkpoint_states.items()},
         view_offsets=[sum(counts[:i]) for i in range(n_req)],
         n_entries=counts,
     )

@@ -16,11 +16,47 @@ Per layer and request the store holds:
 The **entry view** of a layer is every chunk request's entries in entry order, concatenated: with
 sharded entries it is materialized by one all-gather of the owned entries (all of them with phase
 2, only the history with phase 3, the current chunk's coming from the entry all-gather).
+
+**A long-lived store and prefix hits.** The store lives across the batches of a run (``--batches``);
+a request ``rN:P+E`` of a later batch *hits* the first ``P`` tokens of request ``N``, which an
+earlier batch computed. The page table gives it ``N``'s whole pages of the prefix by reference and
+fresh pages for the rest (the prefix's partial page and everything after). The rules:
+
+* **what a hit stores** -- per layer, the complete entries of the prefix (``P // 4`` CSA entries
+  and keys, ``P // 128`` HCA entries) and a **checkpoint** at ``P``: the window tail there (raw
+  entries of tokens ``[P - 127, P)``) and the compressor state there (the float32 pre-pool rows of
+  tokens ``[state_start(P, m), P)``: the incomplete block's ``P mod m`` rows, and on CSA the four
+  rows of the block before it as well, which the 8-token overlapping window of the next entry
+  reads). Neither survives at rest past ``P`` (a request keeps the window tail and the state at its
+  own end only), and neither can be rebuilt from the entries (the window's raw rows need each
+  layer's input at those tokens, which needs the windows before them, back to token 0). So a
+  request whose prefix a later request hits keeps a checkpoint at ``P`` when its computation
+  passes ``P`` (:func:`hit_points`, the plan's ``checkpoint_*`` rows: gathered like the state at a
+  request's end), or, for ``P`` inside its own cached prefix, when that prefix is installed;
+* **what the next request recomputes** -- nothing of the prefix: no prefix token runs through a
+  layer again. Its first new entry is the incomplete block's (entry ``P // m``), computed by the
+  compute owner of its last token from the checkpoint's carried rows plus the new tokens' rows;
+  on CSA, when ``P mod 4 == 0``, the carried rows are the previous block's four (the overlap);
+* **where the carried rows live** -- replicated, in every rank's store, as a request's end state
+  is: the checkpoint is taken on every rank (the gather sends its rows to every rank), and at the
+  hit it becomes the new request's window tail and compressor state on every rank;
+* **the sliding-window tail** on a hit -- stored (the checkpoint), never rebuilt; every rank keeps
+  a copy (the rank that computes the new request's first tokens may be any);
+* **the owner of a shared prefix's entries** -- the owner of the page its tokens sit in, as in a
+  single-batch run, never the next request's compute split: entries of the whole shared pages stay
+  where the first request left them (the same pages, so the same owner; the next request's ranks
+  rebuild them through the materialization like any history); entries of the prefix's partial
+  page move to the owners of the fresh page that holds them for the new request (one all-gather
+  per CSA layer at the hit, ``v4_hit``); HCA entries are replicated and are simply referenced;
+* **lifetime** -- a request's state goes when its pages come back into use: a request that takes a
+  fresh page drops every request held before that had a token on it (the page table frees a page
+  only when its last holder is freed, so that request was freed).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -44,6 +80,8 @@ class RequestState:
     ids: torch.Tensor  # int64 [n] entry indices stored here (all of them unless sharded)
     main: torch.Tensor  # uint8 [n, main bytes]
     index: torch.Tensor  # uint8 [n, index bytes] (CSA)
+    source: int | None = None  # a hit's: the request whose pages its leading entries share
+    referenced: int = 0  # leading rows of main / index in pages shared with ``source`` (counted there)
 
 
 @dataclass
@@ -71,6 +109,9 @@ class V4Store:
     materialized_bytes: int = 0
     transient_bytes: int = 0
     paths: set[str] = field(default_factory=set)
+    # (run-global request, hit point) -> per layer: (window tail, compressor state) at that point
+    checkpoints: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor] | None]] = field(default_factory=dict)
+    carry_at_hits: ClassVar[bool] = True  # off: a hit zeroes the carried pre-pool rows (tests show they matter)
 
     def __post_init__(self) -> None:
         self.layers = [{} for _ in range(self.cfg.n_layers)]
@@ -170,6 +211,85 @@ class V4Store:
             if pool is not None:
                 st.pool = pool
 
+    def set_checkpoints(
+        self, layer: int, tails: dict[tuple[int, int], torch.Tensor], pools: dict[tuple[int, int], torch.Tensor]
+    ) -> None:
+        """Keep the window tails and compressor states the chunk's requests have at their hit points
+        (``(chunk request index, position)`` keys; no state on sliding layers)."""
+        for (i, q), window in tails.items():
+            pool = pools.get((i, q))
+            if pool is None:
+                pool = torch.empty(0, pool_width(self.cfg, self.cfg.ratio(layer)), device=window.device)
+            self._checkpoint(self.requests[i], q)[layer] = (window, pool)
+
+    def _checkpoint(self, req: int, q: int) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        return self.checkpoints.setdefault((req, q), [None] * self.cfg.n_layers)
+
+    def forget_freed(self, new: dict[int, int]) -> None:
+        """Drop every held request whose pages a new request of ``new`` (request -> tokens it shares by
+        reference) opens fresh: the page table handed them out again, so their holder was freed."""
+        for req, shared in new.items():
+            fresh = set((self.locs[req][shared:] // self.batch.page_size).tolist())
+            for old in [r for r in self.locs if r not in new]:
+                if fresh.intersection((self.locs[old] // self.batch.page_size).tolist()):
+                    del self.locs[old]
+                    for states in self.layers:
+                        states.pop(old, None)
+                        for st in states.values():
+                            if st.source == old:  # its shared pages' entries are now counted with it
+                                st.source, st.referenced = None, 0
+                    for key in [key for key in self.checkpoints if key[0] == old]:
+                        del self.checkpoints[key]
+
+    def install_hit(self, req: int, source: int, n_tokens: int, shared_tokens: int) -> None:
+        """Serve request ``req``'s first ``n_tokens`` tokens from ``source``'s cache (the module docstring's
+        rules): its complete entries, and the window tail and compressor state of the checkpoint at
+        ``n_tokens``; ``shared_tokens``: the leading tokens in pages ``req`` took by reference."""
+        checkpoint = self.checkpoints.get((source, n_tokens))
+        if checkpoint is None or any(part is None for part in checkpoint):
+            raise AssertionError(f"request {source} kept no checkpoint at {n_tokens} for request {req}")
+        for layer in range(self.cfg.n_layers):
+            window, pool = checkpoint[layer]  # type: ignore[misc]
+            m = self.cfg.ratio(layer)
+            if not self.carry_at_hits:
+                pool = torch.zeros_like(pool)
+            src = self.state(layer, source)
+            n = n_tokens // m if m else 0
+            if not self.owns(layer):
+                ids, main, index = torch.arange(n), src.main[:n], src.index[:n]
+                referenced = shared_tokens // m if m else 0
+            else:
+                ids, main, index = self._hit_entries(req, source, src, n, shared_tokens // 4)
+                referenced = int((ids < shared_tokens // 4).sum())
+            self.layers[layer][req] = RequestState(n_tokens, window, pool, ids, main, index, source, referenced)
+
+    def _hit_entries(
+        self, req: int, source: int, src: RequestState, n: int, by_reference: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A sharded CSA layer's entries ``[0, n)`` for ``req``: those of the whole shared pages
+        (``[0, by_reference)``) where they are, the rest moved from ``source``'s owners to ``req``'s."""
+        rank = self.group.rank
+        kept = src.ids < by_reference
+        moved = range(by_reference, n)
+        senders = self.entry_owner(source, moved)
+        lengths = [senders.count(r) for r in range(self.group.size)]
+        mine = (src.ids >= by_reference) & (src.ids < n)
+        packed = torch.cat([src.main[mine.to(src.main.device)], src.index[mine.to(src.main.device)]], dim=1)
+        raw = self.group.all_gather_rows_padded_raw(packed, lengths, "v4_hit")
+        width, seen, rows = max(1, max(lengths)), [0] * self.group.size, []
+        for sender in senders:
+            rows.append(sender * width + seen[sender])
+            seen[sender] += 1
+        receivers = self.entry_owner(req, moved)
+        take = [k for k, r in enumerate(receivers) if r == rank]
+        flat = raw.reshape(-1, packed.shape[1])
+        got = flat.index_select(0, torch.tensor([rows[k] for k in take], dtype=torch.long, device=flat.device))
+        self.transient_bytes = max(self.transient_bytes, raw.numel())
+        main = torch.cat([src.main[kept.to(src.main.device)], got[:, : self.main_bytes]])
+        index = torch.cat([src.index[kept.to(src.main.device)], got[:, self.main_bytes :]])
+        ids = torch.cat([src.ids[kept], torch.tensor([by_reference + k for k in take], dtype=torch.long)])
+        return ids, main, index
+
     def prepare(self, new_spans: list[range]) -> None:
         """Before a chunk's layer loop: which of each request's new CSA entries ``new_spans[i]`` this rank
         keeps (host work done once, so the loop reads only device indices)."""
@@ -252,12 +372,16 @@ class V4Store:
         total = 0
         for layer, states in enumerate(self.layers):
             if self.cfg.ratio(layer) in kinds:
-                total += sum(getattr(st, what).numel() * getattr(st, what).element_size() for st in states.values())
+                for st in states.values():
+                    part = getattr(st, what)
+                    rows = part.shape[0] - (st.referenced if what in ("main", "index") else 0)
+                    total += rows * (part[0].numel() if part.shape[0] else 0) * part.element_size()
         return total
 
     @property
     def kv_bytes(self) -> int:
-        """CSA and HCA entries at rest (the sharded CSA part is ~1/C per rank from phase 2)."""
+        """CSA and HCA entries at rest (the sharded CSA part is ~1/C per rank from phase 2); a hit's entries
+        in pages it shares are counted once, with the request that holds them."""
         return self._sum("main", (4, 128))
 
     @property
@@ -282,8 +406,10 @@ class V4Store:
         out: dict[int, tuple[torch.Tensor, ...]] = {}
         wanted = request_locs if request_locs is not None else [self.locs[r] for r in self.requests]
         for k, locs in enumerate(wanted):
-            req = next(
-                r for r, held in self.locs.items() if held.numel() == locs.numel() and torch.equal(held, locs.cpu())
+            req = next(  # the latest holder of those locs (an earlier one was freed)
+                r
+                for r, held in reversed(self.locs.items())
+                if held.numel() == locs.numel() and torch.equal(held, locs.cpu())
             )
             st = self.state(layer, req)
             out[k] = (torch.tensor(st.n_tokens), st.window, st.pool, st.ids, st.main, st.index)
@@ -319,7 +445,7 @@ def install_v4_prefixes(
 
     requests = list(chunk.requests)
     store.begin_chunk(requests, list(store.batch.request_locs))
-    todo = [req for req in requests if run.requests[req].prefix > 0]
+    todo = [req for req in requests if run.requests[req].prefix > 0 and run.requests[req].shares is None]
     if not todo:
         return
     result = run_v4_oracle(
@@ -328,6 +454,31 @@ def install_v4_prefixes(
     for layer, caches in enumerate(result.caches):
         for req, cache in zip(todo, caches):
             store.install(layer, req, cache)
+    # Hit points inside an installed prefix: the checkpoint that earlier prefill kept there.
+    points = hit_points(run)
+    for req in todo:
+        for q in sorted(p for p in points.get(req, ()) if p <= run.requests[req].prefix):
+            at_q = run_v4_oracle(model, [0], [inputs[req][:q]], run.kv_dtype)  # type: ignore[arg-type]
+            for layer, (cache,) in enumerate(at_q.caches):
+                store._checkpoint(req, q)[layer] = (cache.window_tail(store.cfg.window_size).clone(), pack_pool(cache))
+
+
+def hit_points(run: RunConfig) -> dict[int, set[int]]:
+    """Request -> the positions where a later request hits its prefix (``rN:P+E``: ``P`` of ``N``)."""
+    points: dict[int, set[int]] = {}
+    for r in run.requests:
+        if r.shares is not None:
+            points.setdefault(r.shares, set()).add(r.prefix)
+    return points
+
+
+def install_hits(run: RunConfig, store: V4Store, chunk: object, shared_tokens: dict[int, int]) -> None:
+    """Serve each of ``chunk``'s requests that starts with an earlier request's prefix from the store
+    (:meth:`V4Store.install_hit`); every rank calls it alike (moving entries is a collective)."""
+    for req in chunk.requests:  # type: ignore[attr-defined]
+        source = run.requests[req].shares
+        if source is not None:
+            store.install_hit(req, source, run.requests[req].prefix, shared_tokens.get(req, 0))
 
 
 @torch.no_grad()
