@@ -43,6 +43,7 @@ __all__ = [
 BUILTIN: dict[str, str] = {  # family name -> its package (imported when first asked)
     "dsa": "reference_impl.families.dsa",
     "deepseek-v4": "reference_impl.families.deepseek_v4",
+    "glm53": "reference_impl.families.glm53",
 }
 
 

@@ -1,0 +1,201 @@
+"""One chunk's GLM-5.3 layer loop on one rank: :class:`Glm53Step`.
+
+**KDA layers: the state handed along the sequence.** A rank holds blocks of each request (the in-seq
+split: block ``r`` and block ``2C - 1 - r``, far apart). A block's tokens need the state after every
+token before them, which other ranks' blocks produce; the recurrence is affine in the state, so:
+
+1. *halo*: each rank all-gathers the last ``conv - 1`` convolution input rows of each of its blocks
+   (tag ``glm53_kda_halo``); a block's halo is the last ``conv - 1`` rows of [the request's cached tail
+   (its prefix, or the previous chunk), the earlier blocks' tails] (a block shorter than the halo
+   passes its rows through);
+2. *maps*: each rank computes its blocks' state maps ``S -> A S + B`` (float32 ``[H, Dk, Dk + Dv]``
+   each, :func:`~reference_impl.families.glm53.model.kda.span_map`) and all-gathers them (tag
+   ``glm53_kda_state``: ``C x blocks x H x Dk x (Dk + Dv) x 4`` bytes per layer and chunk);
+3. *compose*: every rank composes the maps in sequence order from the request's cached state
+   (:func:`entering_states`): the state entering each block, and the state after the chunk, which
+   every rank keeps (the same bytes everywhere: the cache of the next chunk, and what a decode needs);
+4. each rank runs its blocks' recurrence from their entering states and finishes its outputs.
+
+The round-robin split is not built: its blocks are single tokens, whose maps (``Dk x (Dk + Dv)`` per
+head) outweigh the tokens; it would ship the tokens' ``k, v, g, beta`` instead and replay the
+recurrence on every rank.
+
+**Indexed layers.** The chunk's latent rows and raw indexer rows are all-gathered in sequence order
+(tag ``glm53_current``); each rank stores the latent rows it owns and pools the groups whose last
+token it owns (a group straddling a block, chunk or prefix boundary is completed from the request's
+pending rows, once, by that owner); the request's latent rows and group keys are all-gathered from
+their owners (``glm53_kv_view``, ``glm53_index_view``) and each rank scores, selects and attends for
+its own queries. A layer sharing its selection reuses the previous layer's rows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from reference_impl.cp.rerange import gather_current
+from reference_impl.families.base import ChunkInputs
+from reference_impl.families.glm53.cp.store import Glm53Store
+from reference_impl.families.glm53.model.dsa import MLAttention, group_scores, select
+from reference_impl.families.glm53.model.kda import KDAttention, compose, kda_chunked, span_map
+
+PER_LAYER_TAGS = ("glm53_current", "glm53_kv_view", "glm53_index_view", "glm53_kda_halo", "glm53_kda_state")
+
+
+def entering_states(
+    initial: torch.Tensor, maps: list[tuple[torch.Tensor, torch.Tensor]]
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The state entering each block (``maps`` in sequence order) from ``initial``, and the state after the last."""
+    states, state = [], initial
+    for A, B in maps:
+        states.append(state)
+        state = compose(state, A, B)
+    return states, state
+
+
+class Glm53Step:
+    """See the module docstring."""
+
+    def __init__(self, inputs: ChunkInputs) -> None:
+        self.inputs = inputs
+        self.store: Glm53Store = inputs.store
+        meta, rank = inputs.meta, inputs.group.rank
+        self.cfg = inputs.run.model
+        # Every rank's blocks (request, its first position, length, rank, first local row), in each rank's order.
+        self.blocks = [
+            [(s.request, s.q_abs_start, s.length, s.local_start) for s in meta.segments[r] if s.length]
+            for r in range(meta.cp_size)
+        ]
+        self.mine = self.blocks[rank]
+        locals_ = meta.local_tokens(rank)
+        self.local_request = torch.tensor([meta.token_request[g] for g in locals_], dtype=torch.long)
+        self.transient_bytes = 0
+        self.shared: torch.Tensor | None = None  # the last indexed layer's selection rows
+
+    def begin(self) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
+
+    def prefetch_wait_ms(self) -> list[float]:
+        return []
+
+    def step(self, layer: int, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = block.attn_norm(x)
+        if isinstance(block.attn, KDAttention):
+            out = self._kda(layer, block.attn, h)
+            return x + out, torch.zeros(len(x), 0, dtype=torch.int32, device=x.device)
+        out, selection = self._dsa(layer, block.attn, h)
+        return x + out, selection
+
+    # ---- KDA ------------------------------------------------------------------------------------
+    def _request_locs(self, req: int) -> torch.Tensor:
+        chunk = self.inputs.chunk
+        return self.inputs.batch.request_locs[req][: chunk.prefix_lens[req] + chunk.extend_lens[req]]
+
+    def _kda(self, layer: int, attn: KDAttention, h: torch.Tensor) -> torch.Tensor:
+        group, store, H = self.inputs.group, self.store, self.cfg.linear_num_heads
+        halo, C = attn.halo, self.cfg.conv_dim
+        mixed = attn.mixed(h)
+        g, beta = attn.gates(h)
+        # 1. the blocks' convolution tails, all-gathered
+        tails = mixed.new_zeros(len(self.mine), halo, C)
+        for n, (_, _, length, start) in enumerate(self.mine):
+            take = min(length, halo)
+            tails[n, halo - take :] = mixed[start + length - take : start + length]
+        counts = [len(b) for b in self.blocks]
+        all_tails = group.all_gather_padded(tails, counts, "glm53_kda_halo")
+        flat = [b for r in range(len(self.blocks)) for b in self.blocks[r]]  # rank-major, as gathered
+        order = {}  # request -> its blocks' rank-major indices in sequence order
+        for i, (req, pos, _, _) in enumerate(flat):
+            order.setdefault(req, []).append((pos, i))
+        halos: dict[int, torch.Tensor] = {}  # rank-major index -> the block's halo
+        for req, items in order.items():
+            cache = store.kda_cache(layer, self._request_locs(req))
+            rows = cache.conv.to(mixed.dtype)
+            for _, i in sorted(items):
+                halos[i] = rows[-halo:]
+                take = min(flat[i][2], halo)
+                rows = torch.cat([rows, all_tails[i, halo - take :]])
+            new_conv = rows[-halo:].to(cache.conv.dtype)
+            cache.conv = new_conv  # every rank: the same rows
+        # 2. the blocks' state maps, all-gathered
+        first_mine = sum(counts[: group.rank])
+        Dk = self.cfg.linear_head_dim
+        qkv, maps = [], mixed.new_zeros(len(self.mine), H, Dk, 2 * Dk, dtype=torch.float32)
+        for n, (_, _, length, start) in enumerate(self.mine):
+            rows = slice(start, start + length)
+            q, k, v = attn.qkv(attn.conv(mixed[rows], halos[first_mine + n]))
+            qkv.append((q, k, v))
+            A, B = span_map(k, v, g[rows], beta[rows])
+            maps[n] = torch.cat([A, B], dim=-1)
+        all_maps = group.all_gather_padded(maps, counts, "glm53_kda_state")
+        # 3. compose in sequence order: the state entering every block, and after the chunk
+        entering: dict[int, torch.Tensor] = {}
+        for req, items in order.items():
+            cache = store.kda_cache(layer, self._request_locs(req))
+            ids = [i for _, i in sorted(items)]
+            states, cache.state = entering_states(
+                cache.state, [(all_maps[i, ..., :Dk], all_maps[i, ..., Dk:]) for i in ids]
+            )
+            entering.update(zip(ids, states))
+        # 4. this rank's blocks from their entering states
+        core = h.new_zeros(len(h), H, Dk, dtype=torch.float32)
+        for n, (_, _, length, start) in enumerate(self.mine):
+            q, k, v = qkv[n]
+            rows = slice(start, start + length)
+            core[rows], _ = kda_chunked(q, k, v, g[rows], beta[rows], entering[first_mine + n])
+        self.transient_bytes = all_maps.numel() * 4 + all_tails.numel() * all_tails.element_size()
+        return attn.finish(h, core)
+
+    # ---- indexed layers -------------------------------------------------------------------------
+    def _dsa(self, layer: int, attn: MLAttention, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        i, store, cfg = self.inputs, self.store, self.cfg
+        proj = attn.project(h)
+        parts = [proj.latent] if proj.index_k is None else [proj.latent, proj.index_k, proj.index_gate]
+        current = gather_current(i.group, i.index, torch.cat(parts, dim=-1), "glm53_current")  # sequence order
+        R = cfg.kv_lora_rank
+        out = h.new_zeros(len(h), cfg.dim)
+        selection = torch.full((len(h), cfg.selection_width), -1, dtype=torch.int32, device=h.device)
+        start = 0
+        for req, (prefix, extend) in enumerate(zip(i.chunk.prefix_lens, i.chunk.extend_lens)):
+            locs = self._request_locs(req)
+            rows = current[start : start + extend]
+            start += extend
+            store.write_latent(layer, locs[prefix:], rows[:, :R])
+            if proj.index_k is not None:
+                self._pool(layer, attn, locs, prefix, rows[:, R:])
+            latent = store.latent_view(layer, locs)
+            keys = store.group_key_view(layer, locs) if proj.index_k is not None else None
+            local = torch.nonzero(self.local_request == req).flatten()
+            if not len(local):
+                continue
+            if keys is not None:
+                assert proj.index_q is not None and proj.index_w is not None
+                scores = group_scores(proj.index_q[local], proj.index_w[local], keys, cfg.index_head_dim)
+                rows_sel = select(cfg, scores, i.positions[local])
+            else:
+                assert self.shared is not None, "a layer sharing its selection follows an indexed layer"
+                rows_sel = self.shared[local]
+            selection[local] = rows_sel
+            out[local] = attn.attend(proj.q[local], latent, rows_sel)
+        self.shared = selection
+        self.transient_bytes = current.numel() * current.element_size()
+        return out, selection
+
+    def _pool(self, layer: int, attn: MLAttention, locs: torch.Tensor, prefix: int, raw: torch.Tensor) -> None:
+        """Complete the request's groups with this chunk's raw rows ``[extend, 2 Di]``: each owner pools its own."""
+        store, P, Di = self.store, self.cfg.index_kpool, self.cfg.index_head_dim
+        pend_k, pend_g = store.pending_rows(layer, locs)
+        keys = torch.cat([pend_k, raw[:, :Di].to(pend_k.dtype)])
+        gates = torch.cat([pend_g, raw[:, Di:].to(pend_g.dtype)])
+        first = prefix - len(pend_k)  # position of keys[0]: a group boundary
+        full = len(keys) // P * P
+        if full:
+            ends = locs[first + P - 1 : first + full : P]
+            mine = store.mine(ends)
+            if bool(mine.any()):
+                grouped_k, grouped_g = keys[:full].view(-1, P, Di), gates[:full].view(-1, P, Di)
+                store.write_group_keys(layer, ends[mine], attn.pool(grouped_k[mine], grouped_g[mine]))
+        store.set_pending(layer, locs, keys[full:], gates[full:])

@@ -1,0 +1,200 @@
+"""GLM-5.3 behind :class:`~reference_impl.families.base.ModelFamily`.
+
+What the engine gets from here: the store (:class:`~.cp.store.Glm53Store`: KDA states replicated,
+latent rows and pooled group keys sharded by owner with phase 2), the prefixes (the oracle over each
+prefix, each rank keeping its share), the layer step (:class:`~.cp.step.Glm53Step`: the KDA state
+hand-off and halo, the pooled indexer) and the comparison (:mod:`.check`).
+
+Built: levels 0-2 (replicated caches, narrow output, sharded at rest), the in-seq split, chunked
+prefill, cached prefixes, bf16 latent rows. Refused by name: the round-robin split, phases 3-8,
+FP8 latent rows, the competing KV designs, several batches, IndexShare patterns from the command line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from reference_impl.config import ConfigError, RunConfig, env_flag
+from reference_impl.cp.batch import BatchLocs
+from reference_impl.cp.comm import CPGroup
+from reference_impl.cp.split import SplitMetadata
+from reference_impl.families.base import ChunkInputs
+from reference_impl.families.glm53 import footprint
+from reference_impl.families.glm53.config import GLM53_PRESETS, Glm53Config
+from reference_impl.families.glm53.cp.step import PER_LAYER_TAGS, Glm53Step
+from reference_impl.families.glm53.cp.store import Glm53Store
+from reference_impl.families.glm53.model.oracle import (
+    DSACache,
+    Glm53Model,
+    Glm53OracleResult,
+    KDACache,
+    build_glm53_model,
+    run_glm53_oracle,
+)
+from reference_impl.footprint import PROCESS_BASE, SAFETY
+from reference_impl.schedule import Chunk
+
+BUILT_PHASES = frozenset({1, 2})
+CACHE_DTYPE = torch.bfloat16  # kv_dtype "bf16": the latent rows
+
+
+class Glm53Family:
+    """GLM-5.3-Flash and ``tiny-glm53`` (see the module docstring)."""
+
+    name = "glm53"
+    title = "GLM-5.3 (KDA linear-attention layers and MLA layers with a pooled-key DSA indexer)"
+    config_type = Glm53Config
+    presets = GLM53_PRESETS
+    per_layer_tags = PER_LAYER_TAGS
+    planner_command = "none (no GLM-5.3 planner yet)"
+
+    # ---- configuration -------------------------------------------------------------------------
+    def model_for_run(self, cfg: Glm53Config, run: RunConfig) -> Glm53Config:
+        return cfg
+
+    def check_run(self, run: RunConfig) -> None:
+        if run.split_mode != "in-seq":
+            raise ConfigError(
+                f"split_mode={run.split_mode}: {run.preset}'s KDA state hand-off is built for the in-seq split "
+                "(round-robin's one-token blocks would ship a state map per token); use split_mode='in-seq'"
+            )
+        extra = sorted(run.phases.enabled - BUILT_PHASES)
+        if extra:
+            raise ConfigError(f"phases {extra}: {run.preset} runs levels 0-2 only (phases 1 and 2); drop them")
+        if run.kv_dtype != "bf16":
+            raise ConfigError(
+                f"kv_dtype={run.kv_dtype}: {run.preset}'s FP8 latent row is not defined here; pass kv_dtype='bf16'"
+            )
+        if run.kv_design != "phases":
+            raise ConfigError(f"kv_design={run.kv_design}: {run.preset} runs under the phases only")
+        if run.batch_sizes is not None or any(r.shares is not None for r in run.requests):
+            raise ConfigError(
+                f"{run.preset}: several batches and shared prefixes (rN:P+E) are not wired; run one batch"
+            )
+        if run.index_topk_pattern is not None:
+            raise ConfigError(f"index_topk_pattern: {run.preset}'s IndexShare is set by its indexer_types; drop it")
+        if run.cpu_widths:
+            raise ConfigError(f"cpu_widths: {run.preset} has no CPU-width variant; use tiny-glm53")
+        if run.mla_scale_fmt != "ue8m0":
+            raise ConfigError(f"mla_scale_fmt={run.mla_scale_fmt}: {run.preset} keeps bf16 latent rows; drop it")
+        if env_flag("fp8_projections"):
+            raise ConfigError(f"DSACP_FP8_PROJECTIONS=1: {run.preset}'s projections are not quantized; unset it")
+
+    # ---- sizing --------------------------------------------------------------------------------
+    def weight_bytes(self, cfg: Glm53Config, dtype_bytes: int) -> tuple[int, int]:
+        return footprint.weight_bytes(cfg, dtype_bytes)
+
+    def estimate(
+        self, run: RunConfig, device_type: str, start_method: str, cuda_devices: int, extra_process: int, b: int
+    ) -> Any:
+        return footprint.estimate(run, device_type, start_method, cuda_devices, extra_process, b)
+
+    def decode_bytes(self, run: RunConfig) -> int:
+        return int(SAFETY * PROCESS_BASE["spawn"])
+
+    # ---- the model -----------------------------------------------------------------------------
+    def build_model(
+        self,
+        cfg: Glm53Config,
+        dtype: torch.dtype,
+        seed: int,
+        device: torch.device,
+        kernels: bool,
+        fp8_projections: bool = False,
+    ) -> Glm53Model:
+        """The torch references only (no kernel table yet: ``kernels`` changes nothing)."""
+        return build_glm53_model(cfg, dtype, seed, device)
+
+    def load_weights(self, model: torch.nn.Module, checkpoint: Any, first_layer: int, head: bool) -> None:
+        from reference_impl.families.glm53.model.checkpoint import load_glm53_hf_weights
+
+        load_glm53_hf_weights(model, checkpoint, first_layer=first_layer, head=head)
+
+    # ---- one rank's run ------------------------------------------------------------------------
+    def make_store(self, run: RunConfig, batch: BatchLocs, group: CPGroup) -> Glm53Store:
+        return Glm53Store(run, batch, group)
+
+    @torch.no_grad()
+    def install_prefixes(
+        self,
+        run: RunConfig,
+        model: torch.nn.Module,
+        inputs: list[torch.Tensor],
+        store: Glm53Store,
+        chunk: Chunk,
+        shared_tokens: dict[int, int],
+    ) -> None:
+        """Each cached prefix as an earlier prefill left it: the oracle over the prefix, each rank keeping
+        its share (its latent rows and the groups whose last token it owns; the KDA states and the
+        incomplete group's raw rows everywhere)."""
+        assert isinstance(model, Glm53Model)
+        P = run.model.index_kpool
+        for i, req in enumerate(chunk.requests):
+            prefix = run.requests[req].prefix
+            if not prefix:
+                continue
+            oracle = run_glm53_oracle(model, [0], [inputs[req][:prefix]], CACHE_DTYPE)
+            locs = store.batch.request_locs[i][:prefix]
+            for layer, caches in enumerate(oracle.caches):
+                cache = caches[0]
+                if isinstance(cache, KDACache):
+                    store.kda[(layer, int(locs[0]))] = KDACache(cache.state.clone(), cache.conv.clone())
+                    continue
+                assert isinstance(cache, DSACache)
+                store.write_latent(layer, locs, cache.latent)
+                if cache.group_keys is not None:
+                    assert cache.pending_k is not None and cache.pending_gate is not None
+                    ends = locs[P - 1 :: P][: len(cache.group_keys)]
+                    mine = store.mine(ends)
+                    store.write_group_keys(layer, ends[mine], cache.group_keys[mine])
+                    store.set_pending(layer, locs, cache.pending_k.clone(), cache.pending_gate.clone())
+
+    def chunk_step(self, inputs: ChunkInputs) -> Glm53Step:
+        return Glm53Step(inputs)
+
+    # ---- the check -----------------------------------------------------------------------------
+    def oracle(
+        self,
+        model: torch.nn.Module,
+        prefixes: Sequence[int],
+        inputs: list[torch.Tensor],
+        kv_dtype: str,
+        page_size: int,
+        chunk_size: int | None,
+        view_dtype: torch.dtype,
+    ) -> Glm53OracleResult:
+        assert isinstance(model, Glm53Model)
+        return run_glm53_oracle(model, list(prefixes), inputs, CACHE_DTYPE, chunk_size)
+
+    def compare(
+        self,
+        run: RunConfig,
+        meta: SplitMetadata,
+        model: torch.nn.Module,
+        oracle: Any,
+        results: list[Any],
+        compute_dtype: torch.dtype,
+    ) -> Any:
+        from reference_impl.families.glm53.check import compare_glm53
+
+        return compare_glm53(run, meta, model, oracle, results, compute_dtype)
+
+    # ---- the rest of the run -------------------------------------------------------------------
+    def report_fields(self, run: RunConfig, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+        return {
+            "attention_kernel": "glm53-torch",
+            "index_topk_pattern": None,
+            "selects": run.model.count("indexed_attention") > 0,
+        }
+
+    def check_pd(self, run: RunConfig) -> None:
+        raise ConfigError(
+            f"{run.preset}: the PD transfer moves DeepSeek-V3.2's KV layout; GLM-5.3's KDA states and latent rows "
+            "are not wired to it"
+        )
+
+
+FAMILY = Glm53Family()

@@ -1,0 +1,106 @@
+"""GLM-5.3 through the CP engine against its oracle: levels 0 and 2, C = 2 and 3, unaligned requests
+(a cached prefix of 37 tokens, extends of 61 and 45) and chunks (17, 23: not multiples of the 16-token
+group, the blocks or the pages); the KDA state hand-off measured by its collective's tag; and the checks
+failing when the hand-off or the halo is skipped."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import reference_impl as ri
+from reference_impl.config import PhaseSet, Request, RunConfig
+from reference_impl.families.glm53 import config as glm53_config
+from reference_impl.families.glm53.cp import step as glm53_step
+
+PRESET = "tiny-glm53"
+REQUESTS = (Request(37, 61), Request(0, 45))
+
+
+def _run(level: int, cp_size: int, chunk: int | None, requests: tuple[Request, ...] = REQUESTS) -> RunConfig:
+    return RunConfig(
+        preset=PRESET,
+        cp_size=cp_size,
+        phases=PhaseSet.level(level),
+        page_size=4,
+        chunk_size=chunk,
+        kv_dtype="bf16",
+        requests=requests,
+        device="cpu",
+    )
+
+
+@pytest.mark.parametrize(
+    ("level", "cp_size", "chunk"), [(0, 2, None), (0, 3, 17), (2, 2, 23), (2, 3, 23), (2, 3, None)]
+)
+def test_cp_matches_the_oracle(level: int, cp_size: int, chunk: int | None) -> None:
+    run = _run(level, cp_size, chunk)
+    report = ri.run_prefill(run)
+    assert report["matches_oracle"], report["problems"]
+    cfg = run.model
+    tokens = sum(r.total for r in run.requests)
+    latent = [r["kv_bytes"] for r in report["per_rank"]]
+    keys = [r["index_bytes"] for r in report["per_rank"]]
+    latent_all = tokens * cfg.count(glm53_config.DSA) * cfg.kv_lora_rank * 2
+    groups = sum(r.total // cfg.index_kpool for r in run.requests)
+    keys_all = groups * (cfg.count(glm53_config.DSA) - 1) * cfg.index_head_dim * 4  # one layer shares its selection
+    if level >= 2:  # every latent row and every group key on exactly one rank
+        assert sum(latent) == latent_all and sum(keys) == keys_all and max(latent) < latent_all
+    else:
+        assert latent == [latent_all] * cp_size and keys == [keys_all] * cp_size
+
+
+@pytest.mark.parametrize("cp_size", [2, 3])
+def test_the_state_hand_off_bytes(cp_size: int) -> None:
+    """One request, one chunk: every rank receives the maps of the other ranks' two blocks per KDA layer,
+    float32 ``[heads, Dk, Dk + Dv]`` each, and their convolution tails."""
+    run = _run(2, cp_size, None, (Request(0, 50),))
+    report = ri.run_prefill(run)
+    assert report["matches_oracle"], report["problems"]
+    cfg = run.model
+    kda_layers = cfg.count(glm53_config.KDA)
+    per_block = cfg.linear_num_heads * cfg.linear_head_dim * 2 * cfg.linear_head_dim * 4
+    halo = (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim * 4
+    for rank in report["per_rank"]:
+        assert rank["kda_map_bytes_received"] == kda_layers * (cp_size - 1) * 2 * per_block
+        assert rank["kda_halo_bytes_received"] == kda_layers * (cp_size - 1) * 2 * halo
+
+
+def _fork(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DSACP_RANK_THREADS", "1")  # fork: the patch reaches the ranks
+
+
+def test_skipping_the_state_hand_off_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each block entering with the request's cached state (not the earlier blocks') is caught."""
+    real = glm53_step.entering_states
+
+    def no_hand_off(initial: torch.Tensor, maps: list) -> tuple[list[torch.Tensor], torch.Tensor]:
+        return [initial] * len(maps), real(initial, maps)[1]
+
+    monkeypatch.setattr(glm53_step, "entering_states", no_hand_off)
+    _fork(monkeypatch)
+    report = ri.run_prefill(_run(2, 2, 23))
+    assert not report["matches_oracle"] and any("hidden states" in p for p in report["problems"])
+
+
+def test_a_wrong_group_owner_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Group keys written at the group's first token instead of its last: missing keys are caught."""
+    from reference_impl.families.glm53.cp.store import Glm53Store
+
+    real = Glm53Store.write_group_keys
+    P = glm53_config.PRESETS[PRESET].index_kpool
+    monkeypatch.setattr(
+        Glm53Store, "write_group_keys", lambda self, layer, ends, keys: real(self, layer, ends - (P - 1), keys)
+    )
+    _fork(monkeypatch)
+    report = ri.run_prefill(_run(2, 2, None))
+    assert not report["matches_oracle"]
+
+
+def test_refusals_name_the_knob() -> None:
+    with pytest.raises(ri.ConfigError, match="split_mode=round-robin"):
+        RunConfig(preset=PRESET, split_mode="round-robin", kv_dtype="bf16", device="cpu")
+    with pytest.raises(ri.ConfigError, match="kv_dtype=fp8"):
+        RunConfig(preset=PRESET, device="cpu")
+    with pytest.raises(ri.ConfigError, match=r"phases \[3"):
+        RunConfig(preset=PRESET, kv_dtype="bf16", phases=PhaseSet.level(3), device="cpu")
