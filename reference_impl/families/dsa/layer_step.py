@@ -30,7 +30,9 @@ class DSALayerStep:
     """The DSA layer step of one chunk on one rank (a :class:`~reference_impl.families.base.ChunkStep`)."""
 
     def __init__(
-        self, inputs: ChunkInputs, host_bounds: HostKeyBounds | None,
+        self,
+        inputs: ChunkInputs,
+        host_bounds: HostKeyBounds | None,
         prefetcher: Callable[[Any, int], MlaPrefetcher] = MlaPrefetcher,
     ) -> None:
         self.group, self.run, self.store = inputs.group, inputs.run, inputs.store
