@@ -242,10 +242,15 @@ def _rank_error(rank: int, info: dict[str, str]) -> BaseException:
         exc = CollectiveMismatchError(message)
     else:
         exc = RankFailedError(f"rank {rank} raised {info['type']}: {message}\n\n{note}", rank, tb)
-    exc.rank = rank  # type: ignore[attr-defined]
-    exc.remote_traceback = tb  # type: ignore[attr-defined]
-    if not isinstance(exc, RankFailedError):
+    if isinstance(exc, RankFailedError):  # its constructor set ``rank`` and ``remote_traceback``
+        return exc
+    # ConfigError and CollectiveMismatchError keep their types (callers catch them by type); the
+    # rank and its traceback ride along as attributes, as on RankFailedError.
+    vars(exc).update(rank=rank, remote_traceback=tb)
+    if sys.version_info >= (3, 11):
         exc.add_note(note)
+    else:  # BaseException.add_note is 3.11+; 3.10 would raise AttributeError here
+        vars(exc).update(__notes__=[note])
     return exc
 
 

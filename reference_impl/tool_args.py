@@ -22,7 +22,7 @@ import math
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 from reference_impl.errors import ConfigError
 from reference_impl.families import family_presets
@@ -35,7 +35,13 @@ MAX_LAYERS = 128  # layers a benchmark runs or the planner models: more than any
 MAX_REPEATS = 1000  # timed runs per point: past it a benchmark runs for days, not a measurement anyone waits for
 
 
-def refusing(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:
+class MainFunction(Protocol):
+    """A command's ``main(argv=None) -> exit code`` (``argv`` ``None``: the process's arguments)."""
+
+    def __call__(self, argv: list[str] | None = None) -> int: ...
+
+
+def refusing(main: Callable[[list[str] | None], int]) -> MainFunction:
     """``main(argv) -> exit code``, with a :class:`ConfigError` printed as one line and exit 2."""
 
     @functools.wraps(main)

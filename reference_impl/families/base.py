@@ -61,9 +61,13 @@ class RankStore(Protocol):
     """
 
     name: str
-    sharded: bool  # every cache row lives on exactly one rank
     materialized_bytes: int  # bytes read from storage to build full views, all layers so far
     transient_bytes: int  # gather buffers of the last layer beyond its view
+
+    @property
+    def sharded(self) -> bool:
+        """Every cache row lives on exactly one rank (read-only: a store may compute it)."""
+        ...
 
     @property
     def kv_bytes(self) -> int:
@@ -139,10 +143,23 @@ class ModelFamily(Protocol):
 
     name: str  # the family's name ("dsa", "deepseek-v4")
     title: str  # for people: the models it covers
-    config_type: type  # the family's config dataclass: its presets' type
-    presets: Mapping[str, Any]  # preset name -> config
-    per_layer_tags: tuple[str, ...]  # the collectives' tags that count as per-layer gather traffic
     planner_command: str  # the command that plans this family's capacity per rank
+
+    # Read-only members (a family's class attributes satisfy them, whatever their narrower types).
+    @property
+    def config_type(self) -> type:
+        """The family's config dataclass: its presets' type."""
+        ...
+
+    @property
+    def presets(self) -> Mapping[str, Any]:
+        """Preset name -> config."""
+        ...
+
+    @property
+    def per_layer_tags(self) -> tuple[str, ...]:
+        """The collectives' tags that count as per-layer gather traffic."""
+        ...
 
     # ---- configuration -------------------------------------------------------------------------
     def model_for_run(self, cfg: Any, run: RunConfig) -> Any:

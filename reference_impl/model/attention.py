@@ -95,6 +95,8 @@ def _linear(n_in: int, n_out: int, dtype: torch.dtype) -> nn.Linear:
 class Indexer(nn.Module):
     """The lightning indexer's parameters (DeepSeek-V3.2 names)."""
 
+    hadamard: torch.Tensor  # a buffer
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.wq_b = _linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, dtype)
@@ -122,6 +124,8 @@ class DSAAttention(nn.Module):
 
     ``indexer=False``: an IndexShare shared layer, without an indexer (``self.indexer is None``).
     """
+
+    rope_freqs: torch.Tensor  # a buffer
 
     def __init__(
         self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, ops: ComputeOps = TORCH_OPS, indexer: bool = True

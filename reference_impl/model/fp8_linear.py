@@ -74,6 +74,14 @@ class Fp8BlockLinear(nn.Module):
     """A bias-free linear map with FP8 weights in 128 x 128 blocks; activations are quantized per
     1 x 128 block (``scale_fmt``) and multiplied by ``gemm`` (:data:`BlockGemm`)."""
 
+    weight: torch.Tensor  # a buffer (float8)
+    weight_scale: torch.Tensor  # a buffer
+    in_features: int
+    out_features: int
+    out_dtype: torch.dtype
+    scale_fmt: str
+    gemm: BlockGemm
+
     def __init__(self, linear: nn.Linear, scale_fmt: str, gemm: BlockGemm = emulated_block_fp8_gemm) -> None:
         super().__init__()
         if linear.bias is not None:

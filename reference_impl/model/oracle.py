@@ -14,6 +14,7 @@ and an LM head for the logits of the output rows.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TypeVar, cast
 
 import torch
 from torch import nn
@@ -25,6 +26,8 @@ from reference_impl.model.cache import LayerCache, attention_forward
 from reference_impl.model.prefix_prefill import prefix_spans
 from reference_impl.model.sparse_attention import TORCH_OPS, ComputeOps
 from reference_impl.presets import ModelConfig
+
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
 
 class DSABlock(nn.Module):
@@ -61,7 +64,7 @@ class DSAModel(nn.Module):
 
 
 @torch.no_grad()
-def init_weights(model: DSAModel, seed: int) -> DSAModel:
+def init_weights(model: ModuleT, seed: int) -> ModuleT:
     """Deterministic random weights: the same seed gives the same bytes in every process.
 
     Linear weights ~ N(0, 1/fan_in); norm weights 1 + N(0, 0.1^2); the indexer's k_norm bias N(0, 0.1^2).
@@ -135,7 +138,9 @@ def run_oracle(
     caches = [
         [LayerCache.empty(layout, device, share.is_full(layer)) for _ in inputs] for layer in range(len(model.layers))
     ]
-    hidden, topks, projs = [], [[] for _ in model.layers], [[] for _ in model.layers]
+    hidden: list[torch.Tensor] = []
+    topks: list[list[torch.Tensor]] = [[] for _ in model.layers]
+    projs: list[list[Projection]] = [[] for _ in model.layers]
     for req, (x_all, prefix) in enumerate(zip(inputs, prefix_lens)):
         total = x_all.shape[0]
         step = chunk_size or max(total - prefix, 1)
@@ -148,7 +153,7 @@ def run_oracle(
                 continue
             h = x_all[start:stop]
             topk = None
-            for layer, block in enumerate(model.layers):
+            for layer, block in enumerate(cast("list[DSABlock]", model.layers)):  # ModuleList yields nn.Module
                 out, topk, proj = attention_forward(
                     block.attn, block.attn_norm(h), start, caches[layer][req], view_dtype, reuse_topk=topk
                 )

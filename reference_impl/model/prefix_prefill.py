@@ -19,12 +19,16 @@ spans for its prefix, so the oracle's cache and an installed prefix are the same
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from reference_impl.kvcache.layout import KVLayout
 from reference_impl.model.attention import Projection
 from reference_impl.model.cache import LayerCache, attention_forward
+
+if TYPE_CHECKING:  # the oracle imports prefix_spans from here
+    from reference_impl.model.oracle import DSABlock, DSAModel
 
 PREFIX_CHUNK_TOKENS = 16384
 """Tokens per chunk of a prefix (a power of two, so chunks start on page boundaries)."""
@@ -77,7 +81,7 @@ class GrowingCache(LayerCache):
 
 @torch.no_grad()
 def prefill_prefix(
-    model: torch.nn.Module,
+    model: DSAModel,
     x: torch.Tensor,
     layout: KVLayout,
     on_rows: RowsCallback,
@@ -95,7 +99,7 @@ def prefill_prefix(
     for start, stop in prefix_spans(x.shape[0], chunk_tokens):
         h = x[start:stop]
         topk = None
-        for layer, block in enumerate(model.layers):
+        for layer, block in enumerate(cast("list[DSABlock]", model.layers)):  # ModuleList yields nn.Module
             out, topk, _ = attention_forward(
                 block.attn, block.attn_norm(h), start, caches[layer], view_dtype, reuse_topk=topk
             )

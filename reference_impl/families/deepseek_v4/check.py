@@ -19,6 +19,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import torch
 
 from reference_impl.check import (
@@ -103,10 +106,17 @@ def rank_held_keys(results: list[RankResult], layer: int, req: int, cache) -> to
     covered = torch.zeros(n_entries, dtype=torch.bool)
     for r in results:
         if req in r.stored[layer]:
-            ids, index = r.stored[layer][req][3], r.stored[layer][req][5]
+            ids, index = _v4_rows(r.stored[layer][req])[3], _v4_rows(r.stored[layer][req])[5]
             keys[ids] = decode_index(index.cpu(), cache.codec, cache.index_head_dim).float()
             covered[ids] = True
     return keys if bool(covered.all()) else None
+
+
+def _v4_rows(rows: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor, ...]:
+    """A rank's stored rows of one request and layer: every field a tensor (``V4Store.stored_rows``)."""
+    tensors = tuple(t for t in rows if t is not None)
+    assert len(tensors) == len(rows), "a V4 rank's stored rows hold no None"
+    return tensors
 
 
 def _compare_caches(
@@ -127,29 +137,29 @@ def _compare_caches(
             for r in results:
                 if req not in r.stored[layer]:
                     continue
-                n_tokens, tail, pool, ids, main, index = r.stored[layer][req]
+                n_tokens, tail, pool, ids, main, index = _v4_rows(r.stored[layer][req])
                 if int(n_tokens) != cache.n_tokens:
                     equal = False
                     problems.append(
                         f"layer {layer} request {req}: rank {r.rank} holds {int(n_tokens)} tokens, not {cache.n_tokens}"
                     )
                     continue
-                parts = {
+                parts: dict[str, tuple[torch.Tensor, torch.Tensor, Callable[[torch.Tensor], torch.Tensor], float]] = {
                     "window tail": (
                         tail,
                         cache.window_tail(window).cpu(),
-                        lambda b, codec=codec: decode_main(b, codec),
+                        partial(decode_main, codec=codec),
                         tol,
                     ),
                     "compressor state": (pool, pack_pool(cache).cpu(), lambda b: b, tol),
-                    "entries": (main, cache.entries[ids].cpu(), lambda b, codec=codec: decode_main(b, codec), tol),
+                    "entries": (main, cache.entries[ids].cpu(), partial(decode_main, codec=codec), tol),
                 }
                 if cache.ratio == 4:
                     fp4 = 0.34 if codec == "fp8" else tol
                     parts["indexer keys"] = (
                         index,
                         cache.index_keys[ids].cpu(),
-                        lambda b, codec=codec, cache=cache: decode_index(b, codec, cache.index_head_dim),
+                        partial(decode_index, codec=codec, index_head_dim=cache.index_head_dim),
                         fp4,
                     )
                 for what, (got, ref, values, bound) in parts.items():

@@ -11,7 +11,7 @@ batch hits request ``N``'s cache instead, by the rules of :mod:`~.cp.store`), an
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -157,7 +157,7 @@ class DeepSeekV4Family:
     def load_weights(self, model: torch.nn.Module, checkpoint: Any, first_layer: int, head: bool) -> None:
         from reference_impl.families.deepseek_v4.model.checkpoint import load_v4_hf_weights
 
-        load_v4_hf_weights(model, checkpoint, first_layer=first_layer, head=head)
+        load_v4_hf_weights(cast(V4Model, model), checkpoint, first_layer=first_layer, head=head)  # build_model's
 
     # ---- one rank's run ------------------------------------------------------------------------
     def make_store(self, run: RunConfig, batch: BatchLocs, group: CPGroup) -> V4Store:

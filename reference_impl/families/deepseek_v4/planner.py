@@ -41,7 +41,7 @@ from reference_impl.config import MAX_HBM_GIB, MAX_PLAN_CP
 from reference_impl.cp.capacity import kv_bytes_per_rank
 from reference_impl.errors import ConfigError
 from reference_impl.families.deepseek_v4.cache_layout import index_entry_bytes, main_entry_bytes
-from reference_impl.families.deepseek_v4.config import V4_PRESETS, V4ModelConfig
+from reference_impl.families.deepseek_v4.config import V4_PRESETS, LayerType, V4ModelConfig
 from reference_impl.families.deepseek_v4.model.compressor import state_start
 from reference_impl.planner.model import (
     local_queries,
@@ -61,7 +61,7 @@ GIB = 1 << 30
 # contexts x levels x cp_size: the planner walks every rank of every point (V3.2's terms beside V4's),
 # about 0.3 ms a rank; past this a plan takes minutes.
 MAX_RANK_POINTS = 1 << 16
-LAYER_KINDS = {"sliding": 0, "csa": 4, "hca": 128}
+LAYER_KINDS: dict[LayerType, int] = {"sliding": 0, "csa": 4, "hca": 128}
 
 
 def pool_row_bytes(cfg: V4ModelConfig, ratio: int) -> int:
@@ -80,7 +80,7 @@ def bytes_per_token(cfg: V4ModelConfig, codec: str = "fp8") -> dict[str, float]:
 def per_request_bytes(cfg: V4ModelConfig, tokens: int, codec: str = "fp8") -> dict[str, int]:
     """Replicated per request per layer: window tail and compressor state, by layer type."""
     window = min(tokens, cfg.window_size - 1) * main_entry_bytes(codec)
-    out = {}
+    out: dict[str, int] = {}
     for kind, m in LAYER_KINDS.items():
         state = (tokens - state_start(tokens, m)) * pool_row_bytes(cfg, m) if m else 0
         out[kind] = window + state

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -39,7 +39,7 @@ from reference_impl.model.checkpoint import load_hf_weights
 from reference_impl.model.oracle import DSAModel, OracleResult, init_weights, run_oracle
 from reference_impl.model.prefix_prefill import prefill_prefix
 from reference_impl.model.sparse_attention import TORCH_OPS, HostKeyBounds
-from reference_impl.presets import PRESETS, ModelConfig, at_cpu_widths
+from reference_impl.presets import PRESETS, ModelConfig, ScaleFmt, at_cpu_widths
 from reference_impl.schedule import Chunk
 
 
@@ -71,7 +71,9 @@ class DSAFamily:
         """The run's MLA scale format and indexer pattern (and, with ``cpu_widths``, tiny's widths)."""
         cfg = at_cpu_widths(cfg) if run.cpu_widths else cfg
         return dataclasses.replace(
-            cfg, mla_scale_fmt=run.mla_scale_fmt, index_topk_pattern=run.index_topk_pattern or cfg.index_topk_pattern
+            cfg,
+            mla_scale_fmt=cast(ScaleFmt, run.mla_scale_fmt),  # RunConfig validated it
+            index_topk_pattern=run.index_topk_pattern or cfg.index_topk_pattern,
         )
 
     def check_run(self, run: RunConfig) -> None:
@@ -170,7 +172,7 @@ class DSAFamily:
                         layer, i, cache.mla_rows[lo:stop], cache.index_fp8[lo:stop], cache.index_scale[lo:stop], lo
                     )
 
-            prefill_prefix(model, inputs[req][:prefix], layout, write)
+            prefill_prefix(cast(DSAModel, model), inputs[req][:prefix], layout, write)  # build_model's
 
     def chunk_step(self, inputs: ChunkInputs) -> DSALayerStep:
         host_bounds = (

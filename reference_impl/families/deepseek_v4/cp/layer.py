@@ -172,7 +172,7 @@ class V4ChunkRunner:
         views = [decode_main(table, codec).to(self.view_dtype)]
         indices = [self.window_rows]
         topk = torch.full((plan.n_local, 0), -1, dtype=torch.int32, device=x.device)
-        dense = (None, None, None)
+        dense: tuple[torch.Tensor | None, torch.Tensor | None, int | None] = (None, None, None)
         transient = table.numel()
         checkpoint_tails = {key: table.index_select(0, rows) for key, rows in self.checkpoint_tail_rows.items()}
         if not m:

@@ -55,8 +55,9 @@ fresh pages for the rest (the prefix's partial page and everything after). The r
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar, cast
 
 import torch
 
@@ -68,6 +69,9 @@ from reference_impl.families.deepseek_v4.cache_layout import index_entry_bytes, 
 from reference_impl.families.deepseek_v4.config import V4ModelConfig
 from reference_impl.families.deepseek_v4.model.cache import V4LayerCache
 from reference_impl.families.deepseek_v4.model.compressor import state_start
+
+if TYPE_CHECKING:  # the schedule sits above the CP layer
+    from reference_impl.schedule import Chunk
 
 
 @dataclass
@@ -202,7 +206,7 @@ class V4Store:
     # ---- per layer ----------------------------------------------------------------------------
 
     def set_state(
-        self, layer: int, windows: list[torch.Tensor], pools: list[torch.Tensor | None], n_tokens: list[int]
+        self, layer: int, windows: list[torch.Tensor], pools: Sequence[torch.Tensor | None], n_tokens: list[int]
     ) -> None:
         """The chunk requests' new window tails and compressor states (replicated)."""
         for req, window, pool, n in zip(self.requests, windows, pools, n_tokens):
@@ -436,21 +440,22 @@ def pack_pool(cache: V4LayerCache) -> torch.Tensor:
 
 @torch.no_grad()
 def install_v4_prefixes(
-    run: RunConfig, model: torch.nn.Module, inputs: list[torch.Tensor], store: V4Store, chunk: object
+    run: RunConfig, model: torch.nn.Module, inputs: list[torch.Tensor], store: V4Store, chunk: Chunk
 ) -> None:
     """Fill the store with the prefixes of ``chunk``'s requests, computed as an earlier prefill did:
     every rank runs the single-device oracle over the prefix tokens (identical bytes everywhere)
     and keeps its share."""
-    from reference_impl.families.deepseek_v4.model.oracle import run_v4_oracle
+    from reference_impl.families.deepseek_v4.model.oracle import V4Model, run_v4_oracle
 
+    v4_model = cast(V4Model, model)  # the family's build_model made it
     requests = list(chunk.requests)
     store.begin_chunk(requests, list(store.batch.request_locs))
     todo = [req for req in requests if run.requests[req].prefix > 0 and run.requests[req].shares is None]
     if not todo:
         return
     result = run_v4_oracle(
-        model, [0] * len(todo), [inputs[req][: run.requests[req].prefix] for req in todo], run.kv_dtype
-    )  # type: ignore[arg-type]
+        v4_model, [0] * len(todo), [inputs[req][: run.requests[req].prefix] for req in todo], run.kv_dtype
+    )
     for layer, caches in enumerate(result.caches):
         for req, cache in zip(todo, caches):
             store.install(layer, req, cache)
@@ -458,7 +463,7 @@ def install_v4_prefixes(
     points = hit_points(run)
     for req in todo:
         for q in sorted(p for p in points.get(req, ()) if p <= run.requests[req].prefix):
-            at_q = run_v4_oracle(model, [0], [inputs[req][:q]], run.kv_dtype)  # type: ignore[arg-type]
+            at_q = run_v4_oracle(v4_model, [0], [inputs[req][:q]], run.kv_dtype)
             for layer, (cache,) in enumerate(at_q.caches):
                 store._checkpoint(req, q)[layer] = (cache.window_tail(store.cfg.window_size).clone(), pack_pool(cache))
 
@@ -472,17 +477,17 @@ def hit_points(run: RunConfig) -> dict[int, set[int]]:
     return points
 
 
-def install_hits(run: RunConfig, store: V4Store, chunk: object, shared_tokens: dict[int, int]) -> None:
+def install_hits(run: RunConfig, store: V4Store, chunk: Chunk, shared_tokens: dict[int, int]) -> None:
     """Serve each of ``chunk``'s requests that starts with an earlier request's prefix from the store
     (:meth:`V4Store.install_hit`); every rank calls it alike (moving entries is a collective)."""
-    for req in chunk.requests:  # type: ignore[attr-defined]
+    for req in chunk.requests:
         source = run.requests[req].shares
         if source is not None:
             store.install_hit(req, source, run.requests[req].prefix, shared_tokens.get(req, 0))
 
 
 @torch.no_grad()
-def install_synthetic_prefixes(run: RunConfig, store: V4Store, chunk: object, seed: int = 0) -> None:
+def install_synthetic_prefixes(run: RunConfig, store: V4Store, chunk: Chunk, seed: int = 0) -> None:
     """Fill the store with what ``chunk``'s prefixes would leave, from random values of the right
     shapes and codecs (for benchmarks: computing a 1M-token prefix with the oracle takes hours, and
     no timing or byte count depends on the values)."""

@@ -176,9 +176,10 @@ def v4_sparse_attention_triton(
         return out
     q, view = q.contiguous(), view.contiguous()
     indices = indices.contiguous() if indices.shape[1] else indices.new_full((n_tok, 1), -1)
-    has_dense = dense_start is not None and dense_len is not None
-    dstart = dense_start.contiguous() if has_dense else indices  # unused placeholders when no run
-    dlen = dense_len.contiguous() if has_dense else indices
+    if dense_start is not None and dense_len is not None:
+        has_dense, dstart, dlen = True, dense_start.contiguous(), dense_len.contiguous()
+    else:
+        has_dense, dstart, dlen = False, indices, indices  # unused placeholders when no run
     n_blocks = triton.cdiv(n_heads, block_h)
     _v4_attention_kernel[(n_tok * n_blocks,)](
         q,

@@ -46,6 +46,8 @@ def layer_frequencies(cfg: V4ModelConfig, ratio: int) -> torch.Tensor:
 class Indexer(nn.Module):
     """The CSA layer's lightning indexer: its query projection, head weights and ratio-4 compressor."""
 
+    hadamard: torch.Tensor  # a buffer
+
     def __init__(self, cfg: V4ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         d = cfg.index_head_dim
@@ -71,6 +73,8 @@ class V4Projection:
 
 class V4Attention(nn.Module):
     """One V4 attention layer; ``ratio`` 0, 4 or 128 picks sliding, CSA or HCA (see the module docstring)."""
+
+    freqs: torch.Tensor  # a buffer
 
     def __init__(
         self,

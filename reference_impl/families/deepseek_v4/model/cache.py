@@ -17,6 +17,7 @@ single-device call of one layer for a request's next tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -72,8 +73,8 @@ class V4LayerCache:
         cls, codec: str, ratio: int, head_dim: int, index_head_dim: int, device: torch.device | str
     ) -> V4LayerCache:
         coff = 2 if ratio == 4 else 1
-        f32 = dict(dtype=torch.float32, device=device)
-        u8 = dict(dtype=torch.uint8, device=device)
+        f32: dict[str, Any] = dict(dtype=torch.float32, device=device)
+        u8: dict[str, Any] = dict(dtype=torch.uint8, device=device)
         return cls(
             codec,
             ratio,
@@ -104,6 +105,8 @@ class V4LayerCache:
         if self.ratio:
             base = self.state_start
             new = torch.arange(start // self.ratio, stop // self.ratio, device=self.raw.device)
+            # a compressed layer (ratio > 0) has a compressor, and project() made its pre-pool rows
+            assert attn.compressor is not None and proj.pool_kv is not None and proj.pool_score is not None
             kv = torch.cat([self.pool_kv, proj.pool_kv])
             score = torch.cat([self.pool_score, proj.pool_score])
             main = compress_new(
@@ -113,6 +116,7 @@ class V4LayerCache:
             keep = state_start(stop, self.ratio) - base
             self.pool_kv, self.pool_score = kv[keep:], score[keep:]
             if attn.indexer is not None:
+                assert proj.index_pool_kv is not None and proj.index_pool_score is not None  # project() made them
                 ikv = torch.cat([self.index_pool_kv, proj.index_pool_kv])
                 iscore = torch.cat([self.index_pool_score, proj.index_pool_score])
                 keys = compress_new(

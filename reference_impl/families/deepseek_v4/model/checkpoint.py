@@ -11,11 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from reference_impl.families.deepseek_v4.config import V4ModelConfig
 from reference_impl.model.checkpoint import HF_HEAD_NAMES, load_hf_weights
+
+if TYPE_CHECKING:  # the model module imports the weights' names from here
+    from reference_impl.families.deepseek_v4.model.oracle import V4Model
 
 # Every layer: ours under ``layers.{i}.attn.`` -> Hugging Face's under ``model.layers.{i}.self_attn.``.
 HF_V4_ATTENTION_NAMES: dict[str, str] = {
@@ -72,10 +76,9 @@ def v4_hf_names(cfg: V4ModelConfig, first_layer: int = 0, head: bool = False) ->
 
 @torch.no_grad()
 def load_v4_hf_weights(
-    model: torch.nn.Module, source: str | Path | Mapping[str, torch.Tensor], *, first_layer: int = 0, head: bool = False
+    model: V4Model, source: str | Path | Mapping[str, torch.Tensor], *, first_layer: int = 0, head: bool = False
 ) -> dict[str, str]:
     """Copy the attention weights of checkpoint layers ``first_layer ..`` into a
     :class:`~reference_impl.families.deepseek_v4.model.oracle.V4Model`; see
     :func:`reference_impl.model.checkpoint.load_hf_weights`."""
-    cfg: V4ModelConfig = model.cfg
-    return load_hf_weights(model, source, names=v4_hf_names(cfg, first_layer, head))
+    return load_hf_weights(model, source, names=v4_hf_names(model.cfg, first_layer, head))

@@ -10,6 +10,7 @@ the bytes of :mod:`reference_impl.families.deepseek_v4.cache_layout`, so a CP ru
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -52,7 +53,7 @@ def build_v4_model(
     """Deterministic random weights (:func:`reference_impl.model.oracle.init_weights`'s rules)."""
     with torch.device(device):
         model = V4Model(cfg, dtype, ops)
-    return init_weights(model, seed).eval()  # type: ignore[arg-type]
+    return init_weights(model, seed).eval()
 
 
 @dataclass
@@ -73,6 +74,7 @@ class V4OracleResult:
         proj, cache = self.projections[layer][request], self.caches[layer][request]
         if proj.index_q is None:
             return None
+        assert proj.index_weights is not None  # project() sets the indexer's queries and weights together
         if keys is None:
             keys = decode_index(cache.index_keys, cache.codec, cache.index_head_dim)
         q, w = proj.index_q[row : row + 1], proj.index_weights[row : row + 1]
@@ -95,7 +97,8 @@ def run_v4_oracle(
         [V4LayerCache.empty(codec, cfg.ratio(layer), cfg.head_dim, cfg.index_head_dim, device) for _ in inputs]
         for layer in range(cfg.n_layers)
     ]
-    hidden, topks = [], [[] for _ in model.layers]
+    hidden: list[torch.Tensor] = []
+    topks: list[list[torch.Tensor]] = [[] for _ in model.layers]
     projs: list[list[V4Projection]] = [[] for _ in model.layers]
     for req, (x_all, prefix) in enumerate(zip(inputs, prefix_lens)):
         spans = chunk_spans(prefix, x_all.shape[0], chunk_size)
@@ -106,7 +109,7 @@ def run_v4_oracle(
             if stop == start:
                 continue
             h = x_all[start:stop]
-            for layer, block in enumerate(model.layers):
+            for layer, block in enumerate(cast("list[V4Block]", model.layers)):  # ModuleList yields nn.Module
                 out, topk, proj = v4_layer_forward(
                     block.attn, block.attn_norm(h), start, caches[layer][req], view_dtype
                 )
@@ -126,7 +129,11 @@ def run_v4_oracle(
 def _cat(parts: list[V4Projection]) -> V4Projection:
     if len(parts) == 1:
         return parts[0]
-    fields = ("q", "kv", "pool_kv", "pool_score", "index_q", "index_weights", "index_pool_kv", "index_pool_score")
+    optional = ("pool_kv", "pool_score", "index_q", "index_weights", "index_pool_kv", "index_pool_score")
+
+    def cat_optional(field: str) -> torch.Tensor | None:
+        return None if getattr(parts[0], field) is None else torch.cat([getattr(p, field) for p in parts])
+
     return V4Projection(
-        *(None if getattr(parts[0], f) is None else torch.cat([getattr(p, f) for p in parts]) for f in fields)
+        torch.cat([p.q for p in parts]), torch.cat([p.kv for p in parts]), *(cat_optional(f) for f in optional)
     )

@@ -30,6 +30,8 @@ its own queries. A layer sharing its selection reuses the previous layer's rows.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -38,6 +40,7 @@ from reference_impl.families.base import ChunkInputs
 from reference_impl.families.glm53.cp.store import Glm53Store
 from reference_impl.families.glm53.model.dsa import MLAttention, group_scores, select
 from reference_impl.families.glm53.model.kda import KDAttention, compose, kda_chunked, span_map
+from reference_impl.families.glm53.model.oracle import Glm53Block
 
 PER_LAYER_TAGS = ("glm53_current", "glm53_kv_view", "glm53_index_view", "glm53_kda_halo", "glm53_kda_state")
 
@@ -82,6 +85,7 @@ class Glm53Step:
         return []
 
     def step(self, layer: int, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        block = cast(Glm53Block, block)  # the model's layer ``layer``
         h = block.attn_norm(x)
         if isinstance(block.attn, KDAttention):
             out = self._kda(layer, block.attn, h)
@@ -107,7 +111,7 @@ class Glm53Step:
         counts = [len(b) for b in self.blocks]
         all_tails = group.all_gather_padded(tails, counts, "glm53_kda_halo")
         flat = [b for r in range(len(self.blocks)) for b in self.blocks[r]]  # rank-major, as gathered
-        order = {}  # request -> its blocks' rank-major indices in sequence order
+        order: dict[int, list[tuple[int, int]]] = {}  # request -> its blocks' rank-major indices in sequence order
         for i, (req, pos, _, _) in enumerate(flat):
             order.setdefault(req, []).append((pos, i))
         halos: dict[int, torch.Tensor] = {}  # rank-major index -> the block's halo
@@ -125,10 +129,10 @@ class Glm53Step:
         Dk = self.cfg.linear_head_dim
         qkv, maps = [], mixed.new_zeros(len(self.mine), H, Dk, 2 * Dk, dtype=torch.float32)
         for n, (_, _, length, start) in enumerate(self.mine):
-            rows = slice(start, start + length)
-            q, k, v = attn.qkv(attn.conv(mixed[rows], halos[first_mine + n]))
+            span = slice(start, start + length)
+            q, k, v = attn.qkv(attn.conv(mixed[span], halos[first_mine + n]))
             qkv.append((q, k, v))
-            A, B = span_map(k, v, g[rows], beta[rows])
+            A, B = span_map(k, v, g[span], beta[span])
             maps[n] = torch.cat([A, B], dim=-1)
         all_maps = group.all_gather_padded(maps, counts, "glm53_kda_state")
         # 3. compose in sequence order: the state entering every block, and after the chunk
@@ -144,8 +148,8 @@ class Glm53Step:
         core = h.new_zeros(len(h), H, Dk, dtype=torch.float32)
         for n, (_, _, length, start) in enumerate(self.mine):
             q, k, v = qkv[n]
-            rows = slice(start, start + length)
-            core[rows], _ = kda_chunked(q, k, v, g[rows], beta[rows], entering[first_mine + n])
+            span = slice(start, start + length)
+            core[span], _ = kda_chunked(q, k, v, g[span], beta[span], entering[first_mine + n])
         self.transient_bytes = all_maps.numel() * 4 + all_tails.numel() * all_tails.element_size()
         return attn.finish(h, core)
 
@@ -153,7 +157,10 @@ class Glm53Step:
     def _dsa(self, layer: int, attn: MLAttention, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         i, store, cfg = self.inputs, self.store, self.cfg
         proj = attn.project(h)
-        parts = [proj.latent] if proj.index_k is None else [proj.latent, proj.index_k, proj.index_gate]
+        parts = [proj.latent]
+        if proj.index_k is not None:
+            assert proj.index_gate is not None  # project() makes the indexer's key and pooling logits together
+            parts += [proj.index_k, proj.index_gate]
         current = gather_current(i.group, i.index, torch.cat(parts, dim=-1), "glm53_current")  # sequence order
         R = cfg.kv_lora_rank
         out = h.new_zeros(len(h), cfg.dim)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from torch import nn
@@ -30,7 +31,9 @@ class Glm53Block(nn.Module):
     def __init__(self, cfg: Glm53Config, layer: int) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim, cfg.rms_norm_eps)
-        self.attn: nn.Module = KDAttention(cfg) if cfg.is_kda(layer) else MLAttention(cfg, cfg.shares_selection(layer))
+        self.attn: KDAttention | MLAttention = (
+            KDAttention(cfg) if cfg.is_kda(layer) else MLAttention(cfg, cfg.shares_selection(layer))
+        )
 
 
 class Glm53Model(nn.Module):
@@ -217,13 +220,16 @@ def run_layers(
     """One span of one request through every layer: ``(final hidden, per layer its selection)``."""
     selections: list[torch.Tensor] = []
     shared: torch.Tensor | None = None
-    for block, cache in zip(model.layers, caches):
+    for block, cache in zip(cast("list[Glm53Block]", model.layers), caches):  # ModuleList yields nn.Module
         x = block.attn_norm(h)
+        attn = block.attn
         if isinstance(cache, KDACache):
-            h = h + kda_span(block.attn, x, cache)
+            assert isinstance(attn, KDAttention)  # empty_caches: a KDA cache exactly on the KDA layers
+            h = h + kda_span(attn, x, cache)
             selections.append(torch.zeros(len(h), 0, dtype=torch.int32, device=h.device))
         else:
-            out, shared = dsa_span(block.attn, x, start, cache, shared)
+            assert isinstance(attn, MLAttention)
+            out, shared = dsa_span(attn, x, start, cache, shared)
             h = h + out
             selections.append(shared)
     return h, selections
