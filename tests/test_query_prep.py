@@ -63,7 +63,8 @@ FP32_UNIT_ROUNDOFF = 2.0**-24
 
 def _gamma(n: int) -> float:
     """Higham's ``gamma_n = n u / (1 - n u)``: a float32 sum of ``n + 1`` terms, added in ANY order, is
-    within ``gamma_n * sum |x_i|`` of the exact sum (Higham, *Accuracy and Stability*, section 4.2)."""
+    within ``gamma_n * sum |x_i|`` of the exact sum (Higham, *Accuracy and Stability of Numerical
+    Algorithms*, chapter 4)."""
     return n * FP32_UNIT_ROUNDOFF / (1 - n * FP32_UNIT_ROUNDOFF)
 
 
@@ -136,9 +137,12 @@ def _assert_query_within_bounds(
         moved = (ratio - 1).abs() > 8 * FP32_UNIT_ROUNDOFF
         for row in moved.nonzero().flatten().tolist():
             up = float(ratio[row]) > 1  # the kernel's scale is the larger one
-            assert abs(float(ratio[row]) - (2.0 if up else 0.5)) <= 8 * FP32_UNIT_ROUNDOFF, f"row {row}: scale ratio {float(ratio[row])}"
+            want_ratio = 2.0 if up else 0.5
+            off = abs(float(ratio[row]) - want_ratio)
+            assert off <= 8 * FP32_UNIT_ROUNDOFF, f"row {row}: scale ratio {float(ratio[row])}"
             small, large = (wq[row], gq[row]) if up else (gq[row], wq[row])
-            assert float(small.abs().max()) == 448 and float(large.abs().max()) == 224, f"row {row}: a scale moved off a near tie"
+            near_tie = float(small.abs().max()) == 448 and float(large.abs().max()) == 224
+            assert near_tie, f"row {row}: a scale moved off a near tie"
         scales_bound = 8 * FP32_UNIT_ROUNDOFF
 
     r = ratio[:, None]
@@ -162,7 +166,8 @@ def test_indexer_query_kernel_equals_the_reference(dtype: torch.dtype, interleav
     q[3, 2] = 0  # an all-zero head: the amax floor gives its scale
     q[5, 1, :64] = 0  # zero rope part
     want = ref.indexer_query(q, cos, sin, h, w, 64, interleaved, scale_fmt)
-    _assert_query_within_bounds(indexer_query_triton(q, cos, sin, h, w, 64, interleaved, scale_fmt), want, dtype, scale_fmt)
+    got = indexer_query_triton(q, cos, sin, h, w, 64, interleaved, scale_fmt)
+    _assert_query_within_bounds(got, want, dtype, scale_fmt)
 
 
 def _moved_codes(q_fp8: torch.Tensor, at: torch.Tensor, steps: int) -> torch.Tensor:
@@ -172,7 +177,9 @@ def _moved_codes(q_fp8: torch.Tensor, at: torch.Tensor, steps: int) -> torch.Ten
     return codes.view(q_fp8.shape).view(torch.float8_e4m3fn)
 
 
-@pytest.mark.parametrize("dtype,scale_fmt", [(torch.float32, "fp32"), (torch.bfloat16, "fp32"), (torch.bfloat16, "ue8m0")])
+@pytest.mark.parametrize(
+    "dtype,scale_fmt", [(torch.float32, "fp32"), (torch.bfloat16, "fp32"), (torch.bfloat16, "ue8m0")]
+)
 def test_the_query_bounds_catch_wrong_values(dtype: torch.dtype, scale_fmt: str) -> None:
     """The bounds let a rounding difference through and nothing bigger: one code one step away passes;
     a code two steps away, 2% of the codes one step away, a weight off by 2% (float32: 0.1%), or a ue8m0
@@ -183,7 +190,8 @@ def test_the_query_bounds_catch_wrong_values(dtype: torch.dtype, scale_fmt: str)
     codes = want_q.view(torch.uint8).reshape(-1)
     large = ((codes & 0x7F) >= 0x50) & ((codes & 0x7F) <= 0x70)  # |code| in [32, 256]: a step is >= 4
     first = int(large.nonzero()[0])
-    _assert_query_within_bounds((_moved_codes(want_q, torch.tensor([first]), 1), want_w), (want_q, want_w), dtype, scale_fmt)
+    one_step = _moved_codes(want_q, torch.tensor([first]), 1)
+    _assert_query_within_bounds((one_step, want_w), (want_q, want_w), dtype, scale_fmt)
     wrong: list[tuple[torch.Tensor, torch.Tensor]] = [
         (_moved_codes(want_q, torch.tensor([first]), 2), want_w),
         (_moved_codes(want_q, large.nonzero().flatten()[: codes.numel() // 50], 1), want_w),
@@ -362,9 +370,8 @@ def test_a_layer_projects_the_same_bits_with_the_kernels(monkeypatch: pytest.Mon
     assert (query_calls, rope_calls) == ([1], [1])
     for name in ("q", "kv", "index_k"):  # torch's ops on both sides, and RoPE's elementwise kernel
         assert torch.equal(getattr(got, name), getattr(want, name)), name
-    _assert_query_within_bounds(
-        (got.index_q_fp8, got.index_weights), (want.index_q_fp8, want.index_weights), torch.bfloat16, cfg.index_scale_fmt
-    )
+    got_query, want_query = (got.index_q_fp8, got.index_weights), (want.index_q_fp8, want.index_weights)
+    _assert_query_within_bounds(got_query, want_query, torch.bfloat16, cfg.index_scale_fmt)
     assert layer.ops is TORCH_OPS
 
 

@@ -98,11 +98,12 @@ def _assert_same_sets_up_to_ties(got: torch.Tensor, want: torch.Tensor, q, weigh
 
     The two sides add the index score ``sum_h w_h ReLU(q_h . k)`` in different orders (the kernel's
     ``tl.dot`` and head loop, torch's einsums), so a key whose score sits within rounding of the k-th
-    may trade places. A float32 sum of products of ``n`` terms, in any order, is within
-    ``gamma_n * sum |terms|`` of the exact one (Higham 3.5); here ``n = D + H`` (the dot product, then
-    the weighted head sum), so each side's score is within ``gamma_(D+H) * A`` with
-    ``A = sum_h |w_h| sum_d |q_hd k_d|``. A differing key must score within both sides' errors of the
-    k-th key: ``2 gamma_(D+H) (A_key + A_kth)``."""
+    may trade places. A float32 sum of ``n`` products, in any order, is within ``gamma_n * sum |terms|``
+    of the exact one (``gamma_n = n u / (1 - n u)``; Higham, *Accuracy and Stability of Numerical
+    Algorithms*, eq. 3.5); the dot product (``D`` terms), the ReLU (exact) and the weighted head sum
+    (``H`` terms) compose to ``gamma_(D+H) * A`` per side, ``A = sum_h |w_h| sum_d |q_hd k_d|``
+    (Higham's lemma 3.3). A differing key must score within both sides' errors of the k-th key:
+    ``2 gamma_(D+H) (A_key + A_kth)``."""
     from reference_impl.model.v4.sparse import index_scores
 
     n = q.shape[-1] + q.shape[-2]
@@ -184,7 +185,8 @@ def test_indexer_takes_the_reference_for_keys_bf16_cannot_hold(kernels_on, monke
     assert v4_dispatch.indexer_kernel_name(q, keys.float()) == "torch"
     key_start, n_visible = torch.zeros(6, dtype=torch.long), torch.full((6,), 20)
     got = v4_dispatch.select_entries(q, weights, keys.float(), key_start, n_visible, 4)
-    want = torch.topk(torch.einsum("thd,sd->ths", q.float(), keys.float()).relu().mul(weights[:, :, None]).sum(1), 4).indices
+    scores = torch.einsum("thd,sd->ths", q.float(), keys.float()).relu().mul(weights[:, :, None]).sum(1)
+    want = torch.topk(scores, 4).indices
     _assert_same_sets_up_to_ties(got, want, q, weights, keys.float())  # the head sums in another order
 
 
