@@ -77,7 +77,11 @@ def test_debug_mode_runs_and_agrees(report_of) -> None:
 def test_few_row_products_give_the_bits_of_many_row_products() -> None:
     """A rank's handful of local rows must project to the oracle's bits (the caches are compared
     byte for byte). CPU GEMMs over a few rows take another kernel on some machines (MKL, AVX-512:
-    up to ~10 rows), so the model's linear maps pad them to ``MIN_CPU_GEMM_ROWS`` rows."""
+    up to ~10 rows), so the model's linear maps pad them to ``MIN_CPU_GEMM_ROWS`` rows. From there on
+    the byte-for-byte checks of every CP run rest on the BLAS giving a row its bits whatever the
+    row count, so every count up to 64 is tried: where a BLAS breaks that (MKL's
+    ``MKL_CBWR=COMPATIBLE`` does, at counts that are not multiples of 4 past 16), this test names the
+    cause of the CP runs' ``cache_equal`` failures."""
     import torch
 
     from reference_impl.model.attention import MIN_CPU_GEMM_ROWS, RowStableLinear
@@ -87,7 +91,7 @@ def test_few_row_products_give_the_bits_of_many_row_products() -> None:
     torch.nn.init.normal_(linear.weight, generator=gen)
     x = torch.randn(200, 256, generator=gen)
     many = linear(x)
-    for rows in (0, 1, 3, 7, MIN_CPU_GEMM_ROWS - 1, MIN_CPU_GEMM_ROWS, 40):
+    for rows in [*range(4 * MIN_CPU_GEMM_ROWS + 1), 101, 199]:  # every count up to 64, and two past it
         few = linear(x[:rows])
         assert few.shape == (rows, 96) and torch.equal(few, many[:rows]), rows
 

@@ -12,9 +12,11 @@ why (:data:`scripts.ensure_deps.MOONCAKE_MARKER`), and these tests skip with tha
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -106,9 +108,19 @@ TOTALS = (37, 20)  # request lengths: partial last pages
 
 
 @pytest.fixture(scope="module")
-def engines() -> tuple[MooncakeEngine, MooncakeEngine]:
+def engines() -> Iterator[tuple[MooncakeEngine, MooncakeEngine]]:
+    """Two engines in this process for the module's tests, destroyed here when the module ends.
+
+    Left to the garbage collector (the frames of a refused write keep them referenced), they could
+    outlive the module: a later test that forks CP ranks copies them, and a rank whose collector
+    frees its copy runs the engine's destructor, which joins threads that exist only in this process,
+    and the rank hangs (seen in a shuffled run: ``test_bench_ranks`` after this module)."""
     require_mooncake()
-    return MooncakeEngine.start(), MooncakeEngine.start()
+    pair = (MooncakeEngine.start(), MooncakeEngine.start())
+    yield pair
+    for engine in pair:
+        del engine._engine  # the native engine's last reference: its destructor runs now, in this process
+    gc.collect()
 
 
 def _shard() -> DcpDecodeShard:

@@ -94,6 +94,34 @@ def _as_sets(sel: torch.Tensor) -> list[set[int]]:
     return [set(row[row >= 0].tolist()) for row in sel]
 
 
+def _assert_same_sets_up_to_ties(got: torch.Tensor, want: torch.Tensor, q, weights, keys) -> None:
+    """``got`` and ``want`` select the same keys per row, but where their scores tie within rounding.
+
+    The two sides add the index score ``sum_h w_h ReLU(q_h . k)`` in different orders (the kernel's
+    ``tl.dot`` and head loop, torch's einsums), so a key whose score sits within rounding of the k-th
+    may trade places. A float32 sum of ``n`` products, in any order, is within ``gamma_n * sum |terms|``
+    of the exact one (``gamma_n = n u / (1 - n u)``; Higham, *Accuracy and Stability of Numerical
+    Algorithms*, eq. 3.5); the dot product (``D`` terms), the ReLU (exact) and the weighted head sum
+    (``H`` terms) compose to ``gamma_(D+H) * A`` per side, ``A = sum_h |w_h| sum_d |q_hd k_d|``
+    (Higham's lemma 3.3). A differing key must score within both sides' errors of the k-th key:
+    ``2 gamma_(D+H) (A_key + A_kth)``."""
+    from reference_impl.model.v4.sparse import index_scores
+
+    n = q.shape[-1] + q.shape[-2]
+    gamma = n * 2.0**-24 / (1 - n * 2.0**-24)
+    scores = index_scores(q, weights, keys).double()
+    magnitude = torch.einsum("th,thd,sd->ts", weights.double().abs(), q.double().abs(), keys.double().abs())
+    for row, (g, w) in enumerate(zip(_as_sets(got), _as_sets(want))):
+        assert len(g) == len(w) == int((got[row] >= 0).sum()), f"row {row}: count or duplicates differ"
+        if g == w:
+            continue
+        kth = min(w, key=lambda c: float(scores[row, c]))
+        for col in g ^ w:
+            bound = 2 * gamma * float(magnitude[row, col] + magnitude[row, kth])
+            gap = abs(float(scores[row, col] - scores[row, kth]))
+            assert gap <= bound, f"row {row}: key {col} scores {gap:.3g} from the k-th (ties within {bound:.3g})"
+
+
 @pytest.fixture
 def kernels_on(monkeypatch):
     """The dispatch told that kernels run (the Triton interpreter on CPU)."""
@@ -115,8 +143,23 @@ def test_indexer_kernel_selects_the_reference_sets(kernels_on, topk):
     for host_bounds in (None, bounds):
         got = v4_dispatch.select_entries(q, weights, keys, key_start, n_visible, topk, host_bounds=host_bounds)
         assert got.shape == ref.shape and got.dtype == torch.int32
-        assert _as_sets(got) == _as_sets(ref)
+        _assert_same_sets_up_to_ties(got, ref, q, weights, keys)
     assert (got[n_visible == 0] == -1).all() and fallback.fallbacks_taken() == {}
+
+
+def test_the_tie_rule_catches_a_key_that_does_not_tie():
+    """The rule above lets rounding ties through and nothing else: a selection with one key swapped
+    for the row's lowest-scoring key fails."""
+    from reference_impl.model.v4.sparse import index_scores, select_entries
+
+    q, weights, keys = _index_inputs(4, 30)
+    key_start, n_visible = torch.zeros(4, dtype=torch.long), torch.full((4,), 30)
+    want = select_entries(q, weights, keys, key_start, n_visible, 5)
+    _assert_same_sets_up_to_ties(want, want, q, weights, keys)
+    wrong = want.clone()
+    wrong[2, 0] = int(index_scores(q, weights, keys)[2].argmin())
+    with pytest.raises(AssertionError, match="row 2"):
+        _assert_same_sets_up_to_ties(wrong, want, q, weights, keys)
 
 
 def test_indexer_kernel_streams_keys_past_one_tile(kernels_on, monkeypatch):
@@ -131,7 +174,7 @@ def test_indexer_kernel_streams_keys_past_one_tile(kernels_on, monkeypatch):
     monkeypatch.setattr(indexer_triton, "indexer_topk_triton", lambda *a, **k: real(*a, **{**k, "key_tile": 128}))
     got = v4_dispatch.select_entries(q, weights, keys, key_start, n_visible, 12)
     assert fallback.fallbacks_taken() == {}  # the kernel ran: a failure would have fallen back silently
-    assert _as_sets(got) == _as_sets(select_entries(q, weights, keys, key_start, n_visible, 12))
+    _assert_same_sets_up_to_ties(got, select_entries(q, weights, keys, key_start, n_visible, 12), q, weights, keys)
 
 
 def test_indexer_takes_the_reference_for_keys_bf16_cannot_hold(kernels_on, monkeypatch):
@@ -143,8 +186,9 @@ def test_indexer_takes_the_reference_for_keys_bf16_cannot_hold(kernels_on, monke
     assert v4_dispatch.indexer_kernel_name(q, keys.float()) == "torch"
     key_start, n_visible = torch.zeros(6, dtype=torch.long), torch.full((6,), 20)
     got = v4_dispatch.select_entries(q, weights, keys.float(), key_start, n_visible, 4)
-    assert _as_sets(got) == _as_sets(torch.topk(
-        torch.einsum("thd,sd->ths", q.float(), keys.float()).relu().mul(weights[:, :, None]).sum(1), 4).indices)
+    scores = torch.einsum("thd,sd->ths", q.float(), keys.float()).relu().mul(weights[:, :, None]).sum(1)
+    want = torch.topk(scores, 4).indices
+    _assert_same_sets_up_to_ties(got, want, q, weights, keys.float())  # the head sums in another order
 
 
 def test_indexer_falls_back_to_the_reference_when_the_kernel_raises(kernels_on, monkeypatch):
