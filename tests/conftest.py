@@ -81,7 +81,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cached_report(run: object) -> dict:
     from reference_impl.runner import run_prefill
 
@@ -144,8 +144,13 @@ def gluon_operand_refusals():  # -> dict[str, list[tuple]]
 
     bf16 = torch.bfloat16
     return {
-        "sm_90": [("cpu", None, bf16, bf16, 576, 512), ("cuda", (8, 0), bf16, bf16, 576, 512),
-                  ("cuda", (10, 0), bf16, bf16, 576, 512)],
-        "bf16 or fp16": [("cuda", (9, 0), torch.float32, torch.float32, 576, 512),
-                         ("cuda", (9, 0), bf16, torch.float16, 576, 512)],
+        "sm_90": [
+            ("cpu", None, bf16, bf16, 576, 512),
+            ("cuda", (8, 0), bf16, bf16, 576, 512),
+            ("cuda", (10, 0), bf16, bf16, 576, 512),
+        ],
+        "bf16 or fp16": [
+            ("cuda", (9, 0), torch.float32, torch.float32, 576, 512),
+            ("cuda", (9, 0), bf16, torch.float16, 576, 512),
+        ],
     }

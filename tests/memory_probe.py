@@ -55,12 +55,19 @@ def main(spec_json: str) -> None:
     result = runner.run_prefill(run, tensors=True)
     parent = _status("VmHWM:") - start
     foot = estimate(run, "cpu")
-    print(json.dumps({
-        "matches_oracle": result.report["matches_oracle"],
-        "measured": {"ranks": [r.stats["probe_peak_growth"] for r in result.ranks], "parent": parent},
-        "estimate": {"ranks": list(foot.ranks), "parent": max(foot.parent_during, foot.parent_after),
-                     "per_device": foot.per_device},
-    }))
+    print(
+        json.dumps(
+            {
+                "matches_oracle": result.report["matches_oracle"],
+                "measured": {"ranks": [r.stats["probe_peak_growth"] for r in result.ranks], "parent": parent},
+                "estimate": {
+                    "ranks": list(foot.ranks),
+                    "parent": max(foot.parent_during, foot.parent_after),
+                    "per_device": foot.per_device,
+                },
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

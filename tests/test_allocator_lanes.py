@@ -16,7 +16,9 @@ from reference_impl.config import ConfigError
 from reference_impl.kvcache.allocator import PageAllocator
 
 OPS = st.lists(
-    st.tuples(st.sampled_from(["alloc", "lane", "free"]), st.integers(0, 6), st.integers(0, 3), st.sampled_from([2, 3, 4])),
+    st.tuples(
+        st.sampled_from(["alloc", "lane", "free"]), st.integers(0, 6), st.integers(0, 3), st.sampled_from([2, 3, 4])
+    ),
     max_size=40,
 )
 

@@ -31,7 +31,10 @@ def test_hf_names_load_into_the_model_fp8_blocks_dequantized() -> None:
     weight = tensors[name]
     blocks = (-(-weight.shape[0] // FP8_BLOCK), -(-weight.shape[1] // FP8_BLOCK))
     scale = torch.rand(blocks, generator=torch.Generator().manual_seed(0)) + 0.5
-    fp8 = (weight / scale.repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)[: weight.shape[0], : weight.shape[1]])
+    fp8 = (
+        weight
+        / scale.repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)[: weight.shape[0], : weight.shape[1]]
+    )
     tensors[name] = fp8.clamp(-448, 448).to(torch.float8_e4m3fn)
     tensors[name + "_scale_inv"] = scale
     model = ri.make_model("tiny", dtype=torch.float32, seed=9)
@@ -40,7 +43,9 @@ def test_hf_names_load_into_the_model_fp8_blocks_dequantized() -> None:
     assert torch.equal(model.layers[0].attn.wq_a.weight, donor.layers[0].attn.wq_a.weight)
     assert torch.equal(model.layers[1].attn.indexer.k_norm.bias, donor.layers[1].attn.indexer.k_norm.bias)
     assert torch.equal(model.layers[1].attn.wkv_b.weight, dequantize_fp8_weight(tensors[name], scale))
-    assert torch.allclose(model.layers[1].attn.wkv_b.weight, donor.layers[1].attn.wkv_b.weight, rtol=0.07, atol=3e-3)  # e4m3 steps
+    assert torch.allclose(
+        model.layers[1].attn.wkv_b.weight, donor.layers[1].attn.wkv_b.weight, rtol=0.07, atol=3e-3
+    )  # e4m3 steps
 
 
 def test_a_sharded_checkpoint_directory_loads(tmp_path) -> None:
@@ -55,7 +60,9 @@ def test_a_sharded_checkpoint_directory_loads(tmp_path) -> None:
     weight_map = {k: shard for shard, keys in shards.items() for k in keys}
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     model = ri.make_model("tiny", dtype=torch.float32, checkpoint=tmp_path)
-    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(model.layers.named_parameters(), donor.layers.named_parameters()))
+    assert all(
+        torch.equal(a, b) for (_, a), (_, b) in zip(model.layers.named_parameters(), donor.layers.named_parameters())
+    )
 
 
 def test_a_missing_or_misshapen_tensor_is_refused_before_anything_changes() -> None:
@@ -64,7 +71,9 @@ def test_a_missing_or_misshapen_tensor_is_refused_before_anything_changes() -> N
     before = model.layers[0].attn.wq_a.weight.clone()
     tensors = _hf_tensors(donor)
     del tensors["model.layers.1.self_attn.o_proj.weight"]
-    with pytest.raises(ri.ConfigError, match="no tensor 'model.layers.1.self_attn.o_proj.weight' \\(for layers.1.attn.wo.weight\\)"):
+    with pytest.raises(
+        ri.ConfigError, match="no tensor 'model.layers.1.self_attn.o_proj.weight' \\(for layers.1.attn.wo.weight\\)"
+    ):
         load_hf_weights(model, tensors)
     tensors = _hf_tensors(donor)
     tensors["model.layers.0.self_attn.q_b_proj.weight"] = torch.zeros(3, 3)

@@ -25,8 +25,27 @@ RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("designs") / "dry.json"
-    assert bench.main(["--out", str(out), "--device", "cpu", "--preset", "tiny", "--workloads",
-                       "prefix-heavy:80+48", "--cp-size", "2", "--layers", "2", "--repeats", "1"]) == 0
+    assert (
+        bench.main(
+            [
+                "--out",
+                str(out),
+                "--device",
+                "cpu",
+                "--preset",
+                "tiny",
+                "--workloads",
+                "prefix-heavy:80+48",
+                "--cp-size",
+                "2",
+                "--layers",
+                "2",
+                "--repeats",
+                "1",
+            ]
+        )
+        == 0
+    )
     return json.loads(out.read_text())
 
 
@@ -71,8 +90,11 @@ def test_the_planner_keeps_what_each_design_promises_at_rest() -> None:
     assert kv_bytes_at_rest(cfg, "layer-split", s, c, 0) == replica * 8 // 61  # rank 0 owns 8 of 61 layers
     assert kv_bytes_at_rest(cfg, "layer-split", s, c, 7) == replica * 7 // 61
     budget = 48 * 2**30
-    assert max_context(cfg, "layer-split", budget, c) < max_context(cfg, "rotated-shard", budget, c) <= max_context(
-        cfg, "phases", budget, c)
+    assert (
+        max_context(cfg, "layer-split", budget, c)
+        < max_context(cfg, "rotated-shard", budget, c)
+        <= max_context(cfg, "phases", budget, c)
+    )
 
 
 def test_the_planner_moves_what_each_design_moves() -> None:
@@ -82,7 +104,9 @@ def test_the_planner_moves_what_each_design_moves() -> None:
     for d in ("phases", "layer-split", "rotated-shard", "shared-vmm"):
         assert current[d]["history_bytes_moved_per_layer"] == 0 and current[d]["bytes_materialized_per_layer"] == 0
     assert current["dcp-gather"]["history_bytes_moved_per_layer"] > 0  # it gathers the current shards back
-    assert history["shared-vmm"]["collectives_per_layer"] == 2 and history["shared-vmm"]["peer_bytes_read_per_layer"] > 0
+    assert (
+        history["shared-vmm"]["collectives_per_layer"] == 2 and history["shared-vmm"]["peer_bytes_read_per_layer"] > 0
+    )
     assert history["dcp-gather"]["terms_ms"]["full_view"] > history["rotated-shard"]["terms_ms"]["full_view"]
     assert all(r["host_syncs_per_layer"] == 0 for r in history.values())
     with pytest.raises(ValueError, match="plan one of"):
@@ -92,8 +116,13 @@ def test_the_planner_moves_what_each_design_moves() -> None:
 def test_the_committed_modeled_results_come_from_the_planner() -> None:
     committed = json.loads((RESULTS / "kv_designs_modeled.json").read_text())
     fresh = plan_designs()
-    assert committed["kind"] == "modeled" and [w["name"] for w in committed["workloads"]] == [w["name"] for w in fresh["workloads"]]
+    assert committed["kind"] == "modeled" and [w["name"] for w in committed["workloads"]] == [
+        w["name"] for w in fresh["workloads"]
+    ]
     for old, new in zip(committed["workloads"], fresh["workloads"]):
         assert [d["design"] for d in old["designs"]] == list(PLANNED_DESIGNS)
         for a, b in zip(old["designs"], new["designs"]):  # bytes are arithmetic on the layouts: exact
-            assert a["kv_bytes_at_rest"] == b["kv_bytes_at_rest"] and a["bytes_moved_per_layer"] == b["bytes_moved_per_layer"]
+            assert (
+                a["kv_bytes_at_rest"] == b["kv_bytes_at_rest"]
+                and a["bytes_moved_per_layer"] == b["bytes_moved_per_layer"]
+            )

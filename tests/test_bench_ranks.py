@@ -13,8 +13,22 @@ from reference_impl.bench import ranks as bench
 
 def test_every_rank_reports_each_level_and_the_point_is_the_slowest(tmp_path: Path) -> None:
     out = tmp_path / "ranks.json"
-    argv = ["--out", str(out), "--device", "cpu", "--preset", "tiny", "--cp-size", "2", "--levels", "0,8",
-            "--workloads", "current-only:0+256,prefix-heavy:128+64", "--layers", "2"]
+    argv = [
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+        "--preset",
+        "tiny",
+        "--cp-size",
+        "2",
+        "--levels",
+        "0,8",
+        "--workloads",
+        "current-only:0+256,prefix-heavy:128+64",
+        "--layers",
+        "2",
+    ]
     assert bench.main(argv) == 0
     doc = json.loads(out.read_text())
     assert doc["backend"] == "gloo" and doc["cp_size"] == 2 and doc["gpu_count"] == 0
@@ -40,7 +54,19 @@ def test_every_rank_reports_each_level_and_the_point_is_the_slowest(tmp_path: Pa
 
 
 def test_a_bad_workload_is_refused_by_name(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    code = bench.main(["--out", str(tmp_path / "x.json"), "--device", "cpu", "--preset", "tiny", "--cp-size", "2",
-                       "--workloads", "0+256"])
+    code = bench.main(
+        [
+            "--out",
+            str(tmp_path / "x.json"),
+            "--device",
+            "cpu",
+            "--preset",
+            "tiny",
+            "--cp-size",
+            "2",
+            "--workloads",
+            "0+256",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: ") and "expected name:prefix" in err and err.count("\n") == 1, err

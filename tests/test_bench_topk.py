@@ -13,7 +13,20 @@ def test_the_topk_bench_runs_dry_on_cpu(tmp_path, monkeypatch) -> None:
 
     monkeypatch.setattr(topk, "SWEEP", [{"bound_steps": 4, "segment_keys": 16}])
     out = tmp_path / "topk.json"
-    argv = ["--device", "cpu", "--context", "64", "--cp-size", "2", "--topk", "8", "--index-heads", "2", "--index-dim", "32"]
+    argv = [
+        "--device",
+        "cpu",
+        "--context",
+        "64",
+        "--cp-size",
+        "2",
+        "--topk",
+        "8",
+        "--index-heads",
+        "2",
+        "--index-dim",
+        "32",
+    ]
     assert topk.main([*argv, "--sweep", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["shape"]["rows"] == 32 and result["torch_topk_ms"] > 0

@@ -38,7 +38,9 @@ def test_an_fp8_tensor_without_its_scale_is_refused_by_name() -> None:
     assert torch.equal(model.layers[0].attn.wq_a.weight, before)  # nothing changed
     tensors[name + "_scale_inv"] = scale  # with its companion it loads, dequantized
     load_hf_weights(model, tensors)
-    assert torch.allclose(model.layers[1].attn.indexer.wk.weight, donor.layers[1].attn.indexer.wk.weight, rtol=0.07, atol=3e-3)
+    assert torch.allclose(
+        model.layers[1].attn.indexer.wk.weight, donor.layers[1].attn.indexer.wk.weight, rtol=0.07, atol=3e-3
+    )
 
 
 def test_a_scale_beside_a_tensor_that_is_not_fp8_is_refused() -> None:
@@ -58,7 +60,9 @@ def test_an_index_share_checkpoint_loads_without_the_shared_layers_indexer() -> 
     model = DSAModel(cfg, torch.float32)
     names = load_hf_weights(model, tensors)
     assert "layers.1.attn.indexer.wk.weight" not in names and "layers.2.attn.indexer.wk.weight" in names
-    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(model.layers.named_parameters(), donor.layers.named_parameters()))
+    assert all(
+        torch.equal(a, b) for (_, a), (_, b) in zip(model.layers.named_parameters(), donor.layers.named_parameters())
+    )
     # A model that expects an indexer on every layer names the one the checkpoint lacks.
     with pytest.raises(ri.ConfigError, match="no tensor 'model.layers.1.self_attn.indexer.wq_b.weight'"):
         load_hf_weights(DSAModel(dataclasses.replace(cfg, index_topk_pattern=None), torch.float32), tensors)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import tiny
+
 from reference_impl.config import ConfigError, PhaseSet, Request
 from reference_impl.model.oracle import run_oracle
 from reference_impl.runner import run_prefill
@@ -33,14 +33,19 @@ def test_chunked_runs_match_the_oracle(report_of, level: int, cp_size: int) -> N
 
 
 def test_chunked_bf16_cache(report_of) -> None:
-    rep = report_of(tiny(cp_size=2, kv_dtype="bf16", requests=UNEVEN, page_size=16, chunk_size=80, phases=PhaseSet.level(5)))
+    rep = report_of(
+        tiny(cp_size=2, kv_dtype="bf16", requests=UNEVEN, page_size=16, chunk_size=80, phases=PhaseSet.level(5))
+    )
     assert rep["matches_oracle"] is True and rep["cache_equal"] is True
 
 
 def test_later_chunks_write_directly_when_aligned(report_of) -> None:
     """Page-multiple chunk and prefix sizes keep every chunk page-aligned: direct writes throughout."""
-    rep = report_of(tiny(cp_size=2, requests=(Request(16, 128), Request(0, 96)), page_size=8, chunk_size=64,
-                         phases=PhaseSet.level(5)))
+    rep = report_of(
+        tiny(
+            cp_size=2, requests=(Request(16, 128), Request(0, 96)), page_size=8, chunk_size=64, phases=PhaseSet.level(5)
+        )
+    )
     assert rep["store_path"] == "direct" and rep["matches_oracle"] is True
 
 

@@ -28,14 +28,32 @@ def test_split_json_published_case(capsys) -> None:
 def test_run_json_report_fields(capsys) -> None:
     assert main(["run", "--cp-size", "2", "--requests", "0+40,9+30", "--phases", "1", "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
-    for key in ("config", "cp_size", "phases", "device", "backend", "matches_oracle", "max_abs_err",
-                "topk_agreement", "per_rank", "timings"):
+    for key in (
+        "config",
+        "cp_size",
+        "phases",
+        "device",
+        "backend",
+        "matches_oracle",
+        "max_abs_err",
+        "topk_agreement",
+        "per_rank",
+        "timings",
+    ):
         assert key in rep
     assert rep["matches_oracle"] is True and rep["phases"] == [1]
     assert rep["attention_kernel"] == "torch"  # CPU: the torch reference (the Gluon / Triton paths need CUDA)
     for entry in rep["per_rank"]:
-        for key in ("rank", "kv_bytes", "index_bytes", "transient_peak_bytes", "gather_bytes",
-                    "materialized_bytes", "output_gather_bytes", "collectives"):
+        for key in (
+            "rank",
+            "kv_bytes",
+            "index_bytes",
+            "transient_peak_bytes",
+            "gather_bytes",
+            "materialized_bytes",
+            "output_gather_bytes",
+            "collectives",
+        ):
             assert isinstance(entry[key], int)
 
 
@@ -66,6 +84,7 @@ def test_run_progress_is_drawn_on_stderr_by_the_cli() -> None:
     seen: list[tuple[str, int, int]] = []
     out = io.StringIO()
     with _ProgressBar(enabled=True, file=out) as bar:
+
         def progress(stage: str, done: int, total: int) -> None:
             seen.append((stage, done, total))
             bar.update(stage, done, total)
@@ -81,10 +100,20 @@ def test_run_progress_is_drawn_on_stderr_by_the_cli() -> None:
 def test_a_full_stdout_is_one_line_and_not_exit_1() -> None:
     """``... > /dev/full``: the result cannot be written. One line saying so, and exit 2 (never 1, which
     says a run disagrees with the oracle), for the table and the JSON alike."""
-    for args in (["run", "--requests", "0+40"], ["run", "--requests", "0+40", "--json"], ["split", "--cp", "2", "--extend", "9"]):
+    for args in (
+        ["run", "--requests", "0+40"],
+        ["run", "--requests", "0+40", "--json"],
+        ["split", "--cp", "2", "--extend", "9"],
+    ):
         cmd = f"{sys.executable} -m reference_impl {' '.join(args)} > /dev/full"
-        proc = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=120,
-                              env={**os.environ, "PYTHONPATH": str(ROOT), "DSACP_RANK_THREADS": "1"}, cwd=ROOT)
+        proc = subprocess.run(
+            ["bash", "-c", cmd],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONPATH": str(ROOT), "DSACP_RANK_THREADS": "1"},
+            cwd=ROOT,
+        )
         assert proc.returncode == 2, (args, proc.stderr)
         assert proc.stderr == "error: cannot write the output to stdout: No space left on device\n", (args, proc.stderr)
 
@@ -110,8 +139,14 @@ def test_the_usage_names_the_command_as_invoked(monkeypatch) -> None:
 
     monkeypatch.setattr(sys, "argv", ["/usr/local/bin/dsa-cp", "--help"])
     assert build_parser().format_usage().startswith("usage: dsa-cp [-h]")
-    proc = subprocess.run([sys.executable, "-m", "reference_impl", "run", "--help"], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "reference_impl", "run", "--help"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+        timeout=60,
+    )
     assert proc.returncode == 0 and proc.stdout.startswith("usage: python -m reference_impl run [-h]")
     assert "(default tiny; env DSACP_PRESET)" in " ".join(proc.stdout.split())
 

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from reference_impl.config import ConfigError
-from reference_impl.cp.comm import CollectiveMismatchError, CPGroup, CollectiveRecorder, CollectiveEntry, first_mismatch
+from reference_impl.cp.comm import CollectiveEntry, CollectiveMismatchError, CollectiveRecorder, CPGroup, first_mismatch
 from reference_impl.launch import LaunchSpec, RankFailedError, choose_backend, launch
 
 DTYPES = (torch.bfloat16, torch.float32, torch.uint8)
@@ -126,7 +126,9 @@ def test_choose_backend_nccl() -> None:
 
 
 def test_choose_backend_nccl_too_few_gpus() -> None:
-    with pytest.raises(ConfigError, match=r"NCCL needs one GPU per rank: cp_size=4 but 1 CUDA device\(s\); use --backend gloo"):
+    with pytest.raises(
+        ConfigError, match=r"NCCL needs one GPU per rank: cp_size=4 but 1 CUDA device\(s\); use --backend gloo"
+    ):
         choose_backend(4, "auto", "nccl", 1)
     with pytest.raises(ConfigError, match="no CUDA device"):
         choose_backend(2, "cuda", "auto", 0)
@@ -144,8 +146,12 @@ def test_choose_backend_invariants(cp_size: int, device: str, backend: str, cuda
     try:
         plan = choose_backend(cp_size, device, backend, cuda_count)
     except ConfigError:
-        assert backend == "nccl" and cuda_count < cp_size or device == "cuda" and cuda_count == 0 or (
-            backend == "nccl" and device == "cpu"
+        assert (
+            backend == "nccl"
+            and cuda_count < cp_size
+            or device == "cuda"
+            and cuda_count == 0
+            or (backend == "nccl" and device == "cpu")
         )
         return
     assert len(plan.device_per_rank) == cp_size
@@ -294,7 +300,9 @@ def hang_on_rank1(group: CPGroup, payload: Any) -> int:
 
 def test_hanging_rank_times_out() -> None:
     start = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"rank\(s\) \[1\] did not finish \(computing after collective #0\), within 5 s"):
+    with pytest.raises(
+        TimeoutError, match=r"rank\(s\) \[1\] did not finish \(computing after collective #0\), within 5 s"
+    ):
         launch(hang_on_rank1, 2, None, device="cpu", timeout_s=5)
     assert time.monotonic() - start < 9
 
@@ -309,8 +317,13 @@ def test_torchrun_env_path(monkeypatch: pytest.MonkeyPatch) -> None:
 
     with pytest.raises(ConfigError, match="start with torchrun"):
         run_under_torchrun(report_world, None)
-    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(_free_port())}.items():
+    for key, value in {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+    }.items():
         monkeypatch.setenv(key, value)
     assert under_torchrun()
     with pytest.raises(ConfigError, match="cp_size=2 but torchrun started WORLD_SIZE=1"):

@@ -67,7 +67,8 @@ def test_editing_a_result_makes_the_pages_disagree(tmp_path: Path) -> None:
 def test_render_fills_a_figure_and_keeps_a_table_in_its_list_item() -> None:
     names = {**Sources().namespace(), "r": render_docs.wrap({"xs": [{"a": 1.234, "b": 5000}, {"a": 2.5, "b": 7}]})}
     page = (
-        "Took <!-- fig:.2f r.xs[0].a -->9<!-- /fig --> ms, span <!-- fig span((x.a for x in r.xs), '.1f') -->?<!-- /fig -->.\n"
+        "Took <!-- fig:.2f r.xs[0].a -->9<!-- /fig --> ms, "
+        "span <!-- fig span((x.a for x in r.xs), '.1f') -->?<!-- /fig -->.\n"
         "1. item\n\n"
         '    <!-- fig rows(r.xs, "| a | b |", "| {a:.1f} | {b:,} |") --><!-- /fig -->\n'
     )
@@ -108,7 +109,8 @@ def test_the_old_filter_syntax_is_refused_and_upgraded() -> None:
     with pytest.raises(ValueError, match=r"old filter syntax"):
         render_page(old, {"r": render_docs.wrap({"a": 1.234})}, console=None)
     assert render_docs.upgrade_markers(old) == (
-        "Took <!-- fig:.2f r.a -->1.23<!-- /fig --> ms; <!-- fig rows(r, 'a | b', 'c') -->x<!-- /fig -->\n")
+        "Took <!-- fig:.2f r.a -->1.23<!-- /fig --> ms; <!-- fig rows(r, 'a | b', 'c') -->x<!-- /fig -->\n"
+    )
 
 
 def test_a_figure_that_cannot_render_names_its_line() -> None:
@@ -130,12 +132,18 @@ def test_the_tables_quote_each_metric_as_the_glossary_defines_it() -> None:
     import results_tables
 
     results = ROOT / "docs" / "results"
-    doc = {name: json.loads((results / f"{name}.json").read_text())
-           for name in ("layer_bench", "capacity_deepseek_v32_c8", "layer_bench_8k", "demo_h200", "kv_designs_h200")}
-    phases = results_tables.phases({"layer": doc["layer_bench"], "capacity": doc["capacity_deepseek_v32_c8"],
-                                    "repeats": doc["layer_bench_8k"]})
-    rows = {line.split(" | ")[0].strip("| "): line.split(" | ")
-            for line in phases.splitlines() if line[:4] in ("| 0 ", "| 2 ")}
+    doc = {
+        name: json.loads((results / f"{name}.json").read_text())
+        for name in ("layer_bench", "capacity_deepseek_v32_c8", "layer_bench_8k", "demo_h200", "kv_designs_h200")
+    }
+    phases = results_tables.phases(
+        {"layer": doc["layer_bench"], "capacity": doc["capacity_deepseek_v32_c8"], "repeats": doc["layer_bench_8k"]}
+    )
+    rows = {
+        line.split(" | ")[0].strip("| "): line.split(" | ")
+        for line in phases.splitlines()
+        if line[:4] in ("| 0 ", "| 2 ")
+    }
     assert "gathered, MiB per layer" in phases and "moved" not in phases
     assert rows["0"][5] == results_tables.NONE and rows["2"][5] == "98.5"
     demo = results_tables.demo(doc["demo_h200"])
@@ -151,9 +159,15 @@ def test_the_tables_quote_each_metric_as_the_glossary_defines_it() -> None:
 
 def test_the_glossary_defines_every_metric_the_tables_quote() -> None:
     text = (ROOT / "docs" / "glossary.md").read_text()
-    metrics = text[text.index("## Metrics"):].split("\n## ")[0]
+    metrics = text[text.index("## Metrics") :].split("\n## ")[0]
     rows = {line.split(" | ")[0].strip("| "): line for line in metrics.splitlines() if line.startswith("| ")}
-    for name, field in (("layer time", "layer_ms_median"), ("tail wall time", "tail_ms"), ("KV at rest", "kv_bytes"),
-                        ("gathered", "gather_bytes"), ("received", "bytes_moved_per_layer"),
-                        ("materialized", "materialized_bytes"), ("measured peak", "measured_peak_bytes")):
+    for name, field in (
+        ("layer time", "layer_ms_median"),
+        ("tail wall time", "tail_ms"),
+        ("KV at rest", "kv_bytes"),
+        ("gathered", "gather_bytes"),
+        ("received", "bytes_moved_per_layer"),
+        ("materialized", "materialized_bytes"),
+        ("measured peak", "measured_peak_bytes"),
+    ):
         assert name in rows and f"`{field}`" in rows[name], f"glossary.md#metrics: no row {name!r} naming `{field}`"

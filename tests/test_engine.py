@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import tiny
+
 from reference_impl.config import PhaseSet, Request
 from reference_impl.runner import run_prefill
 
@@ -144,8 +144,15 @@ def test_a_prefill_leaves_no_tensor_to_the_cyclic_collector(level: int) -> None:
     from reference_impl.cp.loopback import LoopbackGroup
     from reference_impl.engine import run_rank
 
-    run = RunConfig(preset="tiny", n_layers=3, cp_size=2, check=False, device="cpu", requests=(Request(64, 128),),
-                    phases=PhaseSet.level(level))
+    run = RunConfig(
+        preset="tiny",
+        n_layers=3,
+        cp_size=2,
+        check=False,
+        device="cpu",
+        requests=(Request(64, 128),),
+        phases=PhaseSet.level(level),
+    )
     run_rank(LoopbackGroup(0, 2, "cpu"), run)  # first use: module imports and caches
     gc.collect()
     gc.disable()

@@ -14,13 +14,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import engine_metadata_recipe as recipe  # noqa: E402
-
 from reference_impl.errors import ConfigError  # noqa: E402
 
 
 @pytest.mark.parametrize(("cp_size", "page_size", "shuffle"), [(2, 4, None), (4, 8, None), (3, 16, 5), (1, 4, None)])
-def test_both_engines_give_the_reference_split_locs_and_gathers(cp_size: int, page_size: int,
-                                                               shuffle: int | None) -> None:
+def test_both_engines_give_the_reference_split_locs_and_gathers(
+    cp_size: int, page_size: int, shuffle: int | None
+) -> None:
     summary = recipe.run_checks(cp_size, page_size, shuffle)
     checks = summary["checks"]
     assert all(checks.values()), [name for name, ok in checks.items() if not ok]

@@ -34,14 +34,44 @@ FREE_GIB = 16  # what the memory estimates compare with here
 sys.path.insert(0, str(ROOT / "scripts"))  # the scripts import each other by name, as they do when run
 
 # Module entry points: ``python -m <name>``.
-MODULES = [f"reference_impl.bench.{m}" for m in (
-    "compute", "designs", "glue", "kernels", "layer", "limits", "long_context", "pd_mooncake", "pd_stream", "ranks",
-    "topk", "v4")] + [f"reference_impl.planner.{m}" for m in ("designs", "elementwise", "v4")]
+MODULES = [
+    f"reference_impl.bench.{m}"
+    for m in (
+        "compute",
+        "designs",
+        "glue",
+        "kernels",
+        "layer",
+        "limits",
+        "long_context",
+        "pd_mooncake",
+        "pd_stream",
+        "ranks",
+        "topk",
+        "v4",
+    )
+] + [f"reference_impl.planner.{m}" for m in ("designs", "elementwise", "v4")]
 # Scripts a page or the README gives as a command: ``python3 scripts/<name>.py``; the entry where it is not main.
-SCRIPTS = {name: "main" for name in (
-    "calibrate_check", "capacity_plan", "draw_diagrams", "execute_notebooks", "index_share_plan",
-    "inspect_attention_kernels", "inspect_logits_kernel", "memory_peak", "plot_results", "profile_fused_kernels",
-    "profile_layer", "profile_logits_kernel", "render_docs", "results_tables", "summarize_test_run")}
+SCRIPTS = {
+    name: "main"
+    for name in (
+        "calibrate_check",
+        "capacity_plan",
+        "draw_diagrams",
+        "execute_notebooks",
+        "index_share_plan",
+        "inspect_attention_kernels",
+        "inspect_logits_kernel",
+        "memory_peak",
+        "plot_results",
+        "profile_fused_kernels",
+        "profile_layer",
+        "profile_logits_kernel",
+        "render_docs",
+        "results_tables",
+        "summarize_test_run",
+    )
+}
 SCRIPTS["apply_sweep"] = "cli"  # its main(path) is the library call the tests of the kernels use
 
 
@@ -56,16 +86,44 @@ def entry_main(entry: str) -> Callable[[list[str] | None], Any]:
 # Stored files the table reads: {name: content}, written under the test's folder as NAME.json.
 STORED: dict[str, Any] = {
     "empty": {},
-    "layer_partial": {"preset": "tiny", "n_layers": 1, "cp_size": 2, "rank": 0, "wire_gbps": None,
-                      "workloads": [{"workload": {"prefix": 0}, "levels": [{"level": 0}]}]},
-    "layer_bad_rank": {"preset": "tiny", "n_layers": 1, "cp_size": 2, "rank": 5, "wire_gbps": None,
-                       "workloads": [{"workload": {"prefix": 0, "extend": 64}, "levels": [
-                           {"level": 0, "layer_ms_median": 1.0, "kv_bytes": 1, "transient_peak_bytes": 1}]}]},
+    "layer_partial": {
+        "preset": "tiny",
+        "n_layers": 1,
+        "cp_size": 2,
+        "rank": 0,
+        "wire_gbps": None,
+        "workloads": [{"workload": {"prefix": 0}, "levels": [{"level": 0}]}],
+    },
+    "layer_bad_rank": {
+        "preset": "tiny",
+        "n_layers": 1,
+        "cp_size": 2,
+        "rank": 5,
+        "wire_gbps": None,
+        "workloads": [
+            {
+                "workload": {"prefix": 0, "extend": 64},
+                "levels": [{"level": 0, "layer_ms_median": 1.0, "kv_bytes": 1, "transient_peak_bytes": 1}],
+            }
+        ],
+    },
     "layer_text_cp": {"preset": "tiny", "n_layers": 1, "cp_size": "8", "rank": 0, "wire_gbps": None, "workloads": []},
-    "long_partial": {"preset": "tiny", "cp_size": 2, "rank": 0, "n_layers": 2, "chunk_tokens": 256,
-                     "runs": [{"context": 512, "levels": [{"level": 0}]}]},
-    "long_text_context": {"preset": "tiny", "cp_size": 2, "rank": 0, "n_layers": 2, "chunk_tokens": 256,
-                          "runs": [{"context": "512", "levels": []}]},
+    "long_partial": {
+        "preset": "tiny",
+        "cp_size": 2,
+        "rank": 0,
+        "n_layers": 2,
+        "chunk_tokens": 256,
+        "runs": [{"context": 512, "levels": [{"level": 0}]}],
+    },
+    "long_text_context": {
+        "preset": "tiny",
+        "cp_size": 2,
+        "rank": 0,
+        "n_layers": 2,
+        "chunk_tokens": 256,
+        "runs": [{"context": "512", "levels": []}],
+    },
     "profile_no_ops": {"args": {"layers": 2, "extend": 4096, "cp_size": 8, "level": 7, "rank": 0}},
     "sweep_no_rows": {"sweep": {"attention": [], "indexer": []}},
     "list": [1, 2],
@@ -76,73 +134,153 @@ BAD_INPUT: list[tuple[str, list[str], str]] = [
     # bench.v4: what a user met as tracebacks
     ("reference_impl.bench.v4", ["--out", "T/x.json", "--cp-size", "0"], "argument --cp-size: 0 is below 1"),
     ("reference_impl.bench.v4", ["--out", "T/x.json", "--rank", "-1"], "argument --rank: -1 is below 0"),
-    ("reference_impl.bench.v4", ["--out", "T/x.json", "--rank", "8"], "--rank 8: need a rank within 0..7 (--cp-size 8)"),
+    (
+        "reference_impl.bench.v4",
+        ["--out", "T/x.json", "--rank", "8"],
+        "--rank 8: need a rank within 0..7 (--cp-size 8)",
+    ),
     ("reference_impl.bench.v4", ["--out", "T/x.json", "--wire-gbps", "-1"], "argument --wire-gbps: -1 is not positive"),
     ("reference_impl.bench.v4", ["--out", "T/x.json", "--repeats", "0"], "argument --repeats: 0 is below 1"),
     ("reference_impl.bench.v4", ["--out", "T/x.json", "--levels", ""], "--levels '': '' is not an integer"),
-    ("reference_impl.bench.v4", ["--out", "T/x.json", "--preset", "deepseek-v3.2"],
-     "argument --preset: unknown V4 preset 'deepseek-v3.2': use deepseek-v4-flash, deepseek-v4-pro, tiny-v4"),
-    ("reference_impl.bench.v4", ["--out", "T/x.json", "--preset", "tiny-v4"], "--layers 4: --preset tiny-v4 has 3 layers"),
-    ("reference_impl.bench.v4", ["--out", "T/x.json", "--preset", "tiny-v4", "--layers", "3", "--workloads", "a:0+3"],
-     "--workloads a:0+3: it holds 3 new tokens, fewer than the 8 ranks"),
+    (
+        "reference_impl.bench.v4",
+        ["--out", "T/x.json", "--preset", "deepseek-v3.2"],
+        "argument --preset: unknown V4 preset 'deepseek-v3.2': use deepseek-v4-flash, deepseek-v4-pro, tiny-v4",
+    ),
+    (
+        "reference_impl.bench.v4",
+        ["--out", "T/x.json", "--preset", "tiny-v4"],
+        "--layers 4: --preset tiny-v4 has 3 layers",
+    ),
+    (
+        "reference_impl.bench.v4",
+        ["--out", "T/x.json", "--preset", "tiny-v4", "--layers", "3", "--workloads", "a:0+3"],
+        "--workloads a:0+3: it holds 3 new tokens, fewer than the 8 ranks",
+    ),
     ("reference_impl.bench.v4", ["--out", "T/x.json", "--workloads", "a:0+x"], "--workloads 'a:0+x': expected name"),
-    ("reference_impl.bench.v4", ["--out", "T/x.json", "--device", "cpu"],
-     f"rank 0 of C=8 at 1,048,576 tokens (deepseek-v4-flash, 4 layers) needs up to 84.6 GiB on cpu, which has "
-     f"{FREE_GIB}.0 GiB free"),
+    (
+        "reference_impl.bench.v4",
+        ["--out", "T/x.json", "--device", "cpu"],
+        f"rank 0 of C=8 at 1,048,576 tokens (deepseek-v4-flash, 4 layers) needs up to 84.6 GiB on cpu, which has "
+        f"{FREE_GIB}.0 GiB free",
+    ),
     # bench.layer
     ("reference_impl.bench.layer", ["--replan", "S/empty"], "--replan 'S/empty': missing field preset"),
-    ("reference_impl.bench.layer", ["--replan", "S/layer_partial"],
-     "--replan 'S/layer_partial': missing field workloads[0].workload.extend"),
-    ("reference_impl.bench.layer", ["--replan", "S/layer_text_cp"],
-     "--replan 'S/layer_text_cp': field cp_size holds \"8\"; need an integer within 1..4,096"),
-    ("reference_impl.bench.layer", ["--replan", "S/layer_bad_rank"],
-     "--replan 'S/layer_bad_rank': field rank 5: need a rank within 0..1 (cp_size 2)"),
+    (
+        "reference_impl.bench.layer",
+        ["--replan", "S/layer_partial"],
+        "--replan 'S/layer_partial': missing field workloads[0].workload.extend",
+    ),
+    (
+        "reference_impl.bench.layer",
+        ["--replan", "S/layer_text_cp"],
+        "--replan 'S/layer_text_cp': field cp_size holds \"8\"; need an integer within 1..4,096",
+    ),
+    (
+        "reference_impl.bench.layer",
+        ["--replan", "S/layer_bad_rank"],
+        "--replan 'S/layer_bad_rank': field rank 5: need a rank within 0..1 (cp_size 2)",
+    ),
     ("reference_impl.bench.layer", ["--replan", "S/list"], "--replan 'S/list': holds a JSON list"),
     ("reference_impl.bench.layer", ["--replan", "T/missing.json"], "--replan 'T/missing.json': no such file"),
-    ("reference_impl.bench.layer", ["--out", "T/x.json", "--device", "cpu", "--levels", "a"], "--levels 'a': 'a' is not"),
-    ("reference_impl.bench.layer", ["--out", "T/x.json", "--device", "cpu", "--levels", "8-2"], "the range runs downward"),
-    ("reference_impl.bench.layer", ["--out", "T/x.json", "--preset", "tiny-v4"],
-     "argument --preset: unknown preset 'tiny-v4': use deepseek-v3.2, glm-5, glm-5.2, tiny (DeepSeek-V4: "),
+    (
+        "reference_impl.bench.layer",
+        ["--out", "T/x.json", "--device", "cpu", "--levels", "a"],
+        "--levels 'a': 'a' is not",
+    ),
+    (
+        "reference_impl.bench.layer",
+        ["--out", "T/x.json", "--device", "cpu", "--levels", "8-2"],
+        "the range runs downward",
+    ),
+    (
+        "reference_impl.bench.layer",
+        ["--out", "T/x.json", "--preset", "tiny-v4"],
+        "argument --preset: unknown preset 'tiny-v4': use deepseek-v3.2, glm-5, glm-5.2, tiny (DeepSeek-V4: ",
+    ),
     ("reference_impl.bench.layer", ["--out", "T/x.json", "--split-modes", "zigzag"], "--split-modes 'zigzag': use"),
-    ("reference_impl.bench.layer", ["--out", "T/x.json", "--prefetch-repeats", "0"], "--prefetch-repeats must be at least 1"),
+    (
+        "reference_impl.bench.layer",
+        ["--out", "T/x.json", "--prefetch-repeats", "0"],
+        "--prefetch-repeats must be at least 1",
+    ),
     ("reference_impl.bench.layer", ["--out", "T/x.json", "--layers", "1000"], "argument --layers: 1000 is above 128"),
     ("reference_impl.bench.layer", ["--out", "T/no/x.json"], "--out 'T/no/x.json': the folder 'T/no' does not exist"),
     ("reference_impl.bench.layer", [], "--out FILE: where to write the results (or --replan FILE)"),
-    ("reference_impl.bench.layer", ["--out", "T/x.json", "--device", "cpu"],
-     "--workloads / --layers: rank 0 of C=8 at 139,264 tokens (deepseek-v3.2, 4 layers) needs up to"),
-    ("reference_impl.bench.layer", ["--out", "T/x.json", "--cp-size", "x"], "argument --cp-size: 'x' is not an integer"),
+    (
+        "reference_impl.bench.layer",
+        ["--out", "T/x.json", "--device", "cpu"],
+        "--workloads / --layers: rank 0 of C=8 at 139,264 tokens (deepseek-v3.2, 4 layers) needs up to",
+    ),
+    (
+        "reference_impl.bench.layer",
+        ["--out", "T/x.json", "--cp-size", "x"],
+        "argument --cp-size: 'x' is not an integer",
+    ),
     # bench.long_context
-    ("reference_impl.bench.long_context", ["--out", "T/x.json", "--modeled", "--preset", "tiny-v4"],
-     "argument --preset: unknown preset 'tiny-v4'"),
-    ("reference_impl.bench.long_context", ["--out", "T/x.json", "--modeled", "--preset", "deepseek-v4-flash"],
-     "argument --preset: unknown preset 'deepseek-v4-flash'"),
+    (
+        "reference_impl.bench.long_context",
+        ["--out", "T/x.json", "--modeled", "--preset", "tiny-v4"],
+        "argument --preset: unknown preset 'tiny-v4'",
+    ),
+    (
+        "reference_impl.bench.long_context",
+        ["--out", "T/x.json", "--modeled", "--preset", "deepseek-v4-flash"],
+        "argument --preset: unknown preset 'deepseek-v4-flash'",
+    ),
     ("reference_impl.bench.long_context", ["--out", "T/x.json", "--rank", "99"], "--rank 99: need a rank within 0..7"),
     ("reference_impl.bench.long_context", ["--replan", "S/empty"], "--replan 'S/empty': missing field preset"),
-    ("reference_impl.bench.long_context", ["--replan", "S/long_partial"],
-     "--replan 'S/long_partial': missing field runs[0].levels[0].chunk_contexts"),
-    ("reference_impl.bench.long_context", ["--replan", "S/long_text_context"],
-     "--replan 'S/long_text_context': field runs[0].context holds \"512\"; need an integer"),
-    ("reference_impl.bench.long_context", ["--out", "T/x.json", "--modeled", "--chunk", "1"],
-     "--contexts / --chunk / --levels: 5,111,808 chunks x levels; at most 4,096"),
+    (
+        "reference_impl.bench.long_context",
+        ["--replan", "S/long_partial"],
+        "--replan 'S/long_partial': missing field runs[0].levels[0].chunk_contexts",
+    ),
+    (
+        "reference_impl.bench.long_context",
+        ["--replan", "S/long_text_context"],
+        "--replan 'S/long_text_context': field runs[0].context holds \"512\"; need an integer",
+    ),
+    (
+        "reference_impl.bench.long_context",
+        ["--out", "T/x.json", "--modeled", "--chunk", "1"],
+        "--contexts / --chunk / --levels: 5,111,808 chunks x levels; at most 4,096",
+    ),
     ("reference_impl.bench.long_context", ["--out", "T/x.json", "--contexts", "0"], "--contexts '0': 0 is not within"),
-    ("reference_impl.bench.long_context", ["--out", "T/x.json", "--device", "cpu"],
-     "--contexts / --chunk / --layers: rank 0 of C=8 at 1,048,576 tokens (deepseek-v3.2, 2 layers) needs up to"),
+    (
+        "reference_impl.bench.long_context",
+        ["--out", "T/x.json", "--device", "cpu"],
+        "--contexts / --chunk / --layers: rank 0 of C=8 at 1,048,576 tokens (deepseek-v3.2, 2 layers) needs up to",
+    ),
     # planner.v4
     ("reference_impl.planner.v4", ["--kv-budget-gib", "1e309"], "argument --kv-budget-gib: '1e309' is not a finite"),
     ("reference_impl.planner.v4", ["--kv-budget-gib", "1e300"], "argument --kv-budget-gib: 1e+300 is above 1,048,576"),
     ("reference_impl.planner.v4", ["--cp-size", "99999999"], "argument --cp-size: 99999999 is above 4,096"),
-    ("reference_impl.planner.v4", ["--contexts", "99999999999999"], "--contexts '99999999999999': 99999999999999 is not"),
-    ("reference_impl.planner.v4", ["--cp-size", "4096", "--levels", "0,1,2,3,4,5,6,7,8"],
-     "--contexts x --levels x --cp-size = 2 x 9 x 4096 = 73,728 ranks to walk: at most 65,536"),
+    (
+        "reference_impl.planner.v4",
+        ["--contexts", "99999999999999"],
+        "--contexts '99999999999999': 99999999999999 is not",
+    ),
+    (
+        "reference_impl.planner.v4",
+        ["--cp-size", "4096", "--levels", "0,1,2,3,4,5,6,7,8"],
+        "--contexts x --levels x --cp-size = 2 x 9 x 4096 = 73,728 ranks to walk: at most 65,536",
+    ),
     ("reference_impl.planner.v4", ["--contexts", ",".join(["4096"] * 9000)], "ranks to walk: at most 65,536"),
     ("reference_impl.planner.v4", ["--preset", "tiny"], "argument --preset: unknown V4 preset 'tiny'"),
     # planner.elementwise and planner.designs
-    ("reference_impl.planner.elementwise", ["T/missing.json", "--out", "T/x.json"], "profile 'T/missing.json': no such"),
+    (
+        "reference_impl.planner.elementwise",
+        ["T/missing.json", "--out", "T/x.json"],
+        "profile 'T/missing.json': no such",
+    ),
     ("reference_impl.planner.elementwise", ["README.md", "--out", "T/x.json"], "profile 'README.md': not JSON"),
     ("reference_impl.planner.elementwise", ["S/empty", "--out", "T/x.json"], "profile 'S/empty': missing field args"),
     ("reference_impl.planner.elementwise", ["S/profile_no_ops", "--out", "T/x.json"], "missing field ops"),
-    ("reference_impl.planner.elementwise", ["docs/results/profile_layer_32k.json", "--out", "T/x.json"],
-     "need profiles at two different local token counts"),
+    (
+        "reference_impl.planner.elementwise",
+        ["docs/results/profile_layer_32k.json", "--out", "T/x.json"],
+        "need profiles at two different local token counts",
+    ),
     ("reference_impl.planner.designs", ["--out", "T/x.json", "--rank", "8"], "--rank 8: need a rank within 0..7"),
     ("reference_impl.planner.designs", ["--out", "T/x.json", "--budget-gib", "inf"], "argument --budget-gib: 'inf'"),
     # the other benchmarks
@@ -168,8 +306,11 @@ BAD_INPUT: list[tuple[str, list[str], str]] = [
     ("reference_impl.bench.pd_stream", ["--out", "T/x.json", "--rank", "8"], "--rank 8: need a rank within 0..7"),
     ("reference_impl.bench.pd_stream", ["--out", "T/x.json", "--device", "cpu"], "needs up to"),
     ("reference_impl.bench.pd_mooncake", ["--out", "T/x.json", "--level", "9"], "argument --level: 9 is above 8"),
-    ("reference_impl.bench.pd_mooncake", ["--out", "T/x.json", "--device", "cpu", "--libs", "T/none"],
-     "--libs 'T/none': not a folder"),
+    (
+        "reference_impl.bench.pd_mooncake",
+        ["--out", "T/x.json", "--device", "cpu", "--libs", "T/none"],
+        "--libs 'T/none': not a folder",
+    ),
     # the scripts
     ("execute_notebooks", ["T/missing.py"], "walkthroughs: not a walkthrough (phases/*.py): T/missing.py"),
     ("capacity_plan", ["--out", "T/no/x.json"], "--out 'T/no/x.json': the folder 'T/no' does not exist"),
@@ -182,7 +323,11 @@ BAD_INPUT: list[tuple[str, list[str], str]] = [
     ("results_tables", ["layer", "S/empty"], "path 'S/empty': not a layer results file (KeyError"),
     ("memory_peak", ["--level", "9"], "argument --level: 9 is above 8"),
     ("profile_layer", ["--device", "cpu", "--rank", "8"], "--rank 8: need a rank within 0..7"),
-    ("profile_layer", ["--device", "cpu", "--extend", "4"], "--extend 4: it holds 4 new tokens, fewer than the 8 ranks"),
+    (
+        "profile_layer",
+        ["--device", "cpu", "--extend", "4"],
+        "--extend 4: it holds 4 new tokens, fewer than the 8 ranks",
+    ),
     ("profile_layer", ["--device", "cpu", "--json", "T/no/x.json"], "--json 'T/no/x.json': the folder"),
     ("profile_layer", ["--device", "cpu"], "--extend / --layers: rank 0 of C=8 at 131,072 tokens"),
     ("profile_fused_kernels", ["--tokens", "0"], "--tokens '0': 0 is not within"),
@@ -200,8 +345,14 @@ BAD_INPUT: list[tuple[str, list[str], str]] = [
 
 
 def _expand(values: list[str], tmp: Path) -> list[str]:
-    return [v.replace("T/", f"{tmp}/").replace("S/", f"{tmp}/stored/") if v.startswith(("T/", "S/")) else
-            str(tmp) if v == "T" else v for v in values]
+    return [
+        v.replace("T/", f"{tmp}/").replace("S/", f"{tmp}/stored/")
+        if v.startswith(("T/", "S/"))
+        else str(tmp)
+        if v == "T"
+        else v
+        for v in values
+    ]
 
 
 def _stored(tmp: Path) -> None:
@@ -217,10 +368,17 @@ def _exit_code(main: Callable[[list[str] | None], Any], argv: list[str]) -> Any:
         return exc.code
 
 
-@pytest.mark.parametrize(("entry", "argv", "words"), BAD_INPUT,
-                         ids=[f"{e.rsplit('.', 1)[-1]} {' '.join(a)[:60]}" for e, a, _ in BAD_INPUT])
-def test_bad_input_is_one_line_exit_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture,
-                                      entry: str, argv: list[str], words: str) -> None:
+@pytest.mark.parametrize(
+    ("entry", "argv", "words"), BAD_INPUT, ids=[f"{e.rsplit('.', 1)[-1]} {' '.join(a)[:60]}" for e, a, _ in BAD_INPUT]
+)
+def test_bad_input_is_one_line_exit_2(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+    entry: str,
+    argv: list[str],
+    words: str,
+) -> None:
     from reference_impl import footprint
 
     monkeypatch.setattr(footprint, "free_bytes", lambda device_type: FREE_GIB << 30)
@@ -261,7 +419,9 @@ for entry, argv, words in t.BAD_INPUT:
 print(json.dumps({{"codes": codes, "peak_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}}))
 """
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(proc.stdout.splitlines()[-1])
     assert doc["codes"] == [[2, 1]] * len(BAD_INPUT)
@@ -275,9 +435,12 @@ def test_every_entry_point_has_bad_input_in_the_table() -> None:
 
 def test_the_modules_with_a_main_are_all_listed() -> None:
     """A new bench or planner module with a ``main`` joins :data:`MODULES` (and the table)."""
-    found = {f"reference_impl.{path.parent.name}.{path.stem}" for folder in ("bench", "planner")
-             for path in (ROOT / "reference_impl" / folder).glob("*.py")
-             if "\ndef main(" in path.read_text() or " import main\n" in path.read_text()}  # or a family's, by name
+    found = {
+        f"reference_impl.{path.parent.name}.{path.stem}"
+        for folder in ("bench", "planner")
+        for path in (ROOT / "reference_impl" / folder).glob("*.py")
+        if "\ndef main(" in path.read_text() or " import main\n" in path.read_text()
+    }  # or a family's, by name
     assert found == set(MODULES), sorted(found ^ set(MODULES))
 
 
@@ -348,16 +511,29 @@ def test_an_unknown_flag_is_one_line_naming_the_command() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
     entries = MODULES + sorted(SCRIPTS)
     alone = ["reference_impl.bench.layer", "reference_impl.planner.v4", "results_tables"]
-    running = {entry: subprocess.Popen(_command(entry, "--bad-flag"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                       text=True, env=env, cwd=ROOT) for entry in alone}
-    together = subprocess.run([sys.executable, "-c", AS_COMMANDS, json.dumps([[e, prog(e)] for e in entries]),
-                               str(ROOT / "scripts")], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    running = {
+        entry: subprocess.Popen(
+            _command(entry, "--bad-flag"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT
+        )
+        for entry in alone
+    }
+    together = subprocess.run(
+        [sys.executable, "-c", AS_COMMANDS, json.dumps([[e, prog(e)] for e in entries]), str(ROOT / "scripts")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert together.returncode == 0, together.stderr[-3000:]
     found = json.loads(together.stdout.splitlines()[-1])
     for entry, proc in running.items():
         out, err = proc.communicate(timeout=300)
         found[f"{entry} (alone)"] = [proc.returncode, err, out]
-    problems = {entry: got for entry, got in found.items()
-                if got != [2, f"error: {prog(entry.split()[0])}: unrecognized arguments: --bad-flag\n", ""]}
+    problems = {
+        entry: got
+        for entry, got in found.items()
+        if got != [2, f"error: {prog(entry.split()[0])}: unrecognized arguments: --bad-flag\n", ""]
+    }
     assert not problems, problems
     assert len(found) == len(entries) + len(alone)

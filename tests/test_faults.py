@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from fault_driver import die_by_sigkill_on_rank2, exit_without_result_on_rank1, hang_before_the_gather_on_rank1
+
 from reference_impl import runner
 from reference_impl.cli import main
 from reference_impl.errors import RankFailedError, RankTimeoutError
@@ -35,7 +35,11 @@ def _leftovers(tmpdir: Path, driver_pid: int) -> set[str]:
     and multiprocessing's temp directories under its own ``TMPDIR``. Other pytest-xdist workers' runs
     make semaphores of their own meanwhile; the names keep them apart."""
     prefix = f"sem.mp-fault{driver_pid}-"
-    shm = {f"/dev/shm/{n}" for n in os.listdir("/dev/shm") if n.startswith(prefix)} if os.path.isdir("/dev/shm") else set()
+    shm = (
+        {f"/dev/shm/{n}" for n in os.listdir("/dev/shm") if n.startswith(prefix)}
+        if os.path.isdir("/dev/shm")
+        else set()
+    )
     return shm | {str(p) for p in tmpdir.glob("pymp-*")}
 
 
@@ -80,8 +84,13 @@ def _start_driver(
 ) -> tuple[subprocess.Popen, list[int]]:
     """Start the fault driver with ``TMPDIR=tmpdir``; ``as_background_job``: with SIGINT ignored, as a
     shell starts ``cmd &``."""
-    proc = subprocess.Popen([sys.executable, str(DRIVER), start_method, str(piddir)], stderr=subprocess.PIPE, text=True,
-                            preexec_fn=_ignore_sigint if as_background_job else None, env={**os.environ, "TMPDIR": str(tmpdir)})
+    proc = subprocess.Popen(
+        [sys.executable, str(DRIVER), start_method, str(piddir)],
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_ignore_sigint if as_background_job else None,
+        env={**os.environ, "TMPDIR": str(tmpdir)},
+    )
     deadline = time.monotonic() + 60
     while len(list(piddir.glob("rank*"))) < 4:
         if proc.poll() is not None:
@@ -105,7 +114,9 @@ def _exit_code(proc: subprocess.Popen, seconds: float = 60) -> int:
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn", "forkserver"])
-def test_sigterm_to_the_parent_stops_every_rank_and_leaves_nothing(tmp_path: Path, run_tmp: Path, start_method: str) -> None:
+def test_sigterm_to_the_parent_stops_every_rank_and_leaves_nothing(
+    tmp_path: Path, run_tmp: Path, start_method: str
+) -> None:
     proc, pids = _start_driver(start_method, tmp_path, run_tmp)
     proc.send_signal(signal.SIGTERM)
     assert _exit_code(proc) == 128 + signal.SIGTERM
@@ -149,9 +160,14 @@ def test_a_rank_that_exits_without_a_result_is_named() -> None:
 
 def test_a_hang_names_the_rank_that_did_not_reach_the_collective() -> None:
     start = time.monotonic()
-    with pytest.raises(RankTimeoutError, match=(
-        r"rank\(s\) \[1\] did not reach collective #1 \(all_gather\[kv\]\), which rank\(s\) \[0, 2\] are waiting in, "
-        r"within 3 s")) as info:
+    with pytest.raises(
+        RankTimeoutError,
+        match=(
+            r"rank\(s\) \[1\] did not reach collective #1 \(all_gather\[kv\]\), "
+            r"which rank\(s\) \[0, 2\] are waiting in, "
+            r"within 3 s"
+        ),
+    ) as info:
         launch(hang_before_the_gather_on_rank1, 3, None, device="cpu", timeout_s=3)
     assert info.value.rank == 1 and time.monotonic() - start < 10
 
@@ -206,7 +222,9 @@ def _torchrun(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 
 def test_torchrun_prints_one_report_from_rank_0() -> None:
-    proc = _torchrun("-m", "reference_impl", "run", "--cp-size", "2", "--requests", "0+40,9+30", "--device", "cpu", "--json")
+    proc = _torchrun(
+        "-m", "reference_impl", "run", "--cp-size", "2", "--requests", "0+40,9+30", "--device", "cpu", "--json"
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(proc.stdout)  # exactly one JSON document: nothing else on stdout
     assert report["matches_oracle"] is True and report["cp_size"] == 2 and len(report["per_rank"]) == 2
@@ -216,7 +234,7 @@ def test_torchrun_names_the_rank_that_hung_as_the_root_cause() -> None:
     proc = _torchrun(str(DRIVER), "torchrun-hang")
     assert proc.returncode != 0
     assert "error: rank 1: no result within 3 s: did not reach collective #1" in proc.stderr
-    root_cause = proc.stderr[proc.stderr.index("Root Cause"):]
+    root_cause = proc.stderr[proc.stderr.index("Root Cause") :]
     assert "rank      : 1 (local_rank: 1)" in root_cause and "exitcode  : 3" in root_cause
 
 
@@ -226,14 +244,23 @@ def test_a_rank_that_cannot_start_is_named_and_nothing_is_joined(tmp_path: Path)
     and the cause, not a traceback from stopping processes that never ran."""
     long_dir = Path(tempfile.mkdtemp(prefix="dsacp-")) / ("x" * 110)
     long_dir.mkdir()
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); from fault_driver import write_pid_then_wait; "
-            "from reference_impl.rank_processes import run_rank_processes; "
-            "run_rank_processes(write_pid_then_wait, sys.argv[2], 'gloo', ('cpu',) * 2, 'forkserver', 30, False, 1)")
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); from fault_driver import write_pid_then_wait; "
+        "from reference_impl.rank_processes import run_rank_processes; "
+        "run_rank_processes(write_pid_then_wait, sys.argv[2], 'gloo', ('cpu',) * 2, 'forkserver', 30, False, 1)"
+    )
     try:
-        done = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), str(tmp_path)], capture_output=True,
-                              text=True, timeout=60, env={**os.environ, "TMPDIR": str(long_dir)})
+        done = subprocess.run(
+            [sys.executable, "-c", code, str(Path(__file__).parent), str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "TMPDIR": str(long_dir)},
+        )
     finally:
         shutil.rmtree(long_dir.parent, ignore_errors=True)
     assert done.returncode == 1
-    assert re.search(r"RankFailedError: rank 0 could not start \(forkserver\): .*too long", done.stderr), done.stderr[-2000:]
+    assert re.search(r"RankFailedError: rank 0 could not start \(forkserver\): .*too long", done.stderr), done.stderr[
+        -2000:
+    ]
     assert "can only join a started process" not in done.stderr

@@ -18,15 +18,23 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc/self/clear_refs")
-@pytest.mark.parametrize("spec", [
-    # a long prefix: every rank and the oracle run the single-device model over it (the indexer's chunked logits)
-    {"requests": "2048+64", "n_layers": 1},
-    # several chunks, sharded KV written directly, four ranks
-    {"requests": "0+300,64+900", "phases": "5", "cp_size": 4, "chunk_size": 200},
-])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        # a long prefix: every rank and the oracle run the single-device model over it (the indexer's chunked logits)
+        {"requests": "2048+64", "n_layers": 1},
+        # several chunks, sharded KV written directly, four ranks
+        {"requests": "0+300,64+900", "phases": "5", "cp_size": 4, "chunk_size": 200},
+    ],
+)
 def test_the_estimate_is_above_each_process_s_measured_peak(spec: dict) -> None:
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "memory_probe.py"), json.dumps(spec)],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "memory_probe.py"), json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(proc.stdout.splitlines()[-1])
     assert doc["matches_oracle"] is True
@@ -44,10 +52,22 @@ def test_the_estimate_is_arithmetic_and_grows_with_the_run() -> None:
     assert time.monotonic() - start < 0.5 and huge.per_device > 1000 * GIB
     small, longer = (estimate(RunConfig(requests=(Request(0, n),)), "cpu").per_device for n in (1024, 4096))
     assert small < longer
-    replicated = estimate(RunConfig(preset="deepseek-v3.2", n_layers=1, cp_size=8, requests=(Request(65536, 64),),
-                                    phases=PhaseSet.level(1)), "cuda", "spawn", cuda_devices=8)
-    sharded = estimate(RunConfig(preset="deepseek-v3.2", n_layers=1, cp_size=8, requests=(Request(65536, 64),),
-                                 phases=PhaseSet.level(2)), "cuda", "spawn", cuda_devices=8)
+    replicated = estimate(
+        RunConfig(
+            preset="deepseek-v3.2", n_layers=1, cp_size=8, requests=(Request(65536, 64),), phases=PhaseSet.level(1)
+        ),
+        "cuda",
+        "spawn",
+        cuda_devices=8,
+    )
+    sharded = estimate(
+        RunConfig(
+            preset="deepseek-v3.2", n_layers=1, cp_size=8, requests=(Request(65536, 64),), phases=PhaseSet.level(2)
+        ),
+        "cuda",
+        "spawn",
+        cuda_devices=8,
+    )
     assert sharded.terms["rank 0 layer loop"] < replicated.terms["rank 0 layer loop"]  # pools: 1/C of the pages
 
 

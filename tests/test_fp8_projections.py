@@ -79,8 +79,10 @@ def test_the_dispatch_emulates_on_cpu_and_scaled_mm_refuses_cpu_tensors() -> Non
     gen = torch.Generator().manual_seed(3)
     x_fp8, x_scale = act_quant(torch.randn(8, 256, generator=gen), 128)
     w_fp8, w_scale = quantize_weight(torch.randn(128, 256, generator=gen))
-    assert torch.equal(block_fp8_gemm(x_fp8, x_scale, w_fp8, w_scale),
-                       emulated_block_fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, torch.bfloat16))
+    assert torch.equal(
+        block_fp8_gemm(x_fp8, x_scale, w_fp8, w_scale),
+        emulated_block_fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, torch.bfloat16),
+    )
     with pytest.raises(RuntimeError, match="sm_90"):
         scaled_mm_block_fp8(x_fp8, x_scale, w_fp8, w_scale)
     with pytest.raises(ValueError, match="do not match"):
@@ -95,9 +97,13 @@ def test_quantize_projections_replaces_the_attention_maps(monkeypatch: pytest.Mo
 
     with torch.device("meta"):
         layer = DSAAttention(get_preset("deepseek-v3.2"), torch.bfloat16)
-    monkeypatch.setattr("reference_impl.model.fp8_linear.quantize_weight",
-                        lambda w: (torch.empty(-(-w.shape[0] // 128) * 128, w.shape[1], dtype=torch.float8_e4m3fn, device="meta"),
-                                   torch.empty(-(-w.shape[0] // 128), w.shape[1] // 128, device="meta")))
+    monkeypatch.setattr(
+        "reference_impl.model.fp8_linear.quantize_weight",
+        lambda w: (
+            torch.empty(-(-w.shape[0] // 128) * 128, w.shape[1], dtype=torch.float8_e4m3fn, device="meta"),
+            torch.empty(-(-w.shape[0] // 128), w.shape[1] // 128, device="meta"),
+        ),
+    )
     assert quantize_projections(layer, "ue8m0") == len(PROJECTIONS) == 6
     assert isinstance(layer.wq_a, Fp8BlockLinear) and isinstance(layer.indexer.wk, Fp8BlockLinear)
     assert not isinstance(layer.wkv_b, Fp8BlockLinear) and not isinstance(layer.indexer.weights_proj, Fp8BlockLinear)
@@ -107,9 +113,9 @@ def test_a_cp_run_with_fp8_projections_agrees_with_its_oracle(monkeypatch: pytes
     """``DSACP_FP8_PROJECTIONS=1``: ranks and oracle build the same FP8 model and agree; the
     outputs differ from the bf16 model's by the FP8 error, not more."""
     from conftest import tiny
+
     from reference_impl.config import Request
     from reference_impl.runner import run_prefill
-
     from reference_impl.workload import build_model
 
     run = tiny(cp_size=2, requests=(Request(0, 48), Request(20, 30)))
@@ -137,12 +143,21 @@ def test_the_limits_bench_runs_dry_on_cpu(tmp_path) -> None:
     assert main(["--out", str(out), "--device", "cpu", "--layers", "1", "--level-repeats", "1", "--skip-compute"]) == 0
     doc = json.loads(out.read_text())
     assert all(r["bitwise_equal_to_default"] for r in doc["logits_variants"]["rows"])
-    assert {(r["num_warps"], r["block_pointers"]) for r in doc["logits_variants"]["rows"]} == {(4, False), (4, True), (8, False), (8, True)}
+    assert {(r["num_warps"], r["block_pointers"]) for r in doc["logits_variants"]["rows"]} == {
+        (4, False),
+        (4, True),
+        (8, False),
+        (8, True),
+    }
     toy = doc["fp8_projections"]["projections"]["toy"]
     assert toy["triton"]["rel_err_vs_emulation"] < 1e-5 and "sm_90" in toy["scaled_mm"]["error"]
     assert 0.01 < toy["fp8_rel_err_vs_bf16"] < FP8_REL_ERR_BOUND
-    assert set(doc["layer_128k"]["variants"]) == {"default", "fp8_projections", "block_pointer_logits",
-                                                   "fp8_projections+block_pointer_logits"}
+    assert set(doc["layer_128k"]["variants"]) == {
+        "default",
+        "fp8_projections",
+        "block_pointer_logits",
+        "fp8_projections+block_pointer_logits",
+    }
     assert all("layer_ms_median" in v for v in doc["layer_128k"]["variants"].values())
 
 
@@ -163,14 +178,25 @@ def test_the_logits_kernel_builds_for_sm90_without_spills_through_block_pointers
     root = Path(__file__).resolve().parent.parent
     recorded = json.loads((root / "docs" / "results" / "logits_kernel_sm90.json").read_text())["triton"]
     if triton_module.__version__ != recorded:  # register allocation is the compiler's: the claim is about that version
-        pytest.skip(f"the no-spill result is Triton {recorded}'s (docs/results/logits_kernel_sm90.json); this is "
-                    f"Triton {triton_module.__version__}, whose allocation differs (Triton 3.6 still spills with block pointers)")
+        pytest.skip(
+            f"the no-spill result is Triton {recorded}'s (docs/results/logits_kernel_sm90.json); this is "
+            f"Triton {triton_module.__version__}, whose allocation differs "
+            "(Triton 3.6 still spills with block pointers)"
+        )
     out = tmp_path / "logits.json"
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(root)}
-    done = subprocess.run([sys.executable, str(root / "scripts" / "inspect_logits_kernel.py"), "--json", str(out)],
-                          capture_output=True, text=True, env=env, timeout=600, check=False)
+    done = subprocess.run(
+        [sys.executable, str(root / "scripts" / "inspect_logits_kernel.py"), "--json", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     default_warps = rows[0]["num_warps"]
     with_block_pointers = next(r for r in rows if r["block_pointers"] and r["num_warps"] == default_warps)
-    assert with_block_pointers["spill_store_bytes"] == 0 and with_block_pointers["registers"] <= 255, with_block_pointers
+    assert with_block_pointers["spill_store_bytes"] == 0 and with_block_pointers["registers"] <= 255, (
+        with_block_pointers
+    )

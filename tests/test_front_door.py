@@ -87,8 +87,11 @@ BAD_INPUT: list[tuple[list[str], dict[str, str], str]] = [
     (["run", "--kv-interleave", "8"], {}, "--kv-interleave shapes KV sharded at rest: it needs phase 2"),
     (["run", "--phases", "2", "--kv-interleave", "3"], {}, "--kv-interleave=3 must be a power of two"),
     (["run", "--phases", "5", "--kv-interleave", "1"], {}, "phase 5 (compute-owner layout) allocates whole pages"),
-    (["run", "--split-mode", "round-robin", "--cp-size", "4", "--requests", "0+1,0+2", "--phases", "2"], {},
-     "leave rank(s) [2, 3] without a token"),
+    (
+        ["run", "--split-mode", "round-robin", "--cp-size", "4", "--requests", "0+1,0+2", "--phases", "2"],
+        {},
+        "leave rank(s) [2, 3] without a token",
+    ),
     (["run", "--phases", "9"], {}, "out of range"),
     (["run", "--phases", "+5"], {}, "needs phase(s) [2, 4]"),
     (["run", "--page-size", "48"], {}, "power of two"),
@@ -128,8 +131,11 @@ BAD_INPUT: list[tuple[list[str], dict[str, str], str]] = [
     (["run", "--index-topk-pattern", ""], {}, "--index-topk-pattern: '' is empty"),
     (["run"], {"DSACP_INDEX_TOPK_PATTERN": ""}, "DSACP_INDEX_TOPK_PATTERN: '' is empty"),
     (["plan", "--index-topk-pattern", ""], {}, "--index-topk-pattern: '' is empty"),  # as `run` refuses it
-    (["run", "--mla-scale-fmt", "fp32", "--kv-dtype", "bf16"], {}, "--mla-scale-fmt=fp32: the scale format is the "
-     "FP8 cache's; --kv-dtype=bf16 stores no scales"),
+    (
+        ["run", "--mla-scale-fmt", "fp32", "--kv-dtype", "bf16"],
+        {},
+        "--mla-scale-fmt=fp32: the scale format is the FP8 cache's; --kv-dtype=bf16 stores no scales",
+    ),
     (["run", "--preset", "tiny-v4", "--cpu-widths"], {}, "tiny-v4 is already small enough for a CPU: drop the flag"),
     (["run", "--preset", "tiny-v4"], {"DSACP_FP8_PROJECTIONS": "1"}, "DSACP_FP8_PROJECTIONS=1: tiny-v4's projections"),
     (["plan", "--preset", "tiny-v4"], {}, "python -m reference_impl.planner.v4 --preset tiny-v4"),
@@ -150,8 +156,12 @@ BAD_INPUT: list[tuple[list[str], dict[str, str], str]] = [
     (["pd"], {"DSACP_TRANSPORT": "x"}, "DSACP_TRANSPORT='x': use torch, mooncake"),
     (["run", "--index-topk-pattern", "FSF"], {}, "--index-topk-pattern='FSF' has 3 letters for 2 layers"),
     # one case rule for every enumerated knob: the exact spelling
-    (["run", "--index-topk-pattern", "fs"], {}, "--index-topk-pattern='fs': use one letter per layer, F (runs the "
-     "indexer) or S (reuses the previous F layer's top-k), upper case; found 'f', 's'"),
+    (
+        ["run", "--index-topk-pattern", "fs"],
+        {},
+        "--index-topk-pattern='fs': use one letter per layer, F (runs the "
+        "indexer) or S (reuses the previous F layer's top-k), upper case; found 'f', 's'",
+    ),
     (["run", "--preset", "TINY-V4"], {}, "--preset: unknown preset 'TINY-V4'"),
     (["run", "--kv-design", "LAYER-SPLIT"], {}, "--kv-design: unknown kv design 'LAYER-SPLIT'"),
     (["pd", "--transport", "Mooncake"], {}, "--transport='Mooncake': use torch, mooncake"),
@@ -168,31 +178,53 @@ BAD_INPUT: list[tuple[list[str], dict[str, str], str]] = [
     (["plan", "--interconnect-gbps", "1e-300"], {}, "--interconnect-gbps: 1e-300 is below 0.001"),
     (["plan"], {"DSACP_INTERCONNECT_GBPS": "1e-300"}, "DSACP_INTERCONNECT_GBPS: 1e-300 is below 0.001"),
     # a torchrun-style environment that an env:// rendezvous could not use, refused by the variable
-    (["run"], {"RANK": "0", "WORLD_SIZE": "abc", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
-     "WORLD_SIZE='abc': need an integer"),
+    (
+        ["run"],
+        {"RANK": "0", "WORLD_SIZE": "abc", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
+        "WORLD_SIZE='abc': need an integer",
+    ),
     (["run"], {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}, "environment without MASTER_PORT"),
     (["run"], {"WORLD_SIZE": "abc"}, "without RANK, MASTER_ADDR, MASTER_PORT"),
-    (["run"], {"RANK": "3", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
-     "RANK=3: need 0 <= RANK <= 1"),
-    (["run"], {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "99999"},
-     "MASTER_PORT=99999: need 1 <= MASTER_PORT <= 65535"),
+    (
+        ["run"],
+        {"RANK": "3", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
+        "RANK=3: need 0 <= RANK <= 1",
+    ),
+    (
+        ["run"],
+        {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "99999"},
+        "MASTER_PORT=99999: need 1 <= MASTER_PORT <= 65535",
+    ),
 ]
 # Every enumerated run knob's variable, empty or outside its set; every boolean's, empty or "maybe".
 # Each in another case too: one rule for every enumerated knob, the exact spelling.
-_SPELLED = {"preset": "tiny", "kv_dtype": "fp8", "split_mode": "in-seq", "device": "cpu", "backend": "gloo",
-            "compute_dtype": "fp32", "kv_design": "layer-split", "mla_scale_fmt": "fp32"}
+_SPELLED = {
+    "preset": "tiny",
+    "kv_dtype": "fp8",
+    "split_mode": "in-seq",
+    "device": "cpu",
+    "backend": "gloo",
+    "compute_dtype": "fp32",
+    "kv_design": "layer-split",
+    "mla_scale_fmt": "fp32",
+}
 for _field, _value in _SPELLED.items():
     _, _flag, _env = knob_names(_field)
-    BAD_INPUT += [(["run"], {_env: ""}, f"{_env}: unknown"), (["run"], {_env: "maybe"}, f"{_env}: unknown"),
-                  (["run"], {_env: _value.upper()}, f"{_env}: unknown"),
-                  (["run", _flag, _value.upper()], {}, f"{_flag}: unknown")]
+    BAD_INPUT += [
+        (["run"], {_env: ""}, f"{_env}: unknown"),
+        (["run"], {_env: "maybe"}, f"{_env}: unknown"),
+        (["run"], {_env: _value.upper()}, f"{_env}: unknown"),
+        (["run", _flag, _value.upper()], {}, f"{_flag}: unknown"),
+    ]
 for _field in ("check", "input_logprobs", "return_hidden_states"):
     _env = knob_names(_field)[2]
     BAD_INPUT += [(["run"], {_env: ""}, f"{_env}=''"), (["run"], {_env: "maybe"}, f"{_env}='maybe'")]
 # Every variable the library reads, refused by whichever command runs (split never reads them).
 for _field, _knob in LIBRARY_ENV.items():
     _env = knob_names(_field)[2]
-    BAD_INPUT += [(["split", "--cp", "2", "--extend", "8"], {_env: value}, f"{_env}={value!r}") for value in ("", "maybe")]
+    BAD_INPUT += [
+        (["split", "--cp", "2", "--extend", "8"], {_env: value}, f"{_env}={value!r}") for value in ("", "maybe")
+    ]
 BAD_INPUT += [(["run"], {"DSACP_TRITON_TOPK": "2"}, "DSACP_TRITON_TOPK='2'")]
 
 
@@ -242,8 +274,14 @@ def _cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> 
     import os
 
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    return subprocess.run([sys.executable, "-m", "reference_impl", *args], capture_output=True, text=True,
-                          timeout=timeout, env=full_env, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "reference_impl", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+        cwd=ROOT,
+    )
 
 
 def test_a_bare_command_prints_usage() -> None:
@@ -262,8 +300,9 @@ def test_a_timeout_while_ranks_start_is_one_line_exit_3() -> None:
     for cp_size in ("2", "4"):
         proc = _cli("run", "--cp-size", cp_size, "--requests", "0+64", "--timeout-s", "0.01")
         assert proc.returncode == 3, proc.stderr
-        assert re.fullmatch(r"error: rank\(s\) \[[0-9, ]+\] did not finish .*within 0.01 s; all ranks stopped\n",
-                            proc.stderr), proc.stderr
+        assert re.fullmatch(
+            r"error: rank\(s\) \[[0-9, ]+\] did not finish .*within 0.01 s; all ranks stopped\n", proc.stderr
+        ), proc.stderr
 
 
 # ---- the Python API ----------------------------------------------------------------------------
@@ -289,7 +328,11 @@ def _api_misuse() -> list[tuple[str, object, str]]:
     tiny = ri.get_preset("tiny")
     layout = ri.KVLayout.from_config(tiny, "fp8", 64)
     return [
-        ("make_model checkpoint not safetensors", _make_model_from_a_text_file, "model.safetensors: not a safetensors file"),
+        (
+            "make_model checkpoint not safetensors",
+            _make_model_from_a_text_file,
+            "model.safetensors: not a safetensors file",
+        ),
         ("make_model n_layers huge", lambda: ri.make_model("tiny", n_layers=10**9), "n_layers=1000000000: need"),
         ("RunConfig n_layers huge", lambda: ri.RunConfig(n_layers=10**9), "n_layers=1000000000: need"),
         ("RunConfig pattern case", lambda: ri.RunConfig(index_topk_pattern="fs"), "upper case; found 'f', 's'"),
@@ -403,7 +446,9 @@ def test_plan_refuses_a_boolean_rate_naming_the_file_and_field(tmp_path, capsys,
     path = tmp_path / "rates.json"
     path.write_text(json.dumps({"interconnect_gbps": True}))
     assert main(["plan", "--rates", str(path)]) == 2
-    assert capsys.readouterr().err == f"error: --rates {path}: interconnect_gbps is true, a boolean; a rate is a number\n"
+    assert (
+        capsys.readouterr().err == f"error: --rates {path}: interconnect_gbps is true, a boolean; a rate is a number\n"
+    )
     monkeypatch.setenv("DSACP_RATES", str(path))
     assert main(["plan"]) == 2
     assert capsys.readouterr().err.startswith(f"error: DSACP_RATES {path}: interconnect_gbps is true")

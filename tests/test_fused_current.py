@@ -49,7 +49,9 @@ def _views(layout: KVLayout, n_view: int) -> tuple[torch.Tensor, torch.Tensor, t
     )
 
 
-def _fill_both(layout: KVLayout, n_view: int, *args: torch.Tensor, **launch: object) -> tuple[tuple[torch.Tensor, ...], ...]:
+def _fill_both(
+    layout: KVLayout, n_view: int, *args: torch.Tensor, **launch: object
+) -> tuple[tuple[torch.Tensor, ...], ...]:
     want, got = _views(layout, n_view), _views(layout, n_view)
     fill_rows(*args, *want, layout)
     fill_current_triton(*args, *got, layout, **launch)  # type: ignore[arg-type]
@@ -123,7 +125,12 @@ def test_fill_current_names_bad_input_on_both_paths_without_falling_back(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, fresh_warnings: None
 ) -> None:
     layout = KVLayout(128, 64, "fp8", 16)
-    kv, k, i8, sc = torch.zeros(4, 192), torch.zeros(4, 128), torch.zeros(8, 128).to(torch.float8_e4m3fn), torch.zeros(8)
+    kv, k, i8, sc = (
+        torch.zeros(4, 192),
+        torch.zeros(4, 128),
+        torch.zeros(8, 128).to(torch.float8_e4m3fn),
+        torch.zeros(8),
+    )
     view, rows = torch.zeros(8, 192, dtype=torch.bfloat16), torch.arange(4)
     bad = {
         "one row per view row": (kv[:3], k, rows, view, i8, sc),

@@ -10,8 +10,6 @@ checked exhaustively in exact arithmetic, and its kernel code runs here with an 
 
 from __future__ import annotations
 
-
-
 import struct
 from fractions import Fraction
 
@@ -22,13 +20,11 @@ from conftest import as_bytes
 
 triton = pytest.importorskip("triton")
 
-from reference_impl.config import ConfigError
-from reference_impl.cp.split import build_split
-from reference_impl.cp.split_index import rerange_tensor
-from reference_impl.kernels import fused_configs, fused_torch
-from reference_impl.kvcache.layout import KVLayout
-
-
+from reference_impl.config import ConfigError  # noqa: E402 (after the importorskip)
+from reference_impl.cp.split import build_split  # noqa: E402 (after the importorskip)
+from reference_impl.cp.split_index import rerange_tensor  # noqa: E402 (after the importorskip)
+from reference_impl.kernels import fused_configs, fused_torch  # noqa: E402 (after the importorskip)
+from reference_impl.kvcache.layout import KVLayout  # noqa: E402 (after the importorskip)
 
 
 def _kv(n: int, width: int, seed: int) -> torch.Tensor:
@@ -245,7 +241,9 @@ def test_exact_fma_rounds_once() -> None:
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # inf * 0, on purpose
 @pytest.mark.parametrize("mla_scale_fmt", ["fp32", "ue8m0"])
 @pytest.mark.parametrize("one_pass", [False, True])
-def test_fast_division_kernels_give_torch_bytes(fs: object, exact_fma: None, one_pass: bool, mla_scale_fmt: str) -> None:
+def test_fast_division_kernels_give_torch_bytes(
+    fs: object, exact_fma: None, one_pass: bool, mla_scale_fmt: str
+) -> None:
     """The fast-division code path of the FP8 MLA store and the index store (fp32 scales), with the
     edge rows of ``_kv`` and an inf in one block (its other values become +-0 like torch's
     ``x / inf``; the inf itself a NaN, whose bit pattern may differ). ``ue8m0`` MLA scales take the
@@ -315,20 +313,25 @@ def test_apply_sweep_writes_the_compute_winners_into_the_kernel_defaults(tmp_pat
         copy.write_text(Path(module.__file__).read_text())
         stand_ins.append(SimpleNamespace(__file__=str(copy), GPU_DEFAULT_CONFIG=module.GPU_DEFAULT_CONFIG))
     attn = lambda bk, tf, ok: {  # noqa: E731
-        "config": dict(zip(compute_sweep.ATTENTION_KEYS, (64, bk, 8, 2, False, True, False, False))), "triton_tflops": tf,
+        "config": dict(zip(compute_sweep.ATTENTION_KEYS, (64, bk, 8, 2, False, True, False, False))),
+        "triton_tflops": tf,
         "check": {"ok": ok},
     }
     idx = lambda bs, ms: {  # noqa: E731
-        "config": dict(zip(compute_sweep.INDEXER_KEYS, (64, bs, 4, 3, "fp8"))), "triton_logits_ms": ms,
+        "config": dict(zip(compute_sweep.INDEXER_KEYS, (64, bs, 4, 3, "fp8"))),
+        "triton_logits_ms": ms,
         "check": {"ok": True},
     }
     gluon = lambda overlap, tf, ok: {  # noqa: E731  (a Gluon sweep row: no Triton timing)
         "engine_kernel": "gluon",
         "gluon": {"config": dict(zip(compute_sweep.GLUON_KEYS, (overlap, True))), "tflops": tf, "check": {"ok": ok}},
     }
-    sweep = {"attention": [attn(32, 250.0, True), attn(16, 300.0, False), {"config": {}, "error": "x"}],
-             "indexer": [idx(64, 2.0), idx(256, 1.5)],
-             "gluon": [gluon(False, 300.0, True), gluon(True, 400.0, False), {"config": {}, "error": "x"}]}
+    sweep = {
+        "attention": [attn(32, 250.0, True), attn(16, 300.0, False), {"config": {}, "error": "x"}],
+        "indexer": [idx(64, 2.0), idx(256, 1.5)],
+        "gluon": [gluon(False, 300.0, True), gluon(True, 400.0, False), {"config": {}, "error": "x"}],
+    }
+
     def written(stand_in: SimpleNamespace) -> object:
         source = Path(stand_in.__file__).read_text()
         line = next(ln for ln in source.splitlines() if ln.startswith("GPU_DEFAULT_CONFIG"))

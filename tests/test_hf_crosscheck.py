@@ -11,8 +11,8 @@ Tolerances, and why:
   an index score by a few percent, so keys whose exact score is near the k-th may trade places,
   and no others. The rule: every key the oracle selects ranks among the first ``k + k/4`` of the
   exact order (:data:`RANK_BAND`), and at least 95% of the selections agree. Seen: the worst key
-  at rank ``k + 5`` of ``k = 32``, 98.7% agreement, for both models. An indexer RoPE with the wrong pairing scatters the selection
-  over the whole sequence (dozens of rows fail).
+  at rank ``k + 5`` of ``k = 32``, 98.7% agreement, for both models. An indexer RoPE with the wrong
+  pairing scatters the selection over the whole sequence (dozens of rows fail).
 * **Output.** ``transformers`` runs with the oracle's top-k (its indexer returns it), so the
   indexer's quantization does not enter. What remains is the cache: the oracle runs with the bf16
   KV layout, whose 576 cached values are rounded to bf16 (relative ``2^-9``); the output agrees
@@ -48,7 +48,9 @@ def _hf_module(model_type: str) -> object:
     try:
         return importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
     except ImportError:
-        pytest.skip(f"transformers {transformers.__version__} has no {model_type} model (requirements-dev.txt pins 5.25)")
+        pytest.skip(
+            f"transformers {transformers.__version__} has no {model_type} model (requirements-dev.txt pins 5.25)"
+        )
 
 
 # ---- building the two sides ------------------------------------------------------------------
@@ -58,19 +60,43 @@ def _hf_model(model_type: str, cfg: ModelConfig, indexer_types: list[str] | None
     """A ``transformers`` model of ``cfg``'s attention layer (the MoE half is the smallest that builds)."""
     module = _hf_module(model_type)
     if cfg.rope_factor > 1.0:
-        rope = {"rope_type": "yarn", "rope_theta": cfg.rope_theta, "factor": cfg.rope_factor,
-                "original_max_position_embeddings": cfg.original_seq_len, "beta_fast": cfg.beta_fast,
-                "beta_slow": cfg.beta_slow, "mscale": cfg.mscale, "mscale_all_dim": cfg.mscale}
+        rope = {
+            "rope_type": "yarn",
+            "rope_theta": cfg.rope_theta,
+            "factor": cfg.rope_factor,
+            "original_max_position_embeddings": cfg.original_seq_len,
+            "beta_fast": cfg.beta_fast,
+            "beta_slow": cfg.beta_slow,
+            "mscale": cfg.mscale,
+            "mscale_all_dim": cfg.mscale,
+        }
     else:
         rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     fields = dict(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=64, moe_intermediate_size=32,
-        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_heads,
-        n_routed_experts=4, n_group=1, topk_group=1, num_experts_per_tok=2, first_k_dense_replace=cfg.n_layers,
-        q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
-        qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, index_n_heads=cfg.index_n_heads,
-        index_head_dim=cfg.index_head_dim, index_topk=cfg.index_topk, max_position_embeddings=cfg.max_seq_len,
-        rms_norm_eps=cfg.norm_eps, rope_parameters=rope, attn_implementation="eager",
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.dim,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_heads,
+        n_routed_experts=4,
+        n_group=1,
+        topk_group=1,
+        num_experts_per_tok=2,
+        first_k_dense_replace=cfg.n_layers,
+        q_lora_rank=cfg.q_lora_rank,
+        kv_lora_rank=cfg.kv_lora_rank,
+        qk_nope_head_dim=cfg.qk_nope_head_dim,
+        qk_rope_head_dim=cfg.qk_rope_head_dim,
+        v_head_dim=cfg.v_head_dim,
+        index_n_heads=cfg.index_n_heads,
+        index_head_dim=cfg.index_head_dim,
+        index_topk=cfg.index_topk,
+        max_position_embeddings=cfg.max_seq_len,
+        rms_norm_eps=cfg.norm_eps,
+        rope_parameters=rope,
+        attn_implementation="eager",
     )
     if model_type == "glm_moe_dsa":
         config = transformers.GlmMoeDsaConfig(**fields, indexer_types=indexer_types)
@@ -111,7 +137,9 @@ def _oracle(cfg: ModelConfig, checkpoint: str, x: torch.Tensor) -> tuple[torch.T
 
 
 @torch.no_grad()
-def _hf_forward(hf: torch.nn.Module, x: torch.Tensor, topk: list[torch.Tensor] | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _hf_forward(
+    hf: torch.nn.Module, x: torch.Tensor, topk: list[torch.Tensor] | None
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """``h + attn(input_layernorm(h))`` per layer (no MLP), as the oracle composes layers.
 
     ``topk``: per layer, the top-k the layer's indexer returns instead of its own (the oracle's,
@@ -134,8 +162,13 @@ def _hf_forward(hf: torch.nn.Module, x: torch.Tensor, topk: list[torch.Tensor] |
             else:
                 attn.indexer.index_topk = T
         kwargs = {"prev_topk_indices": previous} if glm else {}
-        result = attn(hidden_states=layer.input_layernorm(h), position_embeddings=embeddings, attention_mask=mask,
-                      position_ids=positions, **kwargs)
+        result = attn(
+            hidden_states=layer.input_layernorm(h),
+            position_embeddings=embeddings,
+            attention_mask=mask,
+            position_ids=positions,
+            **kwargs,
+        )
         if glm:
             out, _, previous = result
         else:
@@ -229,7 +262,9 @@ def test_the_comparisons_catch_injected_bugs(tmp_path, monkeypatch) -> None:
     assert len(topk_problems(_oracle(flipped, checkpoint, x)[1][0], order, cfg.index_topk)) > 10
 
     real = attention_module.apply_rope
-    monkeypatch.setattr(attention_module, "apply_rope", lambda x_, cos, sin, interleaved: real(x_, cos, sin, not interleaved))
+    monkeypatch.setattr(
+        attention_module, "apply_rope", lambda x_, cos, sin, interleaved: real(x_, cos, sin, not interleaved)
+    )
     hidden, topk = _oracle(cfg, checkpoint, x)
     assert output_problems(hidden, _hf_forward(hf, x, topk)[0]) != []
 
@@ -238,13 +273,30 @@ def test_presets_agree_with_the_transformers_configs() -> None:
     """The preset dims, norm epsilons and GLM-5.2's layer pattern against the config classes."""
     _hf_module("glm_moe_dsa")
     _hf_module("deepseek_v32")
-    fields = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
-              "q_lora_rank": "q_lora_rank", "kv_lora_rank": "kv_lora_rank", "qk_nope_head_dim": "qk_nope_head_dim",
-              "qk_rope_head_dim": "qk_rope_head_dim", "v_head_dim": "v_head_dim", "index_n_heads": "index_n_heads",
-              "index_head_dim": "index_head_dim", "index_topk": "index_topk", "vocab_size": "vocab_size",
-              "norm_eps": "rms_norm_eps"}
-    for preset, config in (("deepseek-v3.2", transformers.DeepseekV32Config()), ("glm-5", transformers.GlmMoeDsaConfig())):
+    fields = {
+        "dim": "hidden_size",
+        "n_layers": "num_hidden_layers",
+        "n_heads": "num_attention_heads",
+        "q_lora_rank": "q_lora_rank",
+        "kv_lora_rank": "kv_lora_rank",
+        "qk_nope_head_dim": "qk_nope_head_dim",
+        "qk_rope_head_dim": "qk_rope_head_dim",
+        "v_head_dim": "v_head_dim",
+        "index_n_heads": "index_n_heads",
+        "index_head_dim": "index_head_dim",
+        "index_topk": "index_topk",
+        "vocab_size": "vocab_size",
+        "norm_eps": "rms_norm_eps",
+    }
+    for preset, config in (
+        ("deepseek-v3.2", transformers.DeepseekV32Config()),
+        ("glm-5", transformers.GlmMoeDsaConfig()),
+    ):
         cfg = get_preset(preset)
-        assert {ours: getattr(cfg, ours) for ours in fields} == {ours: getattr(config, theirs) for ours, theirs in fields.items()}
+        assert {ours: getattr(cfg, ours) for ours in fields} == {
+            ours: getattr(config, theirs) for ours, theirs in fields.items()
+        }
     glm52 = transformers.GlmMoeDsaConfig(num_hidden_layers=78, index_topk_freq=4, index_skip_topk_offset=3)
-    assert "".join("F" if t == "full" else "S" for t in glm52.indexer_types) == get_preset("glm-5.2").index_share.pattern
+    assert (
+        "".join("F" if t == "full" else "S" for t in glm52.indexer_types) == get_preset("glm-5.2").index_share.pattern
+    )

@@ -59,7 +59,9 @@ def test_bad_patterns_are_refused_by_name() -> None:
 
 
 def test_the_pool_keeps_index_k_on_full_layers_only() -> None:
-    layout = KVLayout.from_config(dataclasses.replace(get_preset("tiny"), n_layers=4, index_topk_pattern="FSFS"), "fp8", 16)
+    layout = KVLayout.from_config(
+        dataclasses.replace(get_preset("tiny"), n_layers=4, index_topk_pattern="FSFS"), "fp8", 16
+    )
     assert layout.index_layers == (0, 2) and layout.has_index(2) and not layout.has_index(1)
     pool = PagedKVPool(4, 3, 16, layout)
     assert pool.index.shape == (2, 3, 16 * 132) and pool.index_bytes_total == 2 * 3 * 16 * 132
@@ -99,8 +101,14 @@ def _report(run: RunConfig) -> dict:
 @pytest.mark.parametrize("level", [0, 2, 3, 5, 8])
 def test_cp_runs_at_every_level_match_the_oracle_and_move_less_index_k(level: int) -> None:
     """Shared layers store and gather no index K; the top-k they reuse and the caches match the oracle."""
-    base = RunConfig(cp_size=2, n_layers=4, requests=(Request(0, 80), Request(24, 40)), page_size=16,
-                     phases=PhaseSet.level(level), device="cpu")
+    base = RunConfig(
+        cp_size=2,
+        n_layers=4,
+        requests=(Request(0, 80), Request(24, 40)),
+        page_size=16,
+        phases=PhaseSet.level(level),
+        device="cpu",
+    )
     shared = _report(base.replace(index_topk_pattern="FSFS"))
     full = _report(base)
     assert shared["config"]["index_topk_pattern"] == "FSFS" and full["config"]["index_topk_pattern"] == "FFFF"
@@ -111,16 +119,34 @@ def test_cp_runs_at_every_level_match_the_oracle_and_move_less_index_k(level: in
 
 @pytest.mark.parametrize("split_mode,level", [("round-robin", 2), ("in-seq", 7)])
 def test_round_robin_and_chunked_runs_with_index_share(split_mode: str, level: int) -> None:
-    _report(RunConfig(cp_size=2, n_layers=3, index_topk_pattern="FSF", requests=(Request(16, 48),), page_size=16,
-                      phases=PhaseSet.level(level), split_mode=split_mode, chunk_size=24, device="cpu"))  # type: ignore[arg-type]
+    _report(
+        RunConfig(
+            cp_size=2,
+            n_layers=3,
+            index_topk_pattern="FSF",
+            requests=(Request(16, 48),),
+            page_size=16,
+            phases=PhaseSet.level(level),
+            split_mode=split_mode,
+            chunk_size=24,
+            device="cpu",
+        )
+    )  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("level", [0, 8])
 def test_glm5_and_glm52_presets_match_the_oracle_at_cpu_widths(level: int) -> None:
     """The real presets' semantics, head dims and 656-byte rows (``cpu_widths``), as ``run --preset
     glm-5.2 --n-layers 4 --cpu-widths`` runs them; GLM-5.2 (FFFS) keeps less index K per rank than GLM-5."""
-    run = RunConfig(cp_size=2, n_layers=4, requests=(Request(0, 64), Request(16, 32)), page_size=16,
-                    phases=PhaseSet.level(level), cpu_widths=True, device="cpu")
+    run = RunConfig(
+        cp_size=2,
+        n_layers=4,
+        requests=(Request(0, 64), Request(16, 32)),
+        page_size=16,
+        phases=PhaseSet.level(level),
+        cpu_widths=True,
+        device="cpu",
+    )
     glm5, glm52 = _report(run.replace(preset="glm-5")), _report(run.replace(preset="glm-5.2"))
     assert glm52["config"]["index_topk_pattern"] == "FFFS" and glm5["config"]["index_topk_pattern"] == "FFFF"
     for a, b in zip(glm52["per_rank"], glm5["per_rank"]):
@@ -134,7 +160,9 @@ def test_the_pd_transfer_refuses_index_share() -> None:
     from reference_impl.prefill_decode import run_prefill_and_decode
 
     with pytest.raises(ConfigError, match="IndexShare"):
-        run_prefill_and_decode(RunConfig(n_layers=2, index_topk_pattern="FS", phases=PhaseSet.level(2)), transfer="rows")
+        run_prefill_and_decode(
+            RunConfig(n_layers=2, index_topk_pattern="FS", phases=PhaseSet.level(2)), transfer="rows"
+        )
 
 
 # ---- the planner ------------------------------------------------------------------------------
@@ -165,8 +193,13 @@ def test_the_planner_counts_index_share() -> None:
         by_kind = pa["layer_ms_by_kind"]
         assert abs(pa["layer_ms"] - (21 * by_kind["full"] + 57 * by_kind["shared"]) / 78) < 1e-9
     # The pattern is a planner knob too: GLM-5 with GLM-5.2's pattern plans as GLM-5.2.
-    as52 = plan_capacity(PlannerConfig(preset="glm-5", contexts=(131072,), index_topk_pattern=glm52.index_share.pattern), rates)
-    assert as52["levels"][8]["contexts"][0]["index_bytes_per_rank"] == plans["glm-5.2"]["levels"][8]["contexts"][0]["index_bytes_per_rank"]
+    as52 = plan_capacity(
+        PlannerConfig(preset="glm-5", contexts=(131072,), index_topk_pattern=glm52.index_share.pattern), rates
+    )
+    assert (
+        as52["levels"][8]["contexts"][0]["index_bytes_per_rank"]
+        == plans["glm-5.2"]["levels"][8]["contexts"][0]["index_bytes_per_rank"]
+    )
     with pytest.raises(ConfigError, match="2 letters for 78 layers"):
         PlannerConfig(preset="glm-5", index_topk_pattern="FS")
 
@@ -181,9 +214,14 @@ def test_the_index_share_results_are_what_the_script_writes(tmp_path) -> None:
 
     root = Path(__file__).resolve().parent.parent
     out = tmp_path / "plan.json"
-    subprocess.run([sys.executable, str(root / "scripts" / "index_share_plan.py"), "--out", str(out)], check=True,
-                   capture_output=True)
+    subprocess.run(
+        [sys.executable, str(root / "scripts" / "index_share_plan.py"), "--out", str(out)],
+        check=True,
+        capture_output=True,
+    )
     committed = json.loads((root / "docs" / "results" / "index_share_plan.json").read_text())
     from reference_impl.figures import same_up_to_rounding
 
-    assert same_up_to_rounding(json.loads(out.read_text()), committed), "stale: re-run python3 scripts/index_share_plan.py"
+    assert same_up_to_rounding(json.loads(out.read_text()), committed), (
+        "stale: re-run python3 scripts/index_share_plan.py"
+    )

@@ -10,7 +10,6 @@ import importlib
 import logging
 
 import pytest
-
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -18,10 +17,11 @@ from hypothesis import strategies as st
 pytest.importorskip("triton")
 
 from conftest import gluon_operand_refusals
-from reference_impl.kernels import dispatch, fallback  # noqa: E402
-from reference_impl.model import sparse_attention as ref  # noqa: E402
+
 from reference_impl.errors import ConfigError  # noqa: E402
 from reference_impl.fp8 import act_quant  # noqa: E402
+from reference_impl.kernels import dispatch, fallback  # noqa: E402
+from reference_impl.model import sparse_attention as ref  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -328,12 +328,37 @@ def test_compute_bench_dry_run_sweeps_at_the_per_rank_shape(tmp_path, monkeypatc
     monkeypatch.setattr(compute_sweep, "ATTN_SWEEP", candidates)
     monkeypatch.setattr(compute_sweep, "INDEXER_SWEEP", [(16, 64, 4, 1, "fp8")])
     out = tmp_path / "compute.json"
-    assert compute.main(["--out", str(out), "--device", "cpu", "--tokens", "24", "--heads", "4", "--topk", "8",
-                         "--index-heads", "2", "--cp-context", "48", "--cp-size", "2", "--check-rows", "6"]
-                        + ["--sweep"]) == 0
+    assert (
+        compute.main(
+            [
+                "--out",
+                str(out),
+                "--device",
+                "cpu",
+                "--tokens",
+                "24",
+                "--heads",
+                "4",
+                "--topk",
+                "8",
+                "--index-heads",
+                "2",
+                "--cp-context",
+                "48",
+                "--cp-size",
+                "2",
+                "--check-rows",
+                "6",
+            ]
+            + ["--sweep"]
+        )
+        == 0
+    )
     doc = json.loads(out.read_text())
     assert doc["sweep"]["S"] == 48 and doc["sweep"]["T"] == doc["per_rank"]["attention"]["T"] == 24
-    assert all(row["check"]["ok"] for row in doc["sweep"]["attention"] + doc["attention"] + doc["indexer"]), json.dumps([r["check"] for r in doc["sweep"]["attention"] + doc["attention"] + doc["indexer"]])
+    assert all(row["check"]["ok"] for row in doc["sweep"]["attention"] + doc["attention"] + doc["indexer"]), json.dumps(
+        [r["check"] for r in doc["sweep"]["attention"] + doc["attention"] + doc["indexer"]]
+    )
     assert set(compute_sweep.ATTENTION_KEYS) == set(doc["sweep"]["attention"][0]["config"])
     # No Gluon off sm_90: no Gluon rows, and the engine figures the planner reads are the Triton kernel's.
     rank_row = doc["per_rank"]["attention"]
@@ -357,6 +382,7 @@ def test_the_compute_bench_checks_and_times_each_gluon_kernel_it_is_asked_for(mo
             seen.append(f"{name}{sorted(switches)}")
             out, lse = ref.sparse_mla_attention(q, kv, ix, scale, d_v)
             return out.to(out_dtype), lse
+
         return attention
 
     monkeypatch.setattr(sparse_mla_gluon, "sparse_mla_attention_gluon", stand_in("gluon"))
@@ -368,7 +394,9 @@ def test_the_compute_bench_checks_and_times_each_gluon_kernel_it_is_asked_for(mo
     rows = torch.arange(6)
     switches = {"overlap_pv": False, "evict_last": True}
     both = compute_cases._gluon_rows(q, kv, indices, rows, 0.1, 1e9, 100.0, switches, True)
-    assert set(both) == {"gluon", "gluon_ws"} and both["gluon"]["config"] == switches and "config" not in both["gluon_ws"]
+    assert (
+        set(both) == {"gluon", "gluon_ws"} and both["gluon"]["config"] == switches and "config" not in both["gluon_ws"]
+    )
     for row in both.values():
         assert row["check"]["ok"] and row["ms"] > 0 and row["tflops"] == pytest.approx(1e9 / row["ms"] / 1e9)
     assert seen == ["gluon['evict_last', 'overlap_pv']"] * 2 + ["ws[]"] * 2  # checked, then timed
@@ -420,8 +448,11 @@ def test_gluon_kernel_names_what_it_cannot_run() -> None:
     assert unsupported_reason("cuda", (9, 0), torch.float16, torch.float16, 80, 64) is None
     refused = {
         **gluon_operand_refusals(),
-        "power-of-two": [("cuda", (9, 0), bf16, bf16, 560, 500), ("cuda", (9, 0), bf16, bf16, 552, 512),
-                         ("cuda", (9, 0), bf16, bf16, 40, 32)],
+        "power-of-two": [
+            ("cuda", (9, 0), bf16, bf16, 560, 500),
+            ("cuda", (9, 0), bf16, bf16, 552, 512),
+            ("cuda", (9, 0), bf16, bf16, 40, 32),
+        ],
         "d_qk <= 576": [("cuda", (9, 0), bf16, bf16, 640, 512)],
     }
     for words, cases in refused.items():

@@ -10,17 +10,13 @@ tensors); the first tests pin that conversion down against torch on its own.
 from __future__ import annotations
 
 import functools
-
-
-
 import json
 import logging
 from pathlib import Path
 
 import pytest
-
-from conftest import as_bytes
 import torch
+from conftest import as_bytes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -28,23 +24,23 @@ triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
 from reference_impl.config import ConfigError  # noqa: E402
-from reference_impl.cp import remap  # noqa: E402
+from reference_impl.cp import fused_ops, remap  # noqa: E402
 from reference_impl.cp.batch import BatchLocs  # noqa: E402
 from reference_impl.cp.comm import CPGroup  # noqa: E402
 from reference_impl.cp.kv_sharded import ShardedKV  # noqa: E402
-from reference_impl.cp.page_gather import gather_pages, unpack_index_rows  # noqa: E402
 from reference_impl.cp.ownership import page_owner, physical_locs  # noqa: E402
+from reference_impl.cp.page_gather import gather_pages, unpack_index_rows  # noqa: E402
 from reference_impl.cp.split import build_split  # noqa: E402
 from reference_impl.cp.split_index import SplitIndex, rerange_tensor  # noqa: E402
-from reference_impl.cp import fused_ops  # noqa: E402
-from reference_impl.kernels import fallback, fused_torch  # noqa: E402
-from reference_impl.kernels import triton_helpers  # noqa: E402
+from reference_impl.kernels import (  # noqa: E402
+    fallback,
+    fused_torch,
+    triton_helpers,  # noqa: E402
+)
 from reference_impl.kvcache.layout import KVLayout, pack_mla  # noqa: E402
 from reference_impl.kvcache.pool import LocOutOfRangeError, PagedKVPool  # noqa: E402
 
 SETTINGS = settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-
-
 
 
 # ---- the software conversions -----------------------------------------------------------------------
@@ -153,7 +149,10 @@ def test_ue8m0_stores_match_torch_at_the_extreme_scales(fs: object) -> None:
     k = kv[:, :128].clone()
     layout = KVLayout(512, 64, "fp8", 4, mla_scale_fmt="ue8m0", index_scale_fmt="ue8m0")
     dst = torch.arange(4)
-    want_mla, want_index = torch.zeros(4, 656, dtype=torch.uint8), torch.zeros(1, layout.index_page_bytes, dtype=torch.uint8)
+    want_mla, want_index = (
+        torch.zeros(4, 656, dtype=torch.uint8),
+        torch.zeros(1, layout.index_page_bytes, dtype=torch.uint8),
+    )
     fused_torch.store_mla_torch(kv, None, dst, want_mla, layout)
     fused_torch.store_index_torch(k, None, dst, want_index, layout)
     for one_pass in (True, False):
@@ -287,7 +286,9 @@ def test_rerange_equals_trim_then_index_select(
     got = fr.rerange_padded_triton(raw, rerange_tensor(meta, padded=True))  # type: ignore[attr-defined]
     trimmed = torch.cat([raw[r, :n] for r, n in enumerate(meta.rank_lengths)])
     assert torch.equal(as_bytes(got), as_bytes(trimmed.index_select(0, rerange_tensor(meta))))
-    assert torch.equal(as_bytes(got), as_bytes(fused_torch.rerange_padded_torch(raw, meta.rank_lengths, rerange_tensor(meta))))
+    assert torch.equal(
+        as_bytes(got), as_bytes(fused_torch.rerange_padded_torch(raw, meta.rank_lengths, rerange_tensor(meta)))
+    )
 
 
 def test_rerange_single_rank_strided_local_rows(fr: object) -> None:
@@ -296,7 +297,10 @@ def test_rerange_single_rank_strided_local_rows(fr: object) -> None:
     wide = torch.randn(13, 200)
     raw = wide[:, 10:138].unsqueeze(0)  # [1, 13, 128], row stride 200
     got = fr.rerange_padded_triton(raw, rerange_tensor(meta, padded=True))  # type: ignore[attr-defined]
-    assert torch.equal(got, fused_torch.rerange_padded_torch(raw, meta.rank_lengths, rerange_tensor(meta))) and got.is_contiguous()
+    assert (
+        torch.equal(got, fused_torch.rerange_padded_torch(raw, meta.rank_lengths, rerange_tensor(meta)))
+        and got.is_contiguous()
+    )
 
 
 # ---- fused materialize ----------------------------------------------------------------------------
@@ -346,7 +350,9 @@ def test_materialize_equals_torch_path(
         assert torch.equal(as_bytes(got), as_bytes(want))
     # The index part is exactly materialize.py's unpack_index_rows.
     k_fp8, k_scale = unpack_index_rows(packed[:, split:], row_source, layout)
-    assert torch.equal(as_bytes(views[1][1][view_rows]), as_bytes(k_fp8)) and torch.equal(views[1][2][view_rows], k_scale)
+    assert torch.equal(as_bytes(views[1][1][view_rows]), as_bytes(k_fp8)) and torch.equal(
+        views[1][2][view_rows], k_scale
+    )
 
 
 @SETTINGS
@@ -360,8 +366,13 @@ def test_materialize_mla_half_equals_the_full_op(fm: object, kv_dtype: str, one_
     view_rows = torch.randperm(20, generator=gen)[:7]
     full = torch.full((20, layout.kv_width), 3.0, dtype=torch.bfloat16)
     i8, sc = torch.zeros(20, 128).to(torch.float8_e4m3fn), torch.zeros(20)
-    fused_torch.materialize_rows_torch(mla_rows, packed[:, 4 * layout.mla_bytes :], row_source, view_rows, full, i8, sc, layout)
-    for run in (fused_torch.materialize_mla_rows_torch, functools.partial(fm.materialize_mla_rows_triton, one_pass=one_pass)):  # type: ignore[attr-defined]
+    fused_torch.materialize_rows_torch(
+        mla_rows, packed[:, 4 * layout.mla_bytes :], row_source, view_rows, full, i8, sc, layout
+    )
+    for run in (
+        fused_torch.materialize_mla_rows_torch,
+        functools.partial(fm.materialize_mla_rows_triton, one_pass=one_pass),
+    ):  # type: ignore[attr-defined]
         kv = torch.full((20, layout.kv_width), 3.0, dtype=torch.bfloat16)
         run(mla_rows, row_source, view_rows, kv, layout)
         assert torch.equal(as_bytes(kv), as_bytes(full))
@@ -505,8 +516,9 @@ def test_dispatch_mla_only_materialize_falls_back_once_and_takes_torch_in_debug(
     bad_rows = case["rows"].clone()  # type: ignore[attr-defined]
     bad_rows[0] = 9
     with pytest.raises(LocOutOfRangeError):
-        fused_ops.materialize_mla_rows(mla, case["source"], bad_rows, torch.zeros(9, 192, dtype=torch.bfloat16),
-                                         layout, debug=True)  # type: ignore[arg-type]
+        fused_ops.materialize_mla_rows(
+            mla, case["source"], bad_rows, torch.zeros(9, 192, dtype=torch.bfloat16), layout, debug=True
+        )  # type: ignore[arg-type]
 
 
 def test_dispatch_runs_the_kernels_silently_when_they_work(

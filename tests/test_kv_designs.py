@@ -13,13 +13,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import tiny
+
 from reference_impl.cli import main
 from reference_impl.config import DESIGN_PHASES, KV_DESIGNS, ConfigError, PhaseSet, Request, RunConfig, parse_batches
 from reference_impl.cp.batch import BatchLocs, new_page_table
 from reference_impl.cp.designs import (
-    RotatedShardKV, layer_owner, layer_shard_range, owners_cyclic, rotated_page_lanes,
+    RotatedShardKV,
+    layer_owner,
+    layer_shard_range,
+    owners_cyclic,
+    rotated_page_lanes,
 )
 from reference_impl.cp.loopback import LoopbackGroup
 from reference_impl.cp.split import build_split
@@ -38,8 +42,16 @@ DESIGN_RUN_PHASES = PhaseSet(frozenset({1, 7}))  # narrow output and the fused k
 
 def _design_run(design: str, cp: int, **changes: object) -> RunConfig:
     requests, sizes = parse_batches(BATCHES)
-    return tiny(cp_size=cp, kv_design=design, phases=DESIGN_RUN_PHASES, requests=tuple(requests), batch_sizes=sizes,
-                chunk_size=16, page_size=16, **changes)
+    return tiny(
+        cp_size=cp,
+        kv_design=design,
+        phases=DESIGN_RUN_PHASES,
+        requests=tuple(requests),
+        batch_sizes=sizes,
+        chunk_size=16,
+        page_size=16,
+        **changes,
+    )
 
 
 CASES = [(d, cp, "in-seq") for cp in (2, 3, 4) for d in DESIGNS] + [(d, 2, "round-robin") for d in DESIGNS]
@@ -119,8 +131,9 @@ def test_one_request_gathers_a_regular_block_and_translates_by_arithmetic() -> N
     cp, page = 4, 16
     meta = build_split("in-seq", cp, [40], [11 * page - 5], page)
     table = new_page_table([11 * page + 35], page, cp, compute_owner=True)
-    batch = BatchLocs.build(meta, "cpu", table=table, request_ids=(1,), id_space=table.allocator.n_pages,
-                            page_lanes=rotated_page_lanes)
+    batch = BatchLocs.build(
+        meta, "cpu", table=table, request_ids=(1,), id_space=table.allocator.n_pages, page_lanes=rotated_page_lanes
+    )
     layout = KVLayout.from_config(get_preset("tiny"), "fp8", page)
     pages = table.pages(1)
     assert owners_cyclic(pages, cp) and pages[0] % cp == 1
@@ -174,8 +187,17 @@ def test_each_design_installs_a_prefix_of_several_chunks(monkeypatch: pytest.Mon
     from reference_impl.model import prefix_prefill
 
     monkeypatch.setattr(prefix_prefill, "PREFIX_CHUNK_TOKENS", 24)
-    report = run_prefills([tiny(cp_size=2, kv_design=design, phases=DESIGN_RUN_PHASES, page_size=16,
-                                requests=(Request(70, 30), Request(33, 20)))])[0]
+    report = run_prefills(
+        [
+            tiny(
+                cp_size=2,
+                kv_design=design,
+                phases=DESIGN_RUN_PHASES,
+                page_size=16,
+                requests=(Request(70, 30), Request(33, 20)),
+            )
+        ]
+    )[0]
     assert report["matches_oracle"] and report["cache_equal"], report["problems"]
 
 
@@ -200,12 +222,15 @@ def test_a_design_runs_beside_phases_1_4_7_and_dcp_gather_takes_the_interleave()
         tiny(kv_design="layer-split", kv_interleave=16)
 
 
-@pytest.mark.parametrize(("argv", "env", "words"), [
-    (["--kv-design", "bogus"], {}, "--kv-design"),
-    ([], {"DSACP_KV_DESIGN": ""}, "DSACP_KV_DESIGN"),
-    ([], {"DSACP_KV_DESIGN": "vmm"}, "DSACP_KV_DESIGN"),
-    (["--kv-design", "dcp-gather", "--phases", "3"], {}, "replaces the KV path"),
-])
+@pytest.mark.parametrize(
+    ("argv", "env", "words"),
+    [
+        (["--kv-design", "bogus"], {}, "--kv-design"),
+        ([], {"DSACP_KV_DESIGN": ""}, "DSACP_KV_DESIGN"),
+        ([], {"DSACP_KV_DESIGN": "vmm"}, "DSACP_KV_DESIGN"),
+        (["--kv-design", "dcp-gather", "--phases", "3"], {}, "replaces the KV path"),
+    ],
+)
 def test_the_cli_refuses_in_one_line(capsys, monkeypatch, argv: list[str], env: dict[str, str], words: str) -> None:
     for name, value in env.items():
         monkeypatch.setenv(name, value)

@@ -11,7 +11,8 @@ Layers, bottom to top (the package docstring draws the same map):
 5. ``pd`` -- prefill -> decode transfer;
 6. the engine: ``engine``, ``runner``, ``launch``, ``schedule``, ``workload``, ``check``, ``report``,
    ``prefill_decode``, ``footprint``;
-7. the face: ``cli``, ``tool_args``, ``tables``, ``bench``, ``planner``, ``api``, ``demo``, ``figures`` and the package root.
+7. the face: ``cli``, ``tool_args``, ``tables``, ``bench``, ``planner``, ``api``, ``demo``, ``figures`` and the
+   package root.
 
 A model family's folder (``families/<name>/``) spans the layers, each of its parts in the layer of
 its kind (:data:`FAMILY_PARTS`: its ``config`` at 0, ``cache_layout`` at 1, ``model`` at 2, ``kernels``
@@ -33,22 +34,55 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "reference_impl"
 
 LAYERS: dict[str, int] = {
-    "errors": 0, "presets": 0, "phases": 0, "config": 0, "fp8": 0, "sync_audit": 0, "index_share": 0,
-    "machine": 0, "families": 0,
+    "errors": 0,
+    "presets": 0,
+    "phases": 0,
+    "config": 0,
+    "fp8": 0,
+    "sync_audit": 0,
+    "index_share": 0,
+    "machine": 0,
+    "families": 0,
     "kvcache": 1,
     "model": 2,
     "kernels": 3,
     "cp": 4,
     "pd": 5,
-    "engine": 6, "runner": 6, "launch": 6, "schedule": 6, "workload": 6, "check": 6, "report": 6,
-    "prefill_decode": 6, "footprint": 6, "rank_processes": 6,
-    "cli": 7, "tables": 7, "bench": 7, "planner": 7, "api": 7, "demo": 7, "figures": 7, "tool_args": 7, "__main__": 7, "": 7,
+    "engine": 6,
+    "runner": 6,
+    "launch": 6,
+    "schedule": 6,
+    "workload": 6,
+    "check": 6,
+    "report": 6,
+    "prefill_decode": 6,
+    "footprint": 6,
+    "rank_processes": 6,
+    "cli": 7,
+    "tables": 7,
+    "bench": 7,
+    "planner": 7,
+    "api": 7,
+    "demo": 7,
+    "figures": 7,
+    "tool_args": 7,
+    "__main__": 7,
+    "": 7,
 }
 
 
 FAMILY_PARTS: dict[str, int] = {
-    "config": 0, "cache_layout": 1, "model": 2, "kernels": 3, "cp": 4,
-    "check": 6, "footprint": 6, "layer_step": 6, "family": 6, "bench": 7, "planner": 7,
+    "config": 0,
+    "cache_layout": 1,
+    "model": 2,
+    "kernels": 3,
+    "cp": 4,
+    "check": 6,
+    "footprint": 6,
+    "layer_step": 6,
+    "family": 6,
+    "bench": 7,
+    "planner": 7,
 }
 
 
@@ -65,9 +99,11 @@ def _imports(path: Path, name: str | None = None) -> list[tuple[str, int, bool]]
     tree = ast.parse(path.read_text())
     top_level = {id(node) for node in tree.body}
     annotations_only = {  # imports under ``if TYPE_CHECKING:`` never run
-        id(inner) for node in ast.walk(tree)
+        id(inner)
+        for node in ast.walk(tree)
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-        for stmt in node.body for inner in ast.walk(stmt)
+        for stmt in node.body
+        for inner in ast.walk(stmt)
     }
     found = []
     for node in ast.walk(tree):
@@ -132,7 +168,7 @@ def test_no_import_cycles() -> None:
             if nxt == node or nxt not in graph:
                 continue
             if state.get(nxt) == 1:
-                cycle = stack[stack.index(nxt):] + [nxt]
+                cycle = stack[stack.index(nxt) :] + [nxt]
                 raise AssertionError("import cycle: " + " -> ".join(cycle))
             if nxt not in state:
                 visit(nxt, stack + [nxt])
@@ -146,7 +182,9 @@ def test_no_import_cycles() -> None:
 def test_the_check_sees_an_upward_import(tmp_path: Path) -> None:
     """The rule can fail: a kvcache module with a lazy import of the engine is caught."""
     fake = tmp_path / "pool.py"
-    fake.write_text((PACKAGE / "kvcache" / "pool.py").read_text() + "\n\ndef _late():\n    from ..engine import run_rank\n")
+    fake.write_text(
+        (PACKAGE / "kvcache" / "pool.py").read_text() + "\n\ndef _late():\n    from ..engine import run_rank\n"
+    )
     found = {t for t, _, top in _imports(fake, "reference_impl.kvcache.pool") if not top}
     assert "reference_impl.engine" in found and _layer("reference_impl.engine") > _layer("reference_impl.kvcache.pool")
 

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reference_impl.config import ConfigError, get_preset
+from reference_impl.config import ConfigError, get_preset, validate_page_size
 from reference_impl.kvcache import (
     KVLayout,
     dequantize_mla,
@@ -23,7 +23,6 @@ from reference_impl.kvcache import (
     unpack_index_pages,
     unpack_mla_fp8,
 )
-from reference_impl.config import validate_page_size
 
 # ---------------------------------------------------------------------------------------------
 # Independent encoders (numpy only)
@@ -153,7 +152,9 @@ def test_mla_scale_formats_differ_only_in_latent_bytes_and_scales() -> None:
     assert torch.equal(ue8m0[:, 528:], fp32[:, 528:])  # bf16 rope untouched
     _, s_ue8m0, _ = unpack_mla_fp8(ue8m0, 512, 64)
     _, s_fp32, _ = unpack_mla_fp8(fp32, 512, 64)
-    assert bool((torch.frexp(s_ue8m0)[0] == 0.5).all()) and bool((s_ue8m0 >= s_fp32).all() and (s_ue8m0 < 2 * s_fp32).all())
+    assert bool((torch.frexp(s_ue8m0)[0] == 0.5).all()) and bool(
+        (s_ue8m0 >= s_fp32).all() and (s_ue8m0 < 2 * s_fp32).all()
+    )
     assert not torch.equal(ue8m0[:, :512], fp32[:, :512])
     assert KVLayout(512, 64, "fp8", 64).mla_scale_fmt == "ue8m0"
     assert KVLayout.from_config(get_preset("deepseek-v3.2"), "fp8", 64).mla_scale_fmt == "ue8m0"

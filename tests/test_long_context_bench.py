@@ -33,8 +33,16 @@ def test_chunks_and_the_last_chunks_queries() -> None:
 def test_planner_transient_of_a_later_chunk_equals_the_engines(level: int) -> None:
     """A 512-token request in two chunks: the engine's transient count (its largest chunk, the
     second: 256 history tokens) is the planner's for ``prefix=256``."""
-    run = RunConfig(preset="tiny", cp_size=2, requests=(Request(0, 512),), chunk_size=256, n_layers=1, check=False,
-                    device="cpu", phases=PhaseSet.level(level))
+    run = RunConfig(
+        preset="tiny",
+        cp_size=2,
+        requests=(Request(0, 512),),
+        chunk_size=256,
+        n_layers=1,
+        check=False,
+        device="cpu",
+        phases=PhaseSet.level(level),
+    )
     stats = run_rank(LoopbackGroup(0, 2, torch.device("cpu")), run).stats
     want = transient_bytes(get_preset("tiny"), 512, level, "fp8", 64, act_bytes=4, cp_size=2, prefix=256)
     assert stats["transient_peak_bytes"] == want
@@ -42,8 +50,24 @@ def test_planner_transient_of_a_later_chunk_equals_the_engines(level: int) -> No
 
 def test_the_long_context_bench_runs_dry_on_cpu(tmp_path) -> None:
     out = tmp_path / "long.json"
-    args = ["--out", str(out), "--device", "cpu", "--preset", "tiny", "--contexts", "256,512", "--chunk", "256",
-            "--cp-size", "2", "--layers", "2", "--levels", "0,8"]
+    args = [
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+        "--preset",
+        "tiny",
+        "--contexts",
+        "256,512",
+        "--chunk",
+        "256",
+        "--cp-size",
+        "2",
+        "--layers",
+        "2",
+        "--levels",
+        "0,8",
+    ]
     assert main(args) == 0
     doc = json.loads(out.read_text())
     assert doc["chunk_tokens"] == 256 and doc["local_queries_per_chunk"] == 128 and doc["planner_estimate_s"] >= 0
@@ -58,7 +82,14 @@ def test_the_long_context_bench_runs_dry_on_cpu(tmp_path) -> None:
         assert "other_ms" in point
     assert set(doc["transient_ratio_longest_over_shortest"]) == {"0", "8"}
     assert [row["context"] for row in doc["table"]] == [256, 512] and doc["table_level"] == 8
-    assert {"level_0_ms", "level_8_ms", "planner_level_8_ms", "prefill_ms_per_layer", "peak_gib", "attention_ms"} <= set(doc["table"][1])
+    assert {
+        "level_0_ms",
+        "level_8_ms",
+        "planner_level_8_ms",
+        "prefill_ms_per_layer",
+        "peak_gib",
+        "attention_ms",
+    } <= set(doc["table"][1])
 
 
 def test_bench_layer_warms_every_level_before_timing_it(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -99,8 +130,16 @@ def test_the_h200_run_is_replanned_and_the_planner_is_within_its_bar() -> None:
 def test_the_planner_reads_a_later_chunks_prefix() -> None:
     """A later chunk of a 1M-token prefill costs what its 917,504 cached tokens add (the indexer scores
     them all), not what the chunk alone would: the planner is given the prefix by name."""
-    run = RunConfig(preset="deepseek-v3.2", n_layers=2, cp_size=8, requests=(Request(0, 1_048_576),),
-                    chunk_size=131_072, check=False, device="cpu", phases=PhaseSet.level(8))
+    run = RunConfig(
+        preset="deepseek-v3.2",
+        n_layers=2,
+        cp_size=8,
+        requests=(Request(0, 1_048_576),),
+        chunk_size=131_072,
+        check=False,
+        device="cpu",
+        phases=PhaseSet.level(8),
+    )
     last = layer_bench.planner_point(run, 0, 8, None, prefix=917_504, context=1_048_576)
     first = layer_bench.planner_point(run, 0, 8, None, prefix=0, context=131_072)
     assert last["terms_ms"]["indexer_logits"] > 6 * first["terms_ms"]["indexer_logits"]

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import tiny
+
 from reference_impl.cli import main
 from reference_impl.config import ConfigError, PhaseSet, RunConfig, parse_batches
 from reference_impl.cp.comm import CPGroup
@@ -33,24 +33,34 @@ def pool_run(**changes) -> RunConfig:  # noqa: ANN003
 def test_the_spec() -> None:
     assert SIZES == (2, 2, 1)
     assert [(r.prefix, r.extend, r.shares) for r in REQUESTS] == [
-        (0, 96, None), (40, 70, None), (64, 50, 0), (13, 37, None), (40, 20, 1)
+        (0, 96, None),
+        (40, 70, None),
+        (64, 50, 0),
+        (13, 37, None),
+        (40, 20, 1),
     ]
     run = pool_run()
     assert [run.batch_of(i) for i in range(5)] == [0, 0, 1, 1, 2]
     # r0 goes after batch 1 (r2 shared it there); r1 stays for r4; the last batch's stay to the end.
     assert frees_after_batch(run) == {1: [0, 2, 3], 2: [1, 4]}
     assert [(c.batch, c.requests, c.last_of_batch) for c in chunk_schedule(run.replace(chunk_size=60))] == [
-        (0, (0, 1), False), (0, (0, 1), True), (1, (2, 3), True), (2, (4,), True)
+        (0, (0, 1), False),
+        (0, (0, 1), True),
+        (1, (2, 3), True),
+        (2, (4,), True),
     ]
 
 
-@pytest.mark.parametrize("bad", [
-    "0+96;r1:4+5",  # r1 is not of an earlier batch
-    "0+96;r0:97+5",  # longer than r0
-    "0+96;;1",  # an empty batch
-    "0+96;rx:4+5",  # not a request number
-    "0+96;r0:5",  # no extend
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "0+96;r1:4+5",  # r1 is not of an earlier batch
+        "0+96;r0:97+5",  # longer than r0
+        "0+96;;1",  # an empty batch
+        "0+96;rx:4+5",  # not a request number
+        "0+96;r0:5",  # no extend
+    ],
+)
 def test_bad_specs_are_one_line_exit_2(capsys, bad: str) -> None:
     assert main(["run", "--batches", bad]) == 2
     err = capsys.readouterr().err
@@ -145,6 +155,8 @@ def test_a_chain_of_shared_prefixes(report_of) -> None:
     requests, sizes = parse_batches("0+96;r0:64+50;r1:100+10,r0:20+5")
     rep = report_of(tiny(requests=tuple(requests), batch_sizes=sizes, page_size=PAGE, phases=PhaseSet.level(5)))
     assert rep["matches_oracle"] is True and rep["cache_equal"] is True
-    table = replay_page_table(tiny(requests=tuple(requests), batch_sizes=sizes, page_size=PAGE, phases=PhaseSet.level(5)))
+    table = replay_page_table(
+        tiny(requests=tuple(requests), batch_sizes=sizes, page_size=PAGE, phases=PhaseSet.level(5))
+    )
     assert table.pages(2)[:4] == table.pages(1)[:4] == table.pages(0)[:4]  # r0's pages, through r1
     assert table.pages(3)[:1] == table.pages(0)[:1]

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import tiny
 
 from reference_impl.config import ConfigError, PhaseSet, Request
 from reference_impl.cp.loopback import LoopbackGroup
 from reference_impl.engine import run_rank
-
-from conftest import tiny
 
 MIXED = (Request(16, 150), Request(13, 130))
 
@@ -51,8 +50,26 @@ def test_layer_bench_dry_run(tmp_path) -> None:
     from reference_impl.bench.layer import main
 
     out = tmp_path / "layer.json"
-    main(["--out", str(out), "--device", "cpu", "--preset", "tiny", "--cp-size", "4", "--rank", "1", "--levels", "0,7,8",
-          "--workloads", "current-only:0+256,prefix-heavy:128+64", "--layers", "2"])
+    main(
+        [
+            "--out",
+            str(out),
+            "--device",
+            "cpu",
+            "--preset",
+            "tiny",
+            "--cp-size",
+            "4",
+            "--rank",
+            "1",
+            "--levels",
+            "0,7,8",
+            "--workloads",
+            "current-only:0+256,prefix-heavy:128+64",
+            "--layers",
+            "2",
+        ]
+    )
     doc = json.loads(out.read_text())
     current, prefix = doc["workloads"]
     assert [p["level"] for p in current["levels"]] == [0, 7, 8]
@@ -71,8 +88,26 @@ def test_layer_bench_level_repeats_pool_every_runs_layers(tmp_path) -> None:
     from reference_impl.bench.layer import main
 
     out = tmp_path / "layer.json"
-    main(["--out", str(out), "--device", "cpu", "--preset", "tiny", "--cp-size", "2", "--levels", "0,3",
-          "--workloads", "current-only:0+128", "--layers", "2", "--level-repeats", "3"])
+    main(
+        [
+            "--out",
+            str(out),
+            "--device",
+            "cpu",
+            "--preset",
+            "tiny",
+            "--cp-size",
+            "2",
+            "--levels",
+            "0,3",
+            "--workloads",
+            "current-only:0+128",
+            "--layers",
+            "2",
+            "--level-repeats",
+            "3",
+        ]
+    )
     doc = json.loads(out.read_text())
     assert doc["level_repeats"] == 3
     for point in doc["workloads"][0]["levels"]:
@@ -88,8 +123,28 @@ def test_layer_bench_compares_the_split_modes_in_one_run(tmp_path) -> None:
     from reference_impl.bench.layer import main
 
     out = tmp_path / "layer.json"
-    main(["--out", str(out), "--device", "cpu", "--preset", "tiny", "--cp-size", "4", "--levels", "0,7,8",
-          "--workloads", "prefix:64+128", "--layers", "2", "--prefetch-repeats", "1", "--split-modes", "in-seq,round-robin"])
+    main(
+        [
+            "--out",
+            str(out),
+            "--device",
+            "cpu",
+            "--preset",
+            "tiny",
+            "--cp-size",
+            "4",
+            "--levels",
+            "0,7,8",
+            "--workloads",
+            "prefix:64+128",
+            "--layers",
+            "2",
+            "--prefetch-repeats",
+            "1",
+            "--split-modes",
+            "in-seq,round-robin",
+        ]
+    )
     in_seq, round_robin = json.loads(out.read_text())["workloads"]
     assert (in_seq["split_mode"], round_robin["split_mode"]) == ("in-seq", "round-robin")
     rr8 = round_robin["levels"][2]

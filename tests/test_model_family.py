@@ -124,7 +124,9 @@ class ToyStore:
         return {}
 
     def mine(self, locs: torch.Tensor) -> torch.Tensor:
-        return self.ownership.owner(locs) == self.group.rank if self.sharded else torch.ones_like(locs, dtype=torch.bool)
+        return (
+            self.ownership.owner(locs) == self.group.rank if self.sharded else torch.ones_like(locs, dtype=torch.bool)
+        )
 
     def write(self, layer: int, locs: torch.Tensor, rows: torch.Tensor) -> None:
         keep = self.mine(locs)
@@ -167,7 +169,7 @@ class ToyStep:
         kv_seq = gather_current(i.group, i.index, block.wkv(x), "kv", False, False)  # [T_chunk, kv_dim], sequence order
         start = 0
         for req, (prefix, extend) in enumerate(zip(i.chunk.prefix_lens, i.chunk.extend_lens)):
-            store.write(layer, i.batch.request_locs[req][prefix:prefix + extend], kv_seq[start:start + extend])
+            store.write(layer, i.batch.request_locs[req][prefix : prefix + extend], kv_seq[start : start + extend])
             start += extend
         out = torch.empty_like(x)
         for req, locs in enumerate(i.batch.request_locs):
@@ -206,13 +208,21 @@ class ToyFamily:
         n = cfg.n_layers * (cfg.dim * cfg.kv_dim * (2 * cfg.n_heads + 1)) + cfg.dim * cfg.vocab_size
         return n * dtype_bytes, n * 4
 
-    def estimate(self, run: RunConfig, device_type: str, start_method: str, cuda_devices: int, extra_process: int,
-                 b: int) -> Footprint:
+    def estimate(
+        self, run: RunConfig, device_type: str, start_method: str, cuda_devices: int, extra_process: int, b: int
+    ) -> Footprint:
         rank = int(SAFETY * (PROCESS_BASE["spawn"] + 64 * sum(r.total for r in run.requests) * run.model.dim * 4))
         return Footprint((rank,) * run.cp_size, rank, rank, rank * (run.cp_size + 1), device_type, run.cp_size)
 
-    def build_model(self, cfg: ToyConfig, dtype: torch.dtype, seed: int, device: torch.device, kernels: bool,
-                    fp8_projections: bool = False) -> ToyModel:
+    def build_model(
+        self,
+        cfg: ToyConfig,
+        dtype: torch.dtype,
+        seed: int,
+        device: torch.device,
+        kernels: bool,
+        fp8_projections: bool = False,
+    ) -> ToyModel:
         torch.manual_seed(seed)
         with torch.device(device):
             return ToyModel(cfg).to(dtype).eval()
@@ -223,8 +233,15 @@ class ToyFamily:
     def make_store(self, run: RunConfig, batch: BatchLocs, group: CPGroup) -> ToyStore:
         return ToyStore(run, batch, group)
 
-    def install_prefixes(self, run: RunConfig, model: nn.Module, inputs: list[torch.Tensor], store: ToyStore,
-                         chunk: Any, shared_tokens: dict[int, int]) -> None:
+    def install_prefixes(
+        self,
+        run: RunConfig,
+        model: nn.Module,
+        inputs: list[torch.Tensor],
+        store: ToyStore,
+        chunk: Any,
+        shared_tokens: dict[int, int],
+    ) -> None:
         for i, req in enumerate(chunk.requests):
             prefix = run.requests[req].prefix
             if prefix:
@@ -236,8 +253,16 @@ class ToyFamily:
         return ToyStep(inputs)
 
     @torch.no_grad()
-    def oracle(self, model: nn.Module, prefixes: Sequence[int], inputs: list[torch.Tensor], kv_dtype: str,
-               page_size: int, chunk_size: int | None, view_dtype: torch.dtype) -> ToyOracle:
+    def oracle(
+        self,
+        model: nn.Module,
+        prefixes: Sequence[int],
+        inputs: list[torch.Tensor],
+        kv_dtype: str,
+        page_size: int,
+        chunk_size: int | None,
+        view_dtype: torch.dtype,
+    ) -> ToyOracle:
         hidden, caches = [], [[] for _ in model.layers]
         for prefix, x in zip(prefixes, inputs):
             for layer, block in enumerate(model.layers):
@@ -247,8 +272,15 @@ class ToyFamily:
             hidden.append(x[prefix:].float())
         return ToyOracle(hidden, caches)
 
-    def compare(self, run: RunConfig, meta: Any, model: nn.Module, oracle: ToyOracle, results: list[Any],
-                compute_dtype: torch.dtype) -> Agreement:
+    def compare(
+        self,
+        run: RunConfig,
+        meta: Any,
+        model: nn.Module,
+        oracle: ToyOracle,
+        results: list[Any],
+        compute_dtype: torch.dtype,
+    ) -> Agreement:
         problems: list[str] = []
         err, logits_err = compare_outputs(meta, model, torch.cat(oracle.hidden), results, EXACT_TOLERANCE, problems)
         cache_err = 0.0
@@ -304,8 +336,15 @@ def test_register_adds_a_family_in_this_process() -> None:
 def test_a_family_defined_in_a_test_runs_through_the_engine(toy_family: ToyFamily, level: int, cp_size: int) -> None:
     """Unaligned requests, a cached prefix and chunks: the engine's report matches the toy oracle, and
     phase 2 keeps each row on one rank."""
-    run = RunConfig(preset=TOY, cp_size=cp_size, phases=PhaseSet.level(level), page_size=4, chunk_size=7,
-                    requests=(Request(5, 13), Request(0, 9)), device="cpu")
+    run = RunConfig(
+        preset=TOY,
+        cp_size=cp_size,
+        phases=PhaseSet.level(level),
+        page_size=4,
+        chunk_size=7,
+        requests=(Request(5, 13), Request(0, 9)),
+        device="cpu",
+    )
     report = ri.run_prefill(run)
     assert report["matches_oracle"], report["problems"]
     held = [r["kv_bytes"] for r in report["per_rank"]]
@@ -321,8 +360,9 @@ def test_the_toy_check_fails_on_a_wrong_store(toy_family: ToyFamily, monkeypatch
     """The family's comparison can fail: a store that writes every row twice as large is caught."""
     real = ToyStore.write
     monkeypatch.setattr(ToyStore, "write", lambda self, layer, locs, rows: real(self, layer, locs, 2 * rows))
-    run = RunConfig(preset=TOY, cp_size=2, phases=PhaseSet.level(2), page_size=4,
-                    requests=(Request(0, 11),), device="cpu")
+    run = RunConfig(
+        preset=TOY, cp_size=2, phases=PhaseSet.level(2), page_size=4, requests=(Request(0, 11),), device="cpu"
+    )
     monkeypatch.setenv("DSACP_RANK_THREADS", "1")  # fork: the patched store reaches the ranks
     assert not ri.run_prefill(run)["matches_oracle"]
 
@@ -332,7 +372,9 @@ def test_the_toy_check_fails_on_a_wrong_store(toy_family: ToyFamily, monkeypatch
 
 def test_every_preset_is_listed_with_its_familys_config() -> None:
     listed = ri.PRESETS
-    assert {"deepseek-v3.2", "glm-5", "glm-5.2", "tiny", "deepseek-v4-flash", "deepseek-v4-pro", "tiny-v4"} <= set(listed)
+    assert {"deepseek-v3.2", "glm-5", "glm-5.2", "tiny", "deepseek-v4-flash", "deepseek-v4-pro", "tiny-v4"} <= set(
+        listed
+    )
     for name, cfg in listed.items():
         family = families.family_of(cfg)
         assert type(cfg) is family.config_type and family.presets[name] is cfg and ri.get_preset(name) is cfg
@@ -358,16 +400,28 @@ def _stores() -> list[tuple[str, Any]]:
 
     out = []
     runs = [RunConfig(preset="tiny", phases=PhaseSet.level(level), device="cpu") for level in (0, 2, 5, 8)]
-    runs += [RunConfig(preset="tiny", kv_design=d, phases=PhaseSet.level(1), device="cpu")
-             for d in ("layer-split", "rotated-shard", "dcp-gather")]
+    runs += [
+        RunConfig(preset="tiny", kv_design=d, phases=PhaseSet.level(1), device="cpu")
+        for d in ("layer-split", "rotated-shard", "dcp-gather")
+    ]
     runs += [RunConfig(preset="tiny-v4", phases=PhaseSet.level(level), device="cpu") for level in (0, 2)]
     for run in runs:
         chunk = chunk_schedule(run)[0]
         table = new_run_page_table(run)
-        batch = BatchLocs.build(chunk_metadata(run, chunk), "cpu", run.phases.compute_owner, table=table,
-                                request_ids=chunk.requests, id_space=run_id_space(replay_page_table(run)))
-        out.append((f"{run.preset} {run.kv_design} level {max(run.phases.enabled, default=0)}",
-                    run.family.make_store(run, batch, LoopbackGroup(0, run.cp_size, torch.device("cpu")))))
+        batch = BatchLocs.build(
+            chunk_metadata(run, chunk),
+            "cpu",
+            run.phases.compute_owner,
+            table=table,
+            request_ids=chunk.requests,
+            id_space=run_id_space(replay_page_table(run)),
+        )
+        out.append(
+            (
+                f"{run.preset} {run.kv_design} level {max(run.phases.enabled, default=0)}",
+                run.family.make_store(run, batch, LoopbackGroup(0, run.cp_size, torch.device("cpu"))),
+            )
+        )
     return out
 
 
@@ -378,14 +432,31 @@ def test_every_store_keeps_the_store_protocol() -> None:
         assert isinstance(store, RankStore), name
         assert isinstance(store.kv_bytes, int) and isinstance(store.breakdown(), dict), name
         if run_is_dsa := not hasattr(store, "entry_owner"):  # the DSA family's stores: the layer operations too
-            missing = [m for m in ("store_current", "full_view", "write_prefix", "stored_rows") if not hasattr(store, m)]
+            missing = [
+                m for m in ("store_current", "full_view", "write_prefix", "stored_rows") if not hasattr(store, m)
+            ]
             assert run_is_dsa and not missing, f"{name}: no {missing} ({KVStore.__name__})"
 
 
 # ---- orchestration names no family --------------------------------------------------------------
 
-ORCHESTRATION = ("engine", "runner", "launch", "rank_processes", "api", "report", "footprint", "config", "cli",
-                 "workload", "prefill_decode", "schedule", "demo", "__init__", "__main__")
+ORCHESTRATION = (
+    "engine",
+    "runner",
+    "launch",
+    "rank_processes",
+    "api",
+    "report",
+    "footprint",
+    "config",
+    "cli",
+    "workload",
+    "prefill_decode",
+    "schedule",
+    "demo",
+    "__init__",
+    "__main__",
+)
 SHARED = ("cp", "kvcache", "kernels", "model", "pd")  # the CP machinery and the layer base every family reuses
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import tiny
+
 from reference_impl.config import PhaseSet, Request
 from reference_impl.cp.comm import CPGroup
 from reference_impl.cp.narrow_output import collect_narrow, narrow_eligible, rows_per_rank, tail_gather_bytes

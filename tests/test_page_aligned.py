@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from conftest import tiny
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import tiny
 from reference_impl.config import PhaseSet, Request
 from reference_impl.cp.page_aligned import page_aligned_block_sizes, page_units
 from reference_impl.cp.split import build_split

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import tiny
+
 from reference_impl.config import ConfigError, PhaseSet, Request
 from reference_impl.kvcache.layout import KVLayout
 from reference_impl.pd.dcp import DcpLayout, transfer_to_dcp
@@ -67,8 +67,14 @@ def test_round_robin_shards_are_the_dcp_decode_with_no_relayout(chunk_size: int 
     [
         ({"cp_size": 2, "phases": PhaseSet.level(3)}, DcpLayout(2, 1)),  # in-seq page interleave -> interleave 1
         ({"cp_size": 4, "split_mode": "round-robin", "phases": PhaseSet.level(3)}, DcpLayout(2, 1)),  # another size
-        ({"cp_size": 2, "split_mode": "round-robin", "phases": PhaseSet.level(2)}, DcpLayout(2, 8)),  # another interleave
-        ({"cp_size": 3, "split_mode": "round-robin", "phases": PhaseSet.level(2)}, DcpLayout(3, 1)),  # 3 does not divide 16
+        (
+            {"cp_size": 2, "split_mode": "round-robin", "phases": PhaseSet.level(2)},
+            DcpLayout(2, 8),
+        ),  # another interleave
+        (
+            {"cp_size": 3, "split_mode": "round-robin", "phases": PhaseSet.level(2)},
+            DcpLayout(3, 1),
+        ),  # 3 does not divide 16
     ],
 )
 def test_other_pairings_relayout_and_stay_byte_equal(changes: dict, decode: DcpLayout) -> None:

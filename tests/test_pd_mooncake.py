@@ -27,7 +27,12 @@ from reference_impl.config import ConfigError, PhaseSet, Request, RunConfig, env
 from reference_impl.kvcache.layout import KVLayout
 from reference_impl.pd.dcp import DcpDecodeShard, DcpLayout
 from reference_impl.pd.mooncake import (
-    Completion, MooncakeReceiver, MooncakeTransport, TransferTimeoutError, merge_runs, position_runs,
+    Completion,
+    MooncakeReceiver,
+    MooncakeTransport,
+    TransferTimeoutError,
+    merge_runs,
+    position_runs,
 )
 from reference_impl.pd.mooncake_engine import MooncakeEngine, MooncakeError, installed_protocol, mooncake_unavailable
 from reference_impl.pd.transport import RowBlock
@@ -135,9 +140,14 @@ def _shard() -> DcpDecodeShard:
 def _block(req: int, layer: int, positions: torch.Tensor, shard: DcpDecodeShard, seed: int) -> RowBlock:
     g = torch.Generator().manual_seed(seed)
     n, layout = positions.numel(), shard.kv_layout
-    return RowBlock(req, layer, positions, torch.randint(0, 256, (n, layout.mla_bytes), dtype=torch.uint8, generator=g),
-                    torch.randint(0, 256, (n, layout.index_head_dim), dtype=torch.uint8, generator=g),
-                    torch.rand(n, generator=g))
+    return RowBlock(
+        req,
+        layer,
+        positions,
+        torch.randint(0, 256, (n, layout.mla_bytes), dtype=torch.uint8, generator=g),
+        torch.randint(0, 256, (n, layout.index_head_dim), dtype=torch.uint8, generator=g),
+        torch.rand(n, generator=g),
+    )
 
 
 def test_one_sided_writes_land_where_a_receive_puts_the_rows(engines) -> None:
@@ -145,8 +155,10 @@ def test_one_sided_writes_land_where_a_receive_puts_the_rows(engines) -> None:
     shard, reference = _shard(), _shard()
     receiver = MooncakeReceiver(shard, decode, range(3))
     transport = MooncakeTransport(prefill, receiver.target, rank=0)
-    requests = {1: torch.cat([torch.arange(16, 32), torch.arange(0, 16), torch.arange(32, 37)]),  # pages out of order
-                2: torch.arange(20)}
+    requests = {
+        1: torch.cat([torch.arange(16, 32), torch.arange(0, 16), torch.arange(32, 37)]),  # pages out of order
+        2: torch.arange(20),
+    }
     sent = 0
     for req, positions in requests.items():
         for layer in range(N_LAYERS):
@@ -203,12 +215,27 @@ def _pd_json(capsys, argv: list[str]) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-@pytest.mark.parametrize("extra", [["--phases", "5"], ["--phases", "8", "--chunk-size", "70"]],
-                         ids=["level5", "level8-chunked"])
+@pytest.mark.parametrize(
+    "extra", [["--phases", "5"], ["--phases", "8", "--chunk-size", "70"]], ids=["level5", "level8-chunked"]
+)
 def test_the_pd_command_over_mooncake_matches_the_oracle(capsys, extra: list[str]) -> None:
     require_mooncake()
-    doc = _pd_json(capsys, ["pd", "--transport", "mooncake", "--cp-size", "2", "--requests", "130+300,0+200",
-                            "--page-size", "16", "--json", *extra])
+    doc = _pd_json(
+        capsys,
+        [
+            "pd",
+            "--transport",
+            "mooncake",
+            "--cp-size",
+            "2",
+            "--requests",
+            "130+300,0+200",
+            "--page-size",
+            "16",
+            "--json",
+            *extra,
+        ],
+    )
     assert doc["decode_matches_oracle"] is True and doc["decode_matches_prefill"] is True, doc["problems"]
     assert doc["transport"] == "mooncake" and doc["protocol"] in ("tcp", "rdma")
     ranks = doc["prefill_ranks"]
@@ -219,8 +246,15 @@ def test_the_pd_command_over_mooncake_matches_the_oracle(capsys, extra: list[str
 def test_several_batches_over_mooncake() -> None:
     require_mooncake()
     requests, sizes = parse_batches("0+40,21+30;r0:32+20,5+9")
-    run = RunConfig(preset="tiny", cp_size=3, requests=tuple(requests), batch_sizes=sizes, page_size=16,
-                    phases=PhaseSet.level(6), device="cpu")
+    run = RunConfig(
+        preset="tiny",
+        cp_size=3,
+        requests=tuple(requests),
+        batch_sizes=sizes,
+        page_size=16,
+        phases=PhaseSet.level(6),
+        device="cpu",
+    )
     result = run_prefill_and_decode(run, transfer="rows", transport="mooncake")
     assert result.matches_oracle, result.problems
     assert all(s.bytes_sent == s.bytes_at_rest > 0 for s in result.sent)
@@ -228,8 +262,9 @@ def test_several_batches_over_mooncake() -> None:
 
 
 def test_transport_refusals(capsys, monkeypatch) -> None:
-    run = RunConfig(preset="tiny", cp_size=2, requests=(Request(0, 40),), page_size=16, phases=PhaseSet.level(2),
-                    device="cpu")
+    run = RunConfig(
+        preset="tiny", cp_size=2, requests=(Request(0, 40),), page_size=16, phases=PhaseSet.level(2), device="cpu"
+    )
     with pytest.raises(ConfigError, match="transport='nccl'"):
         run_prefill_and_decode(run, transfer="rows", transport="nccl")
     with pytest.raises(ConfigError, match="use transfer='rows'"):
@@ -252,8 +287,28 @@ def test_the_mooncake_bench_dry_run_checks_what_arrived(tmp_path) -> None:
 
     require_mooncake()
     out = tmp_path / "dry.json"
-    assert pd_mooncake.main(["--out", str(out), "--device", "cpu", "--preset", "tiny", "--cp-size", "2",
-                             "--workloads", "t:32+200", "--layers", "2", "--repeats", "1", "--no-end-to-end"]) == 0
+    assert (
+        pd_mooncake.main(
+            [
+                "--out",
+                str(out),
+                "--device",
+                "cpu",
+                "--preset",
+                "tiny",
+                "--cp-size",
+                "2",
+                "--workloads",
+                "t:32+200",
+                "--layers",
+                "2",
+                "--repeats",
+                "1",
+                "--no-end-to-end",
+            ]
+        )
+        == 0
+    )
     doc = json.loads(out.read_text())
     assert doc["ok"] and doc["failure"] is None and doc["mooncake"]["protocol"] in ("tcp", "rdma")
     w = doc["workloads"][0]
@@ -287,10 +342,13 @@ def test_the_bench_loads_a_missing_library_from_the_folders_given(tmp_path, monk
     error, loaded = pd_mooncake.load_mooncake([str(tmp_path / "deb")])
     assert error is None and loaded == [str(fake)]
     assert (Path(os.environ["LD_LIBRARY_PATH"].split(":")[0]) / fake.name).resolve() == fake.resolve()
-    monkeypatch.setattr(pd_mooncake, "mooncake_unavailable", lambda: "ImportError: libnowhere.so.3: cannot open shared "
-                        "object file")
+    monkeypatch.setattr(
+        pd_mooncake, "mooncake_unavailable", lambda: "ImportError: libnowhere.so.3: cannot open shared object file"
+    )
     assert pd_mooncake.load_mooncake([str(tmp_path / "deb")]) == (
-        "ImportError: libnowhere.so.3: cannot open shared object file", [])
+        "ImportError: libnowhere.so.3: cannot open shared object file",
+        [],
+    )
 
 
 def ctypes_util_find(name: str) -> str:

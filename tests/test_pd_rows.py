@@ -57,7 +57,9 @@ def test_the_decode_page_ids_are_its_own() -> None:
     prefill = replay_page_table(run)
     assert result.matches_oracle
     assert [list(p) for p in result.decode_pages] != [prefill.pages(req) for req in range(len(MIXED))]
-    assert sorted(p for pages in result.decode_pages for p in pages) == list(range(sum(len(p) for p in result.decode_pages)))
+    assert sorted(p for pages in result.decode_pages for p in pages) == list(
+        range(sum(len(p) for p in result.decode_pages))
+    )
 
 
 def test_rows_send_fewer_bytes_than_pages_when_pages_are_partial() -> None:
@@ -77,8 +79,14 @@ def test_refusals() -> None:
     with pytest.raises(ConfigError, match="page transfer runs on CPU"):
         run_prefill_and_decode(pd_run(device="cuda"), transfer="pages")
     with pytest.raises(ConfigError, match="disagree on the row count"):
-        RowBlock(0, 0, torch.arange(3), torch.zeros(2, 8, dtype=torch.uint8), torch.zeros(3, 4, dtype=torch.uint8),
-                 torch.zeros(3))
+        RowBlock(
+            0,
+            0,
+            torch.arange(3),
+            torch.zeros(2, 8, dtype=torch.uint8),
+            torch.zeros(3, 4, dtype=torch.uint8),
+            torch.zeros(3),
+        )
 
 
 def test_the_pd_command(capsys) -> None:
@@ -113,7 +121,9 @@ def test_the_engine_hook_hears_each_layer_of_each_chunk_and_the_finished_request
             self.calls: list[tuple] = []
 
         def begin_chunk(self, store, finished) -> None:  # noqa: ANN001
-            self.calls.append(("chunk", tuple(sorted(finished)), {r: int(l.numel()) for r, l in finished.items()}))
+            self.calls.append(
+                ("chunk", tuple(sorted(finished)), {r: int(locs.numel()) for r, locs in finished.items()})
+            )
 
         def layer_stored(self, layer: int) -> None:
             self.calls.append(("layer", layer))
@@ -127,9 +137,15 @@ def test_the_engine_hook_hears_each_layer_of_each_chunk_and_the_finished_request
     layers = [("layer", layer) for layer in range(run.model.n_layers)]
     # Chunk 1 finishes request 2 (9 tokens); chunk 2 request 1 (45); chunk 3 request 0 (70).
     assert recorder.calls == [
-        ("chunk", (2,), {2: 14}), *layers, ("done",),
-        ("chunk", (1,), {1: 45}), *layers, ("done",),
-        ("chunk", (0,), {0: 107}), *layers, ("done",),
+        ("chunk", (2,), {2: 14}),
+        *layers,
+        ("done",),
+        ("chunk", (1,), {1: 45}),
+        *layers,
+        ("done",),
+        ("chunk", (0,), {0: 107}),
+        *layers,
+        ("done",),
     ]
 
 

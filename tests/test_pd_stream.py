@@ -26,8 +26,15 @@ REQUESTS = (Request(37, 70), Request(0, 45))
 def test_the_streamer_delivers_every_row_a_rank_holds_once_per_layer(level: int) -> None:
     """Rank 1 of C = 4 alone (loopback): one block per (layer, request) reaches the decode's
     mailbox, in layer order, holding exactly the rows this rank stores at rest."""
-    run = RunConfig(preset="tiny", cp_size=4, requests=REQUESTS, page_size=16, phases=PhaseSet.level(level),
-                    device="cpu", check=False)
+    run = RunConfig(
+        preset="tiny",
+        cp_size=4,
+        requests=REQUESTS,
+        page_size=16,
+        phases=PhaseSet.level(level),
+        device="cpu",
+        check=False,
+    )
     transport = InProcessTransport(sender_rank=1)
     streamer = LayerStreamer(transport, decode_rank=4)
     result = run_rank(LoopbackGroup(1, 4, "cpu"), run, keep_store=True, on_layer_stored=streamer)
@@ -46,13 +53,18 @@ def test_the_streamer_delivers_every_row_a_rank_holds_once_per_layer(level: int)
 
 def test_the_check_names_a_decode_row_that_differs_from_the_rows_at_rest() -> None:
     positions = [torch.tensor([0, 2]), torch.tensor([1])]  # two ranks' positions of one 3-token request
-    rows = [torch.arange(6, dtype=torch.uint8).view(3, 2), torch.arange(3, dtype=torch.uint8).view(3, 1),
-            torch.arange(3, dtype=torch.float32)]
+    rows = [
+        torch.arange(6, dtype=torch.uint8).view(3, 2),
+        torch.arange(3, dtype=torch.uint8).view(3, 1),
+        torch.arange(3, dtype=torch.float32),
+    ]
     stored = [[{0: (p, *(r[p] for r in rows))}] for p in positions]  # per rank, per layer
     assert store_mismatches([{0: tuple(rows)}], stored) == []
     bad = (rows[0].clone(), rows[1], rows[2])
     bad[0][2, 1] += 1
-    assert store_mismatches([{0: bad}], stored) == ["layer 0 request 0: decode rows differ from the prefill ranks' rows at rest"]
+    assert store_mismatches([{0: bad}], stored) == [
+        "layer 0 request 0: decode rows differ from the prefill ranks' rows at rest"
+    ]
     twice = [stored[0], stored[0]]
     assert "exactly once" in store_mismatches([{0: tuple(rows)}], twice)[0]
 
@@ -71,8 +83,14 @@ class _SlowCopy:
 def _staged_send(group: CPGroup, _: None) -> tuple[float, list[int]]:
     transport = TorchDistributedTransport("cpu")
     if group.rank == 0:
-        block = RowBlock(3, 1, torch.arange(4), torch.zeros(4, 8, dtype=torch.uint8),
-                         torch.zeros(4, 2, dtype=torch.uint8), torch.ones(4))
+        block = RowBlock(
+            3,
+            1,
+            torch.arange(4),
+            torch.zeros(4, 8, dtype=torch.uint8),
+            torch.zeros(4, 2, dtype=torch.uint8),
+            torch.ones(4),
+        )
         start = time.perf_counter()
         pending = transport.isend(block, 1, ready=_SlowCopy(block))  # type: ignore[arg-type]
         returned_after = time.perf_counter() - start
@@ -95,8 +113,27 @@ def test_the_stream_bench_dry_run_checks_what_arrived(tmp_path) -> None:  # noqa
     from reference_impl.bench import pd_stream
 
     out = tmp_path / "pd_stream.json"
-    assert pd_stream.main(["--out", str(out), "--device", "cpu", "--preset", "tiny", "--cp-size", "4",
-                           "--workloads", "a:0+96,b:64+40", "--repeats", "1", "--layers", "2"]) == 0
+    assert (
+        pd_stream.main(
+            [
+                "--out",
+                str(out),
+                "--device",
+                "cpu",
+                "--preset",
+                "tiny",
+                "--cp-size",
+                "4",
+                "--workloads",
+                "a:0+96,b:64+40",
+                "--repeats",
+                "1",
+                "--layers",
+                "2",
+            ]
+        )
+        == 0
+    )
     doc = json.loads(out.read_text())
     assert [w["received_equal_rows_at_rest"] for w in doc["workloads"]] == [True, True]
     assert all(w["bytes_sent_per_layer"] > 0 and w["staging_ms_per_layer"] is None for w in doc["workloads"])

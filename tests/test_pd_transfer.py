@@ -48,8 +48,13 @@ class RankSlot:
 
 def pd_run(cp_size: int, kv_dtype: str = "fp8", level: int = 2, requests: tuple[Request, ...] = MIXED) -> RunConfig:
     return RunConfig(
-        preset="tiny", cp_size=cp_size, kv_dtype=kv_dtype, phases=PhaseSet.level(level), page_size=PAGE,
-        requests=requests, device="cpu",
+        preset="tiny",
+        cp_size=cp_size,
+        kv_dtype=kv_dtype,
+        phases=PhaseSet.level(level),
+        page_size=PAGE,
+        requests=requests,
+        device="cpu",
     )
 
 
@@ -127,7 +132,9 @@ def test_in_process_transfer_equals_oracle(cp_size: int, kv_dtype: str) -> None:
     assert sum(p.nbytes for p in manifests) == pool.bytes_total
 
     # The (manifest, pool) form rebuilds the same bytes.
-    again = transfer_in_process([(p, s.pool) for p, s in zip(manifests, stores)], batch.n_pages, layout, run.model.n_layers)
+    again = transfer_in_process(
+        [(p, s.pool) for p, s in zip(manifests, stores)], batch.n_pages, layout, run.model.n_layers
+    )
     assert torch.equal(again.mla, pool.mla) and torch.equal(again.index, pool.index)
 
 
@@ -177,7 +184,10 @@ def test_rank_without_pages_sends_nothing() -> None:
 def test_plans_partition_the_pages(cp_size: int, page_size: int, requests: list[tuple[int, int]]) -> None:
     assume(max(e for _, e in requests) >= cp_size)  # an in-seq split gives every rank a token
     run = RunConfig(
-        preset="tiny", cp_size=cp_size, phases=PhaseSet.level(2), page_size=page_size,
+        preset="tiny",
+        cp_size=cp_size,
+        phases=PhaseSet.level(2),
+        page_size=page_size,
         requests=tuple(Request(p, e) for p, e in requests),
     )
     batch = BatchLocs.build(build_metadata(run), CPU)
@@ -201,8 +211,14 @@ def test_plans_partition_the_pages(cp_size: int, page_size: int, requests: list[
 
 def _without_last_page(manifest: TransferManifest) -> TransferManifest:
     return TransferManifest(
-        manifest.rank, manifest.cp_size, manifest.page_size, manifest.logical_pages[:-1], manifest.physical_pages[:-1],
-        manifest.n_layers, manifest.mla_page_bytes, manifest.index_page_bytes,
+        manifest.rank,
+        manifest.cp_size,
+        manifest.page_size,
+        manifest.logical_pages[:-1],
+        manifest.physical_pages[:-1],
+        manifest.n_layers,
+        manifest.mla_page_bytes,
+        manifest.index_page_bytes,
     )
 
 
@@ -267,7 +283,12 @@ def test_multiprocess_transfer_equals_oracle(
 def test_multiprocess_transfer_after_chunked_compute_owner_prefill() -> None:
     """Phase 5 lanes and chunked prefill change the logical locs; the decode side derives the same ones."""
     run = RunConfig(
-        preset="tiny", cp_size=2, phases=PhaseSet.level(5), page_size=8, chunk_size=64, device="cpu",
+        preset="tiny",
+        cp_size=2,
+        phases=PhaseSet.level(5),
+        page_size=8,
+        chunk_size=64,
+        device="cpu",
         requests=(Request(16, 150), Request(8, 100)),
     )
     result = run_prefill_and_decode(run)

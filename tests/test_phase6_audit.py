@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import tiny
+
 from reference_impl.config import PhaseSet, Request
 from reference_impl.cp.comm import CPGroup
 from reference_impl.cp.kv_sharded import ShardedKV
@@ -62,8 +62,11 @@ def test_which_calls_sync(name: str, args: tuple, kwargs: dict, syncs: bool) -> 
 )
 @pytest.mark.parametrize("cp_size", [1, 3])
 def test_zero_host_syncs_in_the_layer_loop(report_of, requests, chunk_size, cp_size: int) -> None:
-    rep = report_of(tiny(cp_size=cp_size, requests=requests, page_size=8, chunk_size=chunk_size, debug=True,
-                         phases=PhaseSet.level(6)))
+    rep = report_of(
+        tiny(
+            cp_size=cp_size, requests=requests, page_size=8, chunk_size=chunk_size, debug=True, phases=PhaseSet.level(6)
+        )
+    )
     assert rep["matches_oracle"] is True and rep["cache_equal"] is True
     assert rep["per_rank"][0]["host_syncs_in_layer_loop"] == 0
 
@@ -85,7 +88,9 @@ def _inject_item(monkeypatch, inside_diagnostic: bool) -> None:
 def test_an_injected_item_fails_the_debug_audit(monkeypatch) -> None:
     _inject_item(monkeypatch, inside_diagnostic=False)
     run = tiny(cp_size=1, requests=(Request(0, 64),), debug=True, phases=PhaseSet.level(6), check=False, device="cpu")
-    with pytest.raises(HostSyncError, match=r"2 host sync\(s\) in the phase-6 layer loop: item\(\) at .*test_phase6_audit"):
+    with pytest.raises(
+        HostSyncError, match=r"2 host sync\(s\) in the phase-6 layer loop: item\(\) at .*test_phase6_audit"
+    ):
         run_rank(CPGroup.single(debug=True), run)
 
 
@@ -104,7 +109,9 @@ def test_a_sync_inside_a_diagnostic_passes(monkeypatch) -> None:
 
 @pytest.mark.parametrize("level", [6, 7, 8])
 def test_the_production_path_counts_zero_syncs(report_of, level: int) -> None:
-    rep = report_of(tiny(cp_size=2, requests=(Request(13, 150), Request(40, 130)), page_size=8, phases=PhaseSet.level(level)))
+    rep = report_of(
+        tiny(cp_size=2, requests=(Request(13, 150), Request(40, 130)), page_size=8, phases=PhaseSet.level(level))
+    )
     assert rep["matches_oracle"] is True and rep["host_sync_audit"] == "api"
     assert [p["host_syncs_in_layer_loop"] for p in rep["per_rank"]] == [0, 0]
 

@@ -4,8 +4,8 @@ through their torch paths (CPU default) and through the Triton kernels (forced, 
 from __future__ import annotations
 
 import pytest
-
 from conftest import tiny
+
 from reference_impl.config import PhaseSet, Request
 from reference_impl.cp import fused_ops
 from reference_impl.kernels import fallback
@@ -40,8 +40,13 @@ def _force_kernels_and_spy(monkeypatch) -> list[str]:
 def test_phase7_triton_kernels_match_oracle(forked_ranks, kv_dtype: str, cp_size: int) -> None:
     """Force the Triton kernels on CPU tensors (interpreter); forked ranks inherit the patch."""
     calls = _force_kernels_and_spy(forked_ranks)
-    run = tiny(cp_size=cp_size, requests=(Request(16, 90), Request(5, 40)), page_size=8, kv_dtype=kv_dtype,
-               phases=PhaseSet.level(7))
+    run = tiny(
+        cp_size=cp_size,
+        requests=(Request(16, 90), Request(5, 40)),
+        page_size=8,
+        kv_dtype=kv_dtype,
+        phases=PhaseSet.level(7),
+    )
     rep = run_prefill(run)
     assert rep["matches_oracle"] is True and rep["cache_equal"] is True
     if cp_size == 1:  # the ranks' calls happen in this process only without forking
@@ -68,7 +73,14 @@ def test_the_triton_kernels_on_round_robin_shards(forked_ranks, kv_dtype: str) -
     rank's own rows at scattered physical locs, the materialize and the prefetch read physical pages
     that pack several logical pages."""
     _force_kernels_and_spy(forked_ranks)
-    run = tiny(cp_size=2, split_mode="round-robin", requests=(Request(13, 40), Request(5, 21)), page_size=8,
-               kv_dtype=kv_dtype, phases=PhaseSet.parse("+1,2,3,6,7,8"), n_layers=2)
+    run = tiny(
+        cp_size=2,
+        split_mode="round-robin",
+        requests=(Request(13, 40), Request(5, 21)),
+        page_size=8,
+        kv_dtype=kv_dtype,
+        phases=PhaseSet.parse("+1,2,3,6,7,8"),
+        n_layers=2,
+    )
     rep = run_prefill(run)
     assert rep["matches_oracle"] is True and rep["cache_equal"] is True and rep["store_path"] == "direct"

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 import torch
-
 from conftest import tiny
+
 from reference_impl import engine
 from reference_impl.config import PhaseSet, Request
 from reference_impl.cp.prefetch import MlaPrefetcher

@@ -66,7 +66,9 @@ def test_published_v32_figures() -> None:
     reserved_share=st.floats(0, 0.95),
     more_budget=st.floats(0, 50),
 )
-def test_max_context_monotone_in_cp_size_and_budget(cp_size: int, hbm: float, reserved_share: float, more_budget: float) -> None:
+def test_max_context_monotone_in_cp_size_and_budget(
+    cp_size: int, hbm: float, reserved_share: float, more_budget: float
+) -> None:
     def max_contexts(c: int, hbm_gib: float) -> list[int]:
         config = PlannerConfig(cp_size=c, hbm_gib=hbm_gib, reserved_gib=hbm * reserved_share, contexts=(64,))
         return [lv["max_context"] for lv in plan_capacity(config, PlannerRates())["levels"]]
@@ -84,7 +86,9 @@ def test_max_context_monotone_in_cp_size_and_budget(cp_size: int, hbm: float, re
 
 def test_compute_terms_equal_the_hand_formula() -> None:
     """Level 0, DeepSeek-V3.2, C=8, S=131072, rank 0 (blocks 0 and 15 of 8192 tokens), round rates."""
-    rates = PlannerRates(attention_tflops=200, indexer_logits_tflops=800, topk_ms=10, matmul_tflops=500, interconnect_gbps=400)
+    rates = PlannerRates(
+        attention_tflops=200, indexer_logits_tflops=800, topk_ms=10, matmul_tflops=500, interconnect_gbps=400
+    )
     terms = layer_terms(V32, rates, 8, 131072, level=0, rank=0)
     t_local = 16384
     assert terms["attention"] == pytest.approx(2 * t_local * 2048 * 128 * (576 + 512) / 200e12 * 1e3, rel=1e-12)
@@ -128,7 +132,9 @@ def test_level_effects_on_data_movement() -> None:
 
 @pytest.mark.parametrize("level", [0, 2, 3])
 def test_transient_bytes_equal_the_engine_report(report_of, level: int) -> None:
-    run = RunConfig(preset="tiny", cp_size=2, requests=(Request(0, 512),), phases=PhaseSet.level(level), n_layers=1, check=False)
+    run = RunConfig(
+        preset="tiny", cp_size=2, requests=(Request(0, 512),), phases=PhaseSet.level(level), n_layers=1, check=False
+    )
     rep = report_of(run)
     # CPU runs compute in fp32: the gathered chunk is 4 bytes per value.
     want = transient_bytes(get_preset("tiny"), 512, level, "fp8", 64, act_bytes=4)
@@ -143,24 +149,42 @@ def test_rates_files_override_with_sources(tmp_path: Path) -> None:
     assert rates.sources["interconnect_gbps"] == f"{flat}: interconnect_gbps"
     assert rates.sources["matmul_tflops"].startswith("built-in copy")
     bench = tmp_path / "compute.json"
-    bench.write_text(json.dumps({"per_rank": {"attention": {"engine_tflops": 321.0},
-                                              "indexer": {"logits_tflops": 1.0, "topk_ms": 2.0, "T": 8, "S": 16}},
-                                 "bf16_matmul_8192_tflops": 654.0}))
+    bench.write_text(
+        json.dumps(
+            {
+                "per_rank": {
+                    "attention": {"engine_tflops": 321.0},
+                    "indexer": {"logits_tflops": 1.0, "topk_ms": 2.0, "T": 8, "S": 16},
+                },
+                "bf16_matmul_8192_tflops": 654.0,
+            }
+        )
+    )
     rates = load_rates([str(bench)], results_dir=None)
     assert rates.attention_tflops == 321.0 and rates.matmul_tflops == 654.0
     assert rates.sources["attention_tflops"] == f"{bench}: per_rank.attention.engine_tflops"
     assert rates.topk_ms == 2.0 and rates.topk_ref_keys == 16  # a bench.compute run's top-k too
     topk = tmp_path / "topk.json"  # a topk_select_h200.json: its bench.compute run
-    topk.write_text(json.dumps({"layer": {}, "compute_bench": {"per_rank": {"indexer": {"topk_ms": 3.0, "T": 4, "S": 8}}}}))
+    topk.write_text(
+        json.dumps({"layer": {}, "compute_bench": {"per_rank": {"indexer": {"topk_ms": 3.0, "T": 4, "S": 8}}}})
+    )
     rates = load_rates([str(topk)], results_dir=None)
     assert (rates.topk_ms, rates.topk_ref_queries, rates.topk_ref_keys) == (3.0, 4, 8)
     assert rates.sources["topk_ms"] == f"{topk}: compute_bench.per_rank.indexer.topk_ms"
     glue = tmp_path / "glue.json"  # a bench.glue run: the fill rate of its largest token count
-    glue.write_text(json.dumps({"bench": {"rows": [
-        {"op": "fill_current", "tokens": 4096, "kernel_gbps": 100.0},
-        {"op": "fill_current", "tokens": 16384, "kernel_gbps": 200.0},
-        {"op": "rope_into", "tokens": 65536, "kernel_gbps": 300.0},
-    ]}}))
+    glue.write_text(
+        json.dumps(
+            {
+                "bench": {
+                    "rows": [
+                        {"op": "fill_current", "tokens": 4096, "kernel_gbps": 100.0},
+                        {"op": "fill_current", "tokens": 16384, "kernel_gbps": 200.0},
+                        {"op": "rope_into", "tokens": 65536, "kernel_gbps": 300.0},
+                    ]
+                }
+            }
+        )
+    )
     rates = load_rates([str(glue)], results_dir=None)
     assert rates.fill_current_fused_gbps == 200.0
     assert rates.sources["fill_current_fused_gbps"] == f"{glue}: bench.rows[op=fill_current,tokens=16384].kernel_gbps"
@@ -206,7 +230,10 @@ def test_plan_rates_file_unknown_field(capsys, tmp_path: Path) -> None:
 
 
 def test_plan_json_parses(capsys) -> None:
-    assert main(["plan", "--preset", "deepseek-v3.2", "--cp", "8", "--hbm-gib", "141", "--contexts", "8K,128K", "--json"]) == 0
+    assert (
+        main(["plan", "--preset", "deepseek-v3.2", "--cp", "8", "--hbm-gib", "141", "--contexts", "8K,128K", "--json"])
+        == 0
+    )
     doc = json.loads(capsys.readouterr().out)
     assert doc["inputs"]["cp_size"] == 8 and doc["inputs"]["contexts"] == [8192, 131072]
     assert doc["rates"]["interconnect_gbps"]["source"].startswith("assumption")
@@ -235,14 +262,19 @@ def test_owned_tokens_partition_the_request(context: int, cp_size: int, page_siz
     assert sum(counts) == context and min(counts) >= 0
 
 
-@pytest.mark.parametrize(("kv_dtype", "mla_bytes", "mla_rate"), [("fp8", 656, "store_mla_fp8_fused_gbps"),
-                                                                 ("bf16", 1152, "store_mla_bf16_fused_gbps")])
+@pytest.mark.parametrize(
+    ("kv_dtype", "mla_bytes", "mla_rate"),
+    [("fp8", 656, "store_mla_fp8_fused_gbps"), ("bf16", 1152, "store_mla_bf16_fused_gbps")],
+)
 def test_level7_store_uses_the_paths_the_package_runs(kv_dtype: str, mla_bytes: int, mla_rate: str) -> None:
     """Level 7 fuses the index store and the MLA store (FP8 and BF16)."""
     rates = PlannerRates()
     terms = layer_terms(V32, rates, 8, 131072, level=7, rank=0, kv_dtype=kv_dtype)  # type: ignore[arg-type]
     rows = 16384  # page-aligned blocks of 128 pages: the rank writes the 2 x 8192 rows it computed
-    want = rows * (1152 + mla_bytes) / getattr(rates, mla_rate) / 1e6 + rows * (256 + 132) / rates.store_index_fused_gbps / 1e6
+    want = (
+        rows * (1152 + mla_bytes) / getattr(rates, mla_rate) / 1e6
+        + rows * (256 + 132) / rates.store_index_fused_gbps / 1e6
+    )
     assert terms["store"] == pytest.approx(want, rel=1e-12)
 
 
@@ -258,8 +290,10 @@ def test_built_in_rates_are_copies_of_the_committed_benchmarks() -> None:
 
 def _profile(extend: int, kernels: dict[str, float], layers: int = 2) -> dict:
     """A ``profile_layer.py --json`` document: rank 0 of C=8, level 7, current-only."""
-    return {"args": {"level": 7, "prefix": 0, "extend": extend, "cp_size": 8, "rank": 0, "layers": layers},
-            "ops": [{"name": name, "count": 1, "device_ms": ms} for name, ms in kernels.items()]}
+    return {
+        "args": {"level": 7, "prefix": 0, "extend": extend, "cp_size": 8, "rank": 0, "layers": layers},
+        "ops": [{"name": name, "count": 1, "device_ms": ms} for name, ms in kernels.items()],
+    }
 
 
 def test_elementwise_rate_is_the_slope_of_the_unmodeled_kernels() -> None:
@@ -274,8 +308,14 @@ def test_elementwise_rate_is_the_slope_of_the_unmodeled_kernels() -> None:
     assert categorize("void at::native::vectorized_elementwise_kernel<8, bfloat16_copy>") == "elementwise"
     fixed = 3.0  # per layer, whatever the size: must not reach the rate
     small = _profile(32768, {"_sparse_mla_fwd_kernel": 20.0, "rms_norm": 2 * (fixed + 4096 * 1.5e-3)})
-    large = _profile(131072, {"_sparse_mla_fwd_kernel": 80.0, "rms_norm": 2 * (fixed + 16384 * 1.5e-3),
-                              "distribution_elementwise_grid_stride_kernel": 7.0})
+    large = _profile(
+        131072,
+        {
+            "_sparse_mla_fwd_kernel": 80.0,
+            "rms_norm": 2 * (fixed + 16384 * 1.5e-3),
+            "distribution_elementwise_grid_stride_kernel": 7.0,
+        },
+    )
     assert per_layer_ms(large)["init"] == pytest.approx(3.5)
     rate = elementwise_rate([large, small])
     assert rate["elementwise_us_per_token"] == pytest.approx(1.5)
@@ -292,8 +332,24 @@ def test_replan_recomputes_only_the_planner_columns(tmp_path: Path) -> None:
     from reference_impl.bench.layer import planner_point
 
     out = tmp_path / "layer.json"
-    layer_main(["--out", str(out), "--device", "cpu", "--preset", "tiny", "--cp-size", "2", "--levels", "0,7",
-                "--workloads", "current-only:0+256", "--layers", "1"])
+    layer_main(
+        [
+            "--out",
+            str(out),
+            "--device",
+            "cpu",
+            "--preset",
+            "tiny",
+            "--cp-size",
+            "2",
+            "--levels",
+            "0,7",
+            "--workloads",
+            "current-only:0+256",
+            "--layers",
+            "1",
+        ]
+    )
     doc = json.loads(out.read_text())
     point = doc["workloads"][0]["levels"][1]
     point["planner"]["layer_ms"] = -1.0  # as if an older planner had predicted something else
@@ -301,11 +357,17 @@ def test_replan_recomputes_only_the_planner_columns(tmp_path: Path) -> None:
     assert layer_main(["--replan", str(out)]) == 0
     again = json.loads(out.read_text())
     fresh = again["workloads"][0]["levels"][1]
-    run = RunConfig(preset="tiny", n_layers=1, cp_size=2, check=False, device="cpu", requests=(Request(0, 256),),
-                    phases=PhaseSet.level(7))
+    run = RunConfig(
+        preset="tiny",
+        n_layers=1,
+        cp_size=2,
+        check=False,
+        device="cpu",
+        requests=(Request(0, 256),),
+        phases=PhaseSet.level(7),
+    )
     assert fresh["planner"]["layer_ms"] == pytest.approx(planner_point(run, 0, 7, None)["layer_ms"])
     assert fresh["layer_ms"] == point["layer_ms"] and "planner_replanned" in again
-
 
 
 def test_round_robin_terms_follow_its_positions() -> None:
@@ -334,8 +396,26 @@ def test_the_layer_bench_plans_round_robin_too(tmp_path) -> None:
     from reference_impl.bench.layer import main
 
     out = tmp_path / "layer.json"
-    main(["--out", str(out), "--device", "cpu", "--preset", "tiny", "--cp-size", "4", "--levels", "0,2,8",
-          "--workloads", "current-only:0+256", "--layers", "2", "--split-modes", "round-robin"])
+    main(
+        [
+            "--out",
+            str(out),
+            "--device",
+            "cpu",
+            "--preset",
+            "tiny",
+            "--cp-size",
+            "4",
+            "--levels",
+            "0,2,8",
+            "--workloads",
+            "current-only:0+256",
+            "--layers",
+            "2",
+            "--split-modes",
+            "round-robin",
+        ]
+    )
     (workload,) = json.loads(out.read_text())["workloads"]
     assert [p["phases"] for p in workload["levels"]] == ["0", "1,2", "1,2,3,6,7,8"]
     for point in workload["levels"]:

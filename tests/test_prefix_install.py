@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import tiny
 from torch.profiler import ProfilerActivity, profile
 
-from conftest import tiny
 from reference_impl.config import PhaseSet, Request, RunConfig
 from reference_impl.kvcache.layout import KVLayout
 from reference_impl.model import prefix_prefill, sparse_attention
@@ -29,7 +29,9 @@ def cpu_peak_bytes(fn: object) -> int:
     profiler's allocation events, frees negative, summed in time order)."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()  # type: ignore[operator]
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns())
+    events = sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns()
+    )
     now = peak = 0
     for event in events:
         now += event.nbytes()
@@ -60,8 +62,9 @@ def test_a_prefix_installed_in_chunks_gives_the_oracles_bytes(monkeypatch: pytes
     """Prefixes of several chunks (not page multiples), a shared one among them: the CP run agrees
     with the oracle, whose prefix runs in the same chunks, cache bytes included."""
     monkeypatch.setattr(prefix_prefill, "PREFIX_CHUNK_TOKENS", 48)
-    rep = run_prefill(tiny(cp_size=2, phases=PhaseSet.level(level), page_size=16,
-                           requests=(Request(150, 40), Request(61, 20))))
+    rep = run_prefill(
+        tiny(cp_size=2, phases=PhaseSet.level(level), page_size=16, requests=(Request(150, 40), Request(61, 20)))
+    )
     assert rep["problems"] == [] and rep["matches_oracle"] is True and rep["cache_equal"] is True
 
 
@@ -107,8 +110,8 @@ def _measure_install_growth() -> None:
     for n in (256, 1024):
         x = x_all[:n]
         kv = cfg.n_layers * n * (layout.mla_bytes + layout.index_bytes)
-        above_kv[n] = cpu_peak_bytes(lambda: prefill_prefix(model, x, layout, write, chunk_tokens=64)) - kv
-        at_once[n] = cpu_peak_bytes(lambda: run_oracle(model, [0], [x], "fp8", 64)) - kv
+        above_kv[n] = cpu_peak_bytes(lambda x=x: prefill_prefix(model, x, layout, write, chunk_tokens=64)) - kv
+        at_once[n] = cpu_peak_bytes(lambda x=x: run_oracle(model, [0], [x], "fp8", 64)) - kv
     growth = (above_kv[1024] - above_kv[256]) / 768
     assert growth < cfg.kv_width * 6, f"{growth:.0f} B per prefix token beyond the KV"
     assert (at_once[1024] - at_once[256]) / 768 > 10 * max(growth, cfg.kv_width), "the test can tell the two apart"

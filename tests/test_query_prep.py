@@ -150,7 +150,8 @@ def _assert_query_within_bounds(
     allowed = (
         448 * ROTATION_BOUND * (1 + 1e-3)
         + (ROUNDING_TO_DTYPE[dtype] + scales_bound) * magnitude
-        + _e4m3_half_step(gq) * r + _e4m3_half_step(wq)
+        + _e4m3_half_step(gq) * r
+        + _e4m3_half_step(wq)
         + 448 * 4 * FP32_UNIT_ROUNDOFF  # the clamp to +-448 after a rounded division
     )
     excess = (gq * r - wq).abs() - allowed
@@ -247,7 +248,9 @@ def test_the_kernels_name_inputs_they_cannot_take() -> None:
     gen = torch.Generator().manual_seed(3)
     q, cos, sin, h, w = _query_case(gen, 4, 2, torch.bfloat16)
     with pytest.raises(ValueError, match="index head dim 256"):
-        indexer_query_triton(torch.zeros(4, 2, 256, dtype=torch.bfloat16), cos, sin, hadamard_matrix(256), w, 64, False, "fp32")
+        indexer_query_triton(
+            torch.zeros(4, 2, 256, dtype=torch.bfloat16), cos, sin, hadamard_matrix(256), w, 64, False, "fp32"
+        )
     with pytest.raises(ValueError, match="float16"):
         indexer_query_triton(q.half(), cos, sin, h, w, 64, False, "fp32")
     with pytest.raises(ValueError, match="rope_dim 63"):
@@ -364,7 +367,9 @@ def test_a_layer_projects_the_same_bits_with_the_kernels(monkeypatch: pytest.Mon
     want = layer.project(x, positions)
     monkeypatch.setattr(fallback, "device_runs_kernels", lambda device: True)
     query_calls, rope_calls = _spy(monkeypatch, "indexer_query_triton"), _spy(monkeypatch, "rope_into_triton")
-    kernel_layer = DSAAttention(cfg, torch.bfloat16, ops=dataclasses.replace(dispatch.KERNEL_OPS, rms_norm=TORCH_OPS.rms_norm))
+    kernel_layer = DSAAttention(
+        cfg, torch.bfloat16, ops=dataclasses.replace(dispatch.KERNEL_OPS, rms_norm=TORCH_OPS.rms_norm)
+    )
     kernel_layer.load_state_dict(layer.state_dict())
     got = kernel_layer.project(x, positions)
     assert (query_calls, rope_calls) == ([1], [1])
@@ -375,7 +380,6 @@ def test_a_layer_projects_the_same_bits_with_the_kernels(monkeypatch: pytest.Mon
     assert layer.ops is TORCH_OPS
 
 
-
 def test_the_glue_bench_runs_dry_on_cpu(tmp_path: Path) -> None:
     """``bench.glue``'s script logic at toy sizes under the interpreter: every op, checked and timed."""
     from reference_impl.bench import glue
@@ -383,7 +387,14 @@ def test_the_glue_bench_runs_dry_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "glue.json"
     assert glue.main(["--device", "cpu", "--tokens", "4", "--cp-size", "2", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [r["op"] for r in rows] == ["indexer_query", "rope_into", "rms_norm_7168", "rms_norm_1536", "rms_norm_512", "fill_current"]
+    assert [r["op"] for r in rows] == [
+        "indexer_query",
+        "rope_into",
+        "rms_norm_7168",
+        "rms_norm_1536",
+        "rms_norm_512",
+        "fill_current",
+    ]
     # The indexer query's Hadamard sums run in another order in the kernel than in the reference's GEMM
     # (``_assert_query_within_bounds``): a code or a head's scale at a rounding tie may move. RoPE and
     # the cache fill are elementwise: bit for bit.

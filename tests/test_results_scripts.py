@@ -17,9 +17,17 @@ def test_results_plots_render_from_the_committed_json_and_repeat_byte_for_byte(t
     outputs = []
     for run in ("a", "b"):
         out = tmp_path / run
-        subprocess.run([sys.executable, str(script), "--results", str(RESULTS_DIR), "--out", str(out)], check=True,
-                       capture_output=True)
-        outputs.append({name: (out / name).read_bytes() for name in ("layer_bench.svg", "prefetch.svg", "kv_designs.svg", "long_context.svg")})
+        subprocess.run(
+            [sys.executable, str(script), "--results", str(RESULTS_DIR), "--out", str(out)],
+            check=True,
+            capture_output=True,
+        )
+        outputs.append(
+            {
+                name: (out / name).read_bytes()
+                for name in ("layer_bench.svg", "prefetch.svg", "kv_designs.svg", "long_context.svg")
+            }
+        )
     assert outputs[0] == outputs[1]
     assert all(svg.startswith(b"<?xml") and b"<svg" in svg for svg in outputs[0].values())
 
@@ -32,8 +40,24 @@ def test_the_layer_profile_counts_only_the_layer_loop(tmp_path: Path) -> None:
 
     module = _profile_layer_module()
     out = tmp_path / "profile.json"
-    doc = module.main(["--device", "cpu", "--preset", "tiny", "--prefix", "64", "--extend", "128", "--cp-size", "4",
-                       "--level", "8", "--json", str(out)])
+    doc = module.main(
+        [
+            "--device",
+            "cpu",
+            "--preset",
+            "tiny",
+            "--prefix",
+            "64",
+            "--extend",
+            "128",
+            "--cp-size",
+            "4",
+            "--level",
+            "8",
+            "--json",
+            str(out),
+        ]
+    )
     names = {op["name"] for op in doc["ops"]}
     assert json.loads(out.read_text())["ops"] == doc["ops"]
     assert "aten::mm" in names or "aten::addmm" in names  # the projections run inside the loop
@@ -65,13 +89,18 @@ def test_the_cuda_profile_counts_kernels_no_aten_op_launched() -> None:
     E = module.TraceEvent
     loop = module.LAYER_LOOP_RANGE
     events = [
-        E("cudaLaunchKernel", False, 40, 45, 1), E("normal_ (weight init)", True, 50, 160, 1),  # launched before
-        E(loop, False, 100, 200, 0), E(loop, True, 140, 245, 0),  # the range, and its device-side annotation
+        E("cudaLaunchKernel", False, 40, 45, 1),
+        E("normal_ (weight init)", True, 50, 160, 1),  # launched before
+        E(loop, False, 100, 200, 0),
+        E(loop, True, 140, 245, 0),  # the range, and its device-side annotation
         E("aten::mm", False, 105, 115, 1),  # an ATen op's id: another number space than CUPTI's
-        E("cudaLaunchKernel", False, 110, 112, 2), E("gemm", True, 150, 170, 2),
+        E("cudaLaunchKernel", False, 110, 112, 2),
+        E("gemm", True, 150, 170, 2),
         E("_sparse_mla_fwd", True, 170, 230, 7),  # Triton: its driver launch is not in the trace
-        E("cudaLaunchKernel", False, 190, 192, 3), E("norm", True, 230, 240, 3),
-        E("cudaLaunchKernel", False, 300, 302, 4), E("tail gather", True, 300, 310, 4),  # after the loop
+        E("cudaLaunchKernel", False, 190, 192, 3),
+        E("norm", True, 230, 240, 3),
+        E("cudaLaunchKernel", False, 300, 302, 4),
+        E("tail gather", True, 300, 310, 4),  # after the loop
         E("late orphan", True, 400, 410, 8),  # no launch recorded, outside the loop's device window
     ]
     ms, calls, wall = module.loop_kernels(events)
@@ -96,7 +125,9 @@ def test_the_test_run_summary_reads_each_jobs_pytest_line(tmp_path: Path) -> Non
     import summarize_test_run
 
     (tmp_path / "gpu-tier.log").write_text("....F.\n1 failed, 69 passed, 614 deselected in 293.17s (0:04:53)\n")
-    (tmp_path / "cpu-tier.log").write_text("42.45s call tests/x.py::t\n614 passed, 69 skipped, 440 warnings in 385.57s\n")
+    (tmp_path / "cpu-tier.log").write_text(
+        "42.45s call tests/x.py::t\n614 passed, 69 skipped, 440 warnings in 385.57s\n"
+    )
     summary = summarize_test_run.summarize(tmp_path, 416.0, {"device": "test"})
     assert summary["gpu_tier"] == {"failed": 1, "passed": 69, "deselected": 614, "seconds": 293.17}
     assert summary["cpu_tier"] == {"passed": 614, "skipped": 69, "failed": 0, "seconds": 385.57}
@@ -134,11 +165,17 @@ def test_the_memory_peak_replays_the_allocator_trace_from_the_mark() -> None:
 
     layer_mark = alloc(99, memory_peak.LAYER_MARKER_BYTES)
     trace = [
-        alloc(1, 1000, ours), alloc(7, 40, caller), free(7),  # before the mark: the store, the input
-        alloc(2, memory_peak.MARKER_BYTES), free(2),
-        layer_mark, free(99),  # layer 0
-        alloc(3, 300, torch_frame, ours, caller), alloc(4, 200, ours, caller),  # 500
-        layer_mark, free(99),  # layer 1
+        alloc(1, 1000, ours),
+        alloc(7, 40, caller),
+        free(7),  # before the mark: the store, the input
+        alloc(2, memory_peak.MARKER_BYTES),
+        free(2),
+        layer_mark,
+        free(99),  # layer 0
+        alloc(3, 300, torch_frame, ours, caller),
+        alloc(4, 200, ours, caller),  # 500
+        layer_mark,
+        free(99),  # layer 1
         free(1),  # allocated before the mark: -1000
         alloc(5, 1100, caller),  # 600: the peak, in layer 1
         free(3),
@@ -147,7 +184,8 @@ def test_the_memory_peak_replays_the_allocator_trace_from_the_mark() -> None:
     found = memory_peak.live_at_peak(trace)
     assert found["peak_bytes"] == 600 and found["peak_layer"] == 1
     assert [(s["site"], s["layer"], s["bytes"], s["count"]) for s in found["sites"]] == [
-        ("reference_impl/engine.py:3 _run_chunk", 1, 1100, 1), ("reference_impl/model/attention.py:7 attend", 0, 500, 2),
+        ("reference_impl/engine.py:3 _run_chunk", 1, 1100, 1),
+        ("reference_impl/model/attention.py:7 attend", 0, 500, 2),
     ]
     assert found["sites"][1]["chain"].endswith("<- reference_impl/engine.py:3 _run_chunk")
     with pytest.raises(ValueError, match="mark"):
@@ -181,12 +219,23 @@ def test_the_fused_kernel_profile_reads_ncu_csv_and_pairs_it_with_the_launches()
     names = list(profile.METRICS)
     header = ",".join(f'"{c}"' for c in ["ID", "Kernel Name", *names])
     units = ",".join(f'"{c}"' for c in ["", "", "ns", "byte", "byte", "%", "%", "", ""])
-    row = ",".join(f'"{c}"' for c in ["0", "_store_index_kernel", "10,000", "20,000", "30,000", "55.5", "40", "16384", "3.9"])
+    row = ",".join(
+        f'"{c}"' for c in ["0", "_store_index_kernel", "10,000", "20,000", "30,000", "55.5", "40", "16384", "3.9"]
+    )
     text = f"==PROF== Connected to process\n{header}\n{units}\n{row}\n==PROF== Disconnected"
     kernels = profile.parse_ncu_csv(text)
-    assert kernels == [{"kernel": "_store_index_kernel", "duration_ns": 10000.0, "dram_read_bytes": 20000.0,
-                        "dram_write_bytes": 30000.0, "dram_pct_of_peak": 55.5, "achieved_occupancy_pct": 40.0,
-                        "grid_size": 16384.0, "waves_per_sm": 3.9}]
+    assert kernels == [
+        {
+            "kernel": "_store_index_kernel",
+            "duration_ns": 10000.0,
+            "dram_read_bytes": 20000.0,
+            "dram_write_bytes": 30000.0,
+            "dram_pct_of_peak": 55.5,
+            "achieved_occupancy_pct": 40.0,
+            "grid_size": 16384.0,
+            "waves_per_sm": 3.9,
+        }
+    ]
     rows = profile.pair_rows([{"op": "store_index", "T": 8, "payload": 40000}], kernels)
     assert rows[0]["dram_bytes_over_payload"] == 1.25 and rows[0]["dram_gbps"] == 5.0
     with pytest.raises(ValueError, match="2 profiled launches but 1"):
@@ -199,14 +248,20 @@ def test_the_logits_profile_reads_ncus_details_page() -> None:
     numbers without their thousands separators, rule rows (no metric name) left out."""
     profile = _script("profile_logits_kernel")
     head = '"ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value"'
-    rows = ['"0","_indexer_logits_kernel","Warp State Statistics","Warp Cycles Per Issued Instruction","cycle","5.92"',
-            '"0","_indexer_logits_kernel","GPU Speed Of Light Throughput","Duration","ns","4,004,384"',
-            '"0","_indexer_logits_kernel","SpeedOfLight","","",""',
-            '"1","_indexer_logits_kernel","Occupancy","Achieved Active Warps Per SM","warp","11.92"']
+    rows = [
+        '"0","_indexer_logits_kernel","Warp State Statistics","Warp Cycles Per Issued Instruction","cycle","5.92"',
+        '"0","_indexer_logits_kernel","GPU Speed Of Light Throughput","Duration","ns","4,004,384"',
+        '"0","_indexer_logits_kernel","SpeedOfLight","","",""',
+        '"1","_indexer_logits_kernel","Occupancy","Achieved Active Warps Per SM","warp","11.92"',
+    ]
     launches = profile.parse_details_csv("==PROF== Connected\n" + "\n".join([head, *rows]) + "\n==PROF== Disconnected")
     assert launches == [
-        {"kernel": "_indexer_logits_kernel", "metrics": {
-            "Warp State Statistics": {"Warp Cycles Per Issued Instruction (cycle)": 5.92},
-            "GPU Speed Of Light Throughput": {"Duration (ns)": 4004384.0}}},
+        {
+            "kernel": "_indexer_logits_kernel",
+            "metrics": {
+                "Warp State Statistics": {"Warp Cycles Per Issued Instruction (cycle)": 5.92},
+                "GPU Speed Of Light Throughput": {"Duration (ns)": 4004384.0},
+            },
+        },
         {"kernel": "_indexer_logits_kernel", "metrics": {"Occupancy": {"Achieved Active Warps Per SM (warp)": 11.92}}},
     ]

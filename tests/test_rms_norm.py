@@ -22,7 +22,9 @@ from reference_impl.model.oracle import DSAModel
 from reference_impl.presets import get_preset
 
 
-def _case(gen: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype, magnitude: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _case(
+    gen: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype, magnitude: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     x = (torch.randn(*shape, generator=gen) * magnitude).to(dtype)
     weight = 1.0 + 0.1 * torch.randn(shape[-1], generator=gen)
     return x, weight
@@ -43,7 +45,9 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
     magnitude=st.sampled_from([1e-3, 1.0, 300.0]),
     seed=st.integers(0, 2**16),
 )
-def test_rms_norm_kernel_matches_the_reference(rows: int, width: int, dtype: torch.dtype, magnitude: float, seed: int) -> None:
+def test_rms_norm_kernel_matches_the_reference(
+    rows: int, width: int, dtype: torch.dtype, magnitude: float, seed: int
+) -> None:
     x, weight = _case(torch.Generator().manual_seed(seed), (rows, width), dtype, magnitude)
     _assert_close(rms_norm_triton(x, weight, 1e-6), norm.rms_norm(x, weight, 1e-6))
 

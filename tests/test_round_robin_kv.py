@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import tiny
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import tiny
 from reference_impl.config import ConfigError, PhaseSet, Request, RunConfig
 from reference_impl.cp.ownership import Ownership, logical_page, page_owner, physical_page
 
@@ -48,7 +48,10 @@ def test_the_page_interleave_is_phase_2s_page_ownership(cp: int) -> None:
     locs = pages * 16 + 5
     assert own.by_page and torch.equal(own.owner(locs), page_owner(pages, cp))
     assert torch.equal(own.physical(locs), physical_page(pages, cp) * 16 + 5)
-    assert torch.equal(own.logical(physical_page(pages, cp) * 16, 0)[pages % cp == 0], logical_page(pages[pages % cp == 0] // cp, 0, cp) * 16)
+    assert torch.equal(
+        own.logical(physical_page(pages, cp) * 16, 0)[pages % cp == 0],
+        logical_page(pages[pages % cp == 0] // cp, 0, cp) * 16,
+    )
 
 
 def test_interleave_one_follows_positions_when_c_divides_the_page() -> None:
@@ -60,7 +63,10 @@ def test_interleave_one_follows_positions_when_c_divides_the_page() -> None:
     assert torch.equal(own.owner(request_start + positions), positions % 4)
 
 
-@pytest.mark.parametrize(("interleave", "page", "words"), [(3, 16, "power of two"), (32, 16, "divides the page size 16"), (0, 16, "power of two")])
+@pytest.mark.parametrize(
+    ("interleave", "page", "words"),
+    [(3, 16, "power of two"), (32, 16, "divides the page size 16"), (0, 16, "power of two")],
+)
 def test_an_interleave_the_page_cannot_hold_is_refused(interleave: int, page: int, words: str) -> None:
     with pytest.raises(ConfigError, match=words):
         Ownership(2, interleave, page)
@@ -82,7 +88,9 @@ def test_config_rules() -> None:
 
 @pytest.mark.parametrize("phases", ROUND_ROBIN_PHASES)
 @pytest.mark.parametrize("cp_size", [2, 4])
-def test_round_robin_with_shared_kv_matches_the_oracle_and_writes_directly(report_of, phases: str, cp_size: int) -> None:
+def test_round_robin_with_shared_kv_matches_the_oracle_and_writes_directly(
+    report_of, phases: str, cp_size: int
+) -> None:
     run = tiny(cp_size=cp_size, split_mode="round-robin", requests=MIXED, page_size=16, phases=PhaseSet.parse(phases))
     rep = report_of(run)
     assert rep["problems"] == [] and rep["matches_oracle"] is True and rep["cache_equal"] is True
@@ -100,30 +108,58 @@ def test_round_robin_with_shared_kv_matches_the_oracle_and_writes_directly(repor
 
 @pytest.mark.parametrize("phases", ["3", "+1,2,3,6,7,8"])
 def test_round_robin_chunked_prefill_writes_every_chunk_directly(report_of, phases: str) -> None:
-    rep = report_of(tiny(cp_size=4, split_mode="round-robin", requests=MIXED, page_size=16, chunk_size=20,
-                         phases=PhaseSet.parse(phases)))
+    rep = report_of(
+        tiny(
+            cp_size=4,
+            split_mode="round-robin",
+            requests=MIXED,
+            page_size=16,
+            chunk_size=20,
+            phases=PhaseSet.parse(phases),
+        )
+    )
     assert rep["matches_oracle"] is True and rep["cache_equal"] is True
     assert rep["store_path"] == "direct"  # "direct+gathered" if any chunk had taken the other path
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp8", "bf16"])
 def test_when_c_does_not_divide_the_page_the_store_gathers(report_of, kv_dtype: str) -> None:
-    rep = report_of(tiny(cp_size=3, split_mode="round-robin", requests=MIXED, page_size=16, kv_dtype=kv_dtype,
-                         phases=PhaseSet.parse("+1,2,3,6,7,8")))
+    rep = report_of(
+        tiny(
+            cp_size=3,
+            split_mode="round-robin",
+            requests=MIXED,
+            page_size=16,
+            kv_dtype=kv_dtype,
+            phases=PhaseSet.parse("+1,2,3,6,7,8"),
+        )
+    )
     assert rep["matches_oracle"] is True and rep["cache_equal"] is True and rep["store_path"] == "gathered"
 
 
-@pytest.mark.parametrize(("split_mode", "interleave"), [("round-robin", 4), ("round-robin", 16), ("in-seq", 1), ("in-seq", 4)])
+@pytest.mark.parametrize(
+    ("split_mode", "interleave"), [("round-robin", 4), ("round-robin", 16), ("in-seq", 1), ("in-seq", 4)]
+)
 def test_any_interleave_matches_the_oracle(report_of, split_mode: str, interleave: int) -> None:
-    rep = report_of(tiny(cp_size=2, split_mode=split_mode, requests=MIXED, page_size=16, kv_interleave=interleave,
-                         phases=PhaseSet.parse("+1,2,3,6,7,8"), chunk_size=30))
+    rep = report_of(
+        tiny(
+            cp_size=2,
+            split_mode=split_mode,
+            requests=MIXED,
+            page_size=16,
+            kv_interleave=interleave,
+            phases=PhaseSet.parse("+1,2,3,6,7,8"),
+            chunk_size=30,
+        )
+    )
     assert rep["matches_oracle"] is True and rep["cache_equal"] is True
     assert rep["config"]["kv_interleave"] == interleave
     assert rep["store_path"] == "gathered"  # the computing rank is not the owner
 
 
 def test_round_robin_phase_6_has_no_host_sync_in_the_layer_loop(report_of) -> None:
-    rep = report_of(tiny(cp_size=2, split_mode="round-robin", requests=MIXED, page_size=16,
-                         phases=PhaseSet.parse("+1,2,3,6,7,8")))
+    rep = report_of(
+        tiny(cp_size=2, split_mode="round-robin", requests=MIXED, page_size=16, phases=PhaseSet.parse("+1,2,3,6,7,8"))
+    )
     assert rep["matches_oracle"] is True
     assert all(entry["host_syncs_in_layer_loop"] == 0 for entry in rep["per_rank"])

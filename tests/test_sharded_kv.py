@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import tiny
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conftest import tiny
 from reference_impl.config import ConfigError, PhaseSet, Request, RunConfig
 from reference_impl.cp import current_reuse
 from reference_impl.cp.batch import BatchLocs
@@ -35,7 +35,9 @@ def test_ownership_roundtrip_and_counts() -> None:
 @pytest.mark.parametrize("cp_size", [1, 2, 3, 4])
 @pytest.mark.parametrize("kv_dtype", ["fp8", "bf16"])
 def test_sharded_matches_oracle(report_of, level: int, cp_size: int, kv_dtype: str) -> None:
-    rep = report_of(tiny(cp_size=cp_size, kv_dtype=kv_dtype, requests=MIXED, page_size=16, phases=PhaseSet.level(level)))
+    rep = report_of(
+        tiny(cp_size=cp_size, kv_dtype=kv_dtype, requests=MIXED, page_size=16, phases=PhaseSet.level(level))
+    )
     assert rep["problems"] == [] and rep["matches_oracle"] is True
     assert rep["cache_equal"] is True and rep["collectives_identical"] is True
 
@@ -135,7 +137,9 @@ def test_page_gather_covers_each_needed_page_once(reqs: list, cp_size: int) -> N
         assert sum(plans[0].counts) == sent.numel() == keys.numel()
         assert torch.equal(plans[0].row_source % 8, physical % 8)
         assert torch.equal(sent[plans[0].row_source // 8], physical // 8)
-        rank_of_row = torch.repeat_interleave(torch.arange(cp_size), torch.tensor(plans[0].counts))[plans[0].row_source // 8]
+        rank_of_row = torch.repeat_interleave(torch.arange(cp_size), torch.tensor(plans[0].counts))[
+            plans[0].row_source // 8
+        ]
         assert torch.equal(rank_of_row, owner)
         if interleave == 8:  # the page interleave: one gathered page per logical page
             assert keys.numel() == batch.n_pages

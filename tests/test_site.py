@@ -27,9 +27,8 @@ import figure_sources  # noqa: E402
 import plot_results  # noqa: E402
 import prose_words  # noqa: E402
 import site_checks  # noqa: E402
-from render_docs import Sources  # noqa: E402
-
 from reference_impl import figures  # noqa: E402
+from render_docs import Sources  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -40,8 +39,14 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
         return Path(given)
     out = tmp_path_factory.mktemp("site")
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(out)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
@@ -58,15 +63,22 @@ def pages(site: Path) -> dict[str, str]:
 
 
 def test_no_page_shows_figure_marker_source(pages: dict[str, str]) -> None:
-    leaks = {page: hits for page, text in pages.items() if page != "README.md" and (hits := site_checks.marker_leaks(text))}
+    leaks = {
+        page: hits for page, text in pages.items() if page != "README.md" and (hits := site_checks.marker_leaks(text))
+    }
     assert not leaks, "marker source a reader sees (a `|` in a table row's marker?):\n" + "\n".join(
-        f"{page}: {hit}" for page, hits in leaks.items() for hit in hits[:3])
+        f"{page}: {hit}" for page, hits in leaks.items() for hit in hits[:3]
+    )
 
 
 def test_every_test_a_page_cites_exists(pages: dict[str, str]) -> None:
     defined = site_checks.defined_tests()
-    missing = {page: sorted(names) for page, text in pages.items() if (names := site_checks.missing_tests(text, defined))}
-    assert not missing, "cited tests that do not exist under tests/:\n" + "\n".join(f"{p}: {n}" for p, n in missing.items())
+    missing = {
+        page: sorted(names) for page, text in pages.items() if (names := site_checks.missing_tests(text, defined))
+    }
+    assert not missing, "cited tests that do not exist under tests/:\n" + "\n".join(
+        f"{p}: {n}" for p, n in missing.items()
+    )
 
 
 def test_no_page_cites_the_projects_own_tickets_or_notes(pages: dict[str, str]) -> None:
@@ -75,8 +87,11 @@ def test_no_page_cites_the_projects_own_tickets_or_notes(pages: dict[str, str]) 
 
 
 def test_no_docstring_or_comment_cites_the_projects_own_tickets_or_notes() -> None:
-    found = [f"{path}:{line}: {hit}" for path, line, text in site_checks.docstrings_and_comments(site_checks.python_sources())
-             for hit in site_checks.internal_references(text)]
+    found = [
+        f"{path}:{line}: {hit}"
+        for path, line, text in site_checks.docstrings_and_comments(site_checks.python_sources())
+        for hit in site_checks.internal_references(text)
+    ]
     assert not found, "internal references:\n" + "\n".join(found)
 
 
@@ -97,23 +112,29 @@ def test_diagrams_render_offline(site: Path) -> None:
 
 def test_every_relative_link_of_every_page_leads_to_a_page(site: Path) -> None:
     """The strict build checks the Markdown pages' links; this follows every page's, the notebooks' included."""
-    found = {page: hits for page, html in site_checks.html_pages(site)
-             if (hits := site_checks.broken_links(site, page, html))}
+    found = {
+        page: hits
+        for page, html in site_checks.html_pages(site)
+        if (hits := site_checks.broken_links(site, page, html))
+    }
     assert not found, "broken links:\n" + "\n".join(f"{p}: {h}" for p, hits in found.items() for h in hits)
 
 
 def test_no_list_renders_as_a_paragraph(site: Path) -> None:
     found = {page: hits for page, html in site_checks.html_pages(site) if (hits := site_checks.run_on_lists(html))}
-    assert not found, ("lists that render as paragraphs (a list needs a blank line before it):\n"
-                       + "\n".join(f"{p}: {h}" for p, hits in found.items() for h in hits))
+    assert not found, "lists that render as paragraphs (a list needs a blank line before it):\n" + "\n".join(
+        f"{p}: {h}" for p, hits in found.items() for h in hits
+    )
 
 
 def test_no_recorded_command_shows_a_host_path(site: Path) -> None:
     """A recorded command names paths a reader has (``$OUT/...``), not the benchmark machine's folders."""
-    found = {page: hits for page, html in site_checks.html_pages(site)
-             if (hits := site_checks.host_paths_in_commands(html))}
+    found = {
+        page: hits for page, html in site_checks.html_pages(site) if (hits := site_checks.host_paths_in_commands(html))
+    }
     assert not found, "host paths in recorded commands:\n" + "\n".join(
-        f"{p}: {h}" for p, hits in found.items() for h in hits)
+        f"{p}: {h}" for p, hits in found.items() for h in hits
+    )
 
 
 def test_the_readme_keeps_its_budget() -> None:
@@ -145,7 +166,6 @@ def test_a_plot_goes_stale_when_its_results_change(tmp_path: Path) -> None:
 
 def test_the_capacity_results_are_what_the_planner_says() -> None:
     import capacity_plan
-
     from reference_impl.figures import same_up_to_rounding
 
     committed = json.loads(capacity_plan.OUT.read_text())
@@ -181,8 +201,10 @@ def test_every_design_page_opens_with_what_it_changes_buys_and_costs() -> None:
         labels = [line.split(":**")[0] for line in lines[1:4]]
         if not (lines[0].startswith("# ") and labels == ["- **Changes", "- **Buys", "- **Costs"]):
             wrong.append(page.relative_to(docs).as_posix())
-    assert not wrong, ("open with a list of three items under the title, `- **Changes:**` / `- **Buys:**` / "
-                       "`- **Costs:**` (three plain lines render as one paragraph): " + ", ".join(wrong))
+    assert not wrong, (
+        "open with a list of three items under the title, `- **Changes:**` / `- **Buys:**` / "
+        "`- **Costs:**` (three plain lines render as one paragraph): " + ", ".join(wrong)
+    )
 
 
 def test_every_page_keeps_its_prose_budget() -> None:
@@ -194,15 +216,22 @@ def test_every_page_keeps_its_prose_budget() -> None:
 
 
 def test_the_checks_see_a_cut_marker_a_missing_test_and_an_internal_reference() -> None:
-    html = ('<table><tr><td>1.9 &lt;!-- fig elementwise_rate.points[-1].x</td></tr></table>'
-            '<p>see <code>tests/test_split.py::test_no_such_test</code>; as issue 17 says</p>'
-            '<pre class="mermaid">a --&gt; b</pre><!-- fig x -->1<!-- /fig -->')
+    html = (
+        "<table><tr><td>1.9 &lt;!-- fig elementwise_rate.points[-1].x</td></tr></table>"
+        "<p>see <code>tests/test_split.py::test_no_such_test</code>; as issue 17 says</p>"
+        '<pre class="mermaid">a --&gt; b</pre><!-- fig x -->1<!-- /fig -->'
+    )
     text = site_checks.visible_text(html)
     assert len(site_checks.marker_leaks(text)) == 1
     assert site_checks.missing_tests(text, site_checks.defined_tests()) == {"test_no_such_test"}
-    assert [hit for hit in site_checks.internal_references(text) if "issue 17" in hit] == site_checks.internal_references(text) != []
-    assert site_checks.internal_references("the BRIEF, commit 9d862d2, the seed notes") and not site_checks.internal_references(
-        "the seed is fixed; every rank issues the same collectives")
+    assert (
+        [hit for hit in site_checks.internal_references(text) if "issue 17" in hit]
+        == site_checks.internal_references(text)
+        != []
+    )
+    assert site_checks.internal_references(
+        "the BRIEF, commit 9d862d2, the seed notes"
+    ) and not site_checks.internal_references("the seed is fixed; every rank issues the same collectives")
 
 
 def test_the_link_check_sees_a_source_path_and_a_missing_anchor(tmp_path: Path) -> None:
@@ -211,22 +240,30 @@ def test_the_link_check_sees_a_source_path_and_a_missing_anchor(tmp_path: Path) 
     (tmp_path / "phases" / "x" / "index.html").write_text('<h2 id="measured-results">M</h2>')
     (tmp_path / "notebooks" / "nb").mkdir(parents=True)
     page = "notebooks/nb/index.html"
-    good = ('<a href="../../phases/x/#measured-results">x</a> <a href="https://example.org/a.md">e</a>'
-            ' <a href="#top">t</a>')
+    good = (
+        '<a href="../../phases/x/#measured-results">x</a> <a href="https://example.org/a.md">e</a> <a href="#top">t</a>'
+    )
     assert site_checks.broken_links(tmp_path, page, good) == []
     assert site_checks.broken_links(tmp_path, page, '<a href="../phases/x.md#measured-results">x</a>') == [
-        "../phases/x.md#measured-results: no such page"]
+        "../phases/x.md#measured-results: no such page"
+    ]
     assert site_checks.broken_links(tmp_path, page, '<a href="../../phases/x/#results">x</a>') == [
-        "../../phases/x/#results: no anchor #results on that page"]
+        "../../phases/x/#results: no anchor #results on that page"
+    ]
 
 
 def test_the_walkthrough_check_sees_a_link_to_a_page_source() -> None:
     import nbformat
+
     from execute_notebooks import source_links
 
     cell = nbformat.v4.new_markdown_cell
-    notebook = nbformat.v4.new_notebook(cells=[cell("See the [page](../phases/p7.md#measured-results)."),
-                                               cell("[built](../../phases/p7/) and [ext](https://x.org/r.md)")])
+    notebook = nbformat.v4.new_notebook(
+        cells=[
+            cell("See the [page](../phases/p7.md#measured-results)."),
+            cell("[built](../../phases/p7/) and [ext](https://x.org/r.md)"),
+        ]
+    )
     assert source_links(notebook) == ["../phases/p7.md#measured-results"]
 
 
@@ -260,7 +297,7 @@ def test_the_notebook_hook_drops_the_network_loader() -> None:
     from offline_notebooks import drop_network_loaders
 
     loader = '<script type="module">\n  const m = (await import("https://cdnjs.example/m.mjs")).default;\n</script>'
-    page = f'<script>keep()</script>{loader}<p>text</p>'
+    page = f"<script>keep()</script>{loader}<p>text</p>"
     assert site_checks.network_scripts(page) and not site_checks.network_scripts(drop_network_loaders(page))
     assert drop_network_loaders(page) == "<script>keep()</script><p>text</p>"
 
@@ -279,8 +316,10 @@ def test_the_readme_budget_check_counts_characters() -> None:
 
 
 def test_the_budget_counts_prose_not_tables_code_or_figures() -> None:
-    page = ("# Title\n\nTwo words here.\n\n| a | b |\n| --- | --- |\n| many words in a table |\n\n"
-            "```python\ncode words\n```\n\nA <!-- fig 1 -->rendered figure words<!-- /fig --> [link text](x.md).\n")
+    page = (
+        "# Title\n\nTwo words here.\n\n| a | b |\n| --- | --- |\n| many words in a table |\n\n"
+        "```python\ncode words\n```\n\nA <!-- fig 1 -->rendered figure words<!-- /fig --> [link text](x.md).\n"
+    )
     assert prose_words.prose_words(page) == 7  # Title, Two words here., A, link text
 
 

@@ -30,8 +30,12 @@ def test_names_what_it_cannot_run() -> None:
     assert unsupported_reason("cuda", (9, 0), torch.float16, torch.float16, 80, 64) is None
     refused = {
         **gluon_operand_refusals(),
-        "rope width in [16, 64]": [("cuda", (9, 0), bf16, bf16, 640, 512), ("cuda", (9, 0), bf16, bf16, 560, 500),
-                                   ("cuda", (9, 0), bf16, bf16, 40, 32), ("cuda", (9, 0), bf16, bf16, 1088, 1024)],
+        "rope width in [16, 64]": [
+            ("cuda", (9, 0), bf16, bf16, 640, 512),
+            ("cuda", (9, 0), bf16, bf16, 560, 500),
+            ("cuda", (9, 0), bf16, bf16, 40, 32),
+            ("cuda", (9, 0), bf16, bf16, 1088, 1024),
+        ],
     }
     for words, cases in refused.items():
         for case in cases:
@@ -39,7 +43,9 @@ def test_names_what_it_cannot_run() -> None:
             assert reason is not None and words in reason, (case, reason)
     q = torch.zeros(2, 4, 576, dtype=bf16)
     kv, indices = torch.zeros(8, 576, dtype=bf16), torch.zeros(2, 4, dtype=torch.int32)
-    with pytest.raises(ValueError, match="warp-specialized Gluon sparse MLA kernel does not run under TRITON_INTERPRET"):
+    with pytest.raises(
+        ValueError, match="warp-specialized Gluon sparse MLA kernel does not run under TRITON_INTERPRET"
+    ):
         sparse_mla_attention_gluon_ws(q, kv, indices, 0.1, 512)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TRITON_INTERPRET", "0")
@@ -80,7 +86,8 @@ print(json.dumps({
     "num_warps": compiled.metadata.num_warps, "shared": compiled.metadata.shared,
     "usage": {k: int(v) for k, v in re.findall(r"\\b(REG|STACK|LOCAL):(\\d+)", usage)},
     "cp_async_mbarrier": "cp.async.mbarrier.arrive.noinc" in ptx, "wgmma": "wgmma.mma_async" in ptx,
-    "setmaxnreg": sorted({int(n) for n in re.findall(r"setmaxnreg\\.(?:inc|dec)\\.sync\\.aligned\\.u32\\s+(\\d+)", ptx)}),
+    "setmaxnreg": sorted({int(n) for n in re.findall(
+        r"setmaxnreg\\.(?:inc|dec)\\.sync\\.aligned\\.u32\\s+(\\d+)", ptx)}),
 }))
 """
 
@@ -91,8 +98,14 @@ def _compile_for_sm90(d_v: int, d_rope: int, pipeline_qk: bool) -> dict:
     if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")):
         pytest.skip("this Triton ships no CUDA backend tools")
     env = {**os.environ, "TRITON_INTERPRET": "0"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps([d_v, d_rope, pipeline_qk])],
-                          check=False, capture_output=True, text=True, env=env, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE, json.dumps([d_v, d_rope, pipeline_qk])],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -93,7 +93,12 @@ def test_to_json_round_trips_and_names_fields() -> None:
     assert rank0["tokens"] == [0, 1, 2, 10, 11, 8, 9, 14] and rank0["length"] == 8
     assert rank0["positions"] == [3, 4, 5, 0, 1, 11, 12, 4]
     assert rank0["segments"][2] == {
-        "request": 0, "half": "next", "local_start": 5, "length": 2, "q_abs_start": 11, "kv_len": 13
+        "request": 0,
+        "half": "next",
+        "local_start": 5,
+        "length": 2,
+        "q_abs_start": 11,
+        "kv_len": 13,
     }
     assert rank0["pages"][0] == [0, 0]
     assert doc["rerange_index"] == list(meta.rerange_index)
@@ -108,7 +113,9 @@ def test_torch_helpers_simulate_padded_all_gather() -> None:
     assert torch.equal(torch.cat(locals_)[rerange_tensor(meta)], full)
     index = SplitIndex.build(meta, 1)
     assert torch.equal(index.local, local_index_tensor(meta, 1)) and index.rank_lengths == meta.rank_lengths
-    assert torch.equal(index.rerange, rerange_tensor(meta)) and torch.equal(index.padded_rerange, rerange_tensor(meta, padded=True))
+    assert torch.equal(index.rerange, rerange_tensor(meta)) and torch.equal(
+        index.padded_rerange, rerange_tensor(meta, padded=True)
+    )
 
 
 # ---- brute force ------------------------------------------------------------------------

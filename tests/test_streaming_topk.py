@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from reference_impl.model import sparse_attention as ref
-from reference_impl.model.streaming_topk import RunningTopK, exact_topk_positions, key_tiles, row_tile
+from reference_impl.model.streaming_topk import exact_topk_positions, key_tiles, row_tile
 
 
 def _integer_case(seed: int, n_rows: int, n_keys: int, n_heads: int = 2, dim: int = 16, levels: int = 3):
@@ -67,8 +67,13 @@ def test_tiles_and_row_tile_cover_the_range_within_the_budget() -> None:
 
 @settings(max_examples=40, deadline=None)
 @given(
-    seed=st.integers(0, 2**16), n_rows=st.integers(1, 12), n_keys=st.integers(1, 90), topk=st.integers(1, 24),
-    key_tile=st.integers(1, 40), rows_per_chunk=st.integers(0, 7), levels=st.sampled_from([1, 3]),
+    seed=st.integers(0, 2**16),
+    n_rows=st.integers(1, 12),
+    n_keys=st.integers(1, 90),
+    topk=st.integers(1, 24),
+    key_tile=st.integers(1, 40),
+    rows_per_chunk=st.integers(0, 7),
+    levels=st.sampled_from([1, 3]),
 )
 def test_property_torch_reference_tiled_equals_one_pass(
     seed: int, n_rows: int, n_keys: int, topk: int, key_tile: int, rows_per_chunk: int, levels: int
@@ -108,8 +113,12 @@ triton = pytest.importorskip("triton")
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    seed=st.integers(0, 2**16), n_rows=st.integers(1, 10), n_keys=st.integers(2, 200), topk=st.sampled_from([1, 5, 24]),
-    key_tile=st.sampled_from([16, 37, 64]), levels=st.sampled_from([1, 3]),
+    seed=st.integers(0, 2**16),
+    n_rows=st.integers(1, 10),
+    n_keys=st.integers(2, 200),
+    topk=st.sampled_from([1, 5, 24]),
+    key_tile=st.sampled_from([16, 37, 64]),
+    levels=st.sampled_from([1, 3]),
 )
 def test_property_triton_streamed_selection_equals_one_pass(
     seed: int, n_rows: int, n_keys: int, topk: int, key_tile: int, levels: int

@@ -10,9 +10,9 @@ import torch
 
 from reference_impl.bench import layer, long_context, pd_mooncake, pd_stream, v4
 from reference_impl.errors import ConfigError
-from reference_impl.planner import designs as planner_designs
 from reference_impl.families.deepseek_v4 import planner as planner_v4
 from reference_impl.families.deepseek_v4.planner import plan_v4
+from reference_impl.planner import designs as planner_designs
 from reference_impl.tool_args import input_json, int_list, output_file
 
 NO_CUDA = not torch.cuda.is_available()
@@ -34,8 +34,10 @@ def _cases(tmp: str) -> list[tuple[object, list[str], str]]:
         (layer.main, ["--replan", "README.md"], "--replan 'README.md': not JSON"),
     ]
     if NO_CUDA:
-        cases += [(m.main, ["--out", f"{tmp}/x.json"], "this benchmark needs a CUDA device")
-                  for m in (layer, v4, pd_mooncake, pd_stream)]
+        cases += [
+            (m.main, ["--out", f"{tmp}/x.json"], "this benchmark needs a CUDA device")
+            for m in (layer, v4, pd_mooncake, pd_stream)
+        ]
     return cases
 
 
@@ -58,13 +60,16 @@ def test_the_v4_planner_prints_without_out(capsys) -> None:
     assert doc["preset"] == "deepseek-v4-flash" and [p["level"] for p in doc["points"]] == [0, 8]
 
 
-@pytest.mark.parametrize(("args", "words"), [
-    (("deepseek-v3.2", 8, [1024], [0], 48.0), "preset='deepseek-v3.2'"),
-    (("tiny-v4", True, [1024], [0], 48.0), "cp_size=True"),
-    (("tiny-v4", 8, [], [0], 48.0), "contexts=[]"),
-    (("tiny-v4", 8, [1024], [-1], 48.0), "levels=[-1]"),
-    (("tiny-v4", 8, [1024], [0], float("nan")), "kv_budget_gib=nan"),
-])
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (("deepseek-v3.2", 8, [1024], [0], 48.0), "preset='deepseek-v3.2'"),
+        (("tiny-v4", True, [1024], [0], 48.0), "cp_size=True"),
+        (("tiny-v4", 8, [], [0], 48.0), "contexts=[]"),
+        (("tiny-v4", 8, [1024], [-1], 48.0), "levels=[-1]"),
+        (("tiny-v4", 8, [1024], [0], float("nan")), "kv_budget_gib=nan"),
+    ],
+)
 def test_plan_v4_names_the_bad_argument(args: tuple, words: str) -> None:
     with pytest.raises(ConfigError, match=words.replace("[", r"\[").replace("]", r"\]")):
         plan_v4(*args)
@@ -106,11 +111,13 @@ def test_stored_fields_name_the_first_field_that_is_wrong() -> None:
 
     schema = {"n": int_field(1, 4), "rows": [{"ms": POSITIVE, "peak?": POSITIVE}]}
     stored_fields({"n": 2, "rows": [{"ms": 1.5}, {"ms": 2, "peak": 3}]}, schema, "--in f")
-    for doc, words in (({"rows": []}, "--in f: missing field n"),
-                       ({"n": True, "rows": []}, "--in f: field n holds true; need an integer within 1..4"),
-                       ({"n": 2, "rows": []}, "--in f: field rows must be a non-empty list"),
-                       ({"n": 2, "rows": [{"ms": 1}, {"ms": 0}]}, "--in f: field rows[1].ms holds 0; need a finite"),
-                       ({"n": 2, "rows": [{"ms": 1, "peak": None}]}, "field rows[0].peak holds null")):
+    for doc, words in (
+        ({"rows": []}, "--in f: missing field n"),
+        ({"n": True, "rows": []}, "--in f: field n holds true; need an integer within 1..4"),
+        ({"n": 2, "rows": []}, "--in f: field rows must be a non-empty list"),
+        ({"n": 2, "rows": [{"ms": 1}, {"ms": 0}]}, "--in f: field rows[1].ms holds 0; need a finite"),
+        ({"n": 2, "rows": [{"ms": 1, "peak": None}]}, "field rows[0].peak holds null"),
+    ):
         with pytest.raises(ConfigError, match=words.replace("[", r"\[").replace("]", r"\]").replace(".", r"\.")):
             stored_fields(doc, schema, "--in f")
 
@@ -122,8 +129,9 @@ def test_rank_fits_refuses_by_the_estimate_on_a_cpu_only(monkeypatch) -> None:
     from reference_impl.config import Request, RunConfig
     from reference_impl.tool_args import rank_fits
 
-    big = RunConfig(preset="deepseek-v3.2", n_layers=4, cp_size=8, check=False, device="cpu",
-                    requests=(Request(0, 131072),))
+    big = RunConfig(
+        preset="deepseek-v3.2", n_layers=4, cp_size=8, check=False, device="cpu", requests=(Request(0, 131072),)
+    )
     small = big.replace(preset="tiny", requests=(Request(0, 256),))
     need = footprint.estimate(big, "cpu", "inline").ranks[3]
     monkeypatch.setattr(footprint, "free_bytes", lambda device_type: need - 1)

@@ -185,7 +185,9 @@ def test_exact_selection_is_the_reference_contract() -> None:
     gen = torch.Generator().manual_seed(4)
     logits = torch.randint(0, 5, (6, 40), generator=gen).float()
     starts, ends = torch.tensor([0, 3, 10, 0, 39, 5]), torch.tensor([40, 9, 40, 1, 40, 5])
-    assert torch.equal(exact_selection(Chunk(logits, starts, ends, 0), 12), topk_select_reference(logits, starts, ends, 12))
+    assert torch.equal(
+        exact_selection(Chunk(logits, starts, ends, 0), 12), topk_select_reference(logits, starts, ends, 12)
+    )
 
 
 def test_the_selection_kernel_is_the_default_selector_and_the_knob_picks_torch_topk(monkeypatch) -> None:
@@ -263,7 +265,9 @@ def _run_of_hot_keys(n: int, run: int, count: int) -> torch.Tensor:
 
 @CONFIGS
 @pytest.mark.parametrize("pattern", ["random", "all_equal", "two_values", "adjacent_runs", "one_column"])
-def test_the_fused_bound_selects_exactly_and_keeps_random_rows_on_the_fast_path(pattern: str, config: SelectConfig) -> None:
+def test_the_fused_bound_selects_exactly_and_keeps_random_rows_on_the_fast_path(
+    pattern: str, config: SelectConfig
+) -> None:
     """The selection with the group maxima as its bound source, on rows long enough to use them
     (at least G maxima) and short ones beside them: the stable-sort reference on every pattern;
     random scores and runs of 8 adjacent hot keys still fit the candidate slots (path 0)."""
@@ -295,7 +299,9 @@ def test_the_fused_bound_selects_exactly_and_keeps_random_rows_on_the_fast_path(
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(n_rows=st.integers(1, 6), n_cols=st.integers(100, 2000), k=st.sampled_from([1, 8, 40]), seed=st.integers(0, 2**16))
+@given(
+    n_rows=st.integers(1, 6), n_cols=st.integers(100, 2000), k=st.sampled_from([1, 8, 40]), seed=st.integers(0, 2**16)
+)
 def test_property_the_indexer_with_the_fused_bound_selects_what_it_selects_without(
     n_rows: int, n_cols: int, k: int, seed: int
 ) -> None:

@@ -14,8 +14,8 @@ import torch
 
 from reference_impl.config import ConfigError, PhaseSet, Request, RunConfig
 from reference_impl.cp.split import build_split
-from reference_impl.families.deepseek_v4.cp.plan import build_plan
 from reference_impl.families.deepseek_v4.cache_layout import index_entry_bytes, main_entry_bytes
+from reference_impl.families.deepseek_v4.cp.plan import build_plan
 from reference_impl.presets import get_preset
 from reference_impl.runner import run_prefills
 
@@ -40,21 +40,28 @@ def test_matches_the_oracle_and_shards_csa_entries(cp_size, chunk_size):
     total_csa = replicated[0]["csa_bytes"]
     assert all(r["csa_bytes"] == total_csa for r in replicated)  # the baseline keeps everything everywhere
     pages = [math.ceil(r.total / 4 / 16) for r in REQUESTS]  # CSA entry pages (16 entries per 64-token page)
-    bound = (sum(math.ceil(p / cp_size) for p in pages) + 1) * 16 * ENTRY * CFG.count("csa")  # V3.2's bar, in entry pages
+    bound = (
+        (sum(math.ceil(p / cp_size) for p in pages) + 1) * 16 * ENTRY * CFG.count("csa")
+    )  # V3.2's bar, in entry pages
     for level, rep in zip(LEVELS[1:], reports[1:]):
         ranks = rep["per_rank"]
         assert sum(r["csa_bytes"] for r in ranks) == total_csa, level  # each entry on exactly one rank
         assert max(r["csa_bytes"] for r in ranks) <= bound < total_csa, level  # ~1/C per rank
         for r, base in zip(ranks, replicated):  # HCA entries, window tails, compressor states: replicated
             assert (r["hca_bytes"], r["window_bytes"], r["compressor_state_bytes"]) == (
-                base["hca_bytes"], base["window_bytes"], base["compressor_state_bytes"])
+                base["hca_bytes"],
+                base["window_bytes"],
+                base["compressor_state_bytes"],
+            )
     assert reports[0]["per_rank"][0]["materialized_bytes"] == 0 < reports[1]["per_rank"][0]["materialized_bytes"]
     assert all(r["host_syncs_in_layer_loop"] == 0 for r in reports[-1]["per_rank"])  # phase 6's audit, level 8
 
 
 def test_round_robin_runs_with_its_whole_chunk_halo():
     base = RunConfig(preset="tiny-v4", cp_size=2, requests=REQUESTS, split_mode="round-robin", chunk_size=71)
-    seq, rr = run_prefills([base.replace(split_mode="in-seq", phases=PhaseSet.level(3)), base.replace(phases=PhaseSet.level(3))])
+    seq, rr = run_prefills(
+        [base.replace(split_mode="in-seq", phases=PhaseSet.level(3)), base.replace(phases=PhaseSet.level(3))]
+    )
     assert seq["matches_oracle"] and rr["matches_oracle"], rr["problems"]
     assert rr["per_rank"][0]["gather_bytes"] > 1.5 * seq["per_rank"][0]["gather_bytes"]
 
@@ -137,17 +144,28 @@ def test_cache_check_compares_by_value_when_bytes_differ():
 
     import torch
 
+    from reference_impl.families.deepseek_v4.cache_layout import decode_main, encode_main
     from reference_impl.families.deepseek_v4.check import _compare_caches
     from reference_impl.families.deepseek_v4.cp.store import pack_pool
-    from reference_impl.families.deepseek_v4.cache_layout import decode_main, encode_main
     from reference_impl.families.deepseek_v4.model.oracle import build_v4_model, run_v4_oracle
 
     model = build_v4_model(CFG, torch.float32, 0, "cpu")
     oracle = run_v4_oracle(model, [0], [torch.randn(150, CFG.dim, generator=torch.Generator().manual_seed(0))], "fp8")
 
     def stored(main_of):
-        return [{0: (torch.tensor(c.n_tokens), c.window_tail(128), pack_pool(c), torch.arange(c.entries.shape[0]),
-                     main_of(c.entries), c.index_keys)} for c in (caches[0] for caches in oracle.caches)]
+        return [
+            {
+                0: (
+                    torch.tensor(c.n_tokens),
+                    c.window_tail(128),
+                    pack_pool(c),
+                    torch.arange(c.entries.shape[0]),
+                    main_of(c.entries),
+                    c.index_keys,
+                )
+            }
+            for c in (caches[0] for caches in oracle.caches)
+        ]
 
     def check(main_of):
         problems: list[str] = []
@@ -167,12 +185,19 @@ def test_the_keys_the_ranks_hold_rebuild_the_oracles_index_keys():
     """The top-k check's second reading (GPU runs) scores rows with the indexer keys the ranks hold:
     rebuilt from every rank's store they are the oracle's keys (byte-equal on CPU), and the scores
     with them are the oracle's own."""
-    from reference_impl.families.deepseek_v4.check import rank_held_keys
     from reference_impl.families.deepseek_v4.cache_layout import decode_index
+    from reference_impl.families.deepseek_v4.check import rank_held_keys
     from reference_impl.runner import run_prefill
 
-    run = RunConfig(preset="tiny-v4", cp_size=3, requests=(Request(0, 203), Request(29, 110)), chunk_size=71,
-                    device="cpu", compute_dtype="fp32", phases=PhaseSet.level(8))
+    run = RunConfig(
+        preset="tiny-v4",
+        cp_size=3,
+        requests=(Request(0, 203), Request(29, 110)),
+        chunk_size=71,
+        device="cpu",
+        compute_dtype="fp32",
+        phases=PhaseSet.level(8),
+    )
     result = run_prefill(run, tensors=True)
     assert result.report["matches_oracle"] is True
     layer = next(i for i, t in enumerate(run.model.layer_types) if t == "csa")
@@ -183,8 +208,10 @@ def test_the_keys_the_ranks_hold_rebuild_the_oracles_index_keys():
         assert torch.equal(result.oracle.index_scores(layer, req, 5, keys), result.oracle.index_scores(layer, req, 5))
         held = [len(r.stored[layer][req][3]) if req in r.stored[layer] else 0 for r in result.ranks]
         first = held.index(max(held))
-        dropped = [r if i != first else r.__class__(**{**r.__dict__, "stored": [{} for _ in r.stored]})
-                   for i, r in enumerate(result.ranks)]
+        dropped = [
+            r if i != first else r.__class__(**{**r.__dict__, "stored": [{} for _ in r.stored]})
+            for i, r in enumerate(result.ranks)
+        ]
         assert rank_held_keys(dropped, layer, req, cache) is None  # an entry on no rank: no second reading
 
 
@@ -193,14 +220,20 @@ def test_the_rounding_tolerant_top_k_check_reads_the_band_on_the_keys_the_ranks_
     row's k-th entry for its worst visible one: the oracle's scores put that far outside the band,
     so the check reports it; when the ranks' stored key of that entry is made the k-th's (as an FP4
     code flip would move it), the second reading, on the keys the ranks hold, accepts the swap."""
-    from reference_impl.families.deepseek_v4 import check as check_v4
     from reference_impl.engine import build_metadata
+    from reference_impl.families.deepseek_v4 import check as check_v4
     from reference_impl.families.deepseek_v4.model.sparse import index_scores
     from reference_impl.runner import run_prefill
     from reference_impl.workload import build_model
 
-    run = RunConfig(preset="tiny-v4", cp_size=2, requests=(Request(0, 203),), device="cpu", compute_dtype="fp32",
-                    phases=PhaseSet.level(8))
+    run = RunConfig(
+        preset="tiny-v4",
+        cp_size=2,
+        requests=(Request(0, 203),),
+        device="cpu",
+        compute_dtype="fp32",
+        phases=PhaseSet.level(8),
+    )
     result = run_prefill(run, tensors=True)
     oracle, ranks = result.oracle, result.ranks
     layer = next(i for i, t in enumerate(run.model.layer_types) if t == "csa")
@@ -235,6 +268,9 @@ def test_the_rounding_tolerant_top_k_check_reads_the_band_on_the_keys_the_ranks_
                 index[at[worst]] = oracle.caches[layer][0].index_keys[kth]
     held = check_v4.rank_held_keys(ranks, layer, 0, oracle.caches[layer][0])
     assert torch.equal(held[worst], held[kth])
-    q, w = oracle.projections[layer][0].index_q[pos : pos + 1], oracle.projections[layer][0].index_weights[pos : pos + 1]
+    q, w = (
+        oracle.projections[layer][0].index_q[pos : pos + 1],
+        oracle.projections[layer][0].index_weights[pos : pos + 1],
+    )
     assert index_scores(q, w, held)[0, worst] == index_scores(q, w, held)[0, kth]
     assert topk_problems() == []

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from reference_impl.families.deepseek_v4.kernels import dispatch as v4_dispatch
-from reference_impl.kernels import fallback
 from reference_impl.families.deepseek_v4.kernels.attention_triton import v4_sparse_attention_triton
 from reference_impl.families.deepseek_v4.model.sparse import sparse_attention_sinks
+from reference_impl.kernels import fallback
 
 SCALE = 512**-0.5
 
@@ -36,7 +36,9 @@ def test_a_query_with_no_key_attends_to_its_sink_only():
     q, view, _, sinks = _inputs(2, 4, 10, 3)
     none = torch.full((2, 3), -1)
     out = v4_sparse_attention_triton(q, view, none, sinks, SCALE)
-    assert torch.equal(out, torch.zeros_like(out)) and torch.equal(sparse_attention_sinks(q, view, none, sinks, SCALE), out)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.equal(
+        sparse_attention_sinks(q, view, none, sinks, SCALE), out
+    )
 
 
 def test_the_sink_takes_probability_mass():
@@ -164,8 +166,8 @@ def test_the_tie_rule_catches_a_key_that_does_not_tie():
 
 def test_indexer_kernel_streams_keys_past_one_tile(kernels_on, monkeypatch):
     """A 1M-token context's entries take several key tiles: the running top-k gives the same sets."""
-    from reference_impl.kernels import indexer_triton
     from reference_impl.families.deepseek_v4.model.sparse import select_entries
+    from reference_impl.kernels import indexer_triton
 
     q, weights, keys = _index_inputs(24, 300, seed=1)
     key_start = torch.zeros(24, dtype=torch.long)
@@ -192,8 +194,8 @@ def test_indexer_takes_the_reference_for_keys_bf16_cannot_hold(kernels_on, monke
 
 
 def test_indexer_falls_back_to_the_reference_when_the_kernel_raises(kernels_on, monkeypatch):
-    from reference_impl.kernels import indexer_triton
     from reference_impl.families.deepseek_v4.model.sparse import select_entries
+    from reference_impl.kernels import indexer_triton
 
     def broken(*args, **kwargs):
         raise RuntimeError("no such GPU")
@@ -352,12 +354,14 @@ def test_rope_tail_dispatch_runs_the_kernel_and_falls_back(kernels_on, monkeypat
 def test_fp4_kernel_is_bit_exact(dtype):
     """Random values over six decades, plus every midpoint of the e2m1 grid (the ties), both signs,
     zeros and a subnormal: the kernel's bits are the reference's."""
-    from reference_impl.families.deepseek_v4.kernels.fp4_triton import fp4_simulate_triton
     from reference_impl.families.deepseek_v4.cache_layout import fp4_simulate
+    from reference_impl.families.deepseek_v4.kernels.fp4_triton import fp4_simulate_triton
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, 3, 128, generator=g) * torch.logspace(-3, 3, 128)
-    x[0, 0, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -0.75, -1.75, -3.5, 0.0, -0.0, 1e-40, 0.1])
+    x[0, 0, :16] = torch.tensor(
+        [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -0.75, -1.75, -3.5, 0.0, -0.0, 1e-40, 0.1]
+    )
     x = x.to(dtype)
     ref, out = fp4_simulate(x), fp4_simulate_triton(x)
     bits = torch.int32 if dtype == torch.float32 else torch.int16
@@ -365,8 +369,8 @@ def test_fp4_kernel_is_bit_exact(dtype):
 
 
 def test_fp4_dispatch_runs_the_kernel_and_falls_back(kernels_on, monkeypatch):
-    from reference_impl.families.deepseek_v4.kernels import fp4_triton as v4_fp4_triton
     from reference_impl.families.deepseek_v4.cache_layout import fp4_simulate
+    from reference_impl.families.deepseek_v4.kernels import fp4_triton as v4_fp4_triton
 
     x = torch.randn(4, 2, 64, generator=torch.Generator().manual_seed(1))
     assert torch.equal(v4_dispatch.fp4_simulate(x), fp4_simulate(x))

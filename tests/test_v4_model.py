@@ -31,14 +31,30 @@ HF_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heav
 
 def hf_config() -> DeepseekV4Config:
     cfg = DeepseekV4Config(
-        hidden_size=CFG.dim, num_hidden_layers=CFG.n_layers, num_attention_heads=CFG.n_heads, head_dim=CFG.head_dim,
-        q_lora_rank=CFG.q_lora_rank, o_groups=CFG.o_groups, o_lora_rank=CFG.o_lora_rank,
-        index_n_heads=CFG.index_n_heads, index_head_dim=CFG.index_head_dim, index_topk=CFG.index_topk,
-        sliding_window=CFG.window_size, layer_types=[HF_TYPES[CFG.ratio(i)] for i in range(CFG.n_layers)],
-        rope_theta=CFG.rope_theta, compress_rope_theta=CFG.compress_rope_theta, max_position_embeddings=CFG.max_seq_len,
-        rope_parameters={"rope_type": "yarn", "factor": CFG.rope_factor, "beta_fast": CFG.beta_fast,
-                         "beta_slow": CFG.beta_slow, "original_max_position_embeddings": CFG.original_seq_len},
-        vocab_size=CFG.vocab_size, rms_norm_eps=CFG.norm_eps,
+        hidden_size=CFG.dim,
+        num_hidden_layers=CFG.n_layers,
+        num_attention_heads=CFG.n_heads,
+        head_dim=CFG.head_dim,
+        q_lora_rank=CFG.q_lora_rank,
+        o_groups=CFG.o_groups,
+        o_lora_rank=CFG.o_lora_rank,
+        index_n_heads=CFG.index_n_heads,
+        index_head_dim=CFG.index_head_dim,
+        index_topk=CFG.index_topk,
+        sliding_window=CFG.window_size,
+        layer_types=[HF_TYPES[CFG.ratio(i)] for i in range(CFG.n_layers)],
+        rope_theta=CFG.rope_theta,
+        compress_rope_theta=CFG.compress_rope_theta,
+        max_position_embeddings=CFG.max_seq_len,
+        rope_parameters={
+            "rope_type": "yarn",
+            "factor": CFG.rope_factor,
+            "beta_fast": CFG.beta_fast,
+            "beta_slow": CFG.beta_slow,
+            "original_max_position_embeddings": CFG.original_seq_len,
+        },
+        vocab_size=CFG.vocab_size,
+        rms_norm_eps=CFG.norm_eps,
     )
     cfg._attn_implementation = "eager"
     return cfg
@@ -54,8 +70,10 @@ def setup():
     from packaging.version import Version
 
     if Version(transformers.__version__) < Version(HF_VERSION):
-        pytest.skip(f"transformers {transformers.__version__}: the cross-check reads {HF_VERSION}'s deepseek_v4 "
-                    "(requirements-dev.txt pins it)")
+        pytest.skip(
+            f"transformers {transformers.__version__}: the cross-check reads {HF_VERSION}'s deepseek_v4 "
+            "(requirements-dev.txt pins it)"
+        )
     model = build_v4_model(CFG, torch.float32, 0, "cpu")
     hf = hf_config()
     layers = []
@@ -90,9 +108,13 @@ def test_one_shot_prefill_matches_transformers(setup, layer):
     model, hf, layers, rot = setup
     x = torch.randn(T, CFG.dim, generator=torch.Generator().manual_seed(3))
     ref = hf_forward(hf, layers[layer], rot, x, torch.arange(T))
-    exact, _, _ = v4_layer_forward(model.layers[layer].attn, x, 0, V4LayerCache.empty("fp32", CFG.ratio(layer), 512, 128, "cpu"), torch.float32)
+    exact, _, _ = v4_layer_forward(
+        model.layers[layer].attn, x, 0, V4LayerCache.empty("fp32", CFG.ratio(layer), 512, 128, "cpu"), torch.float32
+    )
     assert rel_err(exact, ref) < 1e-5
-    quant, _, _ = v4_layer_forward(model.layers[layer].attn, x, 0, V4LayerCache.empty("fp8", CFG.ratio(layer), 512, 128, "cpu"), torch.float32)
+    quant, _, _ = v4_layer_forward(
+        model.layers[layer].attn, x, 0, V4LayerCache.empty("fp8", CFG.ratio(layer), 512, 128, "cpu"), torch.float32
+    )
     assert rel_err(quant, ref) < (0.2 if CFG.ratio(layer) == 4 else 0.06)
 
 
@@ -110,8 +132,9 @@ def test_chunked_prefill_carries_compressor_state_like_transformers(setup):
 
         positions = torch.arange(a, b)
         with torch.no_grad():
-            mask = create_sliding_window_causal_mask(config=hf, inputs_embeds=x[None, a:b], attention_mask=None,
-                                                     cache=hf_cache, position_ids=positions[None])
+            mask = create_sliding_window_causal_mask(
+                config=hf, inputs_embeds=x[None, a:b], attention_mask=None, cache=hf_cache, position_ids=positions[None]
+            )
             pe = {k: rot(x[None, a:b], positions[None], layer_type=k) for k in ("main", "compress")}
             for i in range(CFG.n_layers):
                 ref = layers[i](x[None, a:b], pe, positions[None], mask, cache=hf_cache)[0][0]
@@ -144,7 +167,11 @@ def test_weights_load_by_hugging_face_names(setup):
     theirs = hf_v4.DeepseekV4Attention(hf, 1).float()  # a CSA layer: every parameter kind
     with torch.no_grad():
         for p in theirs.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) / max(1, p.shape[-1]) ** 0.5 if p.dim() == 2 else 1 + 0.1 * torch.randn(p.shape, generator=gen))
+            p.copy_(
+                torch.randn(p.shape, generator=gen) / max(1, p.shape[-1]) ** 0.5
+                if p.dim() == 2
+                else 1 + 0.1 * torch.randn(p.shape, generator=gen)
+            )
     state = {f"model.layers.1.self_attn.{k}": v for k, v in theirs.state_dict().items()}
     state["model.layers.1.input_layernorm.weight"] = torch.ones(CFG.dim)
     csa_only = dataclasses.replace(CFG, n_layers=1, compress_ratios=(4,))  # its layer 0 is the checkpoint's layer 1
@@ -153,7 +180,9 @@ def test_weights_load_by_hugging_face_names(setup):
     assert "layers.0.attn.indexer.compressor.ape" in names
     x = torch.randn(150, CFG.dim, generator=gen)
     ref = hf_forward(hf, theirs, rot, x, torch.arange(150))
-    out, _, _ = v4_layer_forward(one.layers[0].attn, x, 0, V4LayerCache.empty("fp32", 4, 512, 128, "cpu"), torch.float32)
+    out, _, _ = v4_layer_forward(
+        one.layers[0].attn, x, 0, V4LayerCache.empty("fp32", 4, 512, 128, "cpu"), torch.float32
+    )
     assert rel_err(out, ref) < 1e-5
 
 
@@ -228,4 +257,9 @@ def test_round_trips_within_the_codec(codec):
     nope_scale = x[:, :448].unflatten(1, (7, 64)).abs().amax(-1, keepdim=True).expand(-1, -1, 64).flatten(1)
     assert ((back[:, :448] - x[:, :448]).abs() <= bound * nope_scale + 1e-30).all()
     k = torch.randn(5, 128)
-    assert torch.allclose(L.decode_index(L.encode_index(k, codec), codec), k, rtol={"fp8": 0.5, "bf16": 1e-2, "fp32": 0}[codec], atol={"fp8": 0.5, "bf16": 0, "fp32": 0}[codec])
+    assert torch.allclose(
+        L.decode_index(L.encode_index(k, codec), codec),
+        k,
+        rtol={"fp8": 0.5, "bf16": 1e-2, "fp32": 0}[codec],
+        atol={"fp8": 0.5, "bf16": 0, "fp32": 0}[codec],
+    )

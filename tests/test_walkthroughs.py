@@ -25,7 +25,9 @@ def test_pair_has_not_drifted(source: Path) -> None:
     notebook = nbformat.read(ROOT / "notebooks" / f"{source.stem}.ipynb", as_version=4)
     ours = [(c.cell_type, c.source.strip()) for c in text.cells]
     theirs = [(c.cell_type, c.source.strip()) for c in notebook.cells]
-    assert ours == theirs, f"{source.name} and notebooks/{source.stem}.ipynb drifted: re-run scripts/execute_notebooks.py"
+    assert ours == theirs, (
+        f"{source.name} and notebooks/{source.stem}.ipynb drifted: re-run scripts/execute_notebooks.py"
+    )
 
 
 @pytest.mark.parametrize("source", WALKTHROUGHS, ids=lambda p: p.stem)

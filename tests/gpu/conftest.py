@@ -27,6 +27,7 @@ def _release_cached_cuda_memory():
     if torch.cuda.is_initialized():
         torch.cuda.empty_cache()
 
+
 # Two requests at DeepSeek-V3.2 dims, two layers. "prefix": prefixes that end mid-page (a partial
 # page whose owner is fixed), uneven extends; "current-only": no history at all.
 PREFIX = (Request(1000, 2100), Request(64, 900))

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from reference_impl.fp8 import act_quant
 from reference_impl.kernels import dispatch, fallback
 from reference_impl.model import sparse_attention as ref
-from reference_impl.fp8 import act_quant
 
 pytestmark = pytest.mark.gpu
 
@@ -92,8 +92,12 @@ def test_topk_selection_is_exact_at_the_per_rank_width() -> None:
     logits = torch.randn(n_rows, n_keys, device=DEVICE, generator=gen)
     logits[:8] = torch.randint(0, 4, (8, n_keys), device=DEVICE, generator=gen).float()  # ties at the bound
     logits[8:16] = torch.arange(n_keys, device=DEVICE).float()  # increasing scores: the bound is tight
-    ends = torch.cat([torch.randint(1, n_keys + 1, (n_rows - 4,), device=DEVICE, generator=gen),
-                      torch.tensor([1, 100, 2048, 2049], device=DEVICE)])
+    ends = torch.cat(
+        [
+            torch.randint(1, n_keys + 1, (n_rows - 4,), device=DEVICE, generator=gen),
+            torch.tensor([1, 100, 2048, 2049], device=DEVICE),
+        ]
+    )
     ends[:16] = n_keys  # the tie rows and the increasing rows see every key
     starts = torch.zeros_like(ends)
     starts[40:48] = 1000  # rows whose range starts past column 0
@@ -188,6 +192,8 @@ def test_streamed_indexer_topk_selects_what_one_pass_selects() -> None:
     logits = indexer_logits_triton(ties[rows], w[rows], k, ks, start[rows], end[rows], 0, 300_000)
     assert logits[0].isfinite().sum() > logits[0][logits[0].isfinite()].unique().numel()  # ties
     want = topk_select_reference(logits, start[rows], end[rows], 2048)  # the kernel's own scores, one pass
-    got = indexer_topk_triton(ties[rows], w[rows], k, ks, start[rows], end[rows], 2048, selector="triton", key_tile=32768)
+    got = indexer_topk_triton(
+        ties[rows], w[rows], k, ks, start[rows], end[rows], 2048, selector="triton", key_tile=32768
+    )
     assert torch.equal(got, want)
     assert indexer_tile_bytes(16384, 1 << 20, 2048) == indexer_tile_bytes(16384, 1 << 22, 2048)

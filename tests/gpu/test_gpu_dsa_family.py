@@ -4,7 +4,8 @@ The fused MLA store (both code paths, with and without the fast division) and th
 fill (with and without index K, as on an IndexShare shared layer) write the torch path's bytes at
 DeepSeek-V3.2 / GLM-5 cache widths (512 latent + 64 rope, 656-byte rows) in the ``ue8m0`` and
 ``fp32`` formats, with the hardware conversions (the CPU tier checks the interpreter's); the
-materialize reads both (``test_gpu_fused_kernels.py::test_materialize_equals_torch``). Then GLM-5.2 at its real dims, 4 layers (full, full, full, shared), two ranks
+materialize reads both (``test_gpu_fused_kernels.py::test_materialize_equals_torch``). Then GLM-5.2
+at its real dims, 4 layers (full, full, full, shared), two ranks
 sharing the GPU at levels 0 and 8, against the oracle, with less index K per rank than GLM-5.
 """
 
@@ -12,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import as_bytes
+
 from gpu.test_gpu_fused_kernels import _kv, no_fallbacks  # noqa: F401  (the autouse fixture applies here too)
 from reference_impl.config import PhaseSet, Request, RunConfig
 from reference_impl.kernels import fused_torch
@@ -70,8 +71,14 @@ def test_the_current_fill_writes_both_formats_like_torch(fmt: str, with_index: b
         assert torch.equal(as_bytes(got), as_bytes(want))
 
 
-GLM_RUN = RunConfig(preset="glm-5.2", n_layers=4, cp_size=2, requests=(Request(1000, 2100), Request(64, 900)),
-                    page_size=64, device="cuda")
+GLM_RUN = RunConfig(
+    preset="glm-5.2",
+    n_layers=4,
+    cp_size=2,
+    requests=(Request(1000, 2100), Request(64, 900)),
+    page_size=64,
+    device="cuda",
+)
 GLM_RUNS = {
     "glm-5.2-level0": GLM_RUN.replace(phases=PhaseSet.level(0)),
     "glm-5.2-level8-fp32": GLM_RUN.replace(phases=PhaseSet.level(8), mla_scale_fmt="fp32"),

@@ -56,5 +56,7 @@ def test_block_pointer_logits_equal_the_default_kernels() -> None:
     end = torch.randint(1, 5001, (200,), device=DEVICE, generator=gen)
     plain = indexer_logits_triton(q, w, k, ks[:, 0], start, end, 100, 4900, block_pointers=False)
     for warps in (4, 8):
-        via_blocks = indexer_logits_triton(q, w, k, ks[:, 0], start, end, 100, 4900, block_pointers=True, num_warps=warps)
+        via_blocks = indexer_logits_triton(
+            q, w, k, ks[:, 0], start, end, 100, 4900, block_pointers=True, num_warps=warps
+        )
         assert torch.equal(via_blocks, plain)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import as_bytes
+
 from reference_impl.cp import fused_ops
 from reference_impl.cp.ownership import page_owner, physical_locs
 from reference_impl.cp.split import build_split
@@ -62,8 +62,10 @@ def test_store_mla_and_index_equal_torch(kv_dtype: str, sharded: bool) -> None:
     kv, k = _kv(TOKENS, 576, 1), _kv(TOKENS, 128, 2)
     src, dst = _owned_rows(n_pages * PAGE) if sharded else (None, torch.arange(TOKENS, device=DEVICE))
     pools = []
-    for store_mla, store_index in ((store_mla_triton, store_index_triton),
-                                   (fused_torch.store_mla_torch, fused_torch.store_index_torch)):
+    for store_mla, store_index in (
+        (store_mla_triton, store_index_triton),
+        (fused_torch.store_mla_torch, fused_torch.store_index_torch),
+    ):
         mla = torch.zeros(n_pages * PAGE, layout.mla_bytes, dtype=torch.uint8, device=DEVICE)
         index = torch.zeros(n_pages, layout.index_page_bytes, dtype=torch.uint8, device=DEVICE)
         store_mla(kv, src, dst, mla, layout)

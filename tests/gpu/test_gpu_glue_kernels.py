@@ -1,4 +1,5 @@
-"""The glue kernels (query preparation, RMSNorm) on the GPU at DeepSeek-V3.2 widths, against the torch references (GPU tier).
+"""The glue kernels (query preparation, RMSNorm) on the GPU at DeepSeek-V3.2 widths, against the torch
+references (GPU tier).
 
 RoPE into the absorbed query must equal the reference bit for bit (no FMA contraction). The
 indexer query's Hadamard sums run in another order than the reference's float32 GEMM, so a few
@@ -70,16 +71,23 @@ def test_the_dispatch_runs_the_query_kernels_in_a_kernel_layer(monkeypatch: pyte
     calls: list[str] = []
     for name in ("indexer_query_triton", "rope_into_triton"):
         real = getattr(query_prep_triton, name)
-        monkeypatch.setattr(query_prep_triton, name, lambda *a, _real=real, _name=name, **k: (calls.append(_name), _real(*a, **k))[1])
+        monkeypatch.setattr(
+            query_prep_triton, name, lambda *a, _real=real, _name=name, **k: (calls.append(_name), _real(*a, **k))[1]
+        )
     fallback.reset_fallbacks()
     gen = torch.Generator(device=DEVICE).manual_seed(2)
     q = torch.randn(64, 64, 128, device=DEVICE, generator=gen).to(torch.bfloat16)
     cos, sin = _tables(64)
-    dispatch.indexer_query(q, cos, sin, hadamard_matrix(128, DEVICE), torch.randn(64, 64, device=DEVICE), 64, False, "ue8m0")
+    dispatch.indexer_query(
+        q, cos, sin, hadamard_matrix(128, DEVICE), torch.randn(64, 64, device=DEVICE), 64, False, "ue8m0"
+    )
     dispatch.rope_into(torch.empty(64, 64, 64, dtype=torch.bfloat16, device=DEVICE), q[..., 64:], cos, sin, True)
     assert calls == ["indexer_query_triton", "rope_into_triton"]
     x = torch.randn(64, 7168, device=DEVICE).to(torch.bfloat16)
-    assert torch.equal(dispatch.rms_norm(x, torch.ones(7168, device=DEVICE), 1e-6), rms_norm_triton(x, torch.ones(7168, device=DEVICE), 1e-6))
+    assert torch.equal(
+        dispatch.rms_norm(x, torch.ones(7168, device=DEVICE), 1e-6),
+        rms_norm_triton(x, torch.ones(7168, device=DEVICE), 1e-6),
+    )
     assert not fallback.fallbacks_taken()
 
 

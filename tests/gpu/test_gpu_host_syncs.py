@@ -37,8 +37,14 @@ def test_ranks_sharing_the_gpu_sync_only_on_the_wire(engine_reports: dict[str, d
 def test_one_rank_of_eight_syncs_nowhere_in_the_layer_loop(level: int, debug: bool) -> None:
     """Rank 0 of C = 8 alone (loopback collectives, no gloo staging): zero syncs of any kind, with the
     fused kernels in production and the torch paths plus diagnostics in debug."""
-    run = V32.replace(cp_size=8, phases=PhaseSet.level(level), debug=debug, check=False, compute_dtype="bf16",
-                      requests=(Request(4096, 8192),))
+    run = V32.replace(
+        cp_size=8,
+        phases=PhaseSet.level(level),
+        debug=debug,
+        check=False,
+        compute_dtype="bf16",
+        requests=(Request(4096, 8192),),
+    )
     group = LoopbackGroup(0, 8, "cuda")
     group.debug = debug
     result = run_rank(group, run)

@@ -51,8 +51,9 @@ def test_ranks_sharing_the_gpu_match_the_oracle(design_reports: dict[str, dict],
 
 @pytest.mark.parametrize("design", DESIGNS)
 def test_one_rank_of_eight_syncs_nowhere_in_the_layer_loop(design: str) -> None:
-    run = V32.replace(cp_size=8, kv_design=design, phases=BESIDE, check=False, compute_dtype="bf16",
-                      requests=(Request(4096, 8192),))
+    run = V32.replace(
+        cp_size=8, kv_design=design, phases=BESIDE, check=False, compute_dtype="bf16", requests=(Request(4096, 8192),)
+    )
     result = run_rank(LoopbackGroup(0, 8, "cuda", wire_gbps=450.0), run)
     assert result.stats["host_syncs_in_layer_loop"] == 0
     assert result.stats["transport_syncs_in_layer_loop"] == 0
@@ -77,8 +78,23 @@ def test_a_slow_side_stream_still_matches_the_oracle(monkeypatch: pytest.MonkeyP
 
 def test_the_benchmark_runs_on_the_gpu(tmp_path: Path) -> None:
     out = tmp_path / "designs.json"
-    assert bench.main(["--out", str(out), "--workloads", "prefix-heavy:4096+2048", "--layers", "2", "--repeats", "1",
-                       "--wire-gbps", "450"]) == 0
+    assert (
+        bench.main(
+            [
+                "--out",
+                str(out),
+                "--workloads",
+                "prefix-heavy:4096+2048",
+                "--layers",
+                "2",
+                "--repeats",
+                "1",
+                "--wire-gbps",
+                "450",
+            ]
+        )
+        == 0
+    )
     doc = json.loads(out.read_text())
     rows = {r["design"]: r for r in doc["workloads"][0]["designs"]}
     assert doc["device"] == torch.cuda.get_device_name(0)

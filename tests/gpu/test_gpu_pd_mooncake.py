@@ -20,7 +20,11 @@ from reference_impl.pd.stream import LayerStreamer
 from reference_impl.prefill_decode import run_prefill_and_decode
 
 UNAVAILABLE = mooncake_unavailable()
-pytestmark = [pytest.mark.gpu, pytest.mark.gpu_ranks, pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE))]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.gpu_ranks,
+    pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE)),
+]
 
 
 def test_one_rank_of_eight_writes_into_a_gpu_pool_without_a_host_sync() -> None:

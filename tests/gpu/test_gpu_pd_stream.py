@@ -20,7 +20,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.gpu_ranks]
 def test_one_rank_of_eight_streams_from_a_side_stream_without_a_host_sync() -> None:
     """Rank 0 of C = 8 alone at level 8: every block staged on the side stream equals the rows at
     rest, the layer loop keeps zero host syncs, and the overlap figures are well formed."""
-    run = V32.replace(cp_size=8, phases=PhaseSet.level(8), check=False, requests=(Request(4096, 8192), Request(0, 2048)))
+    run = V32.replace(
+        cp_size=8, phases=PhaseSet.level(8), check=False, requests=(Request(4096, 8192), Request(0, 2048))
+    )
     transport = InProcessTransport()
     streamer = LayerStreamer(transport, decode_rank=8)
     result = run_rank(LoopbackGroup(0, 8, "cuda"), run, keep_store=True, on_layer_stored=streamer)

@@ -45,8 +45,9 @@ def slow_side_stream_and_nan_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
         return original_submit(self, late_work, slot)
 
     def nan_view(self):
-        return torch.full((self.batch.view_len, self.layout.kv_width), float("nan"), dtype=torch.bfloat16,
-                          device=self.pool.mla.device)
+        return torch.full(
+            (self.batch.view_len, self.layout.kv_width), float("nan"), dtype=torch.bfloat16, device=self.pool.mla.device
+        )
 
     monkeypatch.setattr(prefetch.CudaSideStream, "submit", slow_submit)
     monkeypatch.setattr(ShardedKV, "new_view_kv", nan_view)
@@ -75,7 +76,9 @@ def test_with_the_wait_a_slow_side_stream_still_matches(slow_side_stream_and_nan
     assert rep["matches_oracle"] is True, rep["problems"]
 
 
-def test_without_the_wait_the_run_disagrees(monkeypatch: pytest.MonkeyPatch, slow_side_stream_and_nan_buffers: None) -> None:
+def test_without_the_wait_the_run_disagrees(
+    monkeypatch: pytest.MonkeyPatch, slow_side_stream_and_nan_buffers: None
+) -> None:
     monkeypatch.setattr(prefetch.CudaSideStream, "wait", lambda self, handle: None)
     rep = run_prefill(RUN)
     assert rep["matches_oracle"] is False

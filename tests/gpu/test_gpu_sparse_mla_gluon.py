@@ -45,7 +45,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _assert_matches_reference_and_triton(
-    out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    scale: float,
     d_v: int,
 ) -> None:
     """A Gluon kernel's answer against the torch reference and the Triton kernel: the same rows with
@@ -83,8 +88,15 @@ def _case(n_tokens: int, n_heads: int, n_kv: int, topk: int, d_qk: int, dtype: t
 )
 @pytest.mark.parametrize(("overlap_pv", "evict_last"), [(False, False), (True, False), (False, True)])
 def test_gluon_matches_the_reference_and_the_triton_kernel(
-    n_tokens: int, n_heads: int, n_kv: int, topk: int, d_qk: int, d_v: int, dtype: torch.dtype,
-    overlap_pv: bool, evict_last: bool,
+    n_tokens: int,
+    n_heads: int,
+    n_kv: int,
+    topk: int,
+    d_qk: int,
+    d_v: int,
+    dtype: torch.dtype,
+    overlap_pv: bool,
+    evict_last: bool,
 ) -> None:
     q, kv, indices = _case(n_tokens, n_heads, n_kv, topk, d_qk, dtype, seed=n_tokens)
     scale = d_qk**-0.5
@@ -111,7 +123,8 @@ def test_warp_specialized_matches_the_reference_and_the_triton_kernel(
     out, lse = sparse_mla_attention_gluon_ws(q, kv, indices, scale, d_v, pipeline_qk=pipeline_qk)
     _assert_matches_reference_and_triton(out, lse, q, kv, indices, scale, d_v)
     bf16_out, bf16_lse = sparse_mla_attention_gluon_ws(
-        q, kv, indices, scale, d_v, out_dtype=torch.bfloat16, pipeline_qk=pipeline_qk)
+        q, kv, indices, scale, d_v, out_dtype=torch.bfloat16, pipeline_qk=pipeline_qk
+    )
     assert torch.equal(bf16_out, out.to(torch.bfloat16)) and torch.equal(bf16_lse, lse)
 
 

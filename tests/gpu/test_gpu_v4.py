@@ -15,8 +15,14 @@ from reference_impl.config import PhaseSet, Request, RunConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.gpu_ranks]
 
-FLASH = RunConfig(preset="deepseek-v4-flash", n_layers=4, cp_size=2, device="cuda",
-                  requests=(Request(0, 2501), Request(301, 1203)), chunk_size=1001)
+FLASH = RunConfig(
+    preset="deepseek-v4-flash",
+    n_layers=4,
+    cp_size=2,
+    device="cuda",
+    requests=(Request(0, 2501), Request(301, 1203)),
+    chunk_size=1001,
+)
 
 
 @pytest.fixture(scope="module")
@@ -66,10 +72,10 @@ def test_v4_indexer_kernel_at_flash_shape() -> None:
     keys), top-512 with the causal entry rule, in one key tile and streamed in four: every row selects
     ``min(512, visible)`` distinct visible entries whose scores sum to the reference's within
     rounding, and nearly every row's set is the reference's exactly."""
-    from reference_impl.families.deepseek_v4.kernels import dispatch as v4_dispatch
-    from reference_impl.kernels import fallback, indexer_triton
     from reference_impl.families.deepseek_v4.cache_layout import fp4_simulate
+    from reference_impl.families.deepseek_v4.kernels import dispatch as v4_dispatch
     from reference_impl.families.deepseek_v4.model.sparse import index_scores, select_entries
+    from reference_impl.kernels import fallback, indexer_triton
 
     g = torch.Generator(device="cuda").manual_seed(1)
     t, s, topk = 4096, 32768, 512
@@ -82,8 +88,17 @@ def test_v4_indexer_kernel_at_flash_shape() -> None:
     assert v4_dispatch.indexer_kernel_name(q, keys) == "triton"
     got = v4_dispatch.select_entries(q, weights, keys, key_start, n_visible, topk, host_bounds=bounds)
     tiled = indexer_triton.indexer_topk_triton(  # the 1M path: keys streamed in tiles of 8,192
-        q, weights, keys, torch.ones(s, device="cuda"), key_start, n_visible, topk, host_bounds=bounds,
-        selector="triton", dot_dtype="bf16", key_tile=8192,
+        q,
+        weights,
+        keys,
+        torch.ones(s, device="cuda"),
+        key_start,
+        n_visible,
+        topk,
+        host_bounds=bounds,
+        selector="triton",
+        dot_dtype="bf16",
+        key_tile=8192,
     )
     ref = select_entries(q, weights, keys, key_start, n_visible, topk)
     assert fallback.fallbacks_taken() == {}
@@ -124,8 +139,8 @@ def test_v4_rope_tail_kernel_at_flash_shape() -> None:
     cast (float32 -> bf16): within one bf16 step of the head's largest value (the sum order of the
     mean and fused multiply-adds may move a rounding), and 99% of the elements bit-equal."""
     from reference_impl.families.deepseek_v4.kernels.rope_triton import rope_tail_triton
-    from reference_impl.model.rope import rope_cos_sin, yarn_frequencies
     from reference_impl.families.deepseek_v4.model.rope_tail import rope_tail
+    from reference_impl.model.rope import rope_cos_sin, yarn_frequencies
 
     g = torch.Generator(device="cuda").manual_seed(3)
     t = 4096
@@ -144,8 +159,8 @@ def test_v4_rope_tail_kernel_at_flash_shape() -> None:
 
 def test_v4_fp4_kernel_is_bit_exact_at_flash_shape() -> None:
     """The indexer query of 4,096 tokens ([4096, 64, 128] bf16, values over six decades): bit-equal."""
-    from reference_impl.families.deepseek_v4.kernels.fp4_triton import fp4_simulate_triton
     from reference_impl.families.deepseek_v4.cache_layout import fp4_simulate
+    from reference_impl.families.deepseek_v4.kernels.fp4_triton import fp4_simulate_triton
 
     g = torch.Generator(device="cuda").manual_seed(4)
     x = (torch.randn(4096, 64, 128, device="cuda", generator=g) * torch.logspace(-3, 3, 128, device="cuda")).bfloat16()
