@@ -107,7 +107,7 @@ def _assert_same_sets_up_to_ties(got: torch.Tensor, want: torch.Tensor, q, weigh
     (``H`` terms) compose to ``gamma_(D+H) * A`` per side, ``A = sum_h |w_h| sum_d |q_hd k_d|``
     (Higham's lemma 3.3). A differing key must score within both sides' errors of the k-th key:
     ``2 gamma_(D+H) (A_key + A_kth)``."""
-    from reference_impl.model.v4.sparse import index_scores
+    from reference_impl.families.deepseek_v4.model.sparse import index_scores
 
     n = q.shape[-1] + q.shape[-2]
     gamma = n * 2.0**-24 / (1 - n * 2.0**-24)
@@ -152,7 +152,7 @@ def test_indexer_kernel_selects_the_reference_sets(kernels_on, topk):
 def test_the_tie_rule_catches_a_key_that_does_not_tie():
     """The rule above lets rounding ties through and nothing else: a selection with one key swapped
     for the row's lowest-scoring key fails."""
-    from reference_impl.model.v4.sparse import index_scores, select_entries
+    from reference_impl.families.deepseek_v4.model.sparse import index_scores, select_entries
 
     q, weights, keys = _index_inputs(4, 30)
     key_start, n_visible = torch.zeros(4, dtype=torch.long), torch.full((4,), 30)
