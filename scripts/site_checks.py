@@ -11,6 +11,7 @@ find; ``tests/test_site.py`` asserts on them.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import sys
 from collections.abc import Iterable, Iterator
@@ -238,6 +239,12 @@ def html_pages(site: Path) -> Iterator[tuple[str, str]]:
         yield rel, path.read_text(encoding="utf-8")
 
 
+@functools.cache
+def _anchors(path: Path) -> frozenset[str]:
+    """The ids a built page defines, parsed once per page (every link to it reads them)."""
+    return frozenset(structure(path.read_text(encoding="utf-8")).ids)
+
+
 def broken_links(site: Path, page: str, html: str) -> list[str]:
     """The relative links of ``page`` (a path under ``site``) that lead nowhere: a target that is not a
     file or a folder with an ``index.html`` (a ``.md`` or ``.ipynb`` source path, say), or an anchor that
@@ -254,7 +261,7 @@ def broken_links(site: Path, page: str, html: str) -> list[str]:
             path = path / "index.html"
         if not path.is_file():
             found.append(f"{href}: no such page")
-        elif anchor and path.suffix == ".html" and anchor not in structure(path.read_text(encoding="utf-8")).ids:
+        elif anchor and path.suffix == ".html" and anchor not in _anchors(path):
             found.append(f"{href}: no anchor #{anchor} on that page")
     return found
 
