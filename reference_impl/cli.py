@@ -77,10 +77,17 @@ def _out(text: str) -> None:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse whose errors are one line (``error: ...``) and exit code 2."""
+    """argparse whose errors are one line (``error: ...``) and exit code 2, and whose help and usage go
+    through :func:`_out` (argparse itself drops a failed write and exits 0)."""
 
     def error(self, message: str) -> NoReturn:
         raise ConfigError(f"{self.prog.split()[-1]}: {message}")
+
+    def print_help(self, file: Any = None) -> None:
+        if file is None or file is sys.stdout:
+            _out(self.format_help().rstrip("\n"))
+        else:
+            super().print_help(file)
 
 
 # ---- typed flag values: each refuses what it cannot use, naming the flag ----------------------

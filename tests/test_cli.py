@@ -104,6 +104,7 @@ def test_a_full_stdout_is_one_line_and_not_exit_1() -> None:
         ["run", "--requests", "0+40"],
         ["run", "--requests", "0+40", "--json"],
         ["split", "--cp", "2", "--extend", "9"],
+        ["run", "--help"],  # argparse alone would drop the failed write and exit 0
     ):
         cmd = f"{sys.executable} -m reference_impl {' '.join(args)} > /dev/full"
         proc = subprocess.run(
