@@ -124,7 +124,7 @@ def engines() -> Iterator[tuple[MooncakeEngine, MooncakeEngine]]:
     pair = (MooncakeEngine.start(), MooncakeEngine.start())
     yield pair
     for engine in pair:
-        del engine._engine  # the native engine's last reference: its destructor runs now, in this process
+        engine.destroy()  # the native engine's last reference: its destructor runs now, in this process
     gc.collect()
 
 

@@ -194,3 +194,10 @@ class MooncakeEngine:
         for address in list(self._registered):
             self._engine.unregister_memory(address)
         self._registered.clear()
+
+    def destroy(self) -> None:
+        """Close, then drop the native engine now, in this process: its destructor joins the engine's
+        threads, which exist only in the process that started them (a forked child that freed its copy
+        would hang there). The engine is unusable afterwards."""
+        self.close()
+        del self._engine
