@@ -191,6 +191,10 @@ _RUN_KNOBS: dict[str, tuple[Callable[[str], Any], str]] = {
     ),
     "n_layers": (_int_arg(1, MAX_LAYERS, "the deepest DSA model has 78"), "layers"),
     "chunk_size": (_int_arg(1), "chunked prefill: extend tokens per request per chunk"),
+    "pool_pages": (
+        _int_arg(1),
+        "long-lived pool budget in pages: finished requests stay cached for prefix hits, evicted LRU first",
+    ),
     "seed": (_int_arg(0, MAX_SEED, "2**63 - 2"), "weights and inputs"),
     "device": (_choice_arg(DEVICES, "device"), " | ".join(DEVICES)),
     "backend": (_choice_arg(BACKENDS, "backend"), " | ".join(BACKENDS)),
@@ -221,6 +225,7 @@ _RUN_DEFAULT_WORDS: dict[str, str] = {
     "kv_interleave": "the page size in-seq, 1 round-robin",
     "n_layers": "the preset's",
     "chunk_size": "none: one chunk",
+    "pool_pages": "none: room for every request, freed between batches",
     "index_topk_pattern": "the preset's; glm-5.2: full on 0, 1, 2, 6, 10, ...",
 }
 

@@ -285,6 +285,10 @@ class RunConfig:
     # Several batches in sequence on one pool per rank: requests per batch, in order (None: one
     # batch). A request that shares an earlier batch's prefix (Request.shares) reuses its pages.
     batch_sizes: tuple[int, ...] | None = None
+    # The long-lived pool's budget in pages per rank's page table (None: room for every request). With a
+    # budget, finished requests stay cached for later prefix hits and are evicted least recently used first
+    # when a batch needs their pages; a request whose shared prefix was evicted recomputes it.
+    pool_pages: int | None = None
     seed: int = 0
     debug: bool = False
     device: str = "auto"  # "auto" | "cpu" | "cuda"
@@ -354,6 +358,7 @@ class RunConfig:
         _ = self.model  # the indexer pattern against the layer count, by name
         self._check_batches()
         self._check_sizes()
+        self._check_pool()
         self.phases.check_implemented()
 
     def _check_design(self) -> None:
@@ -412,7 +417,7 @@ class RunConfig:
             or not (0 < self.timeout_s < float("inf"))
         ):
             raise ConfigError(f"timeout_s={self.timeout_s!r}: need a positive, finite number of seconds")
-        for name in ("n_layers", "chunk_size", "kv_interleave"):
+        for name in ("n_layers", "chunk_size", "kv_interleave", "pool_pages"):
             if getattr(self, name) is not None:
                 _check_type(name, getattr(self, name), int)
         if self.n_layers is not None and not 1 <= self.n_layers <= MAX_LAYERS:  # before the model is derived
@@ -477,6 +482,28 @@ class RunConfig:
                     f"chunk_size={self.chunk_size} cuts the run into {chunks:,} chunks (each a CP batch through every "
                     f"layer): at most {MAX_CHUNKS:,}; use a larger chunk size"
                 )
+
+    def _check_pool(self) -> None:
+        """A pool budget holds every batch's own pages (its requests' pages at once, plus the lane slack
+        of phase 5 or a KV design's lanes): cached pages can be evicted, a running batch's cannot."""
+        if self.pool_pages is None:
+            return
+        lanes = self.phases.compute_owner or self.kv_design != "phases"
+        first, need, worst = 0, 0, 0
+        for batch, size in enumerate(self.batches):
+            members = self.requests[first : first + size]
+            first += size
+            pages = sum(-(-r.total // self.page_size) for r in members)
+            pages += 2 * self.cp_size * (size + 1) if lanes else 0
+            if pages > need:
+                need, worst = pages, batch
+        if self.pool_pages < need:
+            where = f"batch {worst}'s requests need" if len(self.batches) > 1 else "the requests need"
+            slack = " (with the lane slack of phase 5 or a KV design)" if lanes else ""
+            raise ConfigError(
+                f"pool_pages={self.pool_pages} is too small for one batch: {where} {need} pages of "
+                f"{self.page_size} tokens{slack}; give at least {need}"
+            )
 
     @property
     def batches(self) -> tuple[int, ...]:

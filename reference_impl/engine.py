@@ -39,7 +39,7 @@ from reference_impl.cp.split_index import SplitIndex
 from reference_impl.cp.tail import OutputSpec, collect_full
 from reference_impl.families import ChunkInputs, ModelFamily, RankStore, family_of
 from reference_impl.kernels import fallback
-from reference_impl.kvcache.allocator import RequestPageTable, page_locs
+from reference_impl.kvcache.allocator import PageAllocator, PrefixCache, RequestPageTable, page_locs
 from reference_impl.schedule import Chunk, chunk_schedule, frees_after_batch
 from reference_impl.sync_audit import HostSyncAudit
 from reference_impl.workload import build_inputs, build_model
@@ -84,6 +84,7 @@ class RankResult:
     host_sync_audit: str = ""  # how phase 6 counted the layer loop's host syncs ("" without phase 6)
     kernel_fallbacks: dict[str, str] = field(default_factory=dict)  # kernel -> first error, in this rank's process
     pool_occupancy: list[dict[str, int]] = field(default_factory=list)  # per batch: pages in use, requests freed
+    prefix_cache: dict[str, int] | None = None  # a budgeted pool's hits, evictions, recomputed tokens (RunPool.counts)
 
 
 LAYER_LOOP_RANGE = "dsacp.layer_loop"  # a profiler range around each chunk's layer loop (scripts/profile_layer.py)
@@ -206,9 +207,93 @@ def requests_to_free(run: RunConfig, chunk: Chunk) -> list[int]:
 
 
 def new_run_page_table(run: RunConfig) -> RequestPageTable:
-    """The run's empty page table, with lane slack where an allocator hands out pages by lanes (phase 5, a design's)."""
+    """The run's empty page table, with lane slack where an allocator hands out pages by lanes (phase 5, a design's);
+    with a pool budget (``run.pool_pages``), exactly that many pages."""
+    if run.pool_pages is not None:
+        return RequestPageTable(PageAllocator(run.pool_pages, run.page_size))
     lanes = run.phases.compute_owner or design_page_lanes(run) is not None
     return new_page_table([r.total for r in run.requests], run.page_size, run.cp_size, lanes)
+
+
+class RunPool:
+    """The run's page table across its batches, the same on every rank (pure metadata).
+
+    Without a budget, a finished request's pages go back once nothing later shares them
+    (:func:`requests_to_free`). With ``run.pool_pages``, every finished request stays cached
+    (:class:`~reference_impl.kvcache.allocator.PrefixCache`): a later ``rN:P+E`` hits request ``N``'s whole
+    prefix pages while they are there, and the allocator evicts the least recently used cached request when
+    a batch needs more pages than are free; a request whose source was evicted writes its whole prefix again.
+    """
+
+    def __init__(self, run: RunConfig) -> None:
+        self.run = run
+        self.table = new_run_page_table(run)
+        self.cache = PrefixCache(self.table) if run.pool_pages is not None else None
+        self.shares = shares_of(run)
+        self.hits = self.hit_tokens = self.misses = self.recomputed_tokens = 0
+
+    def build(
+        self, chunk: Chunk, meta: SplitMetadata, device: Any, id_space: int | None, first_of_batch: bool
+    ) -> BatchLocs:
+        """Allocate ``chunk``'s locs; at a batch's first chunk its hits' sources become most recently used
+        first, and the hits and misses are counted after."""
+        hitting = [req for req in chunk.requests if req in self.shares] if first_of_batch else []
+        if self.cache is not None:
+            for req in hitting:
+                self.cache.touch(self.shares[req])
+        batch = BatchLocs.build(
+            meta,
+            device,
+            self.run.phases.compute_owner,
+            table=self.table,
+            request_ids=chunk.requests,
+            id_space=id_space,
+            shares=self.shares,
+            page_lanes=design_page_lanes(self.run),
+        )
+        for req in hitting:
+            whole = self.run.requests[req].prefix // self.run.page_size * self.run.page_size
+            if not whole:
+                continue  # less than a page: nothing is ever shared
+            shared = self.table.shared_tokens(req)
+            if shared:
+                self.hits, self.hit_tokens = self.hits + 1, self.hit_tokens + shared
+            else:
+                self.misses, self.recomputed_tokens = self.misses + 1, self.recomputed_tokens + whole
+        return batch
+
+    def leaving(self, chunk: Chunk) -> list[int]:
+        """After a batch's last chunk (not the run's last batch): the requests that leave the live set, freed
+        (:func:`requests_to_free`) or, with a budget, cached (every request of the batch)."""
+        if self.cache is None:
+            return requests_to_free(self.run, chunk)
+        if not chunk.last_of_batch or chunk.batch == len(self.run.batches) - 1:
+            return []
+        first = sum(self.run.batches[: chunk.batch])
+        return list(range(first, first + self.run.batches[chunk.batch]))
+
+    def release(self, requests: list[int]) -> None:
+        """Free ``requests`` (:meth:`leaving`'s), or with a budget keep them cached."""
+        for req in requests:
+            if self.cache is not None:
+                self.cache.hold(req)
+            else:
+                self.table.free(req)
+
+    @property
+    def counts(self) -> dict[str, int] | None:
+        """A budgeted pool's prefix-cache counts for the report (None without a budget)."""
+        if self.cache is None:
+            return None
+        return {
+            "pool_pages": self.table.allocator.n_pages,
+            "hits": self.hits,
+            "hit_tokens": self.hit_tokens,
+            "misses": self.misses,
+            "recomputed_tokens": self.recomputed_tokens,
+            "evicted_requests": self.cache.evicted_requests,
+            "evicted_pages": self.cache.evicted_pages,
+        }
 
 
 def replay_page_table(run: RunConfig, last_pages: dict[int, list[int]] | None = None) -> RequestPageTable:
@@ -220,26 +305,24 @@ def replay_page_table(run: RunConfig, last_pages: dict[int, list[int]] | None = 
     filled with every request's pages as they were when it finished: before its free, for a request
     an earlier batch let go (:func:`request_locs`).
     """
-    table = new_run_page_table(run)
-    shares = shares_of(run)
-    for chunk in chunk_schedule(run):
-        BatchLocs.build(
-            chunk_metadata(run, chunk),
-            "cpu",
-            run.phases.compute_owner,
-            table=table,
-            request_ids=chunk.requests,
-            id_space=table.allocator.n_pages,
-            shares=shares,
-            page_lanes=design_page_lanes(run),
-        )
-        for req in requests_to_free(run, chunk):
-            if last_pages is not None:
-                last_pages[req] = table.pages(req)
-            table.free(req)
+    return replay_pool(run, last_pages).table
+
+
+def replay_pool(run: RunConfig, last_pages: dict[int, list[int]] | None = None) -> RunPool:
+    """:func:`replay_page_table`'s pool, with its prefix-cache counts."""
+    pool = RunPool(run)
+    table = pool.table
+    chunks = chunk_schedule(run)
+    for index, chunk in enumerate(chunks):
+        first_of_batch = index == 0 or chunks[index - 1].batch != chunk.batch
+        pool.build(chunk, chunk_metadata(run, chunk), "cpu", table.allocator.n_pages, first_of_batch)
+        leaving = pool.leaving(chunk)
+        if last_pages is not None:
+            last_pages.update({req: table.pages(req) for req in leaving})
+        pool.release(leaving)
     if last_pages is not None:
         last_pages.update({req: table.pages(req) for req in table.requests})
-    return table
+    return pool
 
 
 def request_locs(run: RunConfig) -> dict[int, torch.Tensor]:
@@ -280,8 +363,8 @@ def run_rank(
     note_step()  # progress: the model and the inputs are built
     chunks = chunk_schedule(run)
     id_space = run_id_space(replay_page_table(run))  # pure metadata: same on every rank
-    table = new_run_page_table(run)
-    shares = shares_of(run)
+    pool = RunPool(run)
+    table = pool.table
     store: Any = None
     acc = _Accumulated()
     stored: dict[int, list[tuple[torch.Tensor | None, ...]]] = {}  # request -> per layer, its rows (check runs)
@@ -289,16 +372,7 @@ def run_rank(
     for index, chunk in enumerate(chunks):
         meta = chunk_metadata(run, chunk)
         first_of_batch = index == 0 or chunks[index - 1].batch != chunk.batch
-        batch = BatchLocs.build(
-            meta,
-            device,
-            run.phases.compute_owner,
-            table=table,
-            request_ids=chunk.requests,
-            id_space=id_space,
-            shares=shares,
-            page_lanes=design_page_lanes(run),
-        )
+        batch = pool.build(chunk, meta, device, id_space, first_of_batch)
         # Tokens a new request found in the pool by reference (the whole pages of a shared prefix).
         shared_tokens = {req: table.shared_tokens(req) for req in chunk.requests} if first_of_batch else {}
         if store is None:
@@ -323,19 +397,20 @@ def run_rank(
         _run_chunk(group, run, family, model, inputs, chunk, meta, batch, store, acc, on_layer_stored)
         if chunk.last_of_batch:
             in_use = table.allocator.n_used
-            freed = requests_to_free(run, chunk)
-            for req in freed:
-                if run.check:  # its rows, before another request reuses its pages
+            leaving = pool.leaving(chunk)
+            for req in leaving:
+                if run.check:  # its rows, before another request reuses (or an eviction frees) its pages
                     stored[req] = _stored_rows(store, table.locs(req).to(device), run.model.n_layers)
-                table.free(req)
+            pool.release(leaving)
             acc.pool_occupancy.append(
                 {
                     "batch": chunk.batch,
                     "pages_in_use": in_use,
-                    "requests_freed": len(freed),
+                    "requests_freed": 0 if pool.cache else len(leaving),
                     "pages_in_use_after_frees": table.allocator.n_used,
                     "pool_pages": id_space,
                 }
+                | ({"requests_cached": len(pool.cache.cached)} if pool.cache else {})
             )
     assert store is not None
     total_ms = (time.perf_counter() - start) * 1e3
@@ -382,6 +457,7 @@ def run_rank(
         local_topk=[torch.cat([c[layer] for c in acc.topk]) for layer in range(n_layers)] if run.check else [],
         stored=[{req: stored[req][layer] for req in sorted(stored)} for layer in range(n_layers)] if run.check else [],
         pool_occupancy=acc.pool_occupancy,
+        prefix_cache=pool.counts,
         store=store if keep_store else None,
         host_sync_audit=acc.sync_audit,
         kernel_fallbacks=fallback.fallbacks_taken(),

@@ -280,6 +280,11 @@ def run_prefill_and_decode(
             "the page transfer mirrors one batch's page ids; a run of several batches (--batches) sends "
             "rows: use transfer='rows'"
         )
+    if run.pool_pages is not None:
+        raise ConfigError(
+            f"pool_pages={run.pool_pages}: the PD transfer is not built over a budgeted pool (an evicted "
+            "request's pages are reused before the decode reads them); drop the budget"
+        )
     if run.kv_design != "phases":
         raise ConfigError(
             f"kv_design={run.kv_design}: the PD transfer ships the phases' layout (KV sharded by page "

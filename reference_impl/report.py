@@ -125,6 +125,7 @@ def build_report(
         "collectives_identical": len({tuple(r.collectives) for r in results}) == 1,
         "store_path_identical": len({r.store_path for r in results}) == 1,
         "pool_occupancy": results[0].pool_occupancy,
+        "prefix_cache": results[0].prefix_cache,
         "per_rank": per_rank,
         "timings": {
             "layer_ms_median": max(p["layer_ms_median"] for p in per_rank),

@@ -71,7 +71,8 @@ class BatchLocs:
         the chunks of a run; by default it is this batch's highest page id + 1.
         New pages come from the lowest free ids, or (phase 5) from each page's compute-owner lane.
         ``shares`` maps a new request to the earlier one whose prefix it starts with: it takes that
-        request's whole prefix pages by reference (:meth:`RequestPageTable.share`).
+        request's whole prefix pages by reference (:meth:`RequestPageTable.share`) while that request is still
+        in the table; one a budgeted pool evicted is a miss (fresh pages, the whole prefix written again).
         ``page_lanes`` (a KV design's allocator, instead of the lowest free ids or phase 5's lanes)
         picks the lane of every page a request opens, its prefix and shared partial page included.
         """
@@ -85,12 +86,12 @@ class BatchLocs:
                 if page_lanes is not None:
                     # Whole shared pages by reference, every page opened after them in its lane.
                     whole = 0
-                    if shares and req in shares:
+                    if shares and req in shares and shares[req] in table:
                         whole = prefix // page_size * page_size
                         table.share(req, shares[req], whole)
                     rest = prefix - whole
                     table.extend(req, rest, lanes=page_lanes(table, req, rest, meta.cp_size), n_lanes=meta.cp_size)
-                elif shares and req in shares:
+                elif shares and req in shares and shares[req] in table:  # not evicted (a budgeted pool)
                     table.share(req, shares[req], prefix)
                 else:
                     table.extend(req, prefix)

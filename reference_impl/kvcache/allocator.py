@@ -10,7 +10,8 @@ token order: a request's first tokens are its prefix, and a later chunk of chunk
 from __future__ import annotations
 
 import heapq
-from collections.abc import Hashable, Iterable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Sequence
 
 import torch
 
@@ -38,6 +39,9 @@ class PageAllocator:
         self._free_set: set[int] = set(self._free_heap)
         self._lane_floor: dict[tuple[int, int], int] = {}  # (lane, n_lanes) -> no free page of the lane below it
         self.high_water = 0  # highest page id ever handed out + 1 (what a pool must cover)
+        # Called when a request asks for more pages than are free: frees some (a prefix cache evicting its
+        # least recently used entry) and returns True, or False when it has nothing left to free.
+        self.reclaim: Callable[[], bool] | None = None
 
     @property
     def n_free(self) -> int:
@@ -51,6 +55,8 @@ class PageAllocator:
         """Take ``n`` free pages, lowest ids first -> ascending page ids."""
         if n < 0:
             raise ConfigError(f"cannot allocate {n} pages")
+        while n > self.n_free and self.reclaim is not None and self.reclaim():
+            pass
         if n > self.n_free:
             raise ConfigError(
                 f"out of KV pages: asked for {n} pages of {self.page_size} tokens, {self.n_free} of "
@@ -78,6 +84,8 @@ class PageAllocator:
             if page in self._free_set:
                 pages.append(page)
             page += n_lanes
+        if len(pages) < n and self.reclaim is not None and self.reclaim():
+            return self.alloc_in_lane(n, lane, n_lanes)  # a cached request's pages went back: look again
         if len(pages) < n:
             lane_free = sum(1 for p in self._free_set if p % n_lanes == lane)
             raise ConfigError(
@@ -229,3 +237,49 @@ class RequestPageTable:
 
 
 ReqToToken = RequestPageTable
+
+
+class PrefixCache:
+    """Finished requests kept in a budgeted pool for later prefix hits, evicted least recently used first.
+
+    A finished request is :meth:`hold`-en instead of freed: its pages stay in the table, so a later request
+    may still take its whole prefix pages by reference (:meth:`RequestPageTable.share`). When the allocator
+    runs out, it :meth:`evict`-s the least recently used cached request: the table drops it and its pages that
+    no other request holds go back (a page shared with a live request stays until that one lets it go). A
+    request whose source was evicted is a miss: it gets fresh pages and writes its whole prefix again.
+    """
+
+    def __init__(self, table: RequestPageTable) -> None:
+        self.table = table
+        self._lru: OrderedDict[Hashable, None] = OrderedDict()  # least recently used first
+        self.evicted_requests = 0
+        self.evicted_pages = 0  # pages the evictions gave back to the allocator
+        table.allocator.reclaim = self.evict
+
+    def hold(self, req_id: Hashable) -> None:
+        """Keep finished ``req_id`` cached (most recently used)."""
+        self.table.n_tokens(req_id)  # a known request
+        self._lru[req_id] = None
+        self._lru.move_to_end(req_id)
+
+    def touch(self, req_id: Hashable) -> bool:
+        """A request is about to hit ``req_id``: make it most recently used -> whether its pages are still there."""
+        if req_id in self._lru:
+            self._lru.move_to_end(req_id)
+        return req_id in self.table
+
+    @property
+    def cached(self) -> list[Hashable]:
+        """The cached requests, least recently used first."""
+        return list(self._lru)
+
+    def evict(self) -> bool:
+        """Drop the least recently used cached request -> False when none is cached."""
+        if not self._lru:
+            return False
+        req_id, _ = self._lru.popitem(last=False)
+        free_before = self.table.allocator.n_free
+        self.table.free(req_id)
+        self.evicted_requests += 1
+        self.evicted_pages += self.table.allocator.n_free - free_before
+        return True

@@ -116,6 +116,11 @@ class DeepSeekV4Family:
                 f"kv_design={run.kv_design} is built for the DSA cache (MLA latent + indexer K); {run.preset}'s "
                 "compressed caches run under the phases only (kv_design=phases)"
             )
+        if run.pool_pages is not None:
+            raise ConfigError(
+                f"pool_pages={run.pool_pages}: {run.preset}'s compressed entries and compressor checkpoints "
+                "would have to be evicted with their pages, which is not built; drop the budget"
+            )
         for i, r in enumerate(run.requests):
             source = run.requests[r.shares] if r.shares is not None else None
             if source is not None and source.shares is not None and r.prefix <= source.prefix:
