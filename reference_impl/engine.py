@@ -167,6 +167,7 @@ class _Accumulated:
     layer_ms: list[float] = field(default_factory=list)
     prefetch_wait_ms: list[float] = field(default_factory=list)  # phase 8 on CUDA: stall at each consume
     tail_ms: float = 0.0
+    tail_collective_ms: float = 0.0
     transient_peak: int = 0
     tail_mode: str = ""
     store_paths: set[str] = field(default_factory=set)
@@ -443,6 +444,7 @@ def run_rank(
             "total_ms": total_ms,
             "layer_ms": acc.layer_ms,
             "tail_ms": acc.tail_ms,
+            "tail_collective_ms": acc.tail_collective_ms,
             "chunks": len(chunks),
             "prefetch_wait_ms": acc.prefetch_wait_ms,
         },
@@ -545,11 +547,15 @@ def _run_chunk(
     acc.prefetch_wait_ms.extend(step.prefetch_wait_ms())
 
     tail_start = time.perf_counter()
+    tail_clock = _LayerClock(device)  # the collective itself: CUDA events around it on the stream
+    tail_clock.mark()
     collect = collect_narrow if run.phases.narrow_output else collect_full
     tail = collect(group, meta, x, output_spec(run))
+    tail_clock.mark()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    acc.tail_ms += (time.perf_counter() - tail_start) * 1e3
+    acc.tail_ms += (time.perf_counter() - tail_start) * 1e3  # wall time to the sync: queued layer work too
+    acc.tail_collective_ms += tail_clock.intervals_ms()[0]
     acc.tail_mode = tail.mode
     acc.store_paths.add(store.store_path)
     acc.row_ids.extend(chunk.token_ids[g] for g in tail.row_ids)

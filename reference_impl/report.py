@@ -78,6 +78,7 @@ def build_report(
         entry["tokens"] = len(r.token_ids)
         entry["layer_ms_median"] = statistics.median(r.timings["layer_ms"])
         entry["tail_ms"] = r.timings["tail_ms"]
+        entry["tail_collective_ms"] = r.timings["tail_collective_ms"]
         entry["total_ms"] = r.timings["total_ms"]
         per_rank.append(entry)
     report: dict[str, Any] = {

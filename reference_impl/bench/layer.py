@@ -336,6 +336,7 @@ def measure(
             "layer_ms_median": statistics.median(layer_ms),
             "layer_ms": layer_ms,
             "tail_ms": result.timings["tail_ms"],
+            "tail_collective_ms": result.timings["tail_collective_ms"],
             "store_path": result.store_path,
             "kv_bytes": stats["kv_bytes"] + stats["index_bytes"],
             **{k: stats[k] for k in ("transient_peak_bytes", "gather_bytes", "materialized_bytes", "collectives")},
