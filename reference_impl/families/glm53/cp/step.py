@@ -21,20 +21,59 @@ head) outweigh the tokens; it would ship the tokens' ``k, v, g, beta`` instead a
 recurrence on every rank.
 
 **Indexed layers.** The chunk's latent rows and raw indexer rows are all-gathered in sequence order
-(tag ``glm53_current``); each rank stores the latent rows it owns and pools the groups whose last
+(tag ``glm53_current``); each rank stores the latent rows it owns and the keys of the groups whose last
 token it owns (a group straddling a block, chunk or prefix boundary is completed from the request's
-pending rows, once, by that owner); the request's latent rows and group keys are all-gathered from
-their owners (``glm53_kv_view``, ``glm53_index_view``) and each rank scores, selects and attends for
-its own queries. A layer sharing its selection reuses the previous layer's rows.
+pending rows, once, by that owner); the request's latent rows and group keys are materialized from their
+owners (``glm53_kv_view``, ``glm53_index_view``: one all-gather per table and layer for the whole chunk)
+and each rank scores, selects and attends for its own queries. A layer sharing its selection reuses the
+previous layer's rows.
+
+**The phases here** (levels 0-8; each needs the ones the phase set names):
+
+* 1 (narrow output): the engine's tail; nothing here.
+* 2 (sharded at rest): latent rows and group keys on the owner of their loc (:mod:`.store`); each layer
+  materializes the request's rows from position 0, after storing the chunk's.
+* 3 (current-chunk reuse): the view is the materialized **history** (the rows stored before this chunk)
+  followed by the chunk's rows straight from ``glm53_current`` (rounded to bf16 as the table stores
+  them); every rank pools every group the chunk completes from the gathered raw indexer rows (it needs
+  them all to score) and stores the ones it owns. Buys: the materialization drops the chunk's rows and
+  keys (``materialized_bytes``); a chunk without history issues no materialization at all. Costs: each
+  rank pools ``C`` times the groups it owns (a softmax over 16 rows per group: small).
+* 4 (page-aligned split): the engine cuts the blocks on page boundaries; the KDA hand-off and the pooling
+  take blocks of any length, so nothing changes here. Buys: the precondition of phase 5.
+* 5 (compute-owner layout): the engine allocates each new page in its compute rank's lane, so the owner
+  of a latent row is the rank that computes it and the owner of a group key the rank computing the
+  group's last token; when every current token of the chunk is so placed
+  (:func:`~reference_impl.cp.compute_owner.direct_write_ok`, once per chunk) a rank writes its own
+  projected latent rows straight into its table, not its share of the gathered chunk (``store_path``
+  ``direct``); otherwise (a prefix or chunk that ends mid-page, a request too short for aligned blocks)
+  the chunk takes phase 2's path. Buys: the store write reads the rank's own ``T / C`` rows and depends
+  on its projection alone (issued before the all-gather), not on picking rows out of the gathered chunk.
+  Group keys still pool from the gathered raw rows: a group's tokens may span several ranks' blocks.
+* 6 (sync-free layer loop): the chunk's metadata (request keys, the rows each rank stores, the
+  materializations' send and receive rows, each request's query rows) is built from the host locs
+  once, before the loop; the loop reads nothing from the device (the API audit counts zero host
+  syncs on a CPU). There is no paged physical layout here, so no page remap to make sort-free.
+* 7 (fused kernels): the ``glm53_current`` rerange runs from the padded buffer in one pass (the shared
+  Triton rerange, dtype-agnostic). No fused store or materialization: a latent row is a plain bf16 row
+  (no FP8 packing to fuse with the scatter), and the materialization is one gather and one reorder.
+* 8 (prefix prefetch): an indexed layer's history (latent rows and group keys, tag ``glm53_prefetch``)
+  is materialized ahead of it while the KDA layers in between run (:class:`_HistoryPrefetcher`: a
+  CUDA side stream, or at once on a CPU), the layer waiting only when it reads it. Buys: the
+  materialization off the critical path when the KDA layers take longer than it. Costs: one
+  layer's history in flight beside the current one's.
 """
 
 from __future__ import annotations
 
-from typing import cast
+from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from torch import nn
 
+from reference_impl.cp.compute_owner import direct_write_ok
+from reference_impl.cp.prefetch import CudaSideStream, InlineStream, Stream
 from reference_impl.cp.rerange import gather_current
 from reference_impl.families.base import ChunkInputs
 from reference_impl.families.glm53.cp.store import Glm53Store
@@ -42,7 +81,15 @@ from reference_impl.families.glm53.model.dsa import MLAttention, group_scores, s
 from reference_impl.families.glm53.model.kda import KDAttention, compose, kda_chunked, span_map
 from reference_impl.families.glm53.model.oracle import Glm53Block
 
-PER_LAYER_TAGS = ("glm53_current", "glm53_kv_view", "glm53_index_view", "glm53_kda_halo", "glm53_kda_state")
+PREFETCH_TAG = "glm53_prefetch"  # phase 8's materializations (latent rows and group keys, one layer ahead)
+PER_LAYER_TAGS = (
+    "glm53_current",
+    "glm53_kv_view",
+    "glm53_index_view",
+    "glm53_kda_halo",
+    "glm53_kda_state",
+    PREFETCH_TAG,
+)
 
 
 def entering_states(
@@ -54,6 +101,21 @@ def entering_states(
         states.append(state)
         state = compose(state, A, B)
     return states, state
+
+
+@dataclass(frozen=True)
+class _RequestPlan:
+    """One chunk request's host ints and device index tensors for the indexed layers, built before the loop."""
+
+    key: int  # the store's request key (its first loc)
+    rows: slice  # its rows of the chunk's all-gathered current rows (sequence order)
+    new_groups: int  # groups its chunk completes (``(prefix + extend) // kpool - prefix // kpool``)
+    own_groups: torch.Tensor  # int64: which of them this rank stores (their last token's loc is its own)
+    own_group_locs: torch.Tensor  # int64: where (their last token's loc)
+    n_own_groups: int
+    local: torch.Tensor  # int64: this rank's query rows of the request (local order)
+    n_local: int
+    positions: torch.Tensor  # int64: those queries' positions
 
 
 class Glm53Step:
@@ -74,6 +136,59 @@ class Glm53Step:
         self.local_request = torch.tensor([meta.token_request[g] for g in locals_], dtype=torch.long)
         self.transient_bytes = 0
         self.shared: torch.Tensor | None = None  # the last indexed layer's selection rows
+        self._plan_chunk()
+
+    def _plan_chunk(self) -> None:
+        """The chunk's metadata, from the locs alone (the same decisions on every rank): the requests' cache keys,
+        what each rank stores and what the views materialize. The chunk's locs are read on the host here,
+        once, so that the layer loop reads nothing (phase 6)."""
+        i, store, phases = self.inputs, self.store, self.inputs.run.phases
+        meta, rank, device, P = i.meta, i.group.rank, i.group.device, self.cfg.index_kpool
+        self.fused = phases.fused_kernels  # phase 7: the current rows' rerange in one pass
+        self.reuse = phases.current_reuse and store.sharded  # phase 3
+        host = [self._request_locs(req).cpu() for req in range(len(i.chunk.extend_lens))]
+        extend_locs = torch.cat([locs[p:] for locs, p in zip(host, i.chunk.prefix_lens)])  # sequence order
+        locals_ = torch.tensor(meta.local_tokens(rank), dtype=torch.long)
+        # Phase 5: every current token's page in its compute rank's lane (a batch-level verdict of the metadata).
+        self.direct = phases.compute_owner and store.sharded and direct_write_ok(meta, extend_locs, store.ownership)
+        store.direct = self.direct
+        if self.direct:  # the rank's own rows, in local order, are exactly the rows it stores
+            self.local_locs = extend_locs[locals_].to(device)
+        else:  # the rows of the gathered chunk this rank stores
+            keep = store.mine(extend_locs)
+            self.store_rows = torch.nonzero(keep).flatten().to(device)
+            self.store_locs = extend_locs[keep].to(device)
+        self.requests: list[_RequestPlan] = []
+        latent_want, key_want, start = [], [], 0
+        for req, (prefix, extend) in enumerate(zip(i.chunk.prefix_lens, i.chunk.extend_lens)):
+            locs, total = host[req], prefix + extend
+            first, last = prefix // P, total // P  # the chunk completes groups first .. last - 1
+            ends = locs[P - 1 :: P][:last]  # every complete group's last-token loc
+            own = torch.nonzero(store.mine(ends[first:])).flatten()
+            local = torch.nonzero(self.local_request == req).flatten()
+            self.requests.append(
+                _RequestPlan(
+                    key=int(locs[0]),
+                    rows=slice(start, start + extend),
+                    new_groups=last - first,
+                    own_groups=own.to(device),
+                    own_group_locs=ends[first:][own].to(device),
+                    n_own_groups=len(own),
+                    local=local.to(device),
+                    n_local=len(local),
+                    positions=i.positions[local.to(i.positions.device)],
+                )
+            )
+            start += extend
+            # The views' materialized part: the history alone with phase 3, everything (after the writes) before.
+            latent_want.append(locs[: prefix if self.reuse else total])
+            key_want.append(ends[: first if self.reuse else last])
+        self.latent_plan = store.row_gather(latent_want)
+        self.key_plan = store.row_gather(key_want)
+        has_history = self.latent_plan.total + self.key_plan.total > 0
+        self.prefetcher = (
+            _HistoryPrefetcher(self) if phases.prefetch and self.reuse and has_history and store.dsa_layers else None
+        )
 
     def begin(self) -> None:
         pass
@@ -82,10 +197,22 @@ class Glm53Step:
         pass
 
     def prefetch_wait_ms(self) -> list[float]:
-        return []
+        return self.prefetcher.stream.wait_ms() if self.prefetcher is not None else []
+
+    def history(self, layer: int, prefetch: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """Layer ``layer``'s materialized rows per chunk request: latent rows and (an indexed layer) group keys;
+        ``prefetch``: under phase 8's tag."""
+        store = self.store
+        latent_tag, key_tag = (PREFETCH_TAG, PREFETCH_TAG) if prefetch else ("glm53_kv_view", "glm53_index_view")
+        latent = store.latent_rows(layer, self.latent_plan, latent_tag)
+        if layer not in store.group_keys:
+            return latent, None
+        return latent, store.group_key_rows(layer, self.key_plan, key_tag)
 
     def step(self, layer: int, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         block = cast(Glm53Block, block)  # the model's layer ``layer``
+        if self.prefetcher is not None:
+            self.prefetcher.launch_before(layer)
         h = block.attn_norm(x)
         if isinstance(block.attn, KDAttention):
             out = self._kda(layer, block.attn, h)
@@ -116,7 +243,7 @@ class Glm53Step:
             order.setdefault(req, []).append((pos, i))
         halos: dict[int, torch.Tensor] = {}  # rank-major index -> the block's halo
         for req, items in order.items():
-            cache = store.kda_cache(layer, self._request_locs(req))
+            cache = store.kda_cache_of(layer, self.requests[req].key)
             rows = cache.conv.to(mixed.dtype)
             for _, i in sorted(items):
                 halos[i] = rows[-halo:]
@@ -138,7 +265,7 @@ class Glm53Step:
         # 3. compose in sequence order: the state entering every block, and after the chunk
         entering: dict[int, torch.Tensor] = {}
         for req, items in order.items():
-            cache = store.kda_cache(layer, self._request_locs(req))
+            cache = store.kda_cache_of(layer, self.requests[req].key)
             ids = [i for _, i in sorted(items)]
             states, cache.state = entering_states(
                 cache.state, [(all_maps[i, ..., :Dk], all_maps[i, ..., Dk:]) for i in ids]
@@ -161,48 +288,109 @@ class Glm53Step:
         if proj.index_k is not None:
             assert proj.index_gate is not None  # project() makes the indexer's key and pooling logits together
             parts += [proj.index_k, proj.index_gate]
-        current = gather_current(i.group, i.index, torch.cat(parts, dim=-1), "glm53_current")  # sequence order
+        # 1. this rank's share of the chunk's latent rows: its own rows (phase 5), before and apart from the
+        # all-gather, or its owned rows of the gathered chunk
+        if self.direct:
+            store.put_latent(layer, self.local_locs, proj.latent)
+        current = gather_current(  # sequence order
+            i.group, i.index, torch.cat(parts, dim=-1), "glm53_current", self.fused, i.group.debug
+        )
         R = cfg.kv_lora_rank
+        if not self.direct:
+            store.put_latent(layer, self.store_locs, current[:, :R].index_select(0, self.store_rows))
+        # 2. the groups the chunk completes: each owner stores its own; with phase 3 every rank pools them all
+        new_keys = self._pool(layer, attn, current[:, R:]) if proj.index_k is not None else None
+        # 3. the views: materialized (history only with phase 3, prefetched with phase 8) + the current rows
+        if self.prefetcher is not None:
+            history, history_keys = self.prefetcher.consume(layer)
+        else:
+            history, history_keys = self.history(layer)
         out = h.new_zeros(len(h), cfg.dim)
         selection = torch.full((len(h), cfg.selection_width), -1, dtype=torch.int32, device=h.device)
-        start = 0
-        for req, (prefix, extend) in enumerate(zip(i.chunk.prefix_lens, i.chunk.extend_lens)):
-            locs = self._request_locs(req)
-            rows = current[start : start + extend]
-            start += extend
-            store.write_latent(layer, locs[prefix:], rows[:, :R])
-            if proj.index_k is not None:
-                self._pool(layer, attn, locs, prefix, rows[:, R:])
-            latent = store.latent_view(layer, locs)
-            keys = store.group_key_view(layer, locs) if proj.index_k is not None else None
-            local = torch.nonzero(self.local_request == req).flatten()
-            if not len(local):
+        view_bytes = 0
+        for req, rp in enumerate(self.requests):
+            if not rp.n_local:
                 continue
-            if keys is not None:
-                assert proj.index_q is not None and proj.index_w is not None
-                scores = group_scores(proj.index_q[local], proj.index_w[local], keys, cfg.index_head_dim)
-                rows_sel = select(cfg, scores, i.positions[local])
+            latent = history[req]
+            if self.reuse:
+                latent = torch.cat([latent, store.stored_form(current[rp.rows, :R])])
+            view_bytes += latent.numel() * latent.element_size()
+            if proj.index_k is not None:
+                assert proj.index_q is not None and proj.index_w is not None and history_keys is not None
+                keys = history_keys[req]
+                if new_keys is not None:
+                    keys = torch.cat([keys, new_keys[req]])
+                scores = group_scores(proj.index_q[rp.local], proj.index_w[rp.local], keys, cfg.index_head_dim)
+                rows_sel = select(cfg, scores, rp.positions)
             else:
                 assert self.shared is not None, "a layer sharing its selection follows an indexed layer"
-                rows_sel = self.shared[local]
-            selection[local] = rows_sel
-            out[local] = attn.attend(proj.q[local], latent, rows_sel)
+                rows_sel = self.shared[rp.local]
+            selection[rp.local] = rows_sel
+            out[rp.local] = attn.attend(proj.q[rp.local], latent, rows_sel)
         self.shared = selection
-        self.transient_bytes = current.numel() * current.element_size()
+        self.transient_bytes = current.numel() * current.element_size() + view_bytes
         return out, selection
 
-    def _pool(self, layer: int, attn: MLAttention, locs: torch.Tensor, prefix: int, raw: torch.Tensor) -> None:
-        """Complete the request's groups with this chunk's raw rows ``[extend, 2 Di]``: each owner pools its own."""
+    def _pool(self, layer: int, attn: MLAttention, raw: torch.Tensor) -> list[torch.Tensor] | None:
+        """Complete each request's groups with this chunk's raw rows ``raw [T, 2 Di]`` (sequence order): each
+        owner stores its own keys. Phase 3: every rank pools every completed group (its view reads them all)
+        and returns their keys per request, as stored; before it, a rank pools only its own."""
         store, P, Di = self.store, self.cfg.index_kpool, self.cfg.index_head_dim
-        pend_k, pend_g = store.pending_rows(layer, locs)
-        keys = torch.cat([pend_k, raw[:, :Di].to(pend_k.dtype)])
-        gates = torch.cat([pend_g, raw[:, Di:].to(pend_g.dtype)])
-        first = prefix - len(pend_k)  # position of keys[0]: a group boundary
-        full = len(keys) // P * P
-        if full:
-            ends = locs[first + P - 1 : first + full : P]
-            mine = store.mine(ends)
-            if bool(mine.any()):
-                grouped_k, grouped_g = keys[:full].view(-1, P, Di), gates[:full].view(-1, P, Di)
-                store.write_group_keys(layer, ends[mine], attn.pool(grouped_k[mine], grouped_g[mine]))
-        store.set_pending(layer, locs, keys[full:], gates[full:])
+        new: list[torch.Tensor] = []
+        for rp in self.requests:
+            pend_k, pend_g = store.pending_of(layer, rp.key)
+            rows = raw[rp.rows]
+            keys = torch.cat([pend_k, rows[:, :Di].to(pend_k.dtype)])  # from a group boundary
+            gates = torch.cat([pend_g, rows[:, Di:].to(pend_g.dtype)])
+            full = rp.new_groups * P
+            grouped_k, grouped_g = keys[:full].view(-1, P, Di), gates[:full].view(-1, P, Di)
+            if self.reuse:
+                pooled = attn.pool(grouped_k, grouped_g)
+                if rp.n_own_groups:
+                    store.write_group_keys(layer, rp.own_group_locs, pooled.index_select(0, rp.own_groups))
+                new.append(store.stored_keys(pooled))
+            elif rp.n_own_groups:
+                own_k, own_g = grouped_k.index_select(0, rp.own_groups), grouped_g.index_select(0, rp.own_groups)
+                store.write_group_keys(layer, rp.own_group_locs, attn.pool(own_k, own_g))
+            store.set_pending_of(layer, rp.key, keys[full:], gates[full:])
+        return new if self.reuse else None
+
+
+class _HistoryPrefetcher:
+    """Phase 8: materialize an indexed layer's history (latent rows, group keys) ahead of it, on a side stream
+    (CUDA) or at once (CPU, :class:`~reference_impl.cp.prefetch.InlineStream`); the layer waits only when it
+    reads them. A layer is launched at the start of the layer after the previous indexed layer (so over the
+    KDA layers between them), and at the latest one layer ahead; the history was stored before the chunk, so
+    it does not depend on the layers in between. Every rank launches at the same layers: the same collectives
+    in the same order."""
+
+    def __init__(self, step: Glm53Step) -> None:
+        self.step = step
+        self.layers = list(step.store.dsa_layers)
+        device = step.inputs.group.device
+        self.stream: Stream = CudaSideStream(device) if device.type == "cuda" else InlineStream()
+        self.results: dict[int, tuple[list[torch.Tensor], list[torch.Tensor] | None]] = {}
+        self.handles: dict[int, Any] = {}
+        self.next = 0  # index into ``layers`` of the next layer to launch
+
+    def launch_before(self, layer: int) -> None:
+        """At the start of ``layer``: launch the indexed layers whose time has come (see the class docstring)."""
+        while self.next < len(self.layers):
+            target, previous = self.layers[self.next], self.layers[self.next - 1] if self.next else -1
+            if not (previous < layer or target <= layer + 1):
+                return
+
+            def work(target: int = target) -> None:
+                self.results[target] = self.step.history(target, prefetch=True)
+
+            self.handles[target] = self.stream.submit(work, self.next % 2)
+            self.next += 1
+
+    def consume(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        self.stream.wait(self.handles.pop(layer))
+        latent, keys = self.results.pop(layer)
+        if self.step.inputs.group.device.type == "cuda":  # made on the side stream, read on this one
+            for t in [*latent, *(keys or [])]:
+                t.record_stream(torch.cuda.current_stream())
+        self.stream.release(self.layers.index(layer) % 2)
+        return latent, keys

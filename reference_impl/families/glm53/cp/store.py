@@ -14,10 +14,18 @@ What each layer type keeps, and where:
   ``kpool - 1``), replicated, waiting for the tokens that complete it.
 
 Requests are keyed by their first loc (stable across chunks: the page table keeps a request's pages).
+
+**Views.** A layer reads each request's latent rows and group keys from position 0: replicated, straight
+from the tables; sharded, **materialized** by one all-gather per table and layer of the rows each rank
+owns (:class:`RowGather`, planned once per chunk from the locs alone and reused by every layer): all of
+them with phase 2, only the history (the rows stored before this chunk) with phase 3, whose step takes
+the current chunk's rows from its own all-gather (:mod:`.step`). ``materialized_bytes`` counts what the
+materializations brought.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,6 +36,25 @@ from reference_impl.cp.comm import CPGroup
 from reference_impl.cp.ownership import Ownership
 from reference_impl.families.glm53.config import Glm53Config
 from reference_impl.families.glm53.model.oracle import KDACache
+from reference_impl.workload import compute_dtype
+
+
+@dataclass(frozen=True)
+class RowGather:
+    """One chunk's materialization of table rows at given locs, per chunk request (see the module docstring).
+
+    Pure metadata of the chunk, the same on every rank: every layer of the chunk reuses it, and its device
+    tensors are built before the layer loop (no host read in the loop)."""
+
+    counts: tuple[int, ...]  # per chunk request: rows wanted, in order (the result's split)
+    locs: torch.Tensor  # int64 [N]: every wanted loc, request after request (the replicated read)
+    send: torch.Tensor  # int64 [lengths[rank]]: the wanted locs this rank owns, in want order
+    lengths: tuple[int, ...]  # per rank: rows it sends
+    inverse: torch.Tensor  # int64 [N]: the gathered (rank-major) row of each wanted loc
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts)
 
 
 class Glm53Store:
@@ -41,7 +68,7 @@ class Glm53Store:
         self.sharded = run.phases.sharded_kv and group.size > 1
         self.ownership = Ownership(run.cp_size, run.interleave, run.page_size)
         self.cache_dtype = torch.bfloat16  # kv_dtype "bf16" (check_run refuses the rest)
-        self.compute_dtype = torch.float32 if group.device.type == "cpu" else torch.bfloat16
+        self.compute_dtype = compute_dtype(run, group.device)  # the run's: its KDA states and pending rows
         slots, dev = batch.n_pages * batch.page_size, group.device
         self.dsa_layers = [i for i in range(cfg.n_layers) if not cfg.is_kda(i)]
         self.latent = {
@@ -54,6 +81,7 @@ class Glm53Store:
         self.pending: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (layer, request key)
         self.kda: dict[tuple[int, int], KDACache] = {}  # (layer, request key)
         self.materialized_bytes = self.transient_bytes = 0
+        self.direct = False  # phase 5: the last chunk wrote its own rows (each rank computes what it owns)
 
     # ---- the protocol ---------------------------------------------------------------------------
     @property
@@ -66,7 +94,9 @@ class Glm53Store:
 
     @property
     def store_path(self) -> str:
-        return "gathered" if self.sharded else "replicated"
+        if not self.sharded:
+            return "replicated"
+        return "direct" if self.direct else "gathered"
 
     def bind(self, batch: BatchLocs) -> None:
         self.batch = batch
@@ -109,13 +139,21 @@ class Glm53Store:
         return self.ownership.owner(locs) == self.group.rank
 
     def kda_cache(self, layer: int, locs: torch.Tensor) -> KDACache:
-        key = (layer, int(locs[0]))
+        return self.kda_cache_of(layer, int(locs[0]))
+
+    def kda_cache_of(self, layer: int, request_key: int) -> KDACache:
+        """The KDA state and convolution tail of the request keyed ``request_key`` (its first loc)."""
+        key = (layer, request_key)
         if key not in self.kda:
             self.kda[key] = KDACache.empty(self.cfg, self.compute_dtype, self.group.device)
         return self.kda[key]
 
     def pending_rows(self, layer: int, locs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (layer, int(locs[0]))
+        return self.pending_of(layer, int(locs[0]))
+
+    def pending_of(self, layer: int, request_key: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The raw indexer rows (keys, gates) of the incomplete group of the request keyed ``request_key``."""
+        key = (layer, request_key)
         if key not in self.pending:
             empty = torch.zeros(0, self.cfg.index_head_dim, dtype=self.compute_dtype, device=self.group.device)
             self.pending[key] = (empty, empty)
@@ -124,35 +162,67 @@ class Glm53Store:
     def set_pending(self, layer: int, locs: torch.Tensor, keys: torch.Tensor, gates: torch.Tensor) -> None:
         self.pending[(layer, int(locs[0]))] = (keys, gates)
 
+    def set_pending_of(self, layer: int, request_key: int, keys: torch.Tensor, gates: torch.Tensor) -> None:
+        self.pending[(layer, request_key)] = (keys, gates)
+
     def write_latent(self, layer: int, locs: torch.Tensor, rows: torch.Tensor) -> None:
+        """The rows at ``locs`` this rank stores (all unless sharded)."""
         keep = self.mine(locs)
-        self.latent[layer][locs[keep]] = rows[keep].to(self.cache_dtype)
-        self.latent_held[layer][locs[keep]] = True
+        self.put_latent(layer, locs[keep], rows[keep])
+
+    def put_latent(self, layer: int, locs: torch.Tensor, rows: torch.Tensor) -> None:
+        """Store every row at its loc (the caller picked the rows this rank owns: no mask, no host read)."""
+        self.latent[layer].index_copy_(0, locs, self.stored_form(rows))
+        self.latent_held[layer].index_fill_(0, locs, True)
+
+    def stored_form(self, rows: torch.Tensor) -> torch.Tensor:
+        """Latent rows as the table gives them back (bf16): phase 3 reads the current chunk's rows so, from
+        its all-gather, and gets the values a materialization would bring."""
+        return rows.to(self.cache_dtype)
 
     def write_group_keys(self, layer: int, end_locs: torch.Tensor, keys: torch.Tensor) -> None:
-        """Pooled keys of groups whose last tokens sit at ``end_locs`` (the caller pooled only its own)."""
-        self.group_keys[layer][end_locs] = keys.float()
+        """Pooled keys of groups whose last tokens sit at ``end_locs`` (the caller passes only its own)."""
+        self.group_keys[layer][end_locs] = self.stored_keys(keys)
         self.group_held[layer][end_locs] = True
 
-    def _gather_owned(self, table: torch.Tensor, locs: torch.Tensor, tag: str) -> torch.Tensor:
-        """``table``'s rows at ``locs``, those other ranks own all-gathered (every rank calls it)."""
+    @staticmethod
+    def stored_keys(keys: torch.Tensor) -> torch.Tensor:
+        """Pooled group keys as the table keeps them (float32)."""
+        return keys.float()
+
+    # ---- materialized views ---------------------------------------------------------------------
+    def row_gather(self, request_locs: list[torch.Tensor]) -> RowGather:
+        """Plan the materialization of the rows at ``request_locs`` (host int64, one tensor per chunk
+        request): the owners from the locs alone, so every rank plans the same collective."""
+        device = self.group.device
+        counts = tuple(len(locs) for locs in request_locs)
+        want = torch.cat(request_locs) if request_locs else torch.zeros(0, dtype=torch.long)
         if not self.sharded:
-            return table[locs]
-        owner = self.ownership.owner(locs)
-        lengths = [int((owner == r).sum()) for r in range(self.group.size)]  # metadata: the same on every rank
-        gathered = self.group.all_gather_padded(table[locs[owner == self.group.rank]], lengths, tag)
+            empty = torch.zeros(0, dtype=torch.long, device=device)
+            return RowGather(counts, want.to(device), empty, (), empty)
+        owner = self.ownership.owner(want)
+        lengths = tuple(int((owner == r).sum()) for r in range(self.group.size))
         order = torch.cat([torch.nonzero(owner == r).flatten() for r in range(self.group.size)])
-        out = torch.empty(len(locs), table.shape[1], dtype=table.dtype, device=table.device)
-        out[order] = gathered
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(len(order))
+        send = want[owner == self.group.rank]
+        return RowGather(counts, want.to(device), send.to(device), lengths, inverse.to(device))
+
+    def materialize(self, table: torch.Tensor, plan: RowGather, tag: str) -> list[torch.Tensor]:
+        """``table``'s rows at the plan's locs, per chunk request (every rank calls it, or none: the plan
+        decides from metadata). Sharded: one all-gather of the owned rows; replicated: a local read."""
+        if not self.sharded:
+            return list(table.index_select(0, plan.locs).split(plan.counts))
+        if plan.total == 0:  # no rows anywhere: no collective on any rank
+            return [table[:0] for _ in plan.counts]
+        gathered = self.group.all_gather_padded(table.index_select(0, plan.send), plan.lengths, tag)
         self.materialized_bytes += gathered.numel() * gathered.element_size()
-        return out
+        return list(gathered.index_select(0, plan.inverse).split(plan.counts))
 
-    def latent_view(self, layer: int, locs: torch.Tensor) -> torch.Tensor:
-        """``[len(locs), kv_lora_rank]``: the request's latent rows (positions ``0 .. len(locs) - 1``)."""
-        return self._gather_owned(self.latent[layer], locs, "glm53_kv_view")
+    def latent_rows(self, layer: int, plan: RowGather, tag: str) -> list[torch.Tensor]:
+        """Layer ``layer``'s latent rows at the plan's locs (cache dtype), per chunk request."""
+        return self.materialize(self.latent[layer], plan, tag)
 
-    def group_key_view(self, layer: int, locs: torch.Tensor) -> torch.Tensor:
-        """``[len(locs) // kpool, Di]``: the request's complete groups' keys, from their owners."""
-        P = self.cfg.index_kpool
-        ends = locs[P - 1 :: P][: len(locs) // P]
-        return self._gather_owned(self.group_keys[layer], ends, "glm53_index_view")
+    def group_key_rows(self, layer: int, plan: RowGather, tag: str) -> list[torch.Tensor]:
+        """Layer ``layer``'s group keys at the plan's group-end locs (float32), per chunk request."""
+        return self.materialize(self.group_keys[layer], plan, tag)
