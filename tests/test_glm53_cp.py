@@ -20,6 +20,7 @@ from reference_impl.schedule import chunk_schedule
 
 PRESET = "tiny-glm53"
 REQUESTS = (Request(37, 61), Request(0, 45))
+NO_PREFIX = (Request(0, 45), Request(0, 29))
 # Prefix and extends on page boundaries (pages of 4): phase 5's direct writes apply to every chunk of 24.
 ALIGNED = (Request(36, 60), Request(0, 48))
 
@@ -126,6 +127,18 @@ def test_current_reuse_materializes_only_the_history(cp_size: int) -> None:
         report = _report(level, cp_size, 23)
         assert report["matches_oracle"], (level, report["problems"])
         assert [r["materialized_bytes"] for r in report["per_rank"]] == [want] * cp_size, level
+
+
+@pytest.mark.parametrize(("level", "cp_size", "chunk"), [(8, 3, None), (3, 4, 17)])
+def test_without_a_cached_prefix(level: int, cp_size: int, chunk: int | None) -> None:
+    """No request has a cached prefix: one chunk materializes nothing (no history); in chunks, the later
+    chunks materialize what the earlier ones stored, to the byte."""
+    run = _run(level, cp_size, chunk, NO_PREFIX)
+    report = _report(level, cp_size, chunk, NO_PREFIX)
+    assert report["matches_oracle"], report["problems"]
+    want = _materialized_bytes(run, True)
+    assert (want == 0) == (chunk is None)
+    assert [r["materialized_bytes"] for r in report["per_rank"]] == [want] * cp_size
 
 
 @pytest.mark.parametrize(("level", "chunk"), [(5, None), (8, 24)])
