@@ -127,6 +127,10 @@ def test_current_reuse_materializes_only_the_history(cp_size: int) -> None:
         report = _report(level, cp_size, 23)
         assert report["matches_oracle"], (level, report["problems"])
         assert [r["materialized_bytes"] for r in report["per_rank"]] == [want] * cp_size, level
+        # Level 8 materializes under the prefetch's tag, the others in the layer itself.
+        prefetched = [r["prefetch_bytes_received"] for r in report["per_rank"]]
+        in_layer = [r["view_bytes_received"] for r in report["per_rank"]]
+        assert (min(prefetched) > 0 and max(in_layer) == 0) if level == 8 else (max(prefetched) == 0 < min(in_layer))
 
 
 @pytest.mark.parametrize(("level", "cp_size", "chunk"), [(8, 3, None), (3, 4, 17)])

@@ -108,6 +108,8 @@ class Glm53Store:
         return {
             "kda_map_bytes_received": received("glm53_kda_state"),
             "kda_halo_bytes_received": received("glm53_kda_halo"),
+            "view_bytes_received": received("glm53_kv_view") + received("glm53_index_view"),
+            "prefetch_bytes_received": received("glm53_prefetch"),  # phase 8: the views' history, ahead
             "kda_state_bytes": sum(
                 c.state.numel() * 4 + c.conv.numel() * c.conv.element_size() for c in self.kda.values()
             ),
