@@ -584,6 +584,63 @@ def v4(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def _ms_spread(side: dict) -> str:
+    spread = side["spread"]
+    return f"{side['ms']:.3f} ({spread['min']:.3f}-{spread['max']:.3f})"
+
+
+def anchors(doc: dict | None) -> str:
+    """``bench/anchors.py``: per case, ours and the production kernel side by side, or where the
+    results file does not exist yet, a line that says so (``doc`` ``None``)."""
+    if doc is None:
+        return (
+            "**Not measured on the H200 yet**: no `docs/results/anchors_h200.json`. Until it exists, this "
+            "site's kernels are compared with the figures their authors published (the table above, marked "
+            "published), not with the production kernels run beside them."
+        )
+    if doc.get("kind") != "measured":
+        return f"A {doc.get('kind', 'unknown')} run (its numbers mean nothing): `{doc['command']}`."
+    avail = "; ".join(
+        f"{name} at `{rec['pin']['commit'][:7]}`: "
+        + ("imported" + (f" ({rec['version']})" if rec.get("version") else "") if rec["available"] else rec["why"])
+        for name, rec in doc["anchors"].items()
+    )
+    lines = [
+        f"Measured on {doc['device']}, torch {doc['torch']}, CUDA {doc['cuda']}; anchors: {avail}. "
+        f"Timing: {doc['timing']}; ms columns: median (min-max) over the rounds. Verdict: {doc['rule']}. "
+        f"Command: `{doc['command']}`.",
+        "",
+        "| case | T x S, heads, top-k | ours: kernel, ms, TFLOPS | theirs: kernel, ms, TFLOPS "
+        "| ours / theirs, paired (min-max) | verdict | outputs agree |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in doc["cases"]:
+        if "error" in row:
+            lines.append(f"| {row['case']} | - | error: {row['error'][:120]} | - | - | - | - |")
+            continue
+        shape, ours, theirs = row["shape"], row["ours"], row["theirs"]
+        size = f"{shape['T']:,} x {shape['S']:,}, {shape['heads']}, {shape['topk']:,}"
+        ours_cell = f"{ours['kernel']}, {_ms_spread(ours)}, {ours['tflops']:.0f}"
+        if "ms" in theirs:
+            theirs_cell = f"`{theirs['kernel']}`, {_ms_spread(theirs)}, {theirs['tflops']:.0f}"
+            ratio = row["comparison"]["ratio"]
+            ratio_cell = f"{ratio['median']:.2f} ({ratio['min']:.2f}-{ratio['max']:.2f})"
+            verdict = row["comparison"]["verdict"]
+        else:
+            theirs_cell = f"not run: {theirs['why'][:120]}"
+            ratio_cell, verdict = "-", "-"
+            pub = row.get("published")
+            if pub is not None:
+                theirs_cell += (
+                    f"; **published** {pub['published_tflops']:g} TFLOPS ({pub['hardware']}, {pub['source']}), "
+                    f"not measured here: ours at {pub.get('ours_fraction', 0):.0%} of it"
+                )
+        check = row.get("check")
+        agree = "-" if check is None else ("yes" if check["ok"] else "**no**")
+        lines.append(f"| {row['case']} | {size} | {ours_cell} | {theirs_cell} | {ratio_cell} | {verdict} | {agree} |")
+    return "\n".join(lines)
+
+
 PROG = "python3 scripts/results_tables.py"
 
 

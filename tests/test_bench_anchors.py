@@ -148,3 +148,21 @@ def test_bad_flags_are_one_error_line(
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("error:") and names in err[0]
     assert not (tmp_path / "x.json").exists()
+
+
+def test_the_page_table_renders_a_run_or_says_not_measured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    import results_tables
+
+    assert "Not measured on the H200 yet" in results_tables.anchors(None)
+    monkeypatch.setitem(sys.modules, "flash_mla", _fake_flash_mla())
+    monkeypatch.setitem(sys.modules, "deep_gemm", None)
+    monkeypatch.setattr(anchors, "find_spec", lambda name: object() if sys.modules.get(name) else None)
+    doc = _run(tmp_path, "--cases", "v32-attention,logits-128k")
+    assert "numbers mean nothing" in results_tables.anchors(doc)
+    text = results_tables.anchors({**doc, "kind": "measured"})
+    v32, logits = (line for line in text.splitlines() if line.startswith("| v32") or line.startswith("| logits"))
+    ratio = doc["cases"][0]["comparison"]["ratio"]
+    assert f"{ratio['median']:.2f} ({ratio['min']:.2f}-{ratio['max']:.2f})" in v32 and "within noise" in v32
+    assert "`flash_mla_sparse_fwd`" in v32 and "| yes |" in v32
+    assert "not run: not built" in logits and "**published**" not in logits  # no published figure for DeepGEMM
