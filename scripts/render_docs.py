@@ -30,6 +30,7 @@ Names an expression can use:
 * ``rows(items, "| a | b |", "| {a:.2f} | {b:,} |")``: a markdown table, one row per item;
 * ``table(KIND, doc)``: a table of :mod:`results_tables` (``compute``, ``kernels``, ``layer``);
 * ``optional("NAME")``: ``docs/results/NAME.json`` where it exists, else ``None`` (a table says "not measured");
+* ``design_verdict(doc, a, b, prefix, extend)``: ``bench.designs``' paired verdict of design ``a`` against ``b``;
 * ``min``, ``max``, ``abs``, ``len``, ``sum``, ``round``, ``sorted``.
 
 Usage::
@@ -168,6 +169,7 @@ class Sources:
         for path in sorted(self.results_dir.glob("*.json")):
             names[path.stem] = wrap(json.loads(path.read_text()))
         names["optional"] = lambda stem: names.get(stem)  # a results file that may not exist yet: None
+        names["design_verdict"] = results_tables.design_verdict
         return names
 
     def _printed_outputs(self, name: str) -> list[str]:
