@@ -6,12 +6,12 @@ Usage::
         [--cases v32-attention,v4-attention,logits-128k,logits-1m] [--repeats 6] [--seed 0]
     python -m reference_impl.bench.anchors --out dry.json --dry-run     # CPU: tiny shapes, the plumbing
 
-**The anchors**, imported when installed (``pip`` package names ``flash_mla`` and ``deep_gemm``), at
+**The anchors**, imported when installed (as ``flash_mla`` and ``deep_gemm``), at
 the revisions :data:`PINS` names: FlashMLA at ``ba89a34``, the last revision with Hopper (SM90) and
 DeepSeek-V3.2 (FlashMLA's 2026-09-30 release removed both and changed the FP8 cache format), and
-DeepGEMM at ``54e2261``. Their Python signatures there (FlashMLA's read at ``9241ae3``, the
-revision before the pin in the stored history, whose interface the pin keeps; check it when
-building)::
+DeepGEMM at ``54e2261``. Their Python signatures (DeepGEMM's read at the pin; FlashMLA's at
+``9241ae3``, 2026-04-29, the newest Hopper-era revision that could be read here, not at the pin
+itself: check it there when building)::
 
     flash_mla.flash_mla_sparse_fwd(
         q: Tensor,                 # [s_q, h_q, d_qk] bf16; h_q in {64, 128}, d_qk in {576, 512}
