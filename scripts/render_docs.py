@@ -29,6 +29,8 @@ Names an expression can use:
 * ``span(values, FORMAT)``: ``"lo-hi"`` (or one value where they are equal);
 * ``rows(items, "| a | b |", "| {a:.2f} | {b:,} |")``: a markdown table, one row per item;
 * ``table(KIND, doc)``: a table of :mod:`results_tables` (``compute``, ``kernels``, ``layer``);
+* ``optional("NAME")``: ``docs/results/NAME.json`` where it exists, else ``None`` (a table says "not measured");
+* ``design_verdict(doc, a, b, prefix, extend)``: ``bench.designs``' paired verdict of design ``a`` against ``b``;
 * ``min``, ``max``, ``abs``, ``len``, ``sum``, ``round``, ``sorted``.
 
 Usage::
@@ -166,6 +168,8 @@ class Sources:
         }
         for path in sorted(self.results_dir.glob("*.json")):
             names[path.stem] = wrap(json.loads(path.read_text()))
+        names["optional"] = lambda stem: names.get(stem)  # a results file that may not exist yet: None
+        names["design_verdict"] = results_tables.design_verdict
         return names
 
     def _printed_outputs(self, name: str) -> list[str]:

@@ -494,6 +494,77 @@ def kv_designs(doc: dict) -> str:
     return "\n".join(lines)
 
 
+NOT_REMEASURED = "not re-measured with paired repeats"
+
+
+def _pair(workload: dict, a: str, b: str) -> dict | None:
+    """The paired comparison of designs ``a`` and ``b`` in one workload, oriented ``a - b``; None where the
+    workload has none (a results file from before the paired protocol, or a design not run)."""
+    for c in workload.get("comparisons") or []:
+        if (c["a"], c["b"]) == (a, b):
+            return c
+        if (c["a"], c["b"]) == (b, a):
+            d = c["difference"]
+            flipped = {**d, "median": -d["median"], "min": -d["max"], "max": -d["min"], "q1": -d["q3"], "q3": -d["q1"]}
+            return {**c, "a": a, "b": b, "difference": flipped}
+    return None
+
+
+def design_verdict(doc: dict, a: str, b: str, prefix: int | None = None, extend: int | None = None) -> str:
+    """The verdict of design ``a`` against ``b`` (``bench.paired``'s rule) in the workload with ``prefix`` and
+    ``extend`` tokens, or over every workload when neither is given: "within noise", "X faster", "X faster
+    at ..., within noise at ..." or, for a results file from before the paired protocol, that it was not
+    re-measured."""
+    chosen = [
+        w
+        for w in doc["workloads"]
+        if (prefix is None or w["prefix"] == prefix) and (extend is None or w["extend"] == extend)
+    ]
+    if not chosen:
+        raise LookupError(f"no workload with prefix {prefix} and extend {extend}")
+    verdicts = {}
+    for w in chosen:
+        c = _pair(w, a, b)
+        verdicts[f"{w['prefix']:,}+{w['extend']:,}"] = c["verdict"] if c else NOT_REMEASURED
+    if len(set(verdicts.values())) == 1:
+        (only,) = set(verdicts.values())
+        return only + (" at every workload" if len(verdicts) > 1 and only != NOT_REMEASURED else "")
+    return ", ".join(f"{v} at {k}" for k, v in verdicts.items())
+
+
+def kv_design_verdicts(doc: dict) -> str:
+    """``bench/designs.py``: per workload, each design against the phases, repeat by repeat (``bench.paired``)."""
+    paired_run = any(w.get("comparisons") for w in doc["workloads"])
+    if paired_run:
+        head = (
+            f"Paired over {doc['repeats']} interleaved rounds (each round runs every design once, the order rotated "
+            f"per round); difference: the design's run time minus the phases' in the same round, per layer, ms. "
+            f"Verdict: {doc['rule']}."
+        )
+    else:
+        head = (
+            f"The committed results predate the paired protocol: {doc['repeats']} run(s) per design, one design "
+            "after another, no round in which they ran side by side. Their medians are not ranked here: every "
+            f"comparison reads *{NOT_REMEASURED}* until the benchmark runs again."
+        )
+    lines = [
+        head,
+        "",
+        "| workload | design against phases | paired difference, ms: median (min-max) | verdict |",
+        "| --- | --- | --- | --- |",
+    ]
+    for w in doc["workloads"]:
+        names = {r["design"] for r in w["designs"] if r.get("status") == "measured"}
+        for design in ("layer-split", "rotated-shard", "dcp-gather"):
+            if design not in names or "phases" not in names:
+                continue
+            c = _pair(w, design, "phases")
+            diff = "-" if c is None else "{median:+.2f} ({min:+.2f} to {max:+.2f})".format(**c["difference"])
+            verdict = NOT_REMEASURED if c is None else c["verdict"]
+            lines.append(f"| {w['name']} {w['prefix']:,}+{w['extend']:,} | {design} | {diff} | {verdict} |")
+    return "\n".join(lines)
+
+
 def kv_capacity(doc: dict) -> str:
     """The longest request each design's KV fits in the planner's budget (``capacity`` of the modeled results)."""
     lines = [
@@ -581,6 +652,63 @@ def v4(doc: dict) -> str:
                 f"| {(p['window_bytes'] + p['compressor_state_bytes']) / 2**10:,.0f} "
                 f"| {p['gather_bytes'] / 2**20:.1f} | {p['materialized_bytes'] / 2**20:.1f} |"
             )
+    return "\n".join(lines)
+
+
+def _ms_spread(side: dict) -> str:
+    spread = side["spread"]
+    return f"{side['ms']:.3f} ({spread['min']:.3f}-{spread['max']:.3f})"
+
+
+def anchors(doc: dict | None) -> str:
+    """``bench/anchors.py``: per case, ours and the production kernel side by side, or where the
+    results file does not exist yet, a line that says so (``doc`` ``None``)."""
+    if doc is None:
+        return (
+            "**Not measured on the H200 yet**: no `docs/results/anchors_h200.json`. Until it exists, this "
+            "site's kernels are compared with the figures their authors published (the table above, marked "
+            "published), not with the production kernels run beside them."
+        )
+    if doc.get("kind") != "measured":
+        return f"A {doc.get('kind', 'unknown')} run (its numbers mean nothing): `{doc['command']}`."
+    avail = "; ".join(
+        f"{name} at `{rec['pin']['commit'][:7]}`: "
+        + ("imported" + (f" ({rec['version']})" if rec.get("version") else "") if rec["available"] else rec["why"])
+        for name, rec in doc["anchors"].items()
+    )
+    lines = [
+        f"Measured on {doc['device']}, torch {doc['torch']}, CUDA {doc['cuda']}; anchors: {avail}. "
+        f"Timing: {doc['timing']}; ms columns: median (min-max) over the rounds. Verdict: {doc['rule']}. "
+        f"Command: `{doc['command']}`.",
+        "",
+        "| case | T x S, heads, top-k | ours: kernel, ms, TFLOPS | theirs: kernel, ms, TFLOPS "
+        "| ours / theirs, paired (min-max) | verdict | outputs agree |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in doc["cases"]:
+        if "error" in row:
+            lines.append(f"| {row['case']} | - | error: {row['error'][:120]} | - | - | - | - |")
+            continue
+        shape, ours, theirs = row["shape"], row["ours"], row["theirs"]
+        size = f"{shape['T']:,} x {shape['S']:,}, {shape['heads']}, {shape['topk']:,}"
+        ours_cell = f"{ours['kernel']}, {_ms_spread(ours)}, {ours['tflops']:.0f}"
+        if "ms" in theirs:
+            theirs_cell = f"`{theirs['kernel']}`, {_ms_spread(theirs)}, {theirs['tflops']:.0f}"
+            ratio = row["comparison"]["ratio"]
+            ratio_cell = f"{ratio['median']:.2f} ({ratio['min']:.2f}-{ratio['max']:.2f})"
+            verdict = row["comparison"]["verdict"]
+        else:
+            theirs_cell = f"not run: {theirs['why'][:120]}"
+            ratio_cell, verdict = "-", "-"
+            pub = row.get("published")
+            if pub is not None:
+                theirs_cell += (
+                    f"; **published** {pub['published_tflops']:g} TFLOPS ({pub['hardware']}, {pub['source']}), "
+                    f"not measured here: ours at {pub.get('ours_fraction', 0):.0%} of it"
+                )
+        check = row.get("check")
+        agree = "-" if check is None else ("yes" if check["ok"] else "**no**")
+        lines.append(f"| {row['case']} | {size} | {ours_cell} | {theirs_cell} | {ratio_cell} | {verdict} | {agree} |")
     return "\n".join(lines)
 
 

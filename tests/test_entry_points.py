@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT / "scripts"))  # the scripts import each other by na
 MODULES = [
     f"reference_impl.bench.{m}"
     for m in (
+        "anchors",
         "compute",
         "designs",
         "glue",
@@ -131,6 +132,8 @@ STORED: dict[str, Any] = {
 
 # (entry, argv, words the one error line must hold); T/ is the test's folder, S/NAME the stored file NAME.
 BAD_INPUT: list[tuple[str, list[str], str]] = [
+    # bench.anchors
+    ("reference_impl.bench.anchors", ["--out", "T/x.json", "--cases", "v5"], "--cases 'v5': name each once"),
     # bench.v4: what a user met as tracebacks
     ("reference_impl.bench.v4", ["--out", "T/x.json", "--cp-size", "0"], "argument --cp-size: 0 is below 1"),
     ("reference_impl.bench.v4", ["--out", "T/x.json", "--rank", "-1"], "argument --rank: -1 is below 0"),
