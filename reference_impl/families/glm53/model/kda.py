@@ -73,11 +73,13 @@ class GatedRMSNorm(nn.Module):
 
 
 class KDAttention(nn.Module):
-    """One KDA layer's parameters (``transformers``' names) and its per-span pieces."""
+    """One KDA layer's parameters (``transformers``' names) and its per-span pieces. ``ops``: the
+    recurrence's cores (:class:`KDAOps`; the torch references, :data:`KDA_TORCH_OPS`, by default)."""
 
-    def __init__(self, cfg: Glm53Config) -> None:
+    def __init__(self, cfg: Glm53Config, ops: KDAOps | None = None) -> None:
         super().__init__()
         self.cfg = cfg
+        self.ops = ops or KDA_TORCH_OPS
         d, hd = cfg.dim, cfg.linear_head_dim
         self.q_proj = nn.Linear(d, cfg.qkv_dim, bias=False)
         self.k_proj = nn.Linear(d, cfg.qkv_dim, bias=False)
