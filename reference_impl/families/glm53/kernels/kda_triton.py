@@ -281,8 +281,8 @@ def _run(
     """Kernel 1 then kernel 2 on a state ``state [H, Dk, W]`` whose columns from ``u_offset`` take ``v``'s."""
     T, H, Dk = k.shape
     Dv, W = v.shape[2], state.shape[2]
-    q, k, v, g, beta = (None if t is None else _last_dim_contiguous(t) for t in (q, k, v, g, beta))
-    assert k is not None and v is not None and g is not None and beta is not None
+    k, v, g, beta = (_last_dim_contiguous(t) for t in (k, v, g, beta))
+    q = None if q is None else _last_dim_contiguous(q)
     dev = k.device
     state = state.to(torch.float32).contiguous()
     n_chunks = triton.cdiv(T, chunk)
@@ -399,8 +399,8 @@ def kda_tokens_per_second(
     k = torch.nn.functional.normalize(draw(tokens, heads, head_dim), dim=-1)
     v, g = draw(tokens, heads, head_dim), -5.0 * torch.sigmoid(draw(tokens, heads, head_dim))
     beta, state = torch.sigmoid(draw(tokens, heads)), draw(heads, head_dim, head_dim)
-    args = tuple(t.to(dtype) for t in (q, k, v, g, beta)) + (state,)
+    q, k, v, g, beta = (t.to(dtype) for t in (q, k, v, g, beta))
     run = kda_chunked_triton if kernel == "triton" else kda_chunked
     on_gpu = torch.device(device).type == "cuda"
-    ms = median_ms_timer(on_gpu, warmup_ms=25, rep_ms=100)(lambda: run(*args))
+    ms = median_ms_timer(on_gpu, warmup_ms=25, rep_ms=100)(lambda: run(q, k, v, g, beta, state))
     return tokens / (ms * 1e-3)
