@@ -110,6 +110,19 @@ def test_kernel_is_the_token_by_token_recurrence() -> None:
     assert float((want_final.float() - state).abs().max()) > 0.1  # the span changed the state
 
 
+def test_near_collinear_keys() -> None:
+    """Keys within ~1% of one direction, ``beta`` near 1 and almost no decay: the chunk's triangular system
+    has entries near 1 throughout (the forward substitution's hardest case); still the recurrence's answer."""
+    q, k, v, g, beta, state = _inputs(130, seed=13)
+    gen = torch.Generator().manual_seed(14)
+    k = F.normalize(torch.randn(1, H, D, generator=gen) + 0.01 * torch.randn(130, H, D, generator=gen), dim=-1)
+    g, beta = g / 50.0, torch.full_like(beta, 0.999)
+    out, final = kda_chunked_triton(k * D**-0.5, k, v, g, beta, state)
+    want_out, want_final = _recurrence(k * D**-0.5, k, v, g, beta, state)
+    _close(out, want_out.float())
+    _close(final, want_final.float())
+
+
 @pytest.mark.parametrize(("chunk", "Dk", "Dv"), [(16, 16, 16), (32, 16, 32), (64, 24, 40)])
 def test_other_chunks_and_padded_head_dims(chunk: int, Dk: int, Dv: int) -> None:
     """Chunks of 16 and 32 tokens; head dims that are no power of two (padded to the block, masked)."""
