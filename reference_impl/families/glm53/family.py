@@ -105,8 +105,12 @@ class Glm53Family:
         kernels: bool,
         fp8_projections: bool = False,
     ) -> Glm53Model:
-        """The torch references only (no kernel table yet: ``kernels`` changes nothing)."""
-        return build_glm53_model(cfg, dtype, seed, device)
+        """The KDA recurrence through :data:`~.kernels.dispatch.KDA_KERNEL_OPS` (the torch references off
+        CUDA) or the torch references (:data:`~.model.kda.KDA_TORCH_OPS`); the other cores are torch."""
+        from reference_impl.families.glm53.kernels.dispatch import KDA_KERNEL_OPS
+        from reference_impl.families.glm53.model.kda import KDA_TORCH_OPS
+
+        return build_glm53_model(cfg, dtype, seed, device, KDA_KERNEL_OPS if kernels else KDA_TORCH_OPS)
 
     def load_weights(self, model: torch.nn.Module, checkpoint: Any, first_layer: int, head: bool) -> None:
         from reference_impl.families.glm53.model.checkpoint import load_glm53_hf_weights

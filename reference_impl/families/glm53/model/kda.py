@@ -24,6 +24,9 @@ maps are all-gathered, and each rank composes the maps before its block (:func:`
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -70,11 +73,13 @@ class GatedRMSNorm(nn.Module):
 
 
 class KDAttention(nn.Module):
-    """One KDA layer's parameters (``transformers``' names) and its per-span pieces."""
+    """One KDA layer's parameters (``transformers``' names) and its per-span pieces. ``ops``: the
+    recurrence's cores (:class:`KDAOps`; the torch references, :data:`KDA_TORCH_OPS`, by default)."""
 
-    def __init__(self, cfg: Glm53Config) -> None:
+    def __init__(self, cfg: Glm53Config, ops: KDAOps | None = None) -> None:
         super().__init__()
         self.cfg = cfg
+        self.ops = ops or KDA_TORCH_OPS
         d, hd = cfg.dim, cfg.linear_head_dim
         self.q_proj = nn.Linear(d, cfg.qkv_dim, bias=False)
         self.k_proj = nn.Linear(d, cfg.qkv_dim, bias=False)
@@ -139,6 +144,7 @@ def kda_chunked(
     ``g [T, H, Dk]``, ``beta [T, H]``, ``state [H, Dk, Dv]`` -> ``(o [T, H, Dv], final state [H, Dk, Dv])``.
 
     ``transformers``' ``chunk_kimi_delta_attention`` for one sequence, step for step."""
+    check_kda_inputs(q, k, v, g, beta, state)
     T = q.shape[0]
     if T == 0:
         return v.new_zeros(v.shape), state.float().clone()
@@ -174,6 +180,34 @@ def kda_chunked(
     return out.reshape(H, n * chunk, -1)[:, :T].transpose(0, 1), S
 
 
+def check_kda_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> None:
+    """Refuse, by argument name, inputs :func:`kda_chunked` (or a kernel with its contract) cannot take:
+    ``q, k, g [T, H, Dk]``, ``v [T, H, Dv]``, ``beta [T, H]``, ``state [H, Dk, Dv]``, floating point, one device.
+    Shapes only: nothing is read from the device."""
+    named = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "state": state}
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            kind = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name}: a floating-point tensor is needed, got {kind}")
+        if t.dim() != (2 if name == "beta" else 3):
+            raise ValueError(f"{name}: {2 if name == 'beta' else 3} dims expected, got shape {tuple(t.shape)}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}: one device needed")
+    T, H, Dk = q.shape
+    Dv = v.shape[2]
+    want = {"k": (T, H, Dk), "g": (T, H, Dk), "v": (T, H, Dv), "beta": (T, H), "state": (H, Dk, Dv)}
+    for name, shape in want.items():
+        if tuple(named[name].shape) != shape:
+            raise ValueError(
+                f"{name}: shape {tuple(named[name].shape)}, expected {shape} "
+                f"(q {tuple(q.shape)} = [T, H, Dk], v {tuple(v.shape)} = [T, H, Dv])"
+            )
+    if H == 0 or Dk == 0 or Dv == 0:
+        raise ValueError(f"q {tuple(q.shape)}, v {tuple(v.shape)}: heads and head dims must be positive")
+
+
 def span_map(
     k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,3 +223,22 @@ def span_map(
 def compose(state: torch.Tensor, A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     """The state after a span of map ``(A, B)`` entered with ``state`` ``[H, Dk, Dv]``."""
     return A @ state + B
+
+
+@dataclass(frozen=True)
+class KDAOps:
+    """What a KDA layer hands to kernels (the torch references by default, :data:`KDA_TORCH_OPS`):
+
+    * ``chunked(q, k, v, g, beta, state)`` -> ``(o [T, H, Dv], final state [H, Dk, Dv])`` float32
+      (:func:`kda_chunked`);
+    * ``span_map(k, v, g, beta)`` -> ``(A [H, Dk, Dk], B [H, Dk, Dv])`` float32 (:func:`span_map`).
+
+    The kernel table is :data:`reference_impl.families.glm53.kernels.dispatch.KDA_KERNEL_OPS`.
+    """
+
+    name: str
+    chunked: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    span_map: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+KDA_TORCH_OPS = KDAOps("torch", kda_chunked, span_map)

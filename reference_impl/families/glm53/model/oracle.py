@@ -22,27 +22,28 @@ from torch import nn
 
 from reference_impl.families.glm53.config import Glm53Config
 from reference_impl.families.glm53.model.dsa import MLAttention, RMSNorm, group_scores, select
-from reference_impl.families.glm53.model.kda import KDAttention, kda_chunked
+from reference_impl.families.glm53.model.kda import KDA_TORCH_OPS, KDAOps, KDAttention
 
 
 class Glm53Block(nn.Module):
     """``h + attn(attn_norm(h))``; the attention (KDA or MLA) sits under ``attn.``."""
 
-    def __init__(self, cfg: Glm53Config, layer: int) -> None:
+    def __init__(self, cfg: Glm53Config, layer: int, kda_ops: KDAOps = KDA_TORCH_OPS) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim, cfg.rms_norm_eps)
         self.attn: KDAttention | MLAttention = (
-            KDAttention(cfg) if cfg.is_kda(layer) else MLAttention(cfg, cfg.shares_selection(layer))
+            KDAttention(cfg, kda_ops) if cfg.is_kda(layer) else MLAttention(cfg, cfg.shares_selection(layer))
         )
 
 
 class Glm53Model(nn.Module):
-    """``n_layers`` blocks (their types from ``cfg.layer_types``), a final norm and an LM head."""
+    """``n_layers`` blocks (their types from ``cfg.layer_types``), a final norm and an LM head; the KDA
+    layers' recurrence through ``kda_ops`` (the torch references by default)."""
 
-    def __init__(self, cfg: Glm53Config) -> None:
+    def __init__(self, cfg: Glm53Config, kda_ops: KDAOps = KDA_TORCH_OPS) -> None:
         super().__init__()
         self.cfg = cfg
-        self.layers = nn.ModuleList(Glm53Block(cfg, i) for i in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Glm53Block(cfg, i, kda_ops) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.rms_norm_eps)
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 
@@ -85,10 +86,13 @@ def init_glm53_weights(model: Glm53Model, seed: int) -> Glm53Model:
     return model
 
 
-def build_glm53_model(cfg: Glm53Config, dtype: torch.dtype, seed: int, device: torch.device | str) -> Glm53Model:
-    """The model in ``dtype`` (the parameters ``transformers`` keeps in float32 stay so), weights from ``seed``."""
+def build_glm53_model(
+    cfg: Glm53Config, dtype: torch.dtype, seed: int, device: torch.device | str, kda_ops: KDAOps = KDA_TORCH_OPS
+) -> Glm53Model:
+    """The model in ``dtype`` (the parameters ``transformers`` keeps in float32 stay so), weights from ``seed``,
+    its KDA layers' recurrence through ``kda_ops``."""
     with torch.device(device):
-        model = Glm53Model(cfg)
+        model = Glm53Model(cfg, kda_ops)
     init_glm53_weights(model, seed)
     model.to(dtype)
     for name, p in model.named_parameters():
@@ -147,7 +151,7 @@ def kda_span(attn: KDAttention, x: torch.Tensor, cache: KDACache) -> torch.Tenso
     mixed = attn.mixed(x)
     q, k, v = attn.qkv(attn.conv(mixed, cache.conv))
     g, beta = attn.gates(x)
-    core, cache.state = kda_chunked(q, k, v, g, beta, cache.state)
+    core, cache.state = attn.ops.chunked(q, k, v, g, beta, cache.state)
     cache.conv = torch.cat([cache.conv, mixed.to(cache.conv.dtype)])[-attn.halo :]
     return attn.finish(x, core)
 
