@@ -117,7 +117,8 @@ def _bytes_at_rest(run: RunConfig, store: ShardedKV, rank: int) -> int:
     locs = request_locs(run)  # this rank's own page table: its locs of every request, freed ones too
     owned = sum(int((store.ownership.owner(request) == rank).sum()) for request in locs.values())
     layout = store.layout
-    return owned * (layout.mla_bytes + layout.index_head_dim + 4) * run.model.n_layers
+    index_layers = len(store.pool.index_layers)  # IndexShare: the full layers only
+    return owned * (layout.mla_bytes * run.model.n_layers + (layout.index_head_dim + 4) * index_layers)
 
 
 def _receive_rows(run: RunConfig, device: torch.device, transport: str, deadline_s: float) -> _RoleResult:
@@ -214,14 +215,17 @@ def _pd_rank(world: CPGroup, job: tuple[RunConfig, str, str, float]) -> _RoleRes
 
 
 def oracle_mismatches(rows: list[dict[int, RequestRows]], oracle: OracleResult) -> list[str]:
-    """Where decode rows differ from the oracle's cache (MLA rows, index fp8 bytes, index scales)."""
+    """Where decode rows differ from the oracle's cache (MLA rows, index fp8 bytes, index scales; an
+    IndexShare shared layer keeps no index K in either, so the decode's must be empty there)."""
     problems = []
     for layer, caches in enumerate(oracle.caches):
         for req, cache in enumerate(caches):
             mla, k_bytes, k_scale = rows[layer][req]
+            no_index = k_bytes.new_empty(k_bytes.shape[0], 0)  # a shared layer: the decode keeps none either
+            ref_bytes = cache.index_fp8.view(torch.uint8) if cache.with_index else no_index
             for part, got, ref in (
                 ("MLA rows", mla, cache.mla_rows),
-                ("index fp8", k_bytes, cache.index_fp8.view(torch.uint8)),
+                ("index fp8", k_bytes, ref_bytes),
                 ("index scale", k_scale.view(torch.uint8), cache.index_scale.view(torch.uint8)),
             ):
                 if not torch.equal(got.cpu(), ref.cpu()):
@@ -241,7 +245,8 @@ def store_mismatches(rows: list[dict[int, RequestRows]], ranks_stored: list[list
                 positions, *parts = stored[layer][req]
                 covered[positions] += 1
                 for dst, src in zip(expect, parts):
-                    dst[positions] = src.view(dst.dtype)
+                    if src is not None:  # None: an IndexShare shared layer's index K, which it does not keep
+                        dst[positions] = src.view(dst.dtype)
             if not bool((covered == 1).all()):
                 problems.append(
                     f"layer {layer} request {req}: the prefill ranks do not hold every position exactly once"
@@ -292,10 +297,10 @@ def run_prefill_and_decode(
         )
     if not run.phases.sharded_kv:
         raise ConfigError(f"PD transfer of owned pages needs phase 2 (KV sharded at rest); phases are {run.phases}")
-    if run.model.index_share.shares:
+    if transfer == "pages" and run.model.index_share.shares:
         raise ConfigError(
-            f"the PD transfer moves index K for every layer; IndexShare ({run.preset}, pattern "
-            f"{run.model.index_share.pattern}) keeps it on full layers only, which the transfer does not handle yet"
+            f"the page transfer moves index pages for every layer; IndexShare ({run.preset}, pattern "
+            f"{run.model.index_share.pattern}) keeps them on full layers only: use transfer='rows'"
         )
     if transfer == "pages" and run.interleave != run.page_size:
         raise ConfigError(
