@@ -123,6 +123,8 @@ class V4LayerStreamer:
         self.transport, self.decode_rank = transport, decode_rank
         self.store: V4Store | None = None
         self.replicas: dict[int, bool] = {}  # finished request -> whether this rank ships its replicated parts
+        # (request, layer, part) -> the rows it will hold and its wire header
+        self.headers: dict[tuple[int, int, int], tuple[int, torch.Tensor]] = {}
         self.pending: dict[int, list[Pending]] = {}
         self.staging: SideStreamStaging | None = None
         self.loop_end: torch.cuda.Event | None = None
@@ -137,6 +139,22 @@ class V4LayerStreamer:
         if device.type == "cuda" and self.staging is None:
             self.staging = SideStreamStaging(device)
         self.replicas = {req: replica_sender(store, locs) == store.group.rank for req, locs in finished.items()}
+        # The headers, from the rows each block will hold (the ownership and the cache's arithmetic), built
+        # here: a tensor built from host data inside the layer loop counts as a host sync (phase 6).
+        cfg, rank, self.headers = store.cfg, store.group.rank, {}
+        assert store.ownership is not None
+        for req, locs in finished.items():
+            n = int(locs.numel())
+            for layer in range(cfg.n_layers):
+                for part in parts_of(cfg, layer):
+                    rows = first_and_count(cfg, layer, part, n)[1]
+                    if part == ENTRIES and cfg.ratio(layer) == 4:
+                        rows = entry_owners(store.ownership, locs.cpu(), range(rows)).count(rank)
+                    elif not self.replicas[req]:
+                        rows = 0
+                    width = row_bytes(cfg, store.codec, layer, part)
+                    header = torch.tensor([req, layer, rows, width, 0, part], dtype=torch.long)
+                    self.headers[req, layer, part] = (rows, header)
 
     def blocks(self, layer: int, req: int, replica: bool) -> list[RowBlock]:
         """This rank's blocks of ``req`` on ``layer`` (empty where it ships nothing of a part)."""
@@ -163,11 +181,17 @@ class V4LayerStreamer:
         assert self.store is not None
         for req, replica in self.replicas.items():
             for block in self.blocks(layer, req, replica):
+                rows, header = self.headers[req, layer, block.part]
+                if block.n_rows != rows:  # shapes only: no device read
+                    raise ConfigError(
+                        f"request {req} layer {layer}: this rank holds {block.n_rows} {PART_NAMES[block.part]} rows, "
+                        f"its ownership says {rows}"
+                    )
                 if self.staging is not None:
                     staged = self.staging.stage(lambda block=block: block)
-                    sent = self.transport.isend(staged.block, self.decode_rank, ready=staged.done)
+                    sent = self.transport.isend(staged.block, self.decode_rank, header, ready=staged.done)
                 else:
-                    sent = self.transport.isend(block, self.decode_rank)
+                    sent = self.transport.isend(block, self.decode_rank, header)
                 self.pending.setdefault(req, []).append(sent)
                 self.bytes_sent += block.payload_bytes
                 self.rows_sent += block.n_rows
