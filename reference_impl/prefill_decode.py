@@ -502,6 +502,7 @@ def pd_report(run: RunConfig, result: PDResult) -> dict[str, Any]:
         "decode_matches_prefill": result.matches_oracle if run.check else None,
         "problems": result.problems,
         "bytes_received": result.bytes_received,
+        "decode_next_token_error": result.next_token_error,  # a family payload's continuation (CPU check runs)
         "prefill_ranks": ranks,
         "decode_pages": [list(p) for p in result.decode_pages],
         "prefill_pages": [prefill_pages[req] for req in range(len(run.requests))],
@@ -530,6 +531,11 @@ def format_pd(doc: dict[str, Any]) -> str:
             "the prefill ranks' rows at rest "
             f"byte for byte (on {doc['device']}: the GPU tier checks the prefill against the oracle); "
             f"received {doc['bytes_received']:,} B"
+        )
+    if doc.get("decode_next_token_error") is not None:
+        lines.append(
+            "  the decode continued one token per request: relative difference from the oracle's step "
+            f"{doc['decode_next_token_error']:.3g} (bound {NEXT_TOKEN_BOUND})"
         )
     unit = "rows_sent" if doc["transfer"] == "rows" else "pages_sent"
     streamed = doc["transfer"] == "rows"
