@@ -115,7 +115,7 @@ class _RoleResult:
 
     manifests: list[TransferManifest]  # prefill: its own manifest; decode: the manifests it received, in rank order
     prefill: RankResult | None = None
-    rows: list[dict[int, RequestRows]] = field(default_factory=list)
+    rows: list[Any] = field(default_factory=list)  # [layer]: request -> rows (DSA), or a payload's caches
     bytes_received: int = 0
     sent: RankTransfer | None = None
     decode_pages: tuple[tuple[int, ...], ...] = ()

@@ -201,7 +201,8 @@ class TorchDistributedTransport:
         if n:
             for tensor in parts if index_width else parts[:2]:
                 dist.recv(tensor, src)
-        return RowBlock(request, layer, *parts, part=part)
+        positions, mla, index, scale = parts
+        return RowBlock(request, layer, positions, mla, index, scale, part)
 
 
 class InProcessTransport:

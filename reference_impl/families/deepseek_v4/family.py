@@ -19,7 +19,7 @@ from reference_impl.config import ConfigError, RunConfig, env_flag
 from reference_impl.cp.batch import BatchLocs
 from reference_impl.cp.comm import CPGroup
 from reference_impl.cp.split import SplitMetadata
-from reference_impl.families.base import ChunkInputs
+from reference_impl.families.base import ChunkInputs, PDPayload
 from reference_impl.families.deepseek_v4 import footprint
 from reference_impl.families.deepseek_v4.config import V4_PRESETS, V4ModelConfig
 from reference_impl.families.deepseek_v4.cp.layer import PER_LAYER_TAGS_V4, V4ChunkRunner
@@ -238,7 +238,7 @@ class DeepSeekV4Family:
         """The rows transfer ships every part of a V4 cache (:mod:`~.pd`); the page transfer mirrors the
         DSA pool's pages, which a V4 store does not have (``run_prefill_and_decode`` asks before)."""
 
-    def pd_payload(self, run: RunConfig) -> V4PDPayload:
+    def pd_payload(self, run: RunConfig) -> PDPayload:
         return V4PDPayload(run)
 
 

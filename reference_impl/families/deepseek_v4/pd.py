@@ -45,7 +45,8 @@ import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import Any, cast
 
 import torch
 
@@ -56,7 +57,7 @@ from reference_impl.families.deepseek_v4.config import V4ModelConfig
 from reference_impl.families.deepseek_v4.cp.store import V4Store, entry_owners, pack_pool, pool_width
 from reference_impl.families.deepseek_v4.model.cache import V4LayerCache, v4_layer_forward
 from reference_impl.families.deepseek_v4.model.compressor import state_start
-from reference_impl.families.deepseek_v4.model.oracle import V4Model, V4OracleResult
+from reference_impl.families.deepseek_v4.model.oracle import V4Block, V4Model, V4OracleResult
 from reference_impl.pd.mooncake import NOTIFY_NAME, Completion, TransferTimeoutError
 from reference_impl.pd.mooncake_engine import MooncakeEngine
 from reference_impl.pd.staging import Overlap, SideStreamStaging, overlap
@@ -156,42 +157,41 @@ class V4LayerStreamer:
                     header = torch.tensor([req, layer, rows, width, 0, part], dtype=torch.long)
                     self.headers[req, layer, part] = (rows, header)
 
-    def blocks(self, layer: int, req: int, replica: bool) -> list[RowBlock]:
-        """This rank's blocks of ``req`` on ``layer`` (empty where it ships nothing of a part)."""
+    def block(self, layer: int, req: int, replica: bool, part: int) -> RowBlock:
+        """This rank's ``part`` of ``req`` on ``layer`` (no rows where it ships nothing of it)."""
         store = self.store
         assert store is not None
         cfg, st = store.cfg, store.state(layer, req)
         n = st.n_tokens
-        out = []
-        for part in parts_of(cfg, layer):
-            width = row_bytes(cfg, store.codec, layer, part)
-            rows, positions = st.window.new_empty(0, width), torch.zeros(0, dtype=torch.long)
-            if part == ENTRIES and (store.owns(layer) or replica):  # CSA: the rank's share; HCA: replicated
-                rows = torch.cat([st.main, st.index], dim=1) if cfg.ratio(layer) == 4 else st.main
-                positions = st.ids
-            elif part == WINDOW and replica:
-                rows, positions = st.window, torch.arange(n - st.window.shape[0], n)
-            elif part == STATE and replica:
-                rows = st.pool.contiguous().view(torch.uint8).reshape(st.pool.shape[0], width)
-                positions = torch.arange(n - st.pool.shape[0], n)
-            out.append(RowBlock(req, layer, positions, rows, rows.new_empty(rows.shape[0], 0), _no_scale(), part))
-        return out
+        width = row_bytes(cfg, store.codec, layer, part)
+        rows, positions = st.window.new_empty(0, width), torch.zeros(0, dtype=torch.long)
+        if part == ENTRIES and (store.owns(layer) or replica):  # CSA: the rank's share; HCA: replicated
+            rows = torch.cat([st.main, st.index], dim=1) if cfg.ratio(layer) == 4 else st.main
+            positions = st.ids
+        elif part == WINDOW and replica:
+            rows, positions = st.window, torch.arange(n - st.window.shape[0], n)
+        elif part == STATE and replica:
+            rows = st.pool.contiguous().view(torch.uint8).reshape(st.pool.shape[0], width)
+            positions = torch.arange(n - st.pool.shape[0], n)
+        return RowBlock(req, layer, positions, rows, rows.new_empty(rows.shape[0], 0), _no_scale(), part)
 
     def layer_stored(self, layer: int) -> None:
         assert self.store is not None
         for req, replica in self.replicas.items():
-            for block in self.blocks(layer, req, replica):
-                rows, header = self.headers[req, layer, block.part]
+            for part in parts_of(self.store.cfg, layer):
+                rows, header = self.headers[req, layer, part]
+                if self.staging is not None:  # read and copy on the side stream (its allocations too)
+                    staged = self.staging.stage(partial(self.block, layer, req, replica, part))
+                    block = staged.block
+                    sent = self.transport.isend(block, self.decode_rank, header, ready=staged.done)
+                else:
+                    block = self.block(layer, req, replica, part)
+                    sent = self.transport.isend(block, self.decode_rank, header)
                 if block.n_rows != rows:  # shapes only: no device read
                     raise ConfigError(
-                        f"request {req} layer {layer}: this rank holds {block.n_rows} {PART_NAMES[block.part]} rows, "
+                        f"request {req} layer {layer}: this rank holds {block.n_rows} {PART_NAMES[part]} rows, "
                         f"its ownership says {rows}"
                     )
-                if self.staging is not None:
-                    staged = self.staging.stage(lambda block=block: block)
-                    sent = self.transport.isend(staged.block, self.decode_rank, header, ready=staged.done)
-                else:
-                    sent = self.transport.isend(block, self.decode_rank, header)
                 self.pending.setdefault(req, []).append(sent)
                 self.bytes_sent += block.payload_bytes
                 self.rows_sent += block.n_rows
@@ -369,9 +369,10 @@ class V4Decoder:
         return out
 
     @torch.no_grad()
-    def next_token(self, model: V4Model, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def next_token(self, model: torch.nn.Module, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Each request's next token (``inputs[req] [1, dim]``, its layer-0 input) through every layer
         against the assembled caches (copies: the arena stays as received) -> its final hidden state."""
+        assert isinstance(model, V4Model)
         return next_token(model, self.caches(), self.totals, inputs)
 
     def mooncake_receiver(self, engine: MooncakeEngine) -> V4MooncakeReceiver:
@@ -390,9 +391,9 @@ def next_token(
     out = []
     for req, (n, x) in enumerate(zip(totals, inputs)):
         h = x
-        for layer, block in enumerate(model.layers):
+        for layer, block in enumerate(cast("list[V4Block]", model.layers)):  # ModuleList yields nn.Module
             cache = dataclasses.replace(caches[layer][req])  # append() rebinds fields: the original stays
-            y, _, _ = v4_layer_forward(block.attn, block.attn_norm(h), n, cache)  # type: ignore[union-attr]
+            y, _, _ = v4_layer_forward(block.attn, block.attn_norm(h), n, cache)
             h = h + y
         out.append(h)
     return out
