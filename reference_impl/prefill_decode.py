@@ -517,6 +517,8 @@ def format_pd(doc: dict[str, Any]) -> str:
         if doc["transfer"] == "rows"
         else "pages: the decode mirrors the prefill's page ids"
     )
+    if doc["transfer"] == "rows" and not doc["decode_pages"]:  # a family payload: no pages of the DSA pool
+        how = "rows: the decode lays out each request's cache parts itself"
     if doc["transport"] != "torch":  # the default (gloo) line stays as it was; the JSON names both always
         how += f"; transport {doc['transport']} ({doc['protocol']})"
     lines = [
