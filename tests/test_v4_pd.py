@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from reference_impl.cli import main
-from reference_impl.config import ConfigError, PhaseSet, Request, RunConfig
+from reference_impl.config import ConfigError, PhaseSet, Request, RunConfig, parse_batches
 from reference_impl.families.deepseek_v4.cache_layout import index_entry_bytes, main_entry_bytes
 from reference_impl.families.deepseek_v4.model.cache import V4LayerCache
 from reference_impl.families.deepseek_v4.model.compressor import state_start
@@ -51,9 +51,9 @@ def cache_bytes(run: RunConfig) -> int:
 def check_shipped(run: RunConfig, result: PDResult) -> None:
     assert result.matches_oracle, result.problems  # rows at rest and the oracle, byte for byte
     assert result.next_token_error is not None and result.next_token_error <= NEXT_TOKEN_BOUND
-    assert [tuple(h.shape) for h in result.next_token] == [(1, run.model.dim)] * len(REQUESTS)
+    assert [tuple(h.shape) for h in result.next_token] == [(1, run.model.dim)] * len(run.requests)
     assert all(torch.isfinite(h).all() for h in result.next_token)
-    blocks = sum(len(parts_of(run.model, layer)) for layer in range(run.model.n_layers)) * len(REQUESTS)
+    blocks = sum(len(parts_of(run.model, layer)) for layer in range(run.model.n_layers)) * len(run.requests)
     for s in result.sent:
         assert s.bytes_sent == s.bytes_at_rest > 0  # every rank stores CSA entries of these requests
         assert s.blocks_sent == s.blocks_sent_in_layer_loop == blocks  # one per part, layer and request
@@ -71,6 +71,14 @@ def test_v4_pd_over_torch_matches_the_oracle_and_continues_one_token(changes: di
     check_shipped(run, result)
     if run.debug:  # level 8 in debug mode: a host sync in the layer loop would have raised
         assert all(p.stats["host_syncs_in_layer_loop"] == 0 for p in result.prefill)
+
+
+def test_v4_pd_of_several_batches_with_a_prefix_hit() -> None:
+    """A request of the second batch reuses 64 tokens of the first batch's request 0 (its entries
+    and the checkpoint there); each request ships its whole cache when its batch finishes it."""
+    requests, sizes = parse_batches("0+130,21+40;r0:64+20,5+9")
+    run = v4_run(requests=tuple(requests), batch_sizes=sizes)
+    check_shipped(run, run_prefill_and_decode(run, transfer="rows"))
 
 
 def test_v4_pd_over_mooncake_matches_the_oracle() -> None:
