@@ -195,9 +195,10 @@ def _receive_payload(
 
 
 def _to_cpu(cache: Any) -> Any:
-    """A dataclass of tensors with its tensors on the CPU (what the launcher pickles back)."""
+    """A dataclass of tensors with its tensors on the CPU, each its own copy (what the launcher pickles
+    back: a view would carry the whole arena it points into)."""
     fields = {f.name: getattr(cache, f.name) for f in dataclasses.fields(cache)}
-    return dataclasses.replace(cache, **{k: v.cpu() for k, v in fields.items() if isinstance(v, torch.Tensor)})
+    return dataclasses.replace(cache, **{k: v.cpu().clone() for k, v in fields.items() if isinstance(v, torch.Tensor)})
 
 
 def _prefill_transport(

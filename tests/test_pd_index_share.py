@@ -46,6 +46,18 @@ def test_index_share_rows_carry_index_k_for_full_layers_only(changes: dict) -> N
     assert result.bytes_received == sum(s.bytes_sent for s in result.sent) == one_full_layer
 
 
+def test_index_share_over_mooncake_writes_no_index_k_on_a_shared_layer() -> None:
+    from tests.test_pd_mooncake import require_mooncake
+
+    require_mooncake()
+    run = share_run()
+    result = run_prefill_and_decode(run, transfer="rows", transport="mooncake")
+    assert result.matches_oracle, result.problems
+    assert all(s.bytes_sent == s.bytes_at_rest > 0 for s in result.sent)
+    assert result.bytes_received == sum(s.bytes_sent for s in result.sent)
+    assert all(result.rows[1][req][1].shape[1] == 0 for req in range(len(REQUESTS)))
+
+
 def test_the_page_transfer_refuses_index_share() -> None:
     with pytest.raises(ConfigError, match="transfer='rows'"):
         run_prefill_and_decode(share_run(phases=PhaseSet.level(2)), transfer="pages")

@@ -66,6 +66,7 @@ from reference_impl.pd.transport import BlockTransport, Pending, RowBlock
 ENTRIES, WINDOW, STATE = 1, 2, 3
 PART_NAMES = {ENTRIES: "entries", WINDOW: "window tail", STATE: "compressor state"}
 F32 = 4  # bytes of a float32 pre-pool value
+ALIGN = 16  # each region of the decode's arena starts on a multiple of this many bytes
 
 
 def parts_of(cfg: V4ModelConfig, layer: int) -> tuple[int, ...]:
@@ -164,6 +165,9 @@ class V4LayerStreamer:
         cfg, st = store.cfg, store.state(layer, req)
         n = st.n_tokens
         width = row_bytes(cfg, store.codec, layer, part)
+        if self.staging is not None:  # read on the side stream: a later chunk may free these (main stream)
+            for t in (st.main, st.index, st.window, st.pool):
+                t.record_stream(self.staging.stream)
         rows, positions = st.window.new_empty(0, width), torch.zeros(0, dtype=torch.long)
         if part == ENTRIES and (store.owns(layer) or replica):  # CSA: the rank's share; HCA: replicated
             rows = torch.cat([st.main, st.index], dim=1) if cfg.ratio(layer) == 4 else st.main
@@ -275,7 +279,7 @@ class V4Decoder:
                     first, rows = first_and_count(cfg, layer, part, n)
                     width = row_bytes(cfg, self.codec, layer, part)
                     self.regions[req, layer, part] = Region(offset, width, first, rows)
-                    offset += rows * width
+                    offset = -(-(offset + rows * width) // ALIGN) * ALIGN  # the state is read as float32
         self.arena = torch.zeros(offset, dtype=torch.uint8, device=device)
         self.written = {key: torch.zeros(r.rows, dtype=torch.int32) for key, r in self.regions.items()}
         self.bytes_received = 0
