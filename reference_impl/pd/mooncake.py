@@ -197,7 +197,8 @@ class Completion:
             doc["bytes"],
             tuple((int(a), int(b)) for a, b in doc["runs"]),
             tuple(
-                (int(layer), int(part), tuple((int(a), int(b)) for a, b in runs)) for layer, part, runs in doc["blocks"]
+                (int(layer), int(part), tuple((int(a), int(b)) for a, b in runs))
+                for layer, part, runs in doc.get("blocks", [])
             ),
         )
 
