@@ -29,6 +29,7 @@ the GPU tier checks the prefill itself against the oracle).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,11 +37,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from reference_impl.check import EXACT_TOLERANCE
 from reference_impl.config import ConfigError, RunConfig, check_environment
 from reference_impl.cp.comm import CPGroup
 from reference_impl.cp.kv_sharded import ShardedKV
 from reference_impl.engine import RankResult, build_metadata, replay_page_table, request_locs, run_id_space, run_rank
 from reference_impl.families import family_of
+from reference_impl.families.base import PDPayload
 from reference_impl.footprint import check_fits, decode_bytes
 from reference_impl.kvcache.layout import KVLayout
 from reference_impl.launch import launch, plan_launch, rank_cpu_threads
@@ -57,6 +60,10 @@ from reference_impl.workload import build_inputs, build_model
 logger = logging.getLogger(__name__)
 
 TRANSPORTS = ("torch", "mooncake")  # the ``transport`` knob's values (``--transport``, ``DSACP_TRANSPORT``)
+# The decode's next token against the oracle's step over the oracle's caches (a family payload): the
+# same layer call over byte-equal caches, on a CPU with the ranks' thread count, so they agree to the
+# last bit; the bound is check.py's exact-arithmetic tolerance, relative to the largest value.
+NEXT_TOKEN_BOUND = EXACT_TOLERANCE
 
 
 @dataclass(frozen=True)
@@ -83,7 +90,8 @@ class PDResult:
 
     manifests: tuple[TransferManifest, ...]  # per prefill rank (``transfer="pages"``; empty for rows)
     prefill: tuple[RankResult, ...]  # per prefill rank (``store`` dropped)
-    rows: list[dict[int, RequestRows]]  # [layer][request] the decode pool's rows, in position order
+    rows: list[dict[int, RequestRows]] | Any  # [layer][request]: the decode pool's rows, in position order
+    # (a family with its own payload, ModelFamily.pd_payload: its decode caches, [layer][request])
     bytes_received: int  # payload bytes the decode rank received
     problems: list[str]  # differences from the prefill's rows at rest or the oracle's cache (unchecked: empty)
     transfer: str = "pages"
@@ -92,6 +100,8 @@ class PDResult:
     oracle_checked: bool = True  # False on CUDA: the rows at rest are the reference there
     transport: str = "torch"
     protocol: str = "gloo"  # the decode side's: gloo, or the protocol Mooncake installed (tcp, rdma)
+    next_token: tuple[torch.Tensor, ...] = ()  # per request: the decode's next-token hidden state (family payload)
+    next_token_error: float | None = None  # its difference from the oracle's step (CPU check runs)
 
     @property
     def matches_oracle(self) -> bool:
@@ -105,11 +115,12 @@ class _RoleResult:
 
     manifests: list[TransferManifest]  # prefill: its own manifest; decode: the manifests it received, in rank order
     prefill: RankResult | None = None
-    rows: list[dict[int, RequestRows]] = field(default_factory=list)
+    rows: list[Any] = field(default_factory=list)  # [layer]: request -> rows (DSA), or a payload's caches
     bytes_received: int = 0
     sent: RankTransfer | None = None
     decode_pages: tuple[tuple[int, ...], ...] = ()
     protocol: str = "gloo"
+    next_token: tuple[torch.Tensor, ...] = ()
 
 
 def _bytes_at_rest(run: RunConfig, store: ShardedKV, rank: int) -> int:
@@ -117,7 +128,8 @@ def _bytes_at_rest(run: RunConfig, store: ShardedKV, rank: int) -> int:
     locs = request_locs(run)  # this rank's own page table: its locs of every request, freed ones too
     owned = sum(int((store.ownership.owner(request) == rank).sum()) for request in locs.values())
     layout = store.layout
-    return owned * (layout.mla_bytes + layout.index_head_dim + 4) * run.model.n_layers
+    index_layers = len(store.pool.index_layers)  # IndexShare: the full layers only
+    return owned * (layout.mla_bytes * run.model.n_layers + (layout.index_head_dim + 4) * index_layers)
 
 
 def _receive_rows(run: RunConfig, device: torch.device, transport: str, deadline_s: float) -> _RoleResult:
@@ -149,6 +161,46 @@ def _receive_rows(run: RunConfig, device: torch.device, transport: str, deadline
     return _RoleResult([], rows=rows, bytes_received=shard.bytes_received, decode_pages=pages, protocol=protocol)
 
 
+def _receive_payload(
+    run: RunConfig, payload: PDPayload, device: torch.device, transport: str, deadline_s: float
+) -> _RoleResult:
+    """The decode rank of a family with its own payload (:meth:`~reference_impl.families.base.ModelFamily.pd_payload`):
+    its decoder's cache filled from every prefill rank's blocks, then one more token per request."""
+    decoder = payload.decoder(device)
+    n_requests = len(run.requests)
+    protocol = "gloo"
+    if transport == "mooncake":
+        engine = MooncakeEngine.start()
+        receiver = decoder.mooncake_receiver(engine)
+        dist.broadcast_object_list([receiver.target], src=run.cp_size)  # where each request's rows go
+        receiver.wait(range(n_requests), range(run.cp_size), run.model.n_layers, deadline_s)
+        receiver.close()
+        protocol = engine.protocol
+    else:
+        wire = TorchDistributedTransport("cpu")
+        for src in range(run.cp_size):
+            for _ in range(decoder.blocks_per_rank):
+                decoder.receive(wire.recv(src))
+    decoder.check_complete()
+    caches = decoder.caches()
+    next_token = decoder.next_token(build_model(run, device), payload.next_inputs(device))
+    cpu = [[_to_cpu(cache) for cache in per_layer] for per_layer in caches]
+    return _RoleResult(
+        [],
+        rows=cpu,
+        bytes_received=decoder.bytes_received,
+        protocol=protocol,
+        next_token=tuple(h.cpu() for h in next_token),
+    )
+
+
+def _to_cpu(cache: Any) -> Any:
+    """A dataclass of tensors with its tensors on the CPU, each its own copy (what the launcher pickles
+    back: a view would carry the whole arena it points into)."""
+    fields = {f.name: getattr(cache, f.name) for f in dataclasses.fields(cache)}
+    return dataclasses.replace(cache, **{k: v.cpu().clone() for k, v in fields.items() if isinstance(v, torch.Tensor)})
+
+
 def _prefill_transport(
     transport: str, cp_size: int, rank: int
 ) -> tuple[TorchDistributedTransport | MooncakeTransport, str]:
@@ -166,21 +218,26 @@ def _pd_rank(world: CPGroup, job: tuple[RunConfig, str, str, float]) -> _RoleRes
     run, transfer, transport_name, deadline_s = job
     cp_size = run.cp_size
     subgroup = dist.new_group(list(range(cp_size)))  # collective over the world: every rank calls it
+    payload = family_of(run.model).pd_payload(run) if transfer == "rows" else None
     if world.rank < cp_size:
         cp_group = CPGroup(process_group=subgroup, device=world.device, debug=world.debug)
         if transfer == "rows":
             transport, protocol = _prefill_transport(transport_name, cp_size, cp_group.rank)
-            streamer = LayerStreamer(transport, decode_rank=cp_size)
+            streamer = payload.sender(transport, cp_size) if payload is not None else LayerStreamer(transport, cp_size)
             result = run_rank(cp_group, run, keep_store=True, on_layer_stored=streamer)
             waits = streamer.wait_all()
             transport.close()
             store, result.store = result.store, None
-            assert isinstance(store, ShardedKV)
+            if payload is not None:
+                at_rest = payload.bytes_at_rest(cp_group.rank)
+            else:
+                assert isinstance(store, ShardedKV)
+                at_rest = _bytes_at_rest(run, store, cp_group.rank)
             o = streamer.overlap
             sent = RankTransfer(
                 cp_group.rank,
                 streamer.bytes_sent,
-                _bytes_at_rest(run, store, cp_group.rank),
+                at_rest,
                 streamer.rows_sent,
                 streamer.blocks_sent,
                 streamer.blocks_sent,
@@ -198,6 +255,8 @@ def _pd_rank(world: CPGroup, job: tuple[RunConfig, str, str, float]) -> _RoleRes
         manifest = build_manifest(store, cp_group.rank, cp_size)  # refuses anything but a sharded store
         send_owned_pages(manifest, store.pool, decode_rank=cp_size)
         return _RoleResult([manifest], prefill=result)
+    if transfer == "rows" and payload is not None:
+        return _receive_payload(run, payload, world.device, transport_name, deadline_s)
     if transfer == "rows":
         return _receive_rows(run, world.device, transport_name, deadline_s)
     table = replay_page_table(run)  # the logical locs every prefill rank allocated
@@ -214,14 +273,17 @@ def _pd_rank(world: CPGroup, job: tuple[RunConfig, str, str, float]) -> _RoleRes
 
 
 def oracle_mismatches(rows: list[dict[int, RequestRows]], oracle: OracleResult) -> list[str]:
-    """Where decode rows differ from the oracle's cache (MLA rows, index fp8 bytes, index scales)."""
+    """Where decode rows differ from the oracle's cache (MLA rows, index fp8 bytes, index scales; an
+    IndexShare shared layer keeps no index K in either, so the decode's must be empty there)."""
     problems = []
     for layer, caches in enumerate(oracle.caches):
         for req, cache in enumerate(caches):
             mla, k_bytes, k_scale = rows[layer][req]
+            no_index = k_bytes.new_empty(k_bytes.shape[0], 0)  # a shared layer: the decode keeps none either
+            ref_bytes = cache.index_fp8.view(torch.uint8) if cache.with_index else no_index
             for part, got, ref in (
                 ("MLA rows", mla, cache.mla_rows),
-                ("index fp8", k_bytes, cache.index_fp8.view(torch.uint8)),
+                ("index fp8", k_bytes, ref_bytes),
                 ("index scale", k_scale.view(torch.uint8), cache.index_scale.view(torch.uint8)),
             ):
                 if not torch.equal(got.cpu(), ref.cpu()):
@@ -241,7 +303,8 @@ def store_mismatches(rows: list[dict[int, RequestRows]], ranks_stored: list[list
                 positions, *parts = stored[layer][req]
                 covered[positions] += 1
                 for dst, src in zip(expect, parts):
-                    dst[positions] = src.view(dst.dtype)
+                    if src is not None:  # None: an IndexShare shared layer's index K, which it does not keep
+                        dst[positions] = src.view(dst.dtype)
             if not bool((covered == 1).all()):
                 problems.append(
                     f"layer {layer} request {req}: the prefill ranks do not hold every position exactly once"
@@ -249,6 +312,14 @@ def store_mismatches(rows: list[dict[int, RequestRows]], ranks_stored: list[list
             elif not all(torch.equal(a.cpu(), b) for a, b in zip(got, expect)):
                 problems.append(f"layer {layer} request {req}: decode rows differ from the prefill ranks' rows at rest")
     return problems
+
+
+class _DsaRows:
+    """The DSA rows' check beside a family payload's (:meth:`PDPayload.store_mismatches`)."""
+
+    @staticmethod
+    def store_mismatches(rows: Any, ranks_stored: list[Any]) -> list[str]:
+        return store_mismatches(rows, ranks_stored)
 
 
 def run_prefill_and_decode(
@@ -266,7 +337,14 @@ def run_prefill_and_decode(
     """
     if transfer not in ("rows", "pages"):
         raise ConfigError(f"transfer={transfer!r}: use 'rows' or 'pages'")
-    family_of(run.model).check_pd(run)
+    family = family_of(run.model)
+    family.check_pd(run)
+    payload = family.pd_payload(run)
+    if payload is not None and transfer != "rows":
+        raise ConfigError(
+            f"transfer={transfer!r}: the page transfer mirrors the DSA pool's pages; {run.preset} ships its own "
+            "cache parts as rows: use transfer='rows'"
+        )
     if transport not in TRANSPORTS:
         raise ConfigError(f"transport={transport!r}: use {' or '.join(map(repr, TRANSPORTS))}")
     if transport == "mooncake":
@@ -292,10 +370,10 @@ def run_prefill_and_decode(
         )
     if not run.phases.sharded_kv:
         raise ConfigError(f"PD transfer of owned pages needs phase 2 (KV sharded at rest); phases are {run.phases}")
-    if run.model.index_share.shares:
+    if transfer == "pages" and run.model.index_share.shares:
         raise ConfigError(
-            f"the PD transfer moves index K for every layer; IndexShare ({run.preset}, pattern "
-            f"{run.model.index_share.pattern}) keeps it on full layers only, which the transfer does not handle yet"
+            f"the page transfer moves index pages for every layer; IndexShare ({run.preset}, pattern "
+            f"{run.model.index_share.pattern}) keeps them on full layers only: use transfer='rows'"
         )
     if transfer == "pages" and run.interleave != run.page_size:
         raise ConfigError(
@@ -334,20 +412,36 @@ def run_prefill_and_decode(
     prefill, decode = results[: run.cp_size], results[run.cp_size]
     rows = decode.rows
     problems: list[str] = []
+    next_token_error = None
     if run.check:
         ranks_stored = [r.prefill.stored for r in prefill if r.prefill is not None]
-        problems += store_mismatches(rows, ranks_stored)  # the transfer itself: byte for byte, any device
+        # the transfer itself: byte for byte, any device
+        problems += (payload or _DsaRows).store_mismatches(rows, ranks_stored)
     if run.check and not on_cuda:  # a GPU's GEMMs are not bit-reproducible on the CPU oracle
         threads = torch.get_num_threads()
         torch.set_num_threads(rank_cpu_threads(world))  # the ranks' reduction splits: byte-exact math
         try:
-            model = build_model(run, torch.device("cpu"))
-            inputs = build_inputs(run, torch.device("cpu"))
+            cpu = torch.device("cpu")
+            model = build_model(run, cpu)
+            inputs = build_inputs(run, cpu)
             prefixes = [r.prefix for r in run.requests]
-            oracle = run_oracle(model, prefixes, inputs, run.kv_dtype, run.page_size, chunk_size=run.chunk_size)
+            if payload is None:
+                oracle = run_oracle(model, prefixes, inputs, run.kv_dtype, run.page_size, chunk_size=run.chunk_size)
+                problems += oracle_mismatches(rows, oracle)
+            else:
+                # the views in bf16, as the ranks read them (the runner's check does the same)
+                oracle = family.oracle(
+                    model, prefixes, inputs, run.kv_dtype, run.page_size, run.chunk_size, torch.bfloat16
+                )
+                problems += payload.oracle_mismatches(rows, oracle)
+                next_token_error = payload.next_token_error(model, oracle, payload.next_inputs(cpu), decode.next_token)
+                if not next_token_error <= NEXT_TOKEN_BOUND:
+                    problems.append(
+                        f"the decode's next token differs from the oracle's step by {next_token_error:.3g} "
+                        f"(relative; bound {NEXT_TOKEN_BOUND})"
+                    )
         finally:
             torch.set_num_threads(threads)
-        problems += oracle_mismatches(rows, oracle)
     if problems:
         logger.error("decode cache disagrees: %s", "; ".join(problems[:5]))
     manifests = tuple(p for r in prefill for p in r.manifests)
@@ -367,6 +461,8 @@ def run_prefill_and_decode(
         oracle_checked=not on_cuda,
         transport=transport,
         protocol=decode.protocol,
+        next_token=decode.next_token,
+        next_token_error=next_token_error,
     )
 
 
@@ -407,6 +503,7 @@ def pd_report(run: RunConfig, result: PDResult) -> dict[str, Any]:
         "decode_matches_prefill": result.matches_oracle if run.check else None,
         "problems": result.problems,
         "bytes_received": result.bytes_received,
+        "decode_next_token_error": result.next_token_error,  # a family payload's continuation (CPU check runs)
         "prefill_ranks": ranks,
         "decode_pages": [list(p) for p in result.decode_pages],
         "prefill_pages": [prefill_pages[req] for req in range(len(run.requests))],
@@ -421,6 +518,8 @@ def format_pd(doc: dict[str, Any]) -> str:
         if doc["transfer"] == "rows"
         else "pages: the decode mirrors the prefill's page ids"
     )
+    if doc["transfer"] == "rows" and not doc["decode_pages"]:  # a family payload: no pages of the DSA pool
+        how = "rows: the decode lays out each request's cache parts itself"
     if doc["transport"] != "torch":  # the default (gloo) line stays as it was; the JSON names both always
         how += f"; transport {doc['transport']} ({doc['protocol']})"
     lines = [
@@ -435,6 +534,11 @@ def format_pd(doc: dict[str, Any]) -> str:
             "the prefill ranks' rows at rest "
             f"byte for byte (on {doc['device']}: the GPU tier checks the prefill against the oracle); "
             f"received {doc['bytes_received']:,} B"
+        )
+    if doc.get("decode_next_token_error") is not None:
+        lines.append(
+            "  the decode continued one token per request: relative difference from the oracle's step "
+            f"{doc['decode_next_token_error']:.3g} (bound {NEXT_TOKEN_BOUND})"
         )
     unit = "rows_sent" if doc["transfer"] == "rows" else "pages_sent"
     streamed = doc["transfer"] == "rows"

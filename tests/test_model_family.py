@@ -306,6 +306,9 @@ class ToyFamily:
     def decode_bytes(self, run: RunConfig) -> int:
         return 0
 
+    def pd_payload(self, run: RunConfig) -> None:
+        return None  # check_pd refuses PD first
+
 
 TOY_FAMILY = ToyFamily()
 

@@ -27,7 +27,9 @@ Contract, in the order a run uses it:
 5. **the check**: :meth:`ModelFamily.oracle` (the single-device run) and :meth:`ModelFamily.compare`
    (every rank's outputs, top-k and stored bytes against it);
 6. **the rest of the run**: :meth:`ModelFamily.report_fields`, :meth:`ModelFamily.check_pd` (what a
-   prefill -> decode transfer of this family needs, or a refusal).
+   prefill -> decode transfer of this family needs, or a refusal) and :meth:`ModelFamily.pd_payload`
+   (what its prefill ranks ship to the decode and how the decode lays it out: a :class:`PDPayload`,
+   or ``None`` for the DSA rows, MLA latent and index K, that :mod:`reference_impl.pd` moves itself).
 
 ``docs/adding-a-family.md`` walks through writing one; ``tests/test_model_family.py`` defines a small
 family inside the test and runs it through the engine.
@@ -135,6 +137,75 @@ class ChunkStep(Protocol):
 
     def prefetch_wait_ms(self) -> list[float]:
         """Per layer, the time the loop waited for a prefetch (empty without one)."""
+        ...
+
+
+class PDDecoder(Protocol):
+    """The decode process's side of a family's PD transfer (:meth:`PDPayload.decoder`): its own cache
+    of every request, filled from the prefill ranks' row blocks."""
+
+    bytes_received: int
+
+    @property
+    def blocks_per_rank(self) -> int:
+        """Row blocks each prefill rank sends (a two-sided transport's receive count)."""
+        ...
+
+    def receive(self, block: Any) -> None:
+        """Place a :class:`~reference_impl.pd.transport.RowBlock` (two-sided transports)."""
+        ...
+
+    def mooncake_receiver(self, engine: Any) -> Any:
+        """Register the decode's memory with a Mooncake engine: an object with ``target`` (what the
+        prefill ranks write to), ``wait(requests, prefill_ranks, n_layers, deadline_s)`` and ``close()``."""
+        ...
+
+    def check_complete(self) -> None:
+        """Raise :class:`~reference_impl.errors.ConfigError` unless every row arrived exactly once."""
+        ...
+
+    def caches(self) -> Any:
+        """The assembled caches (``[layer][request]``, the family's cache type)."""
+        ...
+
+    def next_token(self, model: torch.nn.Module, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Each request's next token (``inputs[req]``: its layer-0 input) through every layer against
+        the assembled caches: its final hidden state."""
+        ...
+
+
+class PDPayload(Protocol):
+    """What a family's prefill ranks ship to a PD decode, per layer and request, and how the decode
+    lays it out and continues (``transfer="rows"``), for one run."""
+
+    def sender(self, transport: Any, decode_rank: int) -> Any:
+        """A prefill rank's layer-wise send: an engine ``LayerStoredHook`` with ``bytes_sent``,
+        ``rows_sent``, ``blocks_sent``, ``overlap`` and ``wait_all()``."""
+        ...
+
+    def bytes_at_rest(self, rank: int) -> int:
+        """What ``rank`` is to ship, counted from the ownership (the check of what it sent)."""
+        ...
+
+    def decoder(self, device: torch.device) -> PDDecoder: ...
+
+    def next_inputs(self, device: torch.device) -> list[torch.Tensor]:
+        """Per request, the layer-0 input of the token the decode continues with."""
+        ...
+
+    def store_mismatches(self, decoded: Any, ranks_stored: list[Any]) -> list[str]:
+        """Where the decode's caches differ from the rows the prefill ranks held at rest (``RankResult.stored``)."""
+        ...
+
+    def oracle_mismatches(self, decoded: Any, oracle: Any) -> list[str]:
+        """Where the decode's caches differ from the family's oracle's, byte for byte."""
+        ...
+
+    def next_token_error(
+        self, model: torch.nn.Module, oracle: Any, inputs: Sequence[torch.Tensor], got: Sequence[torch.Tensor]
+    ) -> float:
+        """The decode's next-token hidden states against the oracle's step over its own caches
+        (largest difference over the reference's largest value)."""
         ...
 
 
@@ -258,6 +329,11 @@ class ModelFamily(Protocol):
 
     def check_pd(self, run: RunConfig) -> None:
         """Refuse, by name, what a prefill -> decode transfer of this family cannot ship."""
+        ...
+
+    def pd_payload(self, run: RunConfig) -> PDPayload | None:
+        """What the rows transfer ships for this family (after :meth:`check_pd`); ``None``: the DSA rows
+        (MLA latent, index K on the layers that keep it) of :mod:`reference_impl.pd`."""
         ...
 
     def decode_bytes(self, run: RunConfig) -> int:

@@ -106,12 +106,19 @@ class DcpDecodeShard:
     def receive(self, block: RowBlock) -> None:
         """Install a row block at its positions' local rows (every position must be this rank's)."""
         layer, request = block.layer, block.request
+        if block.has_index != self.pool.has_index(layer):
+            raise ConfigError(
+                f"decode rank {self.rank} layer {layer} request {request}: the block "
+                f"{'carries' if block.has_index else 'lacks'} index K, the decode's layout (its IndexShare pattern) "
+                "says otherwise"
+            )
         locs = self.locs(request, block.positions)
         self._count(layer, request, locs)
         device = self.pool.device
         locs = locs.to(device)
         self.pool.write_mla(layer, locs, block.mla.to(device))
-        self.pool.write_index(layer, locs, block.index.to(device).view(torch.float8_e4m3fn), block.scale.to(device))
+        if block.has_index:
+            self.pool.write_index(layer, locs, block.index.to(device).view(torch.float8_e4m3fn), block.scale.to(device))
         self.bytes_received += block.payload_bytes
 
     def landed(self, request: int, positions: torch.Tensor, layers: Sequence[int], nbytes: int) -> None:
@@ -123,8 +130,12 @@ class DcpDecodeShard:
         self.bytes_received += nbytes
 
     def rows(self, layer: int, request: int) -> RequestRows:
-        """The request's rows on this rank, in local order: ``(mla uint8, index fp8 bytes uint8, scale f32)``."""
+        """The request's rows on this rank, in local order: ``(mla uint8, index fp8 bytes uint8, scale f32)``;
+        on an IndexShare shared layer the index parts are empty (``[n, 0]``, ``[0]``): it keeps none."""
         locs = self.table.locs(request).to(self.pool.device)
+        if not self.pool.has_index(layer):
+            mla = self.pool.read_mla(layer, locs)
+            return mla, mla.new_empty(mla.shape[0], 0), mla.new_empty(0).float()
         k_fp8, k_scale = self.pool.read_index(layer, locs)
         return self.pool.read_mla(layer, locs), k_fp8.view(torch.uint8), k_scale
 
@@ -174,13 +185,15 @@ def transfer_to_dcp(
                 target, local = decode.rank_of(positions), decode.local_row(positions)
                 for d in torch.unique(target).tolist():
                     pick = (target == d).nonzero().flatten()
+                    rows = mla.index_select(0, pick)
                     block = RowBlock(
                         request,
                         layer,
                         positions.index_select(0, pick),
-                        mla.index_select(0, pick),
-                        index.index_select(0, pick),
-                        scale.index_select(0, pick),
+                        rows,
+                        # IndexShare: a shared layer's stored rows hold no index K (None)
+                        rows.new_empty(rows.shape[0], 0) if index is None else index.index_select(0, pick),
+                        rows.new_empty(0).float() if scale is None else scale.index_select(0, pick),
                     )
                     shards[d].receive(block)
                     stats[rank].bytes_sent += block.payload_bytes

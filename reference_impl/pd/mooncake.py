@@ -32,6 +32,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -62,17 +63,40 @@ class DecodeTarget:
     mla_bytes: int
     index_dim: int
     slots: tuple[torch.Tensor, ...]  # per request: int64 [n_tokens], the decode slot of each position
+    index_layers: tuple[int, ...] | None = None  # layers with index pages, in row order (IndexShare); None: all
 
     @property
     def n_slots(self) -> int:
         return self.n_pages * self.page_size
 
     @property
+    def notify_address(self) -> int:
+        return self.mla_address
+
+    @property
     def index_page_bytes(self) -> int:
         return self.page_size * (self.index_dim + SCALE_BYTES)
 
-    def destinations(self, request: int, layer: int, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Addresses (``int64 [n]`` each) of the MLA row, the index bytes and the scale of ``positions``."""
+    def check_widths(self, rank: int, block: RowBlock) -> None:
+        """A block's row widths must be the pool's (index K only on the layers that keep it)."""
+        keeps = self.index_layers is None or block.layer in self.index_layers
+        dim = self.index_dim if keeps else 0
+        width, got_dim = block.mla.shape[1], block.index.shape[1]
+        if (width, got_dim) != (self.mla_bytes, dim) and block.n_rows:
+            raise ConfigError(
+                f"rank {rank} sends rows of {width}+{got_dim} bytes for layer {block.layer}; the decode's pool "
+                f"holds {self.mla_bytes}+{dim}"
+            )
+
+    def destinations(
+        self, request: int, layer: int, positions: torch.Tensor, part: int = 0
+    ) -> tuple[torch.Tensor, ...]:
+        """Addresses (``int64 [n]`` each) of the MLA row, the index bytes and the scale of ``positions``;
+        the MLA row's only on a layer without index pages (an IndexShare shared layer)."""
+        if part != 0:
+            raise ConfigError(
+                f"request {request} layer {layer}: the decode's pool holds DSA rows only, not part {part}"
+            )
         if not 0 <= request < len(self.slots) or not 0 <= layer < self.n_layers:
             raise ConfigError(
                 f"request {request} layer {layer}: the decode published {len(self.slots)} requests and "
@@ -85,9 +109,34 @@ class DecodeTarget:
             )
         loc = slots.index_select(0, positions)
         mla = self.mla_address + (layer * self.n_slots + loc) * self.mla_bytes
-        page = self.index_address + (layer * self.n_pages + loc // self.page_size) * self.index_page_bytes
+        if self.index_layers is not None and layer not in self.index_layers:
+            return (mla,)
+        row = layer if self.index_layers is None else self.index_layers.index(layer)
+        page = self.index_address + (row * self.n_pages + loc // self.page_size) * self.index_page_bytes
         slot = loc % self.page_size
         return mla, page + slot * self.index_dim, page + self.page_size * self.index_dim + slot * SCALE_BYTES
+
+
+class WriteTarget(Protocol):
+    """Where a decode wants a prefill rank's blocks (:class:`DecodeTarget` for the DSA pool; a family
+    with its own decode layout publishes its own: DeepSeek-V4's per-request regions)."""
+
+    @property
+    def session_id(self) -> str: ...
+
+    @property
+    def notify_address(self) -> int:
+        """An address inside the decode's registered memory: the zero-length write carrying a completion."""
+        ...
+
+    def check_widths(self, rank: int, block: RowBlock) -> None: ...
+
+    def destinations(
+        self, request: int, layer: int, positions: torch.Tensor, part: int = 0
+    ) -> tuple[torch.Tensor, ...]:
+        """Per region of the block (MLA rows, then index bytes and scales where it has them), the
+        address of each row (``int64 [n]``)."""
+        ...
 
 
 def merge_runs(sources: torch.Tensor, destinations: torch.Tensor, width: int) -> tuple[list[int], list[int], list[int]]:
@@ -120,6 +169,9 @@ class Completion:
     rows: int  # per layer
     nbytes: int  # every layer
     runs: tuple[tuple[int, int], ...]  # the positions written, as (start, length) runs
+    # per block, in write order: (layer, part, runs of its positions); the rows of a family whose
+    # blocks differ from layer to layer (DeepSeek-V4) are booked from these
+    blocks: tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...] = ()
 
     def message(self) -> str:
         return json.dumps(
@@ -130,6 +182,7 @@ class Completion:
                 "rows": self.rows,
                 "bytes": self.nbytes,
                 "runs": [list(r) for r in self.runs],
+                "blocks": [[layer, part, [list(r) for r in runs]] for layer, part, runs in self.blocks],
             }
         )
 
@@ -143,6 +196,10 @@ class Completion:
             doc["rows"],
             doc["bytes"],
             tuple((int(a), int(b)) for a, b in doc["runs"]),
+            tuple(
+                (int(layer), int(part), tuple((int(a), int(b)) for a, b in runs))
+                for layer, part, runs in doc.get("blocks", [])
+            ),
         )
 
     def positions(self) -> torch.Tensor:
@@ -158,6 +215,7 @@ class _Written:
     rows: int = 0
     nbytes: int = 0
     runs: list[list[int]] = field(default_factory=list)
+    blocks: list[tuple[int, int, tuple[tuple[int, int], ...]]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -179,7 +237,7 @@ class MooncakeTransport:
     ``rank``: this prefill rank (named in completions). The registered send buffer is host memory,
     pinned when CUDA is present (the staged blocks are host memory already)."""
 
-    def __init__(self, engine: MooncakeEngine, target: DecodeTarget, rank: int) -> None:
+    def __init__(self, engine: MooncakeEngine, target: WriteTarget, rank: int) -> None:
         self.engine, self.target, self.rank = engine, target, rank
         self._buffer = torch.empty(0, dtype=torch.uint8)
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-mooncake")
@@ -231,22 +289,26 @@ class MooncakeTransport:
         start = time.perf_counter()
         n, width, dim = block.n_rows, block.mla.shape[1], block.index.shape[1]
         target = self.target
-        if (width, dim) != (target.mla_bytes, target.index_dim):
-            raise ConfigError(
-                f"rank {self.rank} sends rows of {width}+{dim} bytes; the decode's pool holds "
-                f"{target.mla_bytes}+{target.index_dim}"
-            )
+        target.check_widths(self.rank, block)
         positions = block.positions.cpu()
         pieces = 0
         if n:
-            regions = (block.mla, block.index, block.scale.view(torch.uint8).reshape(n, SCALE_BYTES))
-            widths = (width, dim, SCALE_BYTES)
-            buffer = self._send_buffer(n * (width + dim + SCALE_BYTES))
+            regions: tuple[torch.Tensor, ...] = (block.mla,)
+            widths: tuple[int, ...] = (width,)
+            if block.has_index:  # not on an IndexShare shared layer
+                regions += (block.index, block.scale.view(torch.uint8).reshape(n, SCALE_BYTES))
+                widths += (dim, SCALE_BYTES)
+            buffer = self._send_buffer(n * sum(widths))
             sources: list[int] = []
             destinations: list[int] = []
             lengths: list[int] = []
             offset = 0
-            destinations_of = target.destinations(block.request, block.layer, positions)
+            destinations_of = target.destinations(block.request, block.layer, positions, block.part)
+            if len(destinations_of) != len(regions):
+                raise ConfigError(
+                    f"request {block.request} layer {block.layer}: the block has {len(regions)} regions, "
+                    f"the decode takes {len(destinations_of)}"
+                )
             for rows, row_bytes, dst in zip(regions, widths, destinations_of):
                 buffer[offset : offset + n * row_bytes].view(n, row_bytes).copy_(rows)
                 src = buffer.data_ptr() + offset + torch.arange(n, dtype=torch.long) * row_bytes
@@ -264,6 +326,7 @@ class MooncakeTransport:
             written.nbytes += block.payload_bytes
             if not written.runs:
                 written.runs = position_runs(positions)
+            written.blocks.append((block.layer, block.part, tuple((a, b) for a, b in position_runs(positions))))
             self.bytes_written += block.payload_bytes
             self.timings.append(
                 WriteTiming(block.request, block.layer, block.payload_bytes, pieces, start, time.perf_counter())
@@ -279,13 +342,14 @@ class MooncakeTransport:
             written.rows,
             written.nbytes,
             tuple((a, b) for a, b in written.runs),
+            tuple(written.blocks),
         )
         buffer = self._send_buffer(1)
         # A zero-length piece inside the decode's pool carries the notification.
         self.engine.write(
             self.target.session_id,
             [buffer.data_ptr()],
-            [self.target.mla_address],
+            [self.target.notify_address],
             [0],
             notify=(NOTIFY_NAME, done.message()),
         )
@@ -313,6 +377,7 @@ class MooncakeReceiver:
             layout.mla_bytes,
             layout.index_head_dim,
             slots,
+            pool.index_layers,
         )
         self.completions: list[Completion] = []
 

@@ -62,7 +62,10 @@ class SideStreamStaging:
             for dst, src in zip(host, (block.positions, block.mla, block.index, block.scale)):
                 dst.copy_(src, non_blocking=True)  # read n*(B+D+4+8) bytes over PCIe, write them to host
             done.record()
-        staged = StagedBlock(RowBlock(block.request, block.layer, *host), started, done)
+        positions, mla, index, scale = host
+        staged = StagedBlock(
+            RowBlock(block.request, block.layer, positions, mla, index, scale, block.part), started, done
+        )
         self.staged.append(staged)
         return staged
 

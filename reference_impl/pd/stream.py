@@ -54,7 +54,15 @@ class LayerStreamer:
             self.plans[req] = (
                 positions,
                 physical,
-                headers(req, n_layers, positions.numel(), layout.mla_bytes, layout.index_head_dim, self.header_device),
+                headers(
+                    req,
+                    n_layers,
+                    positions.numel(),
+                    layout.mla_bytes,
+                    layout.index_head_dim,
+                    self.header_device,
+                    index_layers=store.pool.index_layers,  # IndexShare: no index K on a shared layer
+                ),
             )
 
     def layer_stored(self, layer: int) -> None:
@@ -65,8 +73,13 @@ class LayerStreamer:
             def read(
                 req: int = req, positions: torch.Tensor = positions, physical: torch.Tensor = physical
             ) -> RowBlock:
+                mla = pool.read_mla(layer, physical)
+                if not pool.has_index(layer):  # IndexShare: a shared layer keeps no index K, so ships none
+                    return RowBlock(
+                        req, layer, positions, mla, mla.new_empty(mla.shape[0], 0), mla.new_empty(0).float()
+                    )
                 k_fp8, k_scale = pool.read_index(layer, physical)
-                return RowBlock(req, layer, positions, pool.read_mla(layer, physical), k_fp8.view(torch.uint8), k_scale)
+                return RowBlock(req, layer, positions, mla, k_fp8.view(torch.uint8), k_scale)
 
             if self.staging is not None:
                 staged = self.staging.stage(read)

@@ -17,8 +17,11 @@ one-sided writes into the decode's registered pool: its ``complete`` is the noti
 for, where the two-sided transports have nothing to add.
 
 On torch.distributed a block travels as a header ``int64 [6]`` (request, layer, rows, MLA row
-bytes, index row bytes, 0) and then, if it has rows, four tensors: positions ``int64 [n]``, MLA
-``uint8 [n, B]``, index ``uint8 [n, D]``, scale ``float32 [n]``.
+bytes, index row bytes, part) and then, if it has rows, four tensors: positions ``int64 [n]``, MLA
+``uint8 [n, B]``, index ``uint8 [n, D]``, scale ``float32 [n]``. A block without index K (an
+IndexShare shared layer, or a family whose rows are one byte string) has index width 0 and sends
+neither index nor scale. ``part`` names what the rows are where a family ships several kinds per
+layer (DeepSeek-V4: compressed entries, the window tail, the compressor state); 0 for the DSA rows.
 """
 
 from __future__ import annotations
@@ -44,15 +47,22 @@ class RowBlock:
     layer: int
     positions: torch.Tensor  # int64 [n] request positions
     mla: torch.Tensor  # uint8 [n, mla row bytes]
-    index: torch.Tensor  # uint8 [n, index head dim] (FP8 bytes)
-    scale: torch.Tensor  # float32 [n]
+    index: torch.Tensor  # uint8 [n, index head dim] (FP8 bytes); [n, 0] without index K
+    scale: torch.Tensor  # float32 [n]; [0] without index K
+    part: int = 0  # what the rows are, where a family ships several kinds per layer (module docstring)
 
     def __post_init__(self) -> None:
         n = self.positions.shape[0]
-        if not (self.mla.shape[0] == self.index.shape[0] == self.scale.shape[0] == n):
+        scales = n if self.has_index else 0
+        if not (self.mla.shape[0] == self.index.shape[0] == n and self.scale.shape[0] == scales):
             raise ConfigError(
                 f"request {self.request} layer {self.layer}: a row block's tensors disagree on the row count"
             )
+
+    @property
+    def has_index(self) -> bool:
+        """Whether the rows carry index K (and its scales): not on an IndexShare shared layer."""
+        return self.index.dim() == 2 and self.index.shape[1] > 0
 
     @property
     def n_rows(self) -> int:
@@ -92,11 +102,29 @@ class BlockTransport(Protocol):
 
 
 def headers(
-    request: int, n_layers: int, n_rows: int, mla_width: int, index_width: int, device: torch.device | str = "cpu"
+    request: int,
+    n_layers: int,
+    n_rows: int,
+    mla_width: int,
+    index_width: int,
+    device: torch.device | str = "cpu",
+    index_layers: tuple[int, ...] | None = None,
+    part: int = 0,
 ) -> torch.Tensor:
-    """The headers of a request's blocks for layers ``0 .. n_layers-1``: ``int64 [n_layers, 6]``."""
+    """The headers of a request's blocks for layers ``0 .. n_layers-1``: ``int64 [n_layers, 6]``;
+    ``index_layers``: the layers whose rows carry index K (``None``: every layer)."""
     return torch.tensor(
-        [[request, layer, n_rows, mla_width, index_width, 0] for layer in range(n_layers)],
+        [
+            [
+                request,
+                layer,
+                n_rows,
+                mla_width,
+                index_width if index_layers is None or layer in index_layers else 0,
+                part,
+            ]
+            for layer in range(n_layers)
+        ],
         dtype=torch.long,
         device=device,
     )
@@ -118,9 +146,17 @@ class TorchDistributedTransport:
         of host-built tensors."""
         if header is None:
             header = headers(
-                block.request, block.layer + 1, block.n_rows, block.mla.shape[1], block.index.shape[1], self.device
+                block.request,
+                block.layer + 1,
+                block.n_rows,
+                block.mla.shape[1],
+                block.index.shape[1],
+                self.device,
+                part=block.part,
             )[block.layer]
-        parts = (block.positions, block.mla, block.index, block.scale) if block.n_rows else ()
+        parts: tuple[torch.Tensor, ...] = (block.positions, block.mla) if block.n_rows else ()
+        if block.n_rows and block.has_index:
+            parts += (block.index, block.scale)
         return [header, *(t.to(self.device).contiguous() for t in parts)]
 
     def send(self, block: RowBlock, dst: int) -> None:
@@ -155,17 +191,18 @@ class TorchDistributedTransport:
     def recv(self, src: int) -> RowBlock:
         header = torch.empty(HEADER, dtype=torch.long, device=self.device)
         dist.recv(header, src)
-        request, layer, n, mla_width, index_width, _ = header.tolist()
+        request, layer, n, mla_width, index_width, part = header.tolist()
         parts = [
             torch.empty(n, dtype=torch.long, device=self.device),
             torch.empty(n, mla_width, dtype=torch.uint8, device=self.device),
             torch.empty(n, index_width, dtype=torch.uint8, device=self.device),
-            torch.empty(n, dtype=torch.float32, device=self.device),
+            torch.empty(n if index_width else 0, dtype=torch.float32, device=self.device),
         ]
         if n:
-            for tensor in parts:
+            for tensor in parts if index_width else parts[:2]:
                 dist.recv(tensor, src)
-        return RowBlock(request, layer, *parts)
+        positions, mla, index, scale = parts
+        return RowBlock(request, layer, positions, mla, index, scale, part)
 
 
 class InProcessTransport:

@@ -19,7 +19,7 @@ from reference_impl.config import ConfigError, RunConfig, env_flag
 from reference_impl.cp.batch import BatchLocs
 from reference_impl.cp.comm import CPGroup
 from reference_impl.cp.split import SplitMetadata
-from reference_impl.families.base import ChunkInputs
+from reference_impl.families.base import ChunkInputs, PDPayload
 from reference_impl.families.deepseek_v4 import footprint
 from reference_impl.families.deepseek_v4.config import V4_PRESETS, V4ModelConfig
 from reference_impl.families.deepseek_v4.cp.layer import PER_LAYER_TAGS_V4, V4ChunkRunner
@@ -30,6 +30,7 @@ from reference_impl.families.deepseek_v4.cp.store import (
     install_v4_prefixes,
 )
 from reference_impl.families.deepseek_v4.model.oracle import V4Model, V4OracleResult, build_v4_model, run_v4_oracle
+from reference_impl.families.deepseek_v4.pd import V4PDPayload
 from reference_impl.footprint import PROCESS_BASE, SAFETY
 from reference_impl.schedule import Chunk
 
@@ -47,10 +48,11 @@ def synthetic_prefixes(
 
 
 class _V4Step:
-    """:class:`~.cp.layer.V4ChunkRunner` as the engine's :class:`~reference_impl.families.base.ChunkStep`."""
+    """:class:`~.cp.layer.V4ChunkRunner` as the engine's :class:`~reference_impl.families.base.ChunkStep`;
+    ``on_layer_stored`` (a PD send) hears of each layer once the store holds it."""
 
-    def __init__(self, runner: V4ChunkRunner, store: V4Store) -> None:
-        self.runner, self.store = runner, store
+    def __init__(self, runner: V4ChunkRunner, store: V4Store, on_layer_stored: Any = None) -> None:
+        self.runner, self.store, self.on_layer_stored = runner, store, on_layer_stored
         self.transient_bytes = 0
 
     def begin(self) -> None:
@@ -59,6 +61,8 @@ class _V4Step:
     def step(self, layer: int, block: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x, topk = self.runner.step(layer, block, x)
         self.transient_bytes = self.runner.transient_bytes + self.store.transient_bytes
+        if self.on_layer_stored is not None:
+            self.on_layer_stored.layer_stored(layer)
         return x, topk
 
     def end(self) -> None:
@@ -189,7 +193,7 @@ class DeepSeekV4Family:
         runner = V4ChunkRunner.for_run(
             inputs.group, inputs.run, inputs.store, inputs.meta, inputs.batch, inputs.chunk.requests
         )
-        return _V4Step(runner, inputs.store)
+        return _V4Step(runner, inputs.store, inputs.on_layer_stored)
 
     # ---- the check -----------------------------------------------------------------------------
     def oracle(
@@ -231,9 +235,11 @@ class DeepSeekV4Family:
         }
 
     def check_pd(self, run: RunConfig) -> None:
-        raise ConfigError(
-            f"{run.preset}: the PD transfer moves DeepSeek-V3.2's KV layout; DeepSeek-V4's entries are not wired to it"
-        )
+        """The rows transfer ships every part of a V4 cache (:mod:`~.pd`); the page transfer mirrors the
+        DSA pool's pages, which a V4 store does not have (``run_prefill_and_decode`` asks before)."""
+
+    def pd_payload(self, run: RunConfig) -> PDPayload:
+        return V4PDPayload(run)
 
 
 FAMILY = DeepSeekV4Family()

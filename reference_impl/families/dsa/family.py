@@ -227,5 +227,8 @@ class DSAFamily:
     def decode_bytes(self, run: RunConfig) -> int:
         return footprint.decode_bytes(run)
 
+    def pd_payload(self, run: RunConfig) -> None:
+        return None  # the MLA rows and index K that reference_impl.pd ships
+
 
 FAMILY = DSAFamily()

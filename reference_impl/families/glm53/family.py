@@ -95,6 +95,9 @@ class Glm53Family:
     def decode_bytes(self, run: RunConfig) -> int:
         return int(SAFETY * PROCESS_BASE["spawn"])
 
+    def pd_payload(self, run: RunConfig) -> None:
+        return None  # check_pd refuses PD
+
     # ---- the model -----------------------------------------------------------------------------
     def build_model(
         self,

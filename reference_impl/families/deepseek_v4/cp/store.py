@@ -163,12 +163,8 @@ class V4Store:
         (round-robin) entries go round the ranks one by one (token ``4 w`` alone would put every
         entry on rank 0 when ``C`` divides 4).
         """
-        own = self.ownership
-        assert own is not None
-        locs = self.locs[req]
-        slots = [int(locs[w * 4]) // 4 for w in entries]
-        per_run = max(1, own.interleave // 4)
-        return [(e // per_run) % own.cp_size for e in slots]
+        assert self.ownership is not None
+        return entry_owners(self.ownership, self.locs[req], entries)
 
     def owns(self, layer: int) -> bool:
         """Whether ``layer``'s entries are sharded (CSA layers of a sharded store)."""
@@ -418,6 +414,13 @@ class V4Store:
             st = self.state(layer, req)
             out[k] = (torch.tensor(st.n_tokens), st.window, st.pool, st.ids, st.main, st.index)
         return out
+
+
+def entry_owners(own: Ownership, locs: torch.Tensor, entries: range | list[int]) -> list[int]:
+    """Rank storing each CSA entry of a request at logical ``locs`` (host): :meth:`V4Store.entry_owner`'s rule."""
+    slots = [int(locs[w * 4]) // 4 for w in entries]
+    per_run = max(1, own.interleave // 4)
+    return [(e // per_run) % own.cp_size for e in slots]
 
 
 def pool_width(cfg: V4ModelConfig, ratio: int) -> int:

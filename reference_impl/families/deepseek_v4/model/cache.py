@@ -67,6 +67,7 @@ class V4LayerCache:
     index_pool_score: torch.Tensor
     n_tokens: int = 0
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    raw_start: int = 0  # position of ``raw``'s row 0: a decode that received the window tail keeps only it
 
     @classmethod
     def empty(
@@ -95,7 +96,7 @@ class V4LayerCache:
 
     def window_tail(self, window: int) -> torch.Tensor:
         """The raw entries a later token's window can still read: the last ``window - 1``."""
-        return self.raw[max(0, self.n_tokens - (window - 1)) :]
+        return self.raw[max(0, self.n_tokens - (window - 1) - self.raw_start) :]
 
     def append(self, attn: V4Attention, proj: V4Projection, start: int, dtype: torch.dtype) -> None:
         """Encode the new tokens' raw entries and the entries they complete; advance the state."""
@@ -151,7 +152,9 @@ def v4_layer_forward(
     cache.append(attn, proj, start_pos, x.dtype)
 
     lo = max(0, start_pos - cfg.window_size + 1)  # first position any new token's window reads
-    window_view = decode_main(cache.raw[lo:], cache.codec).to(view_dtype)
+    if lo < cache.raw_start:
+        raise ValueError(f"the window reads position {lo}; the cache's raw entries start at {cache.raw_start}")
+    window_view = decode_main(cache.raw[lo - cache.raw_start :], cache.codec).to(view_dtype)
     indices = [window_indices(positions, cfg.window_size, lambda p: p - lo)]
     topk = torch.empty(x.shape[0], 0, dtype=torch.int32, device=x.device)
     views, dense_start, dense_len = [window_view], None, None
