@@ -50,7 +50,7 @@ MODULES = [
         "topk",
         "v4",
     )
-] + [f"reference_impl.planner.{m}" for m in ("designs", "elementwise", "v4")]
+] + [f"reference_impl.planner.{m}" for m in ("designs", "elementwise", "glm53", "v4")]
 # Scripts a page or the README gives as a command: ``python3 scripts/<name>.py``; the entry where it is not main.
 SCRIPTS = {
     name: "main"
@@ -267,6 +267,12 @@ BAD_INPUT: list[tuple[str, list[str], str]] = [
     ),
     ("reference_impl.planner.v4", ["--contexts", ",".join(["4096"] * 9000)], "ranks to walk: at most 65,536"),
     ("reference_impl.planner.v4", ["--preset", "tiny"], "argument --preset: unknown V4 preset 'tiny'"),
+    # planner.glm53
+    ("reference_impl.planner.glm53", ["--preset", "glm-5.2"], "argument --preset: unknown GLM-5.3 preset 'glm-5.2'"),
+    ("reference_impl.planner.glm53", ["--cp-size", "0"], "argument --cp-size: 0 is below 1"),
+    ("reference_impl.planner.glm53", ["--kv-budget-gib", "inf"], "argument --kv-budget-gib: 'inf' is not a finite"),
+    ("reference_impl.planner.glm53", ["--contexts", "0"], "--contexts '0': 0 is not within"),
+    ("reference_impl.planner.glm53", ["--out", "T/no/x.json"], "--out 'T/no/x.json': the folder 'T/no' does not"),
     # planner.elementwise and planner.designs
     (
         "reference_impl.planner.elementwise",
