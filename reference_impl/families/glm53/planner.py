@@ -62,6 +62,9 @@ PAGE_SIZE = 64
 COMPARED = ("glm-5.2", "deepseek-v4-flash")  # planned by their own families' functions
 SEARCH_LIMIT = 1 << 40  # tokens: the longest request the capacity search looks for
 V4_STEP = 512  # DeepSeek-V4's capacity is searched over multiples of this (its compressor state wobbles)
+ELSEWHERE = (
+    "DeepSeek-V3.2 and GLM-5/5.2: python -m reference_impl plan; DeepSeek-V4: python -m reference_impl.planner.v4"
+)
 
 
 # ---- bytes per token and per request ---------------------------------------------------------------
@@ -248,13 +251,13 @@ def v4_row(cp_size: int, budget: int) -> dict[str, Any]:
     """DeepSeek-V4-Flash by its planner's :func:`~reference_impl.families.deepseek_v4.planner.kv_at_rest`
     (FP8; sharded means its CSA entries, as at its level 2; its capacity searched over multiples of 512)."""
     cfg = get_preset("deepseek-v4-flash")
+    long, longer = (v4_kv_at_rest(cfg, n, 1, False) for n in (1 << 23, 1 << 24))
     row: dict[str, Any] = {
         "model": "deepseek-v4-flash",
         "kv_dtype": "fp8",
         "layout": "V4 entries (reference_impl.planner.v4)",
-        "bytes_per_token": (v4_kv_at_rest(cfg, 1 << 24, 1, False)["total"] - v4_kv_at_rest(cfg, 1 << 23, 1, False)["total"])
-        / (1 << 23),
-        "bytes_per_request": v4_kv_at_rest(cfg, 1 << 23, 1, False)["window_and_state"],
+        "bytes_per_token": (longer["total"] - long["total"]) / (1 << 23),
+        "bytes_per_request": long["window_and_state"],
     }
     for sharded, name in ((False, "replicated"), (True, "sharded")):
         max_ctx = largest_fitting(lambda s, sh=sharded: v4_kv_at_rest(cfg, s, cp_size, sh)["total"], budget, V4_STEP)
@@ -296,10 +299,7 @@ def plan_glm53(
     Raises :class:`ConfigError` naming the argument: a preset that is not a GLM-5.3 preset, ``cp_size``
     outside 1..4096, a KV budget that is not a positive number of at most 1 PiB, a context outside 1..128M."""
     if preset not in GLM53_PRESETS:
-        raise ConfigError(
-            f"preset={preset!r}: the GLM-5.3 planner takes {', '.join(GLM53_PRESETS)} "
-            "(DeepSeek-V3.2 and GLM-5/5.2: python -m reference_impl plan; DeepSeek-V4: python -m reference_impl.planner.v4)"
-        )
+        raise ConfigError(f"preset={preset!r}: the GLM-5.3 planner takes {', '.join(GLM53_PRESETS)} ({ELSEWHERE})")
     if isinstance(cp_size, bool) or not isinstance(cp_size, int) or not 1 <= cp_size <= MAX_PLAN_CP:
         raise ConfigError(f"cp_size={cp_size!r}: need an integer within 1..{MAX_PLAN_CP}")
     if (
@@ -361,14 +361,12 @@ def build_parser() -> ToolParser:
         type=choice_arg(
             tuple(GLM53_PRESETS),
             "GLM-5.3 preset",
-            "DeepSeek-V3.2 and GLM-5/5.2: python -m reference_impl plan; DeepSeek-V4: python -m reference_impl.planner.v4",
+            ELSEWHERE,
         ),
         default="glm-5.3-flash",
         help=", ".join(GLM53_PRESETS),
     )
-    parser.add_argument(
-        "--cp-size", type=int_arg(1, MAX_PLAN_CP), default=8, help=f"CP ranks C, at most {MAX_PLAN_CP}"
-    )
+    parser.add_argument("--cp-size", type=int_arg(1, MAX_PLAN_CP), default=8, help=f"CP ranks C, at most {MAX_PLAN_CP}")
     parser.add_argument(
         "--kv-budget-gib",
         type=float_arg(MAX_HBM_GIB, "1 PiB"),
