@@ -39,6 +39,7 @@ MODULES = [
     for m in (
         "compute",
         "designs",
+        "glm53",
         "glue",
         "kernels",
         "layer",
@@ -163,6 +164,30 @@ BAD_INPUT: list[tuple[str, list[str], str]] = [
         ["--out", "T/x.json", "--device", "cpu"],
         f"rank 0 of C=8 at 1,048,576 tokens (deepseek-v4-flash, 4 layers) needs up to 84.6 GiB on cpu, which has "
         f"{FREE_GIB}.0 GiB free",
+    ),
+    # bench.glm53
+    ("reference_impl.bench.glm53", ["--out", "T/x.json", "--cp-size", "0"], "argument --cp-size: 0 is below 1"),
+    ("reference_impl.bench.glm53", ["--out", "T/x.json", "--levels", "3"], "--levels '3': 3 is not within 0..2"),
+    (
+        "reference_impl.bench.glm53",
+        ["--out", "T/x.json", "--preset", "glm-5.2"],
+        "argument --preset: unknown GLM-5.3 preset 'glm-5.2'",
+    ),
+    (
+        "reference_impl.bench.glm53",
+        ["--out", "T/x.json", "--workloads", "a:0+15"],
+        "--workloads a:0+15: 15 new tokens; the in-seq split needs 2C = 16 (two blocks per rank)",
+    ),
+    (
+        "reference_impl.bench.glm53",
+        ["--out", "T/x.json", "--workloads", "a:0+2000000"],
+        "--workloads a:0+2000000: 2,000,000 tokens is past glm-5.3-flash's 1,048,576",
+    ),
+    ("reference_impl.bench.glm53", ["--out", "T/x.json", "--wire-gbps", "0"], "argument --wire-gbps: 0 is not"),
+    (
+        "reference_impl.bench.glm53",
+        ["--out", "T/x.json", "--device", "cpu"],
+        "rank 0 of C=8 at 131,072 tokens (glm-5.3-flash) needs up to",
     ),
     # bench.layer
     ("reference_impl.bench.layer", ["--replan", "S/empty"], "--replan 'S/empty': missing field preset"),

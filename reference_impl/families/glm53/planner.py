@@ -168,6 +168,21 @@ def at_rest(
     return out
 
 
+def per_layer_at_rest(
+    cfg: Glm53Config, tokens: int, cp_size: int, sharded: bool, kv_dtype: str = "bf16", rank: int = 0
+) -> dict[str, int]:
+    """Bytes at rest on ``rank`` per layer of each type, one request of ``tokens`` tokens."""
+    rows = owned_tokens(tokens, cp_size, rank) if sharded else tokens
+    groups = owned_groups(tokens, cp_size, cfg.index_kpool, rank) if sharded else tokens // cfg.index_kpool
+    shared = rows * latent_row_bytes(cfg, kv_dtype)
+    pending = (tokens % cfg.index_kpool) * 2 * cfg.index_head_dim * 2
+    return {
+        "kda": cfg.kda_state_bytes + conv_tail_bytes(cfg),
+        "indexed": shared + groups * group_key_bytes(cfg) + pending,
+        "indexed_shared": shared,
+    }
+
+
 def exchange_bytes(cfg: Glm53Config, chunk: int, context: int, cp_size: int, kv_dtype: str = "bf16") -> dict[str, int]:
     """Bytes rank 0 receives per layer for a chunk of ``chunk`` tokens ending at ``context`` (see the
     module docstring); ``kv_all_gather``: level 2's request rows held elsewhere, for comparison."""
