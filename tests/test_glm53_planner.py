@@ -134,3 +134,16 @@ def test_cli_writes_json_and_prints_the_table(tmp_path, capsys):
     doc = json.loads(out.read_text())
     assert doc["preset"] == "tiny-glm53" and doc["cp_size"] == 2
     assert capsys.readouterr().out == doc["table_markdown"]
+
+
+def test_the_committed_plan_is_what_the_planner_says():
+    """``docs/results/glm53_planner.json`` is arithmetic: the planner at its defaults writes it again."""
+    from pathlib import Path
+
+    from reference_impl.figures import same_up_to_rounding
+
+    path = Path(__file__).resolve().parent.parent / "docs" / "results" / "glm53_planner.json"
+    committed = json.loads(path.read_text())
+    fresh = planner.plan_glm53(committed["preset"], committed["cp_size"], committed["kv_budget_gib"])
+    committed.pop("command")
+    assert same_up_to_rounding(committed, fresh), "rerun: python -m reference_impl.planner.glm53 --out " + str(path)

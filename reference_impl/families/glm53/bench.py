@@ -48,7 +48,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from reference_impl import footprint
 from reference_impl.bench.layer import Workload, parse_workloads
@@ -61,7 +60,7 @@ from reference_impl.families.glm53.config import DSA, GLM53_PRESETS, KDA, Glm53C
 from reference_impl.families.glm53.cp.step import entering_states
 from reference_impl.families.glm53.model.dsa import MLAttention, group_scores, select
 from reference_impl.families.glm53.model.kda import KDAttention, kda_chunked, span_map
-from reference_impl.families.glm53.model.oracle import build_glm53_model
+from reference_impl.families.glm53.model.oracle import Glm53Model, build_glm53_model
 from reference_impl.planner.model import zigzag_blocks
 from reference_impl.tool_args import (
     GIB,
@@ -96,9 +95,10 @@ def rank0_blocks(w: Workload, cp_size: int) -> list[tuple[int, int]]:
 
 def block_map(
     attn: KDAttention, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, halo: torch.Tensor, span: int
-) -> tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, ...]]]:
+) -> tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
     """One block's state map ``(A, B)``, composed over spans of ``span`` tokens, and each span's ``q, k, v``."""
-    A = B = None
+    A: torch.Tensor | None = None
+    B: torch.Tensor | None = None
     parts = []
     for s in range(0, len(mixed), span):
         e = min(s + span, len(mixed))
@@ -107,7 +107,7 @@ def block_map(
             before = torch.cat([halo, mixed[:s]])[-attn.halo :]
         q, k, v = attn.qkv(attn.conv(mixed[s:e], before))
         a, b = span_map(k, v, g[s:e], beta[s:e])
-        A, B = (a, b) if A is None else (a @ A, a @ B + b)
+        A, B = (a, b) if A is None or B is None else (a @ A, a @ B + b)
         parts.append((q, k, v))
     assert A is not None and B is not None
     return A, B, parts
@@ -317,12 +317,13 @@ def query_tile(cfg: Glm53Config, context: int, wanted: int) -> int:
 
 @torch.no_grad()
 def measure(
-    model: nn.Module, cfg: Glm53Config, w: Workload, level: int, cp_size: int, args: Any, device: torch.device
+    model: Glm53Model, cfg: Glm53Config, w: Workload, level: int, cp_size: int, args: Any, device: torch.device
 ) -> dict[str, Any]:
     """One level of one workload (see the module docstring)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     kda_i, idx_i = layers_of(cfg)
     kda_attn, idx_attn = model.layers[kda_i].attn, model.layers[idx_i].attn
+    assert isinstance(kda_attn, KDAttention) and isinstance(idx_attn, MLAttention)
     blocks = rank0_blocks(w, cp_size)
     t_local = sum(n for _, n in blocks)
     gen = torch.Generator(device="cpu").manual_seed(1)

@@ -43,9 +43,10 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
-from reference_impl.config import MAX_HBM_GIB, MAX_PLAN_CP
+from reference_impl.config import MAX_HBM_GIB, MAX_PLAN_CP, KVDtype
 from reference_impl.cp.capacity import kv_bytes_per_rank, max_context_per_rank
 from reference_impl.errors import ConfigError
 from reference_impl.families.deepseek_v4.planner import kv_at_rest as v4_kv_at_rest
@@ -217,6 +218,14 @@ def largest_fitting(bytes_at: Callable[[int], int], budget: int, step: int = 1) 
     return lo * step
 
 
+def _glm53_total(cfg: Glm53Config, cp_size: int, sharded: bool, kv_dtype: str, tokens: int) -> int:
+    return at_rest(cfg, tokens, cp_size, sharded, kv_dtype)["total"]
+
+
+def _v4_total(cfg: Any, cp_size: int, sharded: bool, tokens: int) -> int:
+    return v4_kv_at_rest(cfg, tokens, cp_size, sharded)["total"]
+
+
 def glm53_row(cfg: Glm53Config, cp_size: int, budget: int, kv_dtype: str) -> dict[str, Any]:
     n = layer_counts(cfg)
     per_token = bytes_per_token(cfg, kv_dtype)
@@ -229,7 +238,7 @@ def glm53_row(cfg: Glm53Config, cp_size: int, budget: int, kv_dtype: str) -> dic
         "bytes_per_request": at_rest(cfg, 0, cp_size, False, kv_dtype)["total"],
     }
     for sharded, name in ((False, "replicated"), (True, "sharded")):
-        max_ctx = largest_fitting(lambda s, sh=sharded: at_rest(cfg, s, cp_size, sh, kv_dtype)["total"], budget)
+        max_ctx = largest_fitting(partial(_glm53_total, cfg, cp_size, sharded, kv_dtype), budget)
         row[name] = {
             "gib_at_128k": at_rest(cfg, 131072, cp_size, sharded, kv_dtype)["total"] / GIB,
             "gib_at_1m": at_rest(cfg, ONE_M, cp_size, sharded, kv_dtype)["total"] / GIB,
@@ -240,7 +249,7 @@ def glm53_row(cfg: Glm53Config, cp_size: int, budget: int, kv_dtype: str) -> dic
     return row
 
 
-def glm52_row(cp_size: int, budget: int, kv_dtype: str) -> dict[str, Any]:
+def glm52_row(cp_size: int, budget: int, kv_dtype: KVDtype) -> dict[str, Any]:
     """GLM-5.2 by :mod:`reference_impl.cp.capacity` (DSA's paged layout: MLA row, index key per token)."""
     cfg = get_preset("glm-5.2")
     row: dict[str, Any] = {
@@ -275,7 +284,7 @@ def v4_row(cp_size: int, budget: int) -> dict[str, Any]:
         "bytes_per_request": long["window_and_state"],
     }
     for sharded, name in ((False, "replicated"), (True, "sharded")):
-        max_ctx = largest_fitting(lambda s, sh=sharded: v4_kv_at_rest(cfg, s, cp_size, sh)["total"], budget, V4_STEP)
+        max_ctx = largest_fitting(partial(_v4_total, cfg, cp_size, sharded), budget, V4_STEP)
         row[name] = {
             "gib_at_128k": v4_kv_at_rest(cfg, 131072, cp_size, sharded)["total"] / GIB,
             "gib_at_1m": v4_kv_at_rest(cfg, ONE_M, cp_size, sharded)["total"] / GIB,
@@ -348,7 +357,7 @@ def plan_glm53(
         for name, chunk, ctx in (("128k", 131072, 131072), ("1m", 8192, ONE_M))
     }
     table = [glm53_row(cfg, cp_size, budget, d) for d in KV_DTYPES]
-    table += [glm52_row(cp_size, budget, d) for d in ("bf16", "fp8")] + [v4_row(cp_size, budget)]
+    table += [glm52_row(cp_size, budget, "bf16"), glm52_row(cp_size, budget, "fp8"), v4_row(cp_size, budget)]
     doc = {
         "modeled": "planner arithmetic, nothing measured (reference_impl.planner.glm53)",
         "preset": preset,
