@@ -11,6 +11,7 @@ from reference_impl.bench.layer import Workload
 from reference_impl.cp.loopback import LoopbackGroup
 from reference_impl.families.glm53 import bench, planner
 from reference_impl.families.glm53.config import GLM53_PRESETS
+from reference_impl.families.glm53.model.kda import span_map
 from reference_impl.families.glm53.model.oracle import DSACache, KDACache, build_glm53_model, dsa_span, kda_span
 
 TINY = GLM53_PRESETS["tiny-glm53"]
@@ -51,20 +52,20 @@ def test_dry_run_json_shape_and_arithmetic(tmp_path):
     assert first == [{"first": 0, "tokens": 40}, {"first": 120, "tokens": 40}]  # blocks 0 and 2C - 1 of 160
 
 
-@pytest.mark.parametrize(("prefix", "span"), [(0, 16), (0, 2), (40, 7)])
-def test_kda_layer_on_one_rank_equals_the_oracle(model, prefix, span):
+@pytest.mark.parametrize(("prefix", "extend", "span"), [(0, 100, 16), (0, 24, 2), (40, 100, 7)])
+def test_kda_layer_on_one_rank_equals_the_oracle(model, prefix, extend, span):
     """C = 1: rank 0 holds both blocks; spans, halos, maps and compose must give the sequential layer."""
     attn = model.layers[0].attn
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(prefix + 100, TINY.dim, generator=gen)
+    x = torch.randn(prefix + extend, TINY.dim, generator=gen)
     cache = KDACache.empty(TINY, torch.float32, "cpu")
     if prefix:
         kda_span(attn, x[:prefix], cache)
     state, conv = cache.state.clone(), cache.conv.clone()
     expected = kda_span(attn, x[prefix:], cache)
-    w = Workload("t", prefix, 100)
+    w = Workload("t", prefix, extend)
     blocks = bench.rank0_blocks(w, 1)
-    assert sum(n for _, n in blocks) == 100
+    assert sum(n for _, n in blocks) == extend
     got = bench.kda_layer(attn, x[prefix:], blocks, LoopbackGroup(0, 1, "cpu"), state, conv, span)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
 
@@ -96,3 +97,42 @@ def test_query_tile_bounds_the_scores():
     tile = bench.query_tile(flash, 1 << 20, 256)
     assert tile * flash.index_n_heads * (1 << 16) * 4 <= bench.SCORE_TILE_BYTES and tile >= 1
     assert bench.query_tile(TINY, 128, 256) == 256
+
+
+class _AllRanks:
+    """A group of ``size`` ranks whose two all-gathers return every rank's true rows (rank-major), so rank 0's
+    halos, map order and compose are checked against the sequential layer."""
+
+    def __init__(self, size, tails, maps):
+        self.size, self._rows = size, {"glm53_kda_halo": tails, "glm53_kda_state": maps}
+
+    def all_gather_padded(self, local, lengths, tag):
+        assert list(lengths) == [2] * self.size and local.shape[1:] == self._rows[tag].shape[1:]
+        return self._rows[tag]
+
+
+@pytest.mark.parametrize("cp_size", [2, 3])
+def test_kda_layer_of_rank_0_with_every_ranks_rows_equals_the_oracle(model, cp_size):
+    attn, T, span = model.layers[0].attn, 130, 8
+    x = torch.randn(T, TINY.dim, generator=torch.Generator().manual_seed(6))
+    expected = kda_span(attn, x, KDACache.empty(TINY, torch.float32, "cpu"))
+    sizes = bench.zigzag_blocks(T, cp_size, bench.PAGE, page_aligned=False)
+    starts = [sum(sizes[:b]) for b in range(2 * cp_size)]
+    mixed = attn.mixed(x)
+    q, k, v = attn.qkv(attn.conv(mixed, torch.zeros(attn.halo, TINY.conv_dim)))
+    g, beta = attn.gates(x)
+    tails, maps = [], []
+    for r in range(cp_size):
+        for b in (r, 2 * cp_size - 1 - r):
+            s, e = starts[b], starts[b] + sizes[b]
+            tails.append(mixed[e - attn.halo : e])
+            A, B = span_map(k[s:e], v[s:e], g[s:e], beta[s:e])
+            maps.append(torch.cat([A, B], dim=-1))
+    group = _AllRanks(cp_size, torch.stack(tails), torch.stack(maps))
+    blocks = bench.rank0_blocks(Workload("t", 0, T), cp_size)
+    assert [p for p, _ in blocks] == [0, starts[-1]]
+    h = torch.cat([x[p : p + n] for p, n in blocks])
+    zeros = KDACache.empty(TINY, torch.float32, "cpu")
+    got = bench.kda_layer(attn, h, blocks, group, zeros.state, zeros.conv, span)
+    want = torch.cat([expected[p : p + n] for p, n in blocks])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
