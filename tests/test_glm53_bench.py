@@ -44,6 +44,11 @@ def test_dry_run_json_shape_and_arithmetic(tmp_path):
                 t = point["layer_ms"][kind]
                 assert len(t["runs_ms"]) == 2 and t["min_ms"] <= t["median_ms"] <= t["max_ms"]
             assert point["bytes_at_rest_per_layer"] == point["planner_bytes_at_rest_per_layer"]
+            got = point["bytes_received_by_tag"]
+            assert got["kda"]["glm53_kda_state"] == ex["received_bytes"]
+            assert got["kda"]["glm53_kda_halo"] == (C - 1) * 2 * 3 * TINY.conv_dim * 4  # float32 on a CPU
+            assert ("glm53_kv_view" in got["indexed"]) == (point["level"] == 2)
+            assert got["indexed"]["glm53_current"] > 0
             assert sum(b["tokens"] for b in point["blocks"]) == point["local_tokens"]
         # the KDA state is replicated; the latent rows and group keys are sharded from level 2
         assert top["bytes_at_rest_per_layer"]["kda"] == base["bytes_at_rest_per_layer"]["kda"]

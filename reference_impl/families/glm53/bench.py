@@ -32,9 +32,10 @@ math as it is:
 
 **Per workload and level** (levels 0-2; level 1 changes only the output tail, not a layer): each layer
 type's time (CUDA events; median, min and max over ``--repeats`` runs after a warm-up run); the map
-all-gather and the compose timed alone, with the modeled wire time beside; bytes at rest per layer
-type counted from the bench's tensors and the planner's figures
-(:mod:`~reference_impl.families.glm53.planner`) beside them.
+all-gather and the compose timed alone, with the modeled wire time beside; the bytes each layer's
+collectives received, per tag (a loopback gather pads the other ranks' slots to rank 0's rows); bytes at
+rest per layer type counted from the bench's tensors; the planner's figures
+(:mod:`~reference_impl.families.glm53.planner`) beside both.
 """
 
 from __future__ import annotations
@@ -280,6 +281,17 @@ def timed(fn: Callable[[], Any], device: torch.device, repeats: int) -> list[flo
     return out
 
 
+def received_by_tag(group: LoopbackGroup, run: Callable[[], Any]) -> dict[str, int]:
+    """Bytes ``run()`` received per collective tag (what a real gather brings from the ``C - 1`` others)."""
+    group.stats = []
+    run()
+    out: dict[str, int] = {}
+    for stat in group.stats:
+        out[stat.tag] = out.get(stat.tag, 0) + stat.bytes_received
+    group.stats = []
+    return out
+
+
 def summary(ms: list[float]) -> dict[str, Any]:
     return {"median_ms": statistics.median(ms), "min_ms": min(ms), "max_ms": max(ms), "runs_ms": ms}
 
@@ -347,7 +359,11 @@ def measure(
     tile = query_tile(cfg, w.prefix + w.extend, args.query_tile)
     rank = IndexedRank(idx_attn, w, cp_size, level, dtype)
     indexed = timed(lambda: rank.layer(h, positions, group, tile), device, args.repeats)
-    received = (2 * cp_size - 2) * planner.map_bytes(cfg)
+    received = {
+        "kda": received_by_tag(group, lambda: kda_layer(kda_attn, h, blocks, group, state, conv, span)),
+        "indexed": received_by_tag(group, lambda: rank.layer(h, positions, group, tile)),
+    }
+    maps_received = (2 * cp_size - 2) * planner.map_bytes(cfg)
     sharded = level >= 2 and cp_size > 1
     plan = planner.per_layer_at_rest(cfg, w.prefix + w.extend, cp_size, sharded)
     return {
@@ -360,12 +376,14 @@ def measure(
         "kda_state_exchange": {
             "map_bytes": planner.map_bytes(cfg),
             "gathered_bytes": cp_size * 2 * H * Dk * 2 * Dk * 4,
-            "received_bytes": received,
+            "received_bytes": maps_received,
             "all_gather_local_copy": summary(gather),
             "compose": summary(compose),
-            "modeled_wire_ms": received / args.wire_gbps / 1e6,
+            "modeled_wire_ms": maps_received / args.wire_gbps / 1e6,
             "wire_gbps": args.wire_gbps,
         },
+        "bytes_received_by_tag": received,
+        "planner_exchange_bytes": planner.exchange_bytes(cfg, w.extend, w.prefix + w.extend, cp_size),
         "bytes_at_rest_per_layer": {
             "kda": state.numel() * state.element_size() + conv.numel() * conv.element_size(),
             "indexed": rank.at_rest_bytes(),
