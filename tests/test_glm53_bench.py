@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +15,9 @@ from reference_impl.families.glm53 import bench, planner
 from reference_impl.families.glm53.config import GLM53_PRESETS
 from reference_impl.families.glm53.model.kda import span_map
 from reference_impl.families.glm53.model.oracle import DSACache, KDACache, build_glm53_model, dsa_span, kda_span
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+import results_tables  # noqa: E402
 
 TINY = GLM53_PRESETS["tiny-glm53"]
 
@@ -53,6 +58,8 @@ def test_dry_run_json_shape_and_arithmetic(tmp_path):
         # the KDA state is replicated; the latent rows and group keys are sharded from level 2
         assert top["bytes_at_rest_per_layer"]["kda"] == base["bytes_at_rest_per_layer"]["kda"]
         assert top["bytes_at_rest_per_layer"]["indexed"] < base["bytes_at_rest_per_layer"]["indexed"]
+    table = results_tables.glm53(doc).splitlines()
+    assert len(table) == 4 + 4 and table[-1].startswith("| b (128 + 32) | 2 | ")  # 2 workloads x 2 levels
     first = doc["workloads"][0]["levels"][0]["blocks"]
     assert first == [{"first": 0, "tokens": 40}, {"first": 120, "tokens": 40}]  # blocks 0 and 2C - 1 of 160
 
