@@ -86,7 +86,7 @@ def test_indexed_layer_on_one_rank_equals_the_oracle(model):
     attn = model.layers[1].attn
     x = torch.randn(100, TINY.dim, generator=torch.Generator().manual_seed(4))
     expected, _ = dsa_span(attn, x, 0, DSACache.empty(TINY, 1, torch.float32, torch.bfloat16, "cpu"), None)
-    rank = bench.IndexedRank(attn, Workload("t", 0, 100), 1, 0, torch.float32)
+    rank = bench.IndexedRank(attn, Workload("t", 0, 100), 1, 0)
     got = rank.layer(x, torch.arange(100), LoopbackGroup(0, 1, "cpu"), tile=7)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     assert rank.at_rest_bytes() == planner.per_layer_at_rest(TINY, 100, 1, False)["indexed"]
@@ -100,7 +100,7 @@ def test_absorbed_attention_equals_the_reference(model):
     width = TINY.selection_width  # distinct positions per row, as a selection holds
     selection = torch.stack([torch.randperm(60, generator=gen)[:width] for _ in range(9)]).sort(dim=1).values
     selection[:, -5:] = -1
-    rank = bench.IndexedRank(attn, Workload("t", 0, 64), 1, 0, torch.float32)
+    rank = bench.IndexedRank(attn, Workload("t", 0, 64), 1, 0)
     torch.testing.assert_close(rank.attend(q, latent, selection), attn.attend(q, latent, selection))
 
 

@@ -161,7 +161,7 @@ def kda_layer(
 class IndexedRank:
     """What rank 0 keeps of one indexed layer with its own indexer, and its layer (see the module docstring)."""
 
-    def __init__(self, attn: MLAttention, w: Workload, cp_size: int, level: int, dtype: torch.dtype) -> None:
+    def __init__(self, attn: MLAttention, w: Workload, cp_size: int, level: int) -> None:
         cfg, dev = attn.cfg, attn.q_a_proj.weight.device
         self.attn, self.cfg, self.c, self.w = attn, cfg, cp_size, w
         self.sharded = level >= 2 and cp_size > 1
@@ -357,7 +357,7 @@ def measure(
     pairs = [(all_maps[i, ..., :Dk], all_maps[i, ..., Dk:]) for i in range(len(all_maps))]
     compose = timed(lambda: entering_states(state, pairs), device, args.repeats)
     tile = query_tile(cfg, w.prefix + w.extend, args.query_tile)
-    rank = IndexedRank(idx_attn, w, cp_size, level, dtype)
+    rank = IndexedRank(idx_attn, w, cp_size, level)
     indexed = timed(lambda: rank.layer(h, positions, group, tile), device, args.repeats)
     received = {
         "kda": received_by_tag(group, lambda: kda_layer(kda_attn, h, blocks, group, state, conv, span)),
