@@ -29,7 +29,8 @@ from reference_impl.families import family_presets
 
 GIB = 1 << 30
 # The DSA presets (DeepSeek-V3.2, GLM and the tiny test model): what the DSA benchmarks and planner model;
-# DeepSeek-V4's have their own (python -m reference_impl.bench.v4, python -m reference_impl.planner.v4).
+# DeepSeek-V4's have their own (python -m reference_impl.bench.v4, python -m reference_impl.planner.v4), and so
+# have GLM-5.3's (python -m reference_impl.bench.glm53, python -m reference_impl.planner.glm53).
 DSA_PRESETS: tuple[str, ...] = family_presets("dsa")
 MAX_LAYERS = 128  # layers a benchmark runs or the planner models: more than any preset has (GLM-5: 78)
 MAX_REPEATS = 1000  # timed runs per point: past it a benchmark runs for days, not a measurement anyone waits for
@@ -292,8 +293,12 @@ device_arg = choice_arg(("cuda", "cpu"), "device")
 
 
 def dsa_preset_arg() -> Callable[[str], str]:
-    """``--preset``'s type in a DSA benchmark: a V4 preset is refused with the benchmark that runs it."""
-    return choice_arg(DSA_PRESETS, "preset", "DeepSeek-V4: python -m reference_impl.bench.v4")
+    """``--preset``'s type in a DSA benchmark: a V4 or GLM-5.3 preset is refused with the benchmark that runs it."""
+    return choice_arg(
+        DSA_PRESETS,
+        "preset",
+        "DeepSeek-V4: python -m reference_impl.bench.v4; GLM-5.3: python -m reference_impl.bench.glm53",
+    )
 
 
 def rank_of(rank: int, cp_size: int, rank_flag: str = "--rank", cp_flag: str = "--cp-size") -> int:

@@ -5,6 +5,7 @@ python3 scripts/results_tables.py kernels docs/results/kernels_bench.json
 python3 scripts/results_tables.py layer docs/results/layer_bench.json
 python3 scripts/results_tables.py demo docs/results/demo_h200.json
 python3 scripts/results_tables.py fused_profile docs/results/fused_kernels_ncu_h200.json
+python3 scripts/results_tables.py glm53 docs/results/glm53_bench.json
 """
 
 from __future__ import annotations
@@ -712,12 +713,49 @@ def anchors(doc: dict | None) -> str:
     return "\n".join(lines)
 
 
+def glm53(doc: dict) -> str:
+    """``bench.glm53``: per workload and level, the KDA and indexed layer times (median, min-max), the state-map
+    all-gather (a local copy on one device) and compose with the modeled wire beside, bytes at rest per layer."""
+    lines = [
+        f"Measured on {doc['device']}, torch {doc['torch']}; {doc['preset']}; how CP runs: {doc['how_cp_runs']}; "
+        f"timer: {doc['timing']}. Command: `{doc['command']}`.",
+        "",
+        "| workload | level | KDA layer ms (min-max) | indexed layer ms (min-max) | map all-gather, local copy ms "
+        "| compose ms | maps received, MiB | modeled wire ms | KDA at rest, MiB per layer "
+        "| indexed at rest, MiB per layer |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+
+    def ms(t: dict) -> str:
+        return f"{t['median_ms']:.2f} ({t['min_ms']:.2f}-{t['max_ms']:.2f})"
+
+    for w in doc["workloads"]:
+        wl = w["workload"]
+        for p in w["levels"]:
+            ex, rest = p["kda_state_exchange"], p["bytes_at_rest_per_layer"]
+            lines.append(
+                f"| {wl['name']} ({wl['prefix']:,} + {wl['extend']:,}) | {p['level']} | {ms(p['layer_ms']['kda'])} "
+                f"| {ms(p['layer_ms']['indexed'])} | {ex['all_gather_local_copy']['median_ms']:.3f} "
+                f"| {ex['compose']['median_ms']:.3f} | {ex['received_bytes'] / 2**20:.1f} "
+                f"| {ex['modeled_wire_ms']:.3f} "
+                f"| {rest['kda'] / 2**20:.2f} | {rest['indexed'] / 2**20:.1f} |"
+            )
+    return "\n".join(lines)
+
+
 PROG = "python3 scripts/results_tables.py"
 
 
 @refusing
 def main(argv: list[str] | None = None) -> int:
-    tables = {"compute": compute, "kernels": kernels, "layer": layer, "demo": demo, "fused_profile": fused_profile}
+    tables = {
+        "compute": compute,
+        "kernels": kernels,
+        "layer": layer,
+        "demo": demo,
+        "fused_profile": fused_profile,
+        "glm53": glm53,
+    }
     parser = ToolParser(PROG, __doc__.splitlines()[0])
     parser.add_argument("kind", type=choice_arg(tuple(tables), "table"), help=", ".join(tables))
     parser.add_argument("path", help="the benchmark's results JSON")

@@ -40,6 +40,7 @@ MODULES = [
         "anchors",
         "compute",
         "designs",
+        "glm53",
         "glue",
         "kernels",
         "layer",
@@ -51,7 +52,7 @@ MODULES = [
         "topk",
         "v4",
     )
-] + [f"reference_impl.planner.{m}" for m in ("designs", "elementwise", "v4")]
+] + [f"reference_impl.planner.{m}" for m in ("designs", "elementwise", "glm53", "v4")]
 # Scripts a page or the README gives as a command: ``python3 scripts/<name>.py``; the entry where it is not main.
 SCRIPTS = {
     name: "main"
@@ -167,6 +168,30 @@ BAD_INPUT: list[tuple[str, list[str], str]] = [
         f"rank 0 of C=8 at 1,048,576 tokens (deepseek-v4-flash, 4 layers) needs up to 84.6 GiB on cpu, which has "
         f"{FREE_GIB}.0 GiB free",
     ),
+    # bench.glm53
+    ("reference_impl.bench.glm53", ["--out", "T/x.json", "--cp-size", "0"], "argument --cp-size: 0 is below 1"),
+    ("reference_impl.bench.glm53", ["--out", "T/x.json", "--levels", "3"], "--levels '3': 3 is not within 0..2"),
+    (
+        "reference_impl.bench.glm53",
+        ["--out", "T/x.json", "--preset", "glm-5.2"],
+        "argument --preset: unknown GLM-5.3 preset 'glm-5.2'",
+    ),
+    (
+        "reference_impl.bench.glm53",
+        ["--out", "T/x.json", "--workloads", "a:0+15"],
+        "--workloads a:0+15: 15 new tokens; the in-seq split needs 2C = 16 (two blocks per rank)",
+    ),
+    (
+        "reference_impl.bench.glm53",
+        ["--out", "T/x.json", "--workloads", "a:0+2000000"],
+        "--workloads a:0+2000000: 2,000,000 tokens is past glm-5.3-flash's 1,048,576",
+    ),
+    ("reference_impl.bench.glm53", ["--out", "T/x.json", "--wire-gbps", "0"], "argument --wire-gbps: 0 is not"),
+    (
+        "reference_impl.bench.glm53",
+        ["--out", "T/x.json", "--device", "cpu"],
+        "rank 0 of C=8 at 131,072 tokens (glm-5.3-flash) needs up to",
+    ),
     # bench.layer
     ("reference_impl.bench.layer", ["--replan", "S/empty"], "--replan 'S/empty': missing field preset"),
     (
@@ -270,6 +295,12 @@ BAD_INPUT: list[tuple[str, list[str], str]] = [
     ),
     ("reference_impl.planner.v4", ["--contexts", ",".join(["4096"] * 9000)], "ranks to walk: at most 65,536"),
     ("reference_impl.planner.v4", ["--preset", "tiny"], "argument --preset: unknown V4 preset 'tiny'"),
+    # planner.glm53
+    ("reference_impl.planner.glm53", ["--preset", "glm-5.2"], "argument --preset: unknown GLM-5.3 preset 'glm-5.2'"),
+    ("reference_impl.planner.glm53", ["--cp-size", "0"], "argument --cp-size: 0 is below 1"),
+    ("reference_impl.planner.glm53", ["--kv-budget-gib", "inf"], "argument --kv-budget-gib: 'inf' is not a finite"),
+    ("reference_impl.planner.glm53", ["--contexts", "0"], "--contexts '0': 0 is not within"),
+    ("reference_impl.planner.glm53", ["--out", "T/no/x.json"], "--out 'T/no/x.json': the folder 'T/no' does not"),
     # planner.elementwise and planner.designs
     (
         "reference_impl.planner.elementwise",

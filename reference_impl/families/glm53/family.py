@@ -49,7 +49,7 @@ class Glm53Family:
     config_type = Glm53Config
     presets = GLM53_PRESETS
     per_layer_tags = PER_LAYER_TAGS
-    planner_command = "none (no GLM-5.3 planner yet)"
+    planner_command = "python -m reference_impl.planner.glm53"
 
     # ---- configuration -------------------------------------------------------------------------
     def model_for_run(self, cfg: Glm53Config, run: RunConfig) -> Glm53Config:
