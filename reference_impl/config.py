@@ -14,12 +14,15 @@ import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from reference_impl.errors import ConfigError
 from reference_impl.families import ModelFamily, family_of, get_preset
 from reference_impl.fp8 import SCALE_FMTS
 from reference_impl.machine import cpu_cores
+
+if TYPE_CHECKING:  # annotations only: this module does not import torch at the top
+    import torch
 from reference_impl.phases import PhaseSet, available_levels
 
 __all__ = [
@@ -674,3 +677,13 @@ for _knob in (
     EnvKnob("fp8_projections", False),
 ):
     _knob.register()
+
+
+def compute_dtype(run: RunConfig, device: torch.device) -> torch.dtype:
+    """The run's compute dtype on ``device``. ``auto``: float32 on CPU (tight oracle agreement), bfloat16 on
+    CUDA (the real model's)."""
+    import torch  # here, not at the top: configuration code imports this module without torch
+
+    if run.compute_dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[run.compute_dtype]

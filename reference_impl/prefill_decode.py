@@ -229,7 +229,7 @@ def _pd_rank(world: CPGroup, job: tuple[RunConfig, str, str, float]) -> _RoleRes
             transport.close()
             store, result.store = result.store, None
             if payload is not None:
-                at_rest = payload.bytes_at_rest(cp_group.rank)
+                at_rest = payload.bytes_at_rest(cp_group.rank, request_locs(run))
             else:
                 assert isinstance(store, ShardedKV)
                 at_rest = _bytes_at_rest(run, store, cp_group.rank)
@@ -260,13 +260,13 @@ def _pd_rank(world: CPGroup, job: tuple[RunConfig, str, str, float]) -> _RoleRes
     if transfer == "rows":
         return _receive_rows(run, world.device, transport_name, deadline_s)
     table = replay_page_table(run)  # the logical locs every prefill rank allocated
-    request_locs = [table.locs(req, world.device) for req in range(len(run.requests))]
+    locs_of = [table.locs(req, world.device) for req in range(len(run.requests))]
     layout = KVLayout.from_config(run.model, run.kv_dtype, run.page_size)
     id_space = run_id_space(table)
     cache = DecodeCache(id_space, layout, run.model.n_layers, world.device, world.debug)
     manifests = receive_pages(cache, list(range(cp_size)))
     rows = [
-        {req: cache.request_rows(layer, locs) for req, locs in enumerate(request_locs)}
+        {req: cache.request_rows(layer, locs) for req, locs in enumerate(locs_of)}
         for layer in range(run.model.n_layers)
     ]
     return _RoleResult(manifests, rows=rows, bytes_received=cache.bytes_received)

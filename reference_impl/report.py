@@ -14,11 +14,11 @@ from typing import Any
 import torch
 
 from reference_impl.check import Agreement
-from reference_impl.config import RunConfig, env_flag
+from reference_impl.config import RunConfig, compute_dtype, env_flag
 from reference_impl.cp.split import SplitMetadata
 from reference_impl.engine import RankResult
 from reference_impl.families import family_of
-from reference_impl.workload import compute_dtype, resolve_device
+from reference_impl.workload import resolve_device
 
 PER_RANK_FIELDS = (
     "kv_bytes",

@@ -18,7 +18,7 @@ from typing import Any, Literal, overload
 
 import torch
 
-from reference_impl.config import ConfigError, RunConfig, check_environment
+from reference_impl.config import ConfigError, RunConfig, check_environment, compute_dtype
 from reference_impl.cp.comm import CPGroup
 from reference_impl.engine import RankResult, build_metadata, chunk_metadata, run_rank
 from reference_impl.families import family_of
@@ -26,7 +26,7 @@ from reference_impl.footprint import check_fits
 from reference_impl.launch import choose_backend, launch, plan_launch, rank_cpu_threads, under_torchrun
 from reference_impl.report import build_report
 from reference_impl.schedule import chunk_schedule
-from reference_impl.workload import build_inputs, build_model, compute_dtype, resolve_device
+from reference_impl.workload import build_inputs, build_model, resolve_device
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from reference_impl.config import RunConfig, env_flag
+from reference_impl.config import RunConfig, compute_dtype, env_flag
 from reference_impl.families import family_of
 
 
@@ -17,13 +17,6 @@ def resolve_device(run: RunConfig) -> torch.device:
     if run.device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(run.device)
-
-
-def compute_dtype(run: RunConfig, device: torch.device) -> torch.dtype:
-    """``auto``: float32 on CPU (tight oracle agreement), bfloat16 on CUDA (the real model's)."""
-    if run.compute_dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"fp32": torch.float32, "bf16": torch.bfloat16}[run.compute_dtype]
 
 
 @torch.no_grad()

@@ -16,7 +16,7 @@ Layers, bottom to top (the package docstring draws the same map):
 
 A model family's folder (``families/<name>/``) spans the layers, each of its parts in the layer of
 its kind (:data:`FAMILY_PARTS`: its ``config`` at 0, ``cache_layout`` at 1, ``model`` at 2, ``kernels``
-at 3, ``cp`` at 4, the family object, its check and footprint at 6, its tools at 7); the registry finds a
+at 3, ``cp`` at 4, ``pd`` at 5, the family object, its check and footprint at 6, its tools at 7); the registry finds a
 family by name (``importlib``), so configuration code lists presets without importing any model.
 
 Every ``import`` statement counts, the ones inside functions too: a lazy import that runs upward
@@ -77,6 +77,7 @@ FAMILY_PARTS: dict[str, int] = {
     "model": 2,
     "kernels": 3,
     "cp": 4,
+    "pd": 5,
     "check": 6,
     "footprint": 6,
     "layer_step": 6,

@@ -183,8 +183,9 @@ class PDPayload(Protocol):
         ``rows_sent``, ``blocks_sent``, ``overlap`` and ``wait_all()``."""
         ...
 
-    def bytes_at_rest(self, rank: int) -> int:
-        """What ``rank`` is to ship, counted from the ownership (the check of what it sent)."""
+    def bytes_at_rest(self, rank: int, request_locs: dict[int, torch.Tensor]) -> int:
+        """What ``rank`` is to ship, counted from the ownership of every request's locs (``request_locs``:
+        request -> its logical locs as the run left them; the check of what it sent)."""
         ...
 
     def decoder(self, device: torch.device) -> PDDecoder: ...

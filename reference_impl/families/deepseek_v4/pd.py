@@ -50,7 +50,7 @@ from typing import Any, cast
 
 import torch
 
-from reference_impl.config import ConfigError, RunConfig
+from reference_impl.config import ConfigError, RunConfig, compute_dtype
 from reference_impl.cp.ownership import Ownership
 from reference_impl.families.deepseek_v4.cache_layout import index_entry_bytes, main_entry_bytes
 from reference_impl.families.deepseek_v4.config import V4ModelConfig
@@ -99,8 +99,6 @@ def first_and_count(cfg: V4ModelConfig, layer: int, part: int, n_tokens: int) ->
 def next_token_inputs(run: RunConfig, device: torch.device) -> list[torch.Tensor]:
     """Per request, the layer-0 input ``[1, dim]`` of the token after its prompt (a stand-in for the
     sampled token's embedding; the workload's inputs are seeded hidden states too), from ``seed + 2``."""
-    from reference_impl.workload import compute_dtype
-
     gen = torch.Generator(device=device).manual_seed(run.seed + 2)
     dtype = compute_dtype(run, device)
     return [torch.randn(1, run.model.dim, generator=gen, device=device).to(dtype) for _ in run.requests]
@@ -225,17 +223,17 @@ def _no_scale() -> torch.Tensor:
     return torch.zeros(0, dtype=torch.float32)
 
 
-def bytes_at_rest(run: RunConfig, rank: int) -> int:
+def bytes_at_rest(run: RunConfig, rank: int, request_locs: dict[int, torch.Tensor]) -> int:
     """What ``rank`` is to ship of every request, counted from the ownership (its page table's locs)
     and the cache's arithmetic: the CSA entries and keys it stores, and the replicated parts (HCA
-    entries, window tails, compressor states) of the requests it is the replica sender of."""
-    from reference_impl.engine import request_locs
+    entries, window tails, compressor states) of the requests it is the replica sender of
+    (``request_locs``: request -> its logical locs, :func:`reference_impl.engine.request_locs`)."""
 
     cfg = run.model
     assert isinstance(cfg, V4ModelConfig)
     own = Ownership(run.cp_size, run.interleave, run.page_size)
     total = 0
-    for req, locs in request_locs(run).items():
+    for req, locs in request_locs.items():
         n = run.requests[req].total
         replica = int(own.owner(locs[n - 1 : n].cpu())[0]) == rank
         for layer in range(cfg.n_layers):
@@ -563,8 +561,8 @@ class V4PDPayload:
     def sender(self, transport: BlockTransport, decode_rank: int) -> V4LayerStreamer:
         return V4LayerStreamer(transport, decode_rank)
 
-    def bytes_at_rest(self, rank: int) -> int:
-        return bytes_at_rest(self.run, rank)
+    def bytes_at_rest(self, rank: int, request_locs: dict[int, torch.Tensor]) -> int:
+        return bytes_at_rest(self.run, rank, request_locs)
 
     def decoder(self, device: torch.device) -> V4Decoder:
         return V4Decoder(self.run, device)

@@ -476,3 +476,41 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def kda_tokens_per_second(
+    tokens: int,
+    heads: int,
+    head_dim: int,
+    *,
+    device: str = "cuda",
+    dtype: torch.dtype = torch.bfloat16,
+    kernel: str = "triton",
+    seed: int = 0,
+) -> float:
+    """Tokens per second of one KDA layer's recurrence (``kernel``: ``"triton"`` or ``"torch"``, the
+    reference) over ``tokens`` tokens of ``heads`` heads of ``head_dim``, inputs drawn as the layer makes
+    them (unit ``q``, ``k``; ``g`` in ``(-5, 0)``). Timed by :func:`reference_impl.bench.timing.median_ms_timer`
+    (``do_bench`` on a GPU, one call on a CPU). A measuring entry for a benchmark: it claims nothing."""
+    from reference_impl.bench.timing import median_ms_timer
+    from reference_impl.families.glm53.kernels.kda_triton import kda_chunked_triton
+    from reference_impl.families.glm53.model.kda import kda_chunked
+
+    if kernel not in ("triton", "torch"):
+        raise ValueError(f"kernel={kernel!r}: 'triton' or 'torch'")
+    if tokens < 1 or heads < 1 or head_dim < 1:
+        raise ValueError(f"tokens={tokens}, heads={heads}, head_dim={head_dim}: all must be positive")
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def draw(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device=device)
+
+    q = torch.nn.functional.normalize(draw(tokens, heads, head_dim), dim=-1) * head_dim**-0.5
+    k = torch.nn.functional.normalize(draw(tokens, heads, head_dim), dim=-1)
+    v, g = draw(tokens, heads, head_dim), -5.0 * torch.sigmoid(draw(tokens, heads, head_dim))
+    beta, state = torch.sigmoid(draw(tokens, heads)), draw(heads, head_dim, head_dim)
+    q, k, v, g, beta = (t.to(dtype) for t in (q, k, v, g, beta))
+    run = kda_chunked_triton if kernel == "triton" else kda_chunked
+    on_gpu = torch.device(device).type == "cuda"
+    ms = median_ms_timer(on_gpu, warmup_ms=25, rep_ms=100)(lambda: run(q, k, v, g, beta, state))
+    return tokens / (ms * 1e-3)

@@ -30,13 +30,12 @@ from typing import Any
 
 import torch
 
-from reference_impl.config import RunConfig
+from reference_impl.config import RunConfig, compute_dtype
 from reference_impl.cp.batch import BatchLocs
 from reference_impl.cp.comm import CPGroup
 from reference_impl.cp.ownership import Ownership
 from reference_impl.families.glm53.config import Glm53Config
 from reference_impl.families.glm53.model.oracle import KDACache
-from reference_impl.workload import compute_dtype
 
 
 @dataclass(frozen=True)
