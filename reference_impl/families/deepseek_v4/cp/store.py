@@ -48,9 +48,11 @@ fresh pages for the rest (the prefix's partial page and everything after). The r
   rebuild them through the materialization like any history); entries of the prefix's partial
   page move to the owners of the fresh page that holds them for the new request (one all-gather
   per CSA layer at the hit, ``v4_hit``); HCA entries are replicated and are simply referenced;
-* **lifetime** -- a request's state goes when its pages come back into use: a request that takes a
-  fresh page drops every request held before that had a token on it (the page table frees a page
-  only when its last holder is freed, so that request was freed).
+* **lifetime** -- a request's state goes with its pages: when the page table no longer lists it
+  (freed, or evicted by a pool budget: :mod:`~.eviction` says what goes together and why a request
+  whose source was evicted recomputes its whole prefix), or when one of its pages comes back into
+  use (the page table frees a page only when its last holder is freed). A hit whose source the same
+  batch evicts is served first, as the hit copies the partial page's entries and the checkpoint.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ from reference_impl.cp.comm import CPGroup
 from reference_impl.cp.ownership import Ownership
 from reference_impl.families.deepseek_v4.cache_layout import index_entry_bytes, main_entry_bytes
 from reference_impl.families.deepseek_v4.config import V4ModelConfig
+from reference_impl.families.deepseek_v4.cp.eviction import PoolTimeline
 from reference_impl.families.deepseek_v4.model.cache import V4LayerCache
 from reference_impl.families.deepseek_v4.model.compressor import state_start
 
@@ -115,6 +118,8 @@ class V4Store:
     paths: set[str] = field(default_factory=set)
     # (run-global request, hit point) -> per layer: (window tail, compressor state) at that point
     checkpoints: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor] | None]] = field(default_factory=dict)
+    timeline: PoolTimeline | None = None  # the page table's hits and residents per batch (set at the first)
+    hits: frozenset[int] = frozenset()  # the batch's requests served from their source's state (:mod:`.eviction`)
     carry_at_hits: ClassVar[bool] = True  # off: a hit zeroes the carried pre-pool rows (tests show they matter)
 
     def __post_init__(self) -> None:
@@ -236,19 +241,35 @@ class V4Store:
             fresh = set((self.locs[req][shared:] // self.batch.page_size).tolist())
             for old in [r for r in self.locs if r not in new]:
                 if fresh.intersection((self.locs[old] // self.batch.page_size).tolist()):
-                    del self.locs[old]
-                    for states in self.layers:
-                        states.pop(old, None)
-                        for st in states.values():
-                            if st.source == old:  # its shared pages' entries are now counted with it
-                                st.source, st.referenced = None, 0
-                    for key in [key for key in self.checkpoints if key[0] == old]:
-                        del self.checkpoints[key]
+                    self.drop(old)
+
+    def keep_only(self, resident: frozenset[int]) -> None:
+        """Drop every held request the page table no longer lists (freed, or evicted by a pool budget),
+        whether or not its pages were handed out again (:mod:`~.eviction`)."""
+        for old in [r for r in self.locs if r not in resident]:
+            self.drop(old)
+
+    def drop(self, old: int) -> None:
+        """Let request ``old`` go with its pages: its entries, keys, window tail, compressor state and
+        every checkpoint it kept (a hit that took its shared pages keeps its own copy of their entries)."""
+        self.locs.pop(old, None)
+        for states in self.layers:
+            states.pop(old, None)
+            for st in states.values():
+                if st.source == old:  # its shared pages' entries are now counted with it
+                    st.source, st.referenced = None, 0
+        for key in [key for key in self.checkpoints if key[0] == old]:
+            del self.checkpoints[key]
 
     def install_hit(self, req: int, source: int, n_tokens: int, shared_tokens: int) -> None:
         """Serve request ``req``'s first ``n_tokens`` tokens from ``source``'s cache (the module docstring's
         rules): its complete entries, and the window tail and compressor state of the checkpoint at
         ``n_tokens``; ``shared_tokens``: the leading tokens in pages ``req`` took by reference."""
+        if any(source not in states for states in self.layers):
+            raise AssertionError(
+                f"request {req} hits request {source}, whose state this store dropped with its pages: the page "
+                "table and the store disagree on what is cached (a stale hit is never served)"
+            )
         checkpoint = self.checkpoints.get((source, n_tokens))
         if checkpoint is None or any(part is None for part in checkpoint):
             raise AssertionError(f"request {source} kept no checkpoint at {n_tokens} for request {req}")
@@ -450,7 +471,7 @@ def install_v4_prefixes(
     v4_model = cast(V4Model, model)  # the family's build_model made it
     requests = list(chunk.requests)
     store.begin_chunk(requests, list(store.batch.request_locs))
-    todo = [req for req in requests if run.requests[req].prefix > 0 and run.requests[req].shares is None]
+    todo = [req for req in requests if run.requests[req].prefix > 0 and req not in store.hits]  # misses too
     if not todo:
         return
     result = run_v4_oracle(
@@ -482,7 +503,7 @@ def install_hits(run: RunConfig, store: V4Store, chunk: Chunk, shared_tokens: di
     (:meth:`V4Store.install_hit`); every rank calls it alike (moving entries is a collective)."""
     for req in chunk.requests:
         source = run.requests[req].shares
-        if source is not None:
+        if source is not None and req in store.hits:  # the rest missed (an evicted source): recomputed
             store.install_hit(req, source, run.requests[req].prefix, shared_tokens.get(req, 0))
 
 
@@ -503,7 +524,7 @@ def install_synthetic_prefixes(run: RunConfig, store: V4Store, chunk: Chunk, see
 
     for req in requests:
         n = run.requests[req].prefix
-        if n == 0:
+        if n == 0 or req in store.hits:
             continue
         for layer in range(cfg.n_layers):
             m = cfg.ratio(layer)
