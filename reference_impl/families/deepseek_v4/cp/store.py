@@ -522,6 +522,7 @@ def install_synthetic_prefixes(run: RunConfig, store: V4Store, chunk: Chunk, see
     def randn(rows: int, width: int) -> torch.Tensor:
         return torch.randn(rows, width, generator=gen, device=device)
 
+    points = hit_points(run)
     for req in requests:
         n = run.requests[req].prefix
         if n == 0 or req in store.hits:
@@ -544,3 +545,7 @@ def install_synthetic_prefixes(run: RunConfig, store: V4Store, chunk: Chunk, see
                 main,
                 index,
             )
+            for q in sorted(q for q in points.get(req, ()) if q <= n):  # where a later request hits it
+                rows = q - state_start(q, m) if m else 0
+                tail = encode_main(randn(min(q, cfg.window_size - 1), cfg.head_dim), store.codec)
+                store._checkpoint(req, q)[layer] = (tail, randn(rows, pool_width(cfg, m)))
