@@ -29,7 +29,8 @@ fresh pages for the rest (the prefix's partial page and everything after). The r
   rows of the block before it as well, which the 8-token overlapping window of the next entry
   reads). Neither survives at rest past ``P`` (a request keeps the window tail and the state at its
   own end only), and neither can be rebuilt from the entries (the window's raw rows need each
-  layer's input at those tokens, which needs the windows before them, back to token 0). So a
+  layer's input at those tokens, which needs the layer below's window before them: every layer
+  over the last ``n_layers * (window - 1)`` tokens would run again). So a
   request whose prefix a later request hits keeps a checkpoint at ``P`` when its computation
   passes ``P`` (:func:`hit_points`, the plan's ``checkpoint_*`` rows: gathered like the state at a
   request's end), or, for ``P`` inside its own cached prefix, when that prefix is installed;
