@@ -67,6 +67,15 @@ def test_bench_dry_run_times_a_hit_against_its_cold_prefill_and_an_evicting_pool
     assert [c - h for c, h in zip(hit["cold_ms"]["runs"], hit["hit_ms"]["runs"])] == hit["saved_ms"]["runs"]
     assert hit["hit_bytes_by_tag"]["v4_hit"] == 2 * 2 * (584 + 68)  # C padded slots of the two moved entries
     assert "v4_hit" not in hit["cold_bytes_by_tag"] and hit["cold_bytes_by_tag"]["v4_entries"] > 0
+    assert hit["prefix_cache"] | {"pool_pages": 0} == {
+        "pool_pages": 0,
+        "hits": 1,
+        "hit_tokens": 192,  # its three whole pages by reference
+        "misses": 0,
+        "recomputed_tokens": 0,
+        "evicted_requests": 0,
+        "evicted_pages": 0,
+    }
     assert hit["carried"] == {
         "mod_4": 0,
         "mod_8": 0,

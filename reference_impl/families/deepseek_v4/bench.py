@@ -215,8 +215,14 @@ def hit_runs(base: RunConfig, w: Workload, chunk_size: int) -> tuple[RunConfig, 
     """The cold prefill of ``w`` (all of it, chunked) and the two-batch run whose second batch hits ``w.prefix``."""
     cold = base.replace(requests=(Request(0, w.prefix + w.extend),), chunk_size=chunk_size)
     source = Request(w.prefix, base.cp_size)  # its prefix cached; a token per rank computed
-    hit = base.replace(requests=(source, Request(w.prefix, w.extend, shares=0)), batch_sizes=(1, 1))
-    return cold, hit
+    requests = (source, Request(w.prefix, w.extend, shares=0))
+    room = sum(-(-r.total // base.page_size) for r in requests) + lane_slack(base)  # nothing evicted: a hit
+    return cold, base.replace(requests=requests, batch_sizes=(1, 1), pool_pages=room)
+
+
+def lane_slack(run: RunConfig) -> int:
+    """The pages a one-request batch needs beyond its own under phase 5's lanes (:class:`RunConfig`'s rule)."""
+    return 2 * run.cp_size * 2 if run.phases.compute_owner else 0
 
 
 def measure_hit(base: RunConfig, w: Workload, chunk_size: int, rank: int, wire: float | None, repeats: int) -> dict:
@@ -251,8 +257,7 @@ def evict_run(base: RunConfig, w: Workload) -> RunConfig:
     """Three batches on a pool of one batch's pages: a cached request, another that evicts it, a miss."""
     requests = (Request(w.prefix, base.cp_size), Request(w.prefix, w.extend), Request(w.prefix, w.extend, shares=0))
     pages = -(-(w.prefix + w.extend) // base.page_size)
-    slack = 2 * base.cp_size * 2 if base.phases.compute_owner else 0  # phase 5's lanes (RunConfig's rule)
-    return base.replace(requests=requests, batch_sizes=(1, 1, 1), pool_pages=pages + slack)
+    return base.replace(requests=requests, batch_sizes=(1, 1, 1), pool_pages=pages + lane_slack(base))
 
 
 def measure_evict(base: RunConfig, w: Workload, rank: int, wire: float | None, repeats: int) -> dict[str, Any]:
