@@ -135,3 +135,16 @@ def test_a_prefix_served_stale_after_its_eviction_is_refused(forked_ranks) -> No
     forked_ranks.setattr(PrefixCache, "evict", _stale_evict)
     with pytest.raises(RankFailedError, match="request 4 hits request 1, whose state this store dropped"):
         run_prefill(budget_run(SPEC, 10, 2, 2), timeout_s=120)
+
+
+def test_a_recomputed_miss_is_hit_in_turn_under_phase_5_lanes() -> None:
+    """Level 8 at C = 3, 16-token pages, a budget of 41 pages (18 of them lane slack): r4 = r1:266+20 misses
+    (r1 was evicted) and recomputes 266 tokens; r5 = r4:280+6 then hits r4 at a point its own prefill
+    passed (280 mod 4, 8, 128 = 0, 0, 24: the overlap's four rows and 24 HCA rows carried)."""
+    run = budget_run("0+320;0+320;r0:262+16,0+64;r1:266+20;r4:280+6", 41, 3, 8, page_size=16)
+    assert pool_timeline(run).hits == {0: frozenset(), 1: frozenset(), 2: {2}, 3: frozenset(), 4: {5}}
+    rep = run_prefill(run)
+    assert rep["problems"] == [] and rep["matches_oracle"] is True and rep["cache_equal"] is True
+    assert rep["prefix_cache"] == replay_pool(run).counts
+    assert rep["prefix_cache"]["hits"] == 2 and rep["prefix_cache"]["misses"] == 1
+    assert rep["prefix_cache"]["evicted_requests"] == 2
