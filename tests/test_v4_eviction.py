@@ -148,3 +148,34 @@ def test_a_recomputed_miss_is_hit_in_turn_under_phase_5_lanes() -> None:
     assert rep["prefix_cache"] == replay_pool(run).counts
     assert rep["prefix_cache"]["hits"] == 2 and rep["prefix_cache"]["misses"] == 1
     assert rep["prefix_cache"]["evicted_requests"] == 2
+
+
+_drop = V4Store.drop
+
+
+def _drop_and_reuse(self: V4Store, old: int) -> None:
+    """An eviction whose memory the pool hands out again at once: every tensor of the dropped request (its
+    entries, keys, window tail, compressor state and checkpoints) is overwritten in place, then dropped."""
+    for states in self.layers:
+        if old in states:
+            st = states[old]
+            for part in (st.main, st.index, st.window):
+                part.fill_(0x7E)  # a large FP8 value in every byte
+            st.pool.fill_(1e4)
+    for (req, _), parts in self.checkpoints.items():
+        for part in parts if req == old else ():
+            if part is not None:
+                part[0].fill_(0x7E)
+                part[1].fill_(1e4)
+    _drop(self, old)
+
+
+@pytest.mark.parametrize("cp_size,level", [(2, 0), (3, 4)], ids=["c2-replicated", "c3-sharded"])
+def test_no_hit_reads_the_memory_of_a_request_evicted_after_it(forked_ranks, cp_size: int, level: int) -> None:
+    """r1 = r0:100+36 hits, then r2's pages evict r0 in the same batch; with r0's memory overwritten as it goes,
+    r1 still matches the oracle: a hit copies what it keeps (entries of the partial page, the checkpoint), so
+    nothing it computes with is the evicted request's memory. Served from it, the check would see the overwrite."""
+    forked_ranks.setattr(V4Store, "drop", _drop_and_reuse)
+    rep = run_prefill(budget_run("0+160;r0:100+36,0+96", 8, cp_size, level))
+    assert rep["prefix_cache"]["hits"] == 1 and rep["prefix_cache"]["evicted_requests"] == 1
+    assert rep["problems"] == [] and rep["matches_oracle"] is True and rep["cache_equal"] is True

@@ -275,14 +275,16 @@ class V4Store:
         if checkpoint is None or any(part is None for part in checkpoint):
             raise AssertionError(f"request {source} kept no checkpoint at {n_tokens} for request {req}")
         for layer in range(self.cfg.n_layers):
-            window, pool = checkpoint[layer]  # type: ignore[misc]
+            # Copies, never views: the source may be evicted right after (its memory handed out again), and
+            # nothing the hit keeps may read it then; a deployed pool copies the partial page's rows likewise.
+            window, pool = (part.clone() for part in checkpoint[layer])  # type: ignore[union-attr]
             m = self.cfg.ratio(layer)
             if not self.carry_at_hits:
                 pool = torch.zeros_like(pool)
             src = self.state(layer, source)
             n = n_tokens // m if m else 0
             if not self.owns(layer):
-                ids, main, index = torch.arange(n), src.main[:n], src.index[:n]
+                ids, main, index = torch.arange(n), src.main[:n].clone(), src.index[:n].clone()
                 referenced = shared_tokens // m if m else 0
             else:
                 ids, main, index = self._hit_entries(req, source, src, n, shared_tokens // 4)
