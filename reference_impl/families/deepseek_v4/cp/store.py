@@ -48,7 +48,8 @@ fresh pages for the rest (the prefix's partial page and everything after). The r
   where the first request left them (the same pages, so the same owner; the next request's ranks
   rebuild them through the materialization like any history); entries of the prefix's partial
   page move to the owners of the fresh page that holds them for the new request (one all-gather
-  per CSA layer at the hit, ``v4_hit``); HCA entries are replicated and are simply referenced;
+  per CSA layer at the hit, ``v4_hit``); HCA entries are replicated and taken locally (a hit keeps copies,
+  never views, of what it takes: its source may be evicted right after);
 * **lifetime** -- a request's state goes with its pages: when the page table no longer lists it
   (freed, or evicted by a pool budget: :mod:`~.eviction` says what goes together and why a request
   whose source was evicted recomputes its whole prefix), or when one of its pages comes back into
