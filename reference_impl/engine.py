@@ -467,9 +467,11 @@ def run_rank(
 
 
 def _stored_rows(store: RankStore, locs: torch.Tensor, n_layers: int) -> list[tuple[torch.Tensor | None, ...]]:
-    """Per layer: what this rank stores of the request at ``locs`` (CPU tensors)."""
+    """Per layer: what this rank stores of the request at ``locs`` (CPU copies: a snapshot, whatever the store
+    later does with that memory)."""
     return [
-        tuple(None if t is None else t.cpu() for t in store.stored_rows(layer, [locs])[0]) for layer in range(n_layers)
+        tuple(None if t is None else t.to("cpu", copy=True) for t in store.stored_rows(layer, [locs])[0])
+        for layer in range(n_layers)
     ]
 
 

@@ -11,6 +11,10 @@
   example);
 * ``prefetch_timeline.svg``: phase 8's two streams over three layers, to scale, with the times of the
   prefix-heavy ``bench.layer`` run (``docs/results/layer_bench.json``).
+* ``v4_hit_eviction.svg``: what a DeepSeek-V4 prefix hit at ``P`` reuses, carries and computes at several
+  residues mod 4, 8 and 128 (:func:`~reference_impl.families.deepseek_v4.model.compressor.state_start`), and
+  a budgeted pool's pages batch by batch as the engine's page table replays them (the scenario of
+  ``tests/test_v4_eviction.py``).
 
 Every diagram is drawn from a data object that the file carries (:mod:`reference_impl.figures`),
 so the test command finds a diagram whose sources changed.
@@ -143,6 +147,67 @@ def prefetch_timeline_data(results: Path = RESULTS) -> dict[str, Any]:
         "stall_ms": pf["exposed_wait_ms_median"],
         "layers": 3,
     }
+
+
+def v4_hit_eviction_data() -> dict[str, Any]:
+    """Hit points at several residues (per layer kind: complete entries reused, first carried row, window
+    start) and the eviction scenario's pool per batch (page -> holders, evicted, hits, misses)."""
+    from reference_impl.config import PhaseSet, RunConfig, parse_batches
+    from reference_impl.engine import RunPool, chunk_metadata
+    from reference_impl.families.deepseek_v4.model.compressor import state_start
+    from reference_impl.presets import get_preset
+    from reference_impl.schedule import chunk_schedule
+
+    window = get_preset("deepseek-v4-flash").window_size
+    hits = [
+        {
+            "prefix": p,
+            "window_from": max(0, p - (window - 1)),
+            "kinds": {kind: {"ratio": m, "entries": p // m, "carried_from": state_start(p, m)} for kind, m in ks},
+        }
+        for p in (70, 68, 72, 131, 256)
+        for ks in [(("csa", 4), ("hca", 128))]
+    ]
+    spec, page, budget = "0+160;0+160;r0:131+16,0+64;r1:133+20", 32, 10
+    requests, sizes = parse_batches(spec)
+    run = RunConfig(
+        preset="tiny-v4",
+        cp_size=2,
+        requests=tuple(requests),
+        batch_sizes=sizes,
+        page_size=page,
+        pool_pages=budget,
+        phases=PhaseSet.level(2),
+        device="cpu",
+    )
+    pool = RunPool(run)
+    table, batches = pool.table, []
+    for chunk in chunk_schedule(run):
+        before = set(table.requests)
+        pool.build(chunk, chunk_metadata(run, chunk), "cpu", budget, True)
+        holders: list[list[int]] = [[] for _ in range(budget)]
+        for req in table.requests:
+            for p in table.pages(req):
+                holders[p].append(int(req))  # type: ignore[call-overload]
+        batches.append(
+            {
+                "batch": chunk.batch,
+                "new": [
+                    f"r{r}"
+                    + (f" = r{run.requests[r].shares}:" if run.requests[r].shares is not None else " = ")
+                    + f"{run.requests[r].prefix}+{run.requests[r].extend}"
+                    for r in chunk.requests
+                ],
+                "holders": holders,
+                "evicted": sorted(int(r) for r in before - set(table.requests)),  # type: ignore[call-overload]
+                "hits": [r for r in chunk.requests if run.requests[r].shares is not None and table.shared_tokens(r)],
+                "misses": [
+                    r for r in chunk.requests if run.requests[r].shares is not None and not table.shared_tokens(r)
+                ],
+            }
+        )
+        pool.release(pool.leaving(chunk))
+    return {"window": window, "hits": hits, "spec": spec, "page_size": page, "pool_pages": budget, "batches": batches}
 
 
 # ---------------------------------------------------------------------------------- the drawing
@@ -346,11 +411,111 @@ def draw_prefetch_timeline(data: dict[str, Any], out: Path) -> None:
     plt.close(fig)
 
 
+def draw_v4_hit_eviction(data: dict[str, Any], out: Path) -> None:
+    from matplotlib.patches import Patch, Rectangle
+
+    plt = _plt()
+    reused, carried, window_c, new_c = "#55A868", "#DD8452", "#F2C49B", "#4C72B0"
+    n_hits = len(data["hits"])
+    fig, (top, bottom) = plt.subplots(
+        2, 1, figsize=(10, 9.2), gridspec_kw={"height_ratios": [n_hits * 3.2, len(data["batches"]) * 1.5]}
+    )
+    span, ahead = data["window"] + 8, 8
+    lanes = (("csa", "CSA, m = 4"), ("hca", "HCA, m = 128"), ("window", "window tail"))
+    for i, hit in enumerate(data["hits"]):
+        p = hit["prefix"]
+        lo = max(0, p - span)
+        base = (n_hits - 1 - i) * 3.6
+        top.text(
+            -0.01 * span,
+            base + 3.0,
+            f"hit at P = {p}: P mod 4 = {p % 4}, mod 8 = {p % 8}, mod 128 = {p % 128}",
+            fontsize=8,
+            ha="left",
+            va="bottom",
+            transform=top.transData,
+        )
+        for lane, (kind, label) in enumerate(lanes):
+            y = base + 2 - lane * 0.85
+            top.text(-2, y + 0.35, label, ha="right", va="center", fontsize=7.5)
+            if kind == "window":
+                top.add_patch(
+                    Rectangle((hit["window_from"] - lo, y), p - hit["window_from"], 0.7, fc=window_c, ec="none")
+                )
+            else:
+                k = hit["kinds"][kind]
+                m, start, n = k["ratio"], k["carried_from"], k["entries"]
+                for b in range(lo // m, n):  # complete entries in view: reused
+                    x0 = max(b * m, lo) - lo
+                    top.add_patch(Rectangle((x0, y), (b + 1) * m - lo - x0, 0.7, fc=reused, ec="white", lw=0.4))
+                if p > start:  # the carried pre-pool rows: the incomplete block's, and CSA's block before it
+                    top.add_patch(Rectangle((start - lo, y), p - start, 0.32, fc=carried, ec="white", lw=0.4))
+                entries = f"{n} {'entry' if n == 1 else 'entries'}"
+                top.text(
+                    p - lo + ahead + 1, y + 0.35, f"{entries} reused, {p - start} rows carried", fontsize=7, va="center"
+                )
+            top.add_patch(Rectangle((p - lo, y), ahead, 0.7, fc=new_c, ec="none"))
+        top.plot([p - lo, p - lo], [base + 0.1, base + 2.8], color="black", lw=0.8)
+    top.set_xlim(-0.02 * span, span + ahead + 70)
+    top.set_ylim(-0.3, n_hits * 3.6)
+    top.axis("off")
+    top.legend(
+        handles=[
+            Patch(
+                color=reused, label="complete entries: reused (whole shared pages by reference, the partial page moved)"
+            ),
+            Patch(color=carried, label="pre-pool rows carried in the checkpoint (the lower band)"),
+            Patch(color=window_c, label="raw window rows carried in the checkpoint"),
+            Patch(color=new_c, label="new tokens: computed"),
+        ],
+        loc="upper center",
+        ncol=2,
+        fontsize=7,
+        frameon=False,
+        bbox_to_anchor=(0.5, 0.0),
+    )
+    top.set_title(f"What a hit at P reuses and carries (up to {span} tokens before P; the black line is P)", fontsize=9)
+    colors = RANK_COLORS
+    n_pages = data["pool_pages"]
+    for row, batch in enumerate(data["batches"]):
+        y = (len(data["batches"]) - 1 - row) * 1.5
+        bottom.text(-0.3, y + 0.45, f"batch {batch['batch']}", ha="right", va="center", fontsize=8)
+        for page, holders in enumerate(batch["holders"]):
+            if not holders:
+                bottom.add_patch(Rectangle((page, y), 1, 0.9, fc="#EEEEEE", ec="white"))
+            for k, req in enumerate(holders):
+                h = 0.9 / len(holders)
+                bottom.add_patch(Rectangle((page, y + k * h), 1, h, fc=colors[req % len(colors)], ec="white"))
+                bottom.text(
+                    page + 0.5, y + k * h + h / 2, f"r{req}", ha="center", va="center", fontsize=6.5, color="white"
+                )
+        notes = ", ".join(batch["new"])
+        if batch["hits"]:
+            notes += "; hit: " + ", ".join(f"r{r}" for r in batch["hits"])
+        if batch["misses"]:
+            notes += "; miss (source evicted, prefix recomputed): " + ", ".join(f"r{r}" for r in batch["misses"])
+        if batch["evicted"]:
+            notes += "; evicted: " + ", ".join(f"r{r}" for r in batch["evicted"])
+        bottom.text(n_pages + 0.3, y + 0.45, notes, ha="left", va="center", fontsize=7)
+    bottom.set_xlim(-1.6, n_pages + 15)
+    bottom.set_ylim(-0.2, len(data["batches"]) * 1.5)
+    bottom.axis("off")
+    bottom.set_title(
+        f"A budget of {data['pool_pages']} pages of {data['page_size']} tokens, batches {data['spec']}:\n"
+        "each batch's pages and their holders once it has them; an evicted request's state goes with it",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    figures.save(fig, out, data)
+    plt.close(fig)
+
+
 DIAGRAMS: dict[str, tuple[Callable[[], dict[str, Any]], Callable[[dict[str, Any], Path], None]]] = {
     "one_layer.svg": (one_layer_data, draw_one_layer),
     "splits.svg": (splits_data, draw_splits),
     "pages_over_ranks.svg": (pages_data, draw_pages),
     "prefetch_timeline.svg": (prefetch_timeline_data, draw_prefetch_timeline),
+    "v4_hit_eviction.svg": (v4_hit_eviction_data, draw_v4_hit_eviction),
 }
 
 

@@ -180,11 +180,6 @@ def test_the_environment_variable_sets_the_budget(monkeypatch, capsys) -> None:
     assert capsys.readouterr().err.startswith("error: DSACP_POOL_PAGES=3 is too small")
 
 
-def test_deepseek_v4_refuses_the_budget_by_name() -> None:
-    with pytest.raises(ConfigError, match="pool_pages=64: tiny-v4's compressed entries"):
-        RunConfig(preset="tiny-v4", pool_pages=64, device="cpu")
-
-
 def test_the_pd_transfer_refuses_the_budget() -> None:
     from reference_impl.prefill_decode import run_prefill_and_decode
 

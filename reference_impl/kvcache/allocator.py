@@ -194,6 +194,10 @@ class RequestPageTable:
         self.extend(req_id, n_tokens - whole * self.page_size)
         return whole * self.page_size
 
+    def started_by_sharing(self, req_id: Hashable) -> bool:
+        """Whether ``req_id`` started with another request's prefix (:meth:`share`; whole pages or none)."""
+        return req_id in self._shared
+
     def shared_tokens(self, req_id: Hashable) -> int:
         """Leading tokens of ``req_id`` that sit in pages it took by reference (:meth:`share`); 0 if none."""
         return self._shared.get(req_id, 0)

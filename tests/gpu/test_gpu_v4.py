@@ -48,6 +48,23 @@ def test_v4_flash_level8_shards_and_never_syncs(v4_reports: dict[str, dict]) -> 
     assert all(r["host_syncs_in_layer_loop"] == 0 for r in top)
 
 
+def test_v4_flash_on_an_evicting_pool_matches_the_oracle() -> None:
+    """Four batches on a budget of 48 pages (phase 5's lanes included): r2 = r0:1031+300 hits, r4 = r1:1033+200
+    misses (r1 was evicted) and recomputes its prefix; the compiled kernels agree with the oracle throughout."""
+    from reference_impl.config import parse_batches
+    from reference_impl.engine import replay_pool
+    from reference_impl.runner import run_prefill
+
+    requests, sizes = parse_batches("0+1500;0+1500;r0:1031+300,0+600;r1:1033+200")
+    run = FLASH.replace(requests=tuple(requests), batch_sizes=sizes, chunk_size=None, pool_pages=48)
+    run = run.replace(phases=PhaseSet.level(8))
+    rep = run_prefill(run, timeout_s=600)
+    assert rep["matches_oracle"] is True, rep["problems"]
+    assert rep["prefix_cache"] == replay_pool(run).counts
+    assert rep["prefix_cache"]["hits"] == 1 and rep["prefix_cache"]["misses"] == 1
+    assert rep["prefix_cache"]["evicted_requests"] == 3
+
+
 def test_v4_attention_kernel_at_flash_shape() -> None:
     """64 heads x 512, a 128-token window + 512 selected entries, and an HCA run of 1,000 entries."""
     from reference_impl.families.deepseek_v4.kernels.attention_triton import v4_sparse_attention_triton

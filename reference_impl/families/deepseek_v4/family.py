@@ -22,6 +22,7 @@ from reference_impl.cp.split import SplitMetadata
 from reference_impl.families.base import ChunkInputs, PDPayload
 from reference_impl.families.deepseek_v4 import footprint
 from reference_impl.families.deepseek_v4.config import V4_PRESETS, V4ModelConfig
+from reference_impl.families.deepseek_v4.cp.eviction import pool_timeline
 from reference_impl.families.deepseek_v4.cp.layer import PER_LAYER_TAGS_V4, V4ChunkRunner
 from reference_impl.families.deepseek_v4.cp.store import (
     V4Store,
@@ -120,11 +121,6 @@ class DeepSeekV4Family:
                 f"kv_design={run.kv_design} is built for the DSA cache (MLA latent + indexer K); {run.preset}'s "
                 "compressed caches run under the phases only (kv_design=phases)"
             )
-        if run.pool_pages is not None:
-            raise ConfigError(
-                f"pool_pages={run.pool_pages}: {run.preset}'s compressed entries and compressor checkpoints "
-                "would have to be evicted with their pages, which is not built; drop the budget"
-            )
         for i, r in enumerate(run.requests):
             source = run.requests[r.shares] if r.shares is not None else None
             if source is not None and source.shares is not None and r.prefix <= source.prefix:
@@ -181,15 +177,22 @@ class DeepSeekV4Family:
         chunk: Chunk,
         shared_tokens: dict[int, int],
     ) -> None:
-        """A batch's first chunk: requests freed since are dropped, cached prefixes installed
-        (:data:`PrefixSource`), and requests that start with an earlier request's prefix served from
-        the store (the hit rules of :mod:`~.cp.store`)."""
+        """A batch's first chunk: requests that start with an earlier request's prefix served from the store
+        (the hit rules of :mod:`~.cp.store`), then requests freed or evicted since dropped with their pages,
+        then cached prefixes installed (:data:`PrefixSource`), a miss's whole prefix among them (what goes
+        together and why: :mod:`~.cp.eviction`)."""
+        if store.timeline is None:  # pure metadata, the same on every rank
+            store.timeline = pool_timeline(run)
         store.begin_chunk(list(chunk.requests), list(store.batch.request_locs))
-        store.forget_freed({req: shared_tokens.get(req, 0) for req in chunk.requests})
-        self.prefixes(run, model, inputs, store, chunk)
+        store.hits = store.timeline.hits[chunk.batch]
         install_hits(run, store, chunk, shared_tokens)
+        store.forget_freed({req: shared_tokens.get(req, 0) for req in chunk.requests})
+        store.keep_only(store.timeline.resident_at(chunk))
+        self.prefixes(run, model, inputs, store, chunk)
 
     def chunk_step(self, inputs: ChunkInputs) -> _V4Step:
+        if inputs.store.timeline is not None:  # a later chunk's pages may have evicted a cached request
+            inputs.store.keep_only(inputs.store.timeline.resident_at(inputs.chunk))
         runner = V4ChunkRunner.for_run(
             inputs.group, inputs.run, inputs.store, inputs.meta, inputs.batch, inputs.chunk.requests
         )

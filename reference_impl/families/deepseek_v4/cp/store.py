@@ -29,7 +29,8 @@ fresh pages for the rest (the prefix's partial page and everything after). The r
   rows of the block before it as well, which the 8-token overlapping window of the next entry
   reads). Neither survives at rest past ``P`` (a request keeps the window tail and the state at its
   own end only), and neither can be rebuilt from the entries (the window's raw rows need each
-  layer's input at those tokens, which needs the windows before them, back to token 0). So a
+  layer's input at those tokens, which needs the layer below's window before them: every layer
+  over the last ``n_layers * (window - 1)`` tokens would run again). So a
   request whose prefix a later request hits keeps a checkpoint at ``P`` when its computation
   passes ``P`` (:func:`hit_points`, the plan's ``checkpoint_*`` rows: gathered like the state at a
   request's end), or, for ``P`` inside its own cached prefix, when that prefix is installed;
@@ -47,10 +48,13 @@ fresh pages for the rest (the prefix's partial page and everything after). The r
   where the first request left them (the same pages, so the same owner; the next request's ranks
   rebuild them through the materialization like any history); entries of the prefix's partial
   page move to the owners of the fresh page that holds them for the new request (one all-gather
-  per CSA layer at the hit, ``v4_hit``); HCA entries are replicated and are simply referenced;
-* **lifetime** -- a request's state goes when its pages come back into use: a request that takes a
-  fresh page drops every request held before that had a token on it (the page table frees a page
-  only when its last holder is freed, so that request was freed).
+  per CSA layer at the hit, ``v4_hit``); HCA entries are replicated and taken locally (a hit keeps copies,
+  never views, of what it takes: its source may be evicted right after);
+* **lifetime** -- a request's state goes with its pages: when the page table no longer lists it
+  (freed, or evicted by a pool budget: :mod:`~.eviction` says what goes together and why a request
+  whose source was evicted recomputes its whole prefix), or when one of its pages comes back into
+  use (the page table frees a page only when its last holder is freed). A hit whose source the same
+  batch evicts is served first, as the hit copies the partial page's entries and the checkpoint.
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ from reference_impl.cp.comm import CPGroup
 from reference_impl.cp.ownership import Ownership
 from reference_impl.families.deepseek_v4.cache_layout import index_entry_bytes, main_entry_bytes
 from reference_impl.families.deepseek_v4.config import V4ModelConfig
+from reference_impl.families.deepseek_v4.cp.eviction import PoolTimeline
 from reference_impl.families.deepseek_v4.model.cache import V4LayerCache
 from reference_impl.families.deepseek_v4.model.compressor import state_start
 
@@ -115,6 +120,8 @@ class V4Store:
     paths: set[str] = field(default_factory=set)
     # (run-global request, hit point) -> per layer: (window tail, compressor state) at that point
     checkpoints: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor] | None]] = field(default_factory=dict)
+    timeline: PoolTimeline | None = None  # the page table's hits and residents per batch (set at the first)
+    hits: frozenset[int] = frozenset()  # the batch's requests served from their source's state (:mod:`.eviction`)
     carry_at_hits: ClassVar[bool] = True  # off: a hit zeroes the carried pre-pool rows (tests show they matter)
 
     def __post_init__(self) -> None:
@@ -232,31 +239,49 @@ class V4Store:
             fresh = set((self.locs[req][shared:] // self.batch.page_size).tolist())
             for old in [r for r in self.locs if r not in new]:
                 if fresh.intersection((self.locs[old] // self.batch.page_size).tolist()):
-                    del self.locs[old]
-                    for states in self.layers:
-                        states.pop(old, None)
-                        for st in states.values():
-                            if st.source == old:  # its shared pages' entries are now counted with it
-                                st.source, st.referenced = None, 0
-                    for key in [key for key in self.checkpoints if key[0] == old]:
-                        del self.checkpoints[key]
+                    self.drop(old)
+
+    def keep_only(self, resident: frozenset[int]) -> None:
+        """Drop every held request the page table no longer lists (freed, or evicted by a pool budget),
+        whether or not its pages were handed out again (:mod:`~.eviction`)."""
+        for old in [r for r in self.locs if r not in resident]:
+            self.drop(old)
+
+    def drop(self, old: int) -> None:
+        """Let request ``old`` go with its pages: its entries, keys, window tail, compressor state and
+        every checkpoint it kept (a hit that took its shared pages keeps its own copy of their entries)."""
+        self.locs.pop(old, None)
+        for states in self.layers:
+            states.pop(old, None)
+            for st in states.values():
+                if st.source == old:  # its shared pages' entries are now counted with it
+                    st.source, st.referenced = None, 0
+        for key in [key for key in self.checkpoints if key[0] == old]:
+            del self.checkpoints[key]
 
     def install_hit(self, req: int, source: int, n_tokens: int, shared_tokens: int) -> None:
         """Serve request ``req``'s first ``n_tokens`` tokens from ``source``'s cache (the module docstring's
         rules): its complete entries, and the window tail and compressor state of the checkpoint at
         ``n_tokens``; ``shared_tokens``: the leading tokens in pages ``req`` took by reference."""
+        if any(source not in states for states in self.layers):
+            raise AssertionError(
+                f"request {req} hits request {source}, whose state this store dropped with its pages: the page "
+                "table and the store disagree on what is cached (a stale hit is never served)"
+            )
         checkpoint = self.checkpoints.get((source, n_tokens))
         if checkpoint is None or any(part is None for part in checkpoint):
             raise AssertionError(f"request {source} kept no checkpoint at {n_tokens} for request {req}")
         for layer in range(self.cfg.n_layers):
-            window, pool = checkpoint[layer]  # type: ignore[misc]
+            # Copies, never views: the source may be evicted right after (its memory handed out again), and
+            # nothing the hit keeps may read it then; a deployed pool copies the partial page's rows likewise.
+            window, pool = (part.clone() for part in checkpoint[layer])  # type: ignore[union-attr]
             m = self.cfg.ratio(layer)
             if not self.carry_at_hits:
                 pool = torch.zeros_like(pool)
             src = self.state(layer, source)
             n = n_tokens // m if m else 0
             if not self.owns(layer):
-                ids, main, index = torch.arange(n), src.main[:n], src.index[:n]
+                ids, main, index = torch.arange(n), src.main[:n].clone(), src.index[:n].clone()
                 referenced = shared_tokens // m if m else 0
             else:
                 ids, main, index = self._hit_entries(req, source, src, n, shared_tokens // 4)
@@ -453,7 +478,7 @@ def install_v4_prefixes(
     v4_model = cast(V4Model, model)  # the family's build_model made it
     requests = list(chunk.requests)
     store.begin_chunk(requests, list(store.batch.request_locs))
-    todo = [req for req in requests if run.requests[req].prefix > 0 and run.requests[req].shares is None]
+    todo = [req for req in requests if run.requests[req].prefix > 0 and req not in store.hits]  # misses too
     if not todo:
         return
     result = run_v4_oracle(
@@ -485,7 +510,7 @@ def install_hits(run: RunConfig, store: V4Store, chunk: Chunk, shared_tokens: di
     (:meth:`V4Store.install_hit`); every rank calls it alike (moving entries is a collective)."""
     for req in chunk.requests:
         source = run.requests[req].shares
-        if source is not None:
+        if source is not None and req in store.hits:  # the rest missed (an evicted source): recomputed
             store.install_hit(req, source, run.requests[req].prefix, shared_tokens.get(req, 0))
 
 
@@ -504,9 +529,10 @@ def install_synthetic_prefixes(run: RunConfig, store: V4Store, chunk: Chunk, see
     def randn(rows: int, width: int) -> torch.Tensor:
         return torch.randn(rows, width, generator=gen, device=device)
 
+    points = hit_points(run)
     for req in requests:
         n = run.requests[req].prefix
-        if n == 0:
+        if n == 0 or req in store.hits:
             continue
         for layer in range(cfg.n_layers):
             m = cfg.ratio(layer)
@@ -526,3 +552,7 @@ def install_synthetic_prefixes(run: RunConfig, store: V4Store, chunk: Chunk, see
                 main,
                 index,
             )
+            for q in sorted(q for q in points.get(req, ()) if q <= n):  # where a later request hits it
+                rows = q - state_start(q, m) if m else 0
+                tail = encode_main(randn(min(q, cfg.window_size - 1), cfg.head_dim), store.codec)
+                store._checkpoint(req, q)[layer] = (tail, randn(rows, pool_width(cfg, m)))
