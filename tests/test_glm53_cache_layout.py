@@ -97,3 +97,15 @@ def test_plain_rows_and_refusals() -> None:
         cl.LatentRows.for_run(512, "fp4", "ue8m0")
     with pytest.raises(ConfigError, match="width 64"):
         cl.LatentRows(128, fp8=True).encode(_rand(2, 64, seed=0))
+
+
+@pytest.mark.parametrize("scale_fmt", ["ue8m0", "fp32"])
+def test_rows_in_format_tell_the_scale_formats_apart(scale_fmt: str) -> None:
+    latent = _rand(40, 256, seed=5, scale=2.0)
+    latent[0] = 0.0  # floored tiles: each format's own floor scale
+    latent[1, :128] = 448.0 * 2.0**-3  # amax / 448 a power of two: this tile's bytes agree, the other's do not
+    other = "fp32" if scale_fmt == "ue8m0" else "ue8m0"
+    fmt = cl.LatentRows(256, fp8=True, scale_fmt=scale_fmt)
+    assert bool(fmt.in_format(fmt.encode(latent)).all())
+    assert not bool(fmt.in_format(cl.encode_fp8_rows(latent, other)).any())
+    assert bool(cl.LatentRows(256).in_format(latent).all())  # plain rows have no format to check

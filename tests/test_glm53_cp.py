@@ -1,7 +1,8 @@
 """GLM-5.3 through the CP engine against its oracle: levels 0 and 2, C = 2 and 3, unaligned requests
 (a cached prefix of 37 tokens, extends of 61 and 45) and chunks (17, 23: not multiples of the 16-token
-group, the blocks or the pages); the KDA state hand-off measured by its collective's tag; and the checks
-failing when the hand-off or the halo is skipped."""
+group, the blocks or the pages), FP8 and bf16 latent rows; the KDA state hand-off measured by its
+collective's tag; and the checks failing when the hand-off is skipped, a group key has the wrong owner or
+the rows are quantized in another scale format than the oracle's."""
 
 from __future__ import annotations
 
@@ -17,31 +18,35 @@ PRESET = "tiny-glm53"
 REQUESTS = (Request(37, 61), Request(0, 45))
 
 
-def _run(level: int, cp_size: int, chunk: int | None, requests: tuple[Request, ...] = REQUESTS) -> RunConfig:
+def _run(
+    level: int, cp_size: int, chunk: int | None, requests: tuple[Request, ...] = REQUESTS, kv_dtype: str = "bf16"
+) -> RunConfig:
     return RunConfig(
         preset=PRESET,
         cp_size=cp_size,
         phases=PhaseSet.level(level),
         page_size=4,
         chunk_size=chunk,
-        kv_dtype="bf16",
+        kv_dtype=kv_dtype,
         requests=requests,
         device="cpu",
     )
 
 
 @pytest.mark.parametrize(
-    ("level", "cp_size", "chunk"), [(0, 2, None), (0, 3, 17), (2, 2, 23), (2, 3, 23), (2, 3, None)]
+    ("level", "cp_size", "chunk", "kv_dtype"),
+    [(0, 2, None, "bf16"), (0, 3, 17, "fp8"), (2, 2, 23, "bf16"), (2, 3, 23, "fp8"), (2, 3, None, "fp8")],
 )
-def test_cp_matches_the_oracle(level: int, cp_size: int, chunk: int | None) -> None:
-    run = _run(level, cp_size, chunk)
+def test_cp_matches_the_oracle(level: int, cp_size: int, chunk: int | None, kv_dtype: str) -> None:
+    run = _run(level, cp_size, chunk, kv_dtype=kv_dtype)
     report = ri.run_prefill(run)
     assert report["matches_oracle"], report["problems"]
     cfg = run.model
     tokens = sum(r.total for r in run.requests)
     latent = [r["kv_bytes"] for r in report["per_rank"]]
     keys = [r["index_bytes"] for r in report["per_rank"]]
-    latent_all = tokens * cfg.count(glm53_config.DSA) * cfg.kv_lora_rank * 2
+    row_bytes = cfg.kv_lora_rank + cfg.kv_lora_rank // 128 * 4 if kv_dtype == "fp8" else cfg.kv_lora_rank * 2
+    latent_all = tokens * cfg.count(glm53_config.DSA) * row_bytes
     groups = sum(r.total // cfg.index_kpool for r in run.requests)
     keys_all = groups * (cfg.count(glm53_config.DSA) - 1) * cfg.index_head_dim * 4  # one layer shares its selection
     if level >= 2:  # every latent row and every group key on exactly one rank
@@ -97,10 +102,31 @@ def test_a_wrong_group_owner_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not report["matches_oracle"]
 
 
+def test_another_scale_format_than_the_oracles_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store quantizing with fp32 scales while the run (and the oracle) use ue8m0: the decoded rows
+    still agree within the FP8 bound, the scale-format check catches it."""
+    from reference_impl.families.glm53.cache_layout import encode_fp8_rows
+    from reference_impl.families.glm53.cp.store import Glm53Store
+
+    real = Glm53Store.write_latent
+
+    def fp32_scales(self: Glm53Store, layer: int, locs: torch.Tensor, rows: torch.Tensor) -> None:
+        real(self, layer, locs, rows if rows.dtype == torch.uint8 else encode_fp8_rows(rows, "fp32"))
+
+    monkeypatch.setattr(Glm53Store, "write_latent", fp32_scales)
+    _fork(monkeypatch)
+    report = ri.run_prefill(_run(2, 2, None, kv_dtype="fp8"))
+    assert not report["matches_oracle"] and any("ue8m0 form" in p for p in report["problems"])
+
+
+def test_fp8_rows_are_the_default() -> None:
+    run = RunConfig(preset=PRESET, device="cpu")
+    assert run.kv_dtype == "fp8" and run.model.mla_scale_fmt == "ue8m0"
+    assert RunConfig(preset=PRESET, mla_scale_fmt="fp32", device="cpu").model.mla_scale_fmt == "fp32"
+
+
 def test_refusals_name_the_knob() -> None:
     with pytest.raises(ri.ConfigError, match="split_mode=round-robin"):
         RunConfig(preset=PRESET, split_mode="round-robin", kv_dtype="bf16", device="cpu")
-    with pytest.raises(ri.ConfigError, match="kv_dtype=fp8"):
-        RunConfig(preset=PRESET, device="cpu")
     with pytest.raises(ri.ConfigError, match=r"phases \[3"):
         RunConfig(preset=PRESET, kv_dtype="bf16", phases=PhaseSet.level(3), device="cpu")

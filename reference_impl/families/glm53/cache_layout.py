@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from reference_impl.errors import ConfigError
-from reference_impl.fp8 import SCALE_FMTS
+from reference_impl.fp8 import FP8_MAX, SCALE_FMTS, block_scales
 from reference_impl.kvcache.layout import MLA_QUANT_BLOCK, SCALE_BYTES, dequantize_mla, pack_mla, unpack_mla_fp8
 
 FP8_TILE = MLA_QUANT_BLOCK  # latent values per float32 scale
@@ -77,6 +77,23 @@ def decode_fp8_rows(rows: torch.Tensor, kv_lora_rank: int) -> torch.Tensor:
     """``uint8 [N, fp8_row_bytes]`` -> ``float32 [N, kv_lora_rank]``: codes times their tile's scale."""
     check_fp8_width(kv_lora_rank)
     return dequantize_mla(rows, kv_lora_rank, 0, "fp8")
+
+
+def fp8_rows_in_format(rows: torch.Tensor, kv_lora_rank: int, scale_fmt: str) -> torch.Tensor:
+    """``bool [N]``: whether each FP8 row is in ``scale_fmt``'s form, read from its own bytes (no reference).
+
+    A tile above the amax floor maps its amax to the top code 448 with ``"fp32"`` scales and to a code in
+    ``[224, 448]`` with ``"ue8m0"`` (a power of two, rounded up, halves it at most); a tile at the floor has
+    the floor's scale. A row quantized with the other format, or by another rule, fails one of them.
+    """
+    codes, scales = fp8_row_parts(rows, kv_lora_rank)
+    top = codes.float().abs().unflatten(-1, (-1, FP8_TILE)).amax(-1)
+    floor = block_scales(torch.zeros(1, FP8_TILE), FP8_TILE, scale_fmt)[0, 0]
+    if scale_fmt == "ue8m0":
+        ok = (torch.frexp(scales)[0] == 0.5) & ((top >= FP8_MAX / 2) | (scales == floor))
+    else:
+        ok = (top == FP8_MAX) | (scales == floor)
+    return ok.all(dim=-1)
 
 
 @dataclass(frozen=True)
@@ -126,6 +143,12 @@ class LatentRows:
         if latent.shape[-1] != self.kv_lora_rank:
             raise ConfigError(f"latent rows of width {latent.shape[-1]}: expected {self.kv_lora_rank}")
         return encode_fp8_rows(latent, self.scale_fmt) if self.fp8 else latent.to(self.dtype)
+
+    def in_format(self, rows: torch.Tensor) -> torch.Tensor:
+        """``bool [N]``: FP8 rows in this scale format (:func:`fp8_rows_in_format`); plain rows always."""
+        if not self.fp8:
+            return torch.ones(len(rows), dtype=torch.bool, device=rows.device)
+        return fp8_rows_in_format(rows, self.kv_lora_rank, self.scale_fmt)
 
     def decode(self, rows: torch.Tensor) -> torch.Tensor:
         """Stored rows -> the latent values attention reads (float32 from FP8; plain rows as they are)."""

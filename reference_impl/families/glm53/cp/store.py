@@ -6,7 +6,8 @@ What each layer type keeps, and where:
   last ``conv - 1`` input rows. Replicated: every rank composes the same state maps in the same order
   (:mod:`.step`), so every rank ends a chunk with the same bytes; sharding it would save one state
   per request and layer and cost a broadcast per chunk. It is what a decode needs of the layer.
-* **indexed layers**: every token's latent row, in a pool indexed by its logical loc: on every rank
+* **indexed layers**: every token's latent row (the FP8 row of :mod:`..cache_layout`, 528 bytes on
+  GLM-5.3-Flash, or bf16), in a pool indexed by its logical loc: on every rank
   (levels 0-1) or only on the loc's owner (phase 2, :class:`~reference_impl.cp.ownership.Ownership`);
   every complete group's pooled index key, stored at the loc of the group's **last token**, so on that
   token's owner: a group straddling a rank's block, a chunk or a cached prefix is pooled once, by that
@@ -26,6 +27,7 @@ from reference_impl.config import RunConfig
 from reference_impl.cp.batch import BatchLocs
 from reference_impl.cp.comm import CPGroup
 from reference_impl.cp.ownership import Ownership
+from reference_impl.families.glm53.cache_layout import LatentRows
 from reference_impl.families.glm53.config import Glm53Config
 from reference_impl.families.glm53.model.oracle import KDACache
 
@@ -40,13 +42,12 @@ class Glm53Store:
         self.cfg, self.group, self.batch = cfg, group, batch
         self.sharded = run.phases.sharded_kv and group.size > 1
         self.ownership = Ownership(run.cp_size, run.interleave, run.page_size)
-        self.cache_dtype = torch.bfloat16  # kv_dtype "bf16" (check_run refuses the rest)
+        # The run's row format; the oracle encodes with the same (family.latent_rows), so rows compare byte for byte.
+        self.rows = LatentRows.for_run(cfg.kv_lora_rank, run.kv_dtype, cfg.mla_scale_fmt)
         self.compute_dtype = torch.float32 if group.device.type == "cpu" else torch.bfloat16
         slots, dev = batch.n_pages * batch.page_size, group.device
         self.dsa_layers = [i for i in range(cfg.n_layers) if not cfg.is_kda(i)]
-        self.latent = {
-            i: torch.zeros(slots, cfg.kv_lora_rank, dtype=self.cache_dtype, device=dev) for i in self.dsa_layers
-        }
+        self.latent = {i: self.rows.empty(slots, dev) for i in self.dsa_layers}  # stored rows (uint8 for FP8)
         self.latent_held = {i: torch.zeros(slots, dtype=torch.bool, device=dev) for i in self.dsa_layers}
         self.indexed = [i for i in self.dsa_layers if not cfg.shares_selection(i)]
         self.group_keys = {i: torch.zeros(slots, cfg.index_head_dim, device=dev) for i in self.indexed}
@@ -58,7 +59,7 @@ class Glm53Store:
     # ---- the protocol ---------------------------------------------------------------------------
     @property
     def kv_bytes(self) -> int:
-        return sum(int(h.sum()) for h in self.latent_held.values()) * self.cfg.kv_lora_rank * 2
+        return sum(int(h.sum()) for h in self.latent_held.values()) * self.rows.row_bytes
 
     @property
     def index_bytes(self) -> int:
@@ -85,7 +86,8 @@ class Glm53Store:
         }
 
     def stored_rows(self, layer: int, request_locs: list[torch.Tensor] | None = None) -> dict[int, tuple[Any, ...]]:
-        """KDA layers: ``(state, conv tail)``; indexed layers: ``(positions, latent rows, group ids, group keys)``."""
+        """KDA layers: ``(state, conv tail)``; indexed layers: ``(positions, latent rows as stored, group ids,
+        group keys)``."""
         out: dict[int, tuple[Any, ...]] = {}
         for i, locs in enumerate(request_locs if request_locs is not None else self.batch.request_locs):
             if self.cfg.is_kda(layer):
@@ -125,8 +127,10 @@ class Glm53Store:
         self.pending[(layer, int(locs[0]))] = (keys, gates)
 
     def write_latent(self, layer: int, locs: torch.Tensor, rows: torch.Tensor) -> None:
+        """Latent values ``[n, kv_lora_rank]`` (encoded here, only the rows this rank keeps) or rows already
+        stored in the run's format (a cached prefix's, from the oracle) at ``locs``."""
         keep = self.mine(locs)
-        self.latent[layer][locs[keep]] = rows[keep].to(self.cache_dtype)
+        self.latent[layer][locs[keep]] = self.rows.encode(rows[keep])
         self.latent_held[layer][locs[keep]] = True
 
     def write_group_keys(self, layer: int, end_locs: torch.Tensor, keys: torch.Tensor) -> None:
@@ -148,8 +152,9 @@ class Glm53Store:
         return out
 
     def latent_view(self, layer: int, locs: torch.Tensor) -> torch.Tensor:
-        """``[len(locs), kv_lora_rank]``: the request's latent rows (positions ``0 .. len(locs) - 1``)."""
-        return self._gather_owned(self.latent[layer], locs, "glm53_kv_view")
+        """``[len(locs), kv_lora_rank]``: the request's latent rows (positions ``0 .. len(locs) - 1``), gathered
+        as stored (528-byte FP8 rows travel as they are) and decoded."""
+        return self.rows.decode(self._gather_owned(self.latent[layer], locs, "glm53_kv_view"))
 
     def group_key_view(self, layer: int, locs: torch.Tensor) -> torch.Tensor:
         """``[len(locs) // kpool, Di]``: the request's complete groups' keys, from their owners."""
