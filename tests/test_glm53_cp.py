@@ -19,7 +19,12 @@ REQUESTS = (Request(37, 61), Request(0, 45))
 
 
 def _run(
-    level: int, cp_size: int, chunk: int | None, requests: tuple[Request, ...] = REQUESTS, kv_dtype: str = "bf16"
+    level: int,
+    cp_size: int,
+    chunk: int | None,
+    requests: tuple[Request, ...] = REQUESTS,
+    kv_dtype: str = "bf16",
+    split_mode: str = "in-seq",
 ) -> RunConfig:
     return RunConfig(
         preset=PRESET,
@@ -28,6 +33,7 @@ def _run(
         page_size=4,
         chunk_size=chunk,
         kv_dtype=kv_dtype,
+        split_mode=split_mode,
         requests=requests,
         device="cpu",
     )
@@ -125,8 +131,66 @@ def test_fp8_rows_are_the_default() -> None:
     assert RunConfig(preset=PRESET, mla_scale_fmt="fp32", device="cpu").model.mla_scale_fmt == "fp32"
 
 
+@pytest.mark.parametrize(
+    ("level", "cp_size", "chunk", "kv_dtype"), [(2, 2, 23, "fp8"), (0, 3, 17, "bf16"), (2, 4, None, "fp8")]
+)
+def test_round_robin_matches_the_oracle(level: int, cp_size: int, chunk: int | None, kv_dtype: str) -> None:
+    """Round-robin (token t on rank t % C, the KDA layers re-split into contiguous blocks and back) with a
+    cached prefix of 37 tokens and unaligned chunks; from phase 2 each latent row on exactly one rank."""
+    run = _run(level, cp_size, chunk, kv_dtype=kv_dtype, split_mode="round-robin")
+    assert run.interleave == 1  # round-robin's KV ownership: token by token
+    report = ri.run_prefill(run)
+    assert report["matches_oracle"], report["problems"]
+    cfg = run.model
+    latent = [r["kv_bytes"] for r in report["per_rank"]]
+    row_bytes = cfg.kv_lora_rank + cfg.kv_lora_rank // 128 * 4 if kv_dtype == "fp8" else cfg.kv_lora_rank * 2
+    latent_all = sum(r.total for r in run.requests) * cfg.count(glm53_config.DSA) * row_bytes
+    if level >= 2:
+        assert sum(latent) == latent_all and max(latent) < latent_all
+    else:
+        assert latent == [latent_all] * cp_size
+    for rank in report["per_rank"]:
+        assert rank["kda_resplit_bytes_received"] > 0 and rank["kda_return_bytes_received"] > 0
+
+
+def test_round_robin_resplit_bytes() -> None:
+    """One request of 50 tokens at C = 4: round-robin gives ranks 13, 13, 12, 12 tokens and the contiguous
+    re-split the same counts; per KDA layer a rank receives the other ranks' padded 13 rows of ``dim``
+    float32 values twice (in, out), one map and one halo from each other rank."""
+    run = _run(2, 4, None, (Request(0, 50),), kv_dtype="fp8", split_mode="round-robin")
+    assert glm53_step.kda_resplit_blocks(ri.build_split("round-robin", 4, [50])) == [
+        [(0, 0, 13, 0)],
+        [(0, 13, 13, 0)],
+        [(0, 26, 12, 0)],
+        [(0, 38, 12, 0)],
+    ]
+    report = ri.run_prefill(run)
+    assert report["matches_oracle"], report["problems"]
+    cfg = run.model
+    kda_layers = cfg.count(glm53_config.KDA)
+    rows = kda_layers * 3 * 13 * cfg.dim * 4
+    per_block = cfg.linear_num_heads * cfg.linear_head_dim * 2 * cfg.linear_head_dim * 4
+    halo = (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim * 4
+    for rank in report["per_rank"]:
+        assert rank["kda_resplit_bytes_received"] == rank["kda_return_bytes_received"] == rows
+        assert rank["kda_map_bytes_received"] == kda_layers * 3 * per_block
+        assert rank["kda_halo_bytes_received"] == kda_layers * 3 * halo
+
+
+def test_a_wrong_resplit_order_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank's re-split rows taken with its blocks in reverse order (request 1's block where request 0's is
+    expected, and back the same way): the KDA layers run tokens at the wrong positions and states."""
+    real = glm53_step.block_tokens
+
+    def reversed_blocks(meta: object, blocks: list) -> list[int]:
+        return [g for block in reversed(blocks) for g in real(meta, [block])]  # type: ignore[arg-type]
+
+    monkeypatch.setattr(glm53_step, "block_tokens", reversed_blocks)
+    _fork(monkeypatch)
+    report = ri.run_prefill(_run(2, 2, None, kv_dtype="fp8", split_mode="round-robin"))
+    assert not report["matches_oracle"] and any("hidden states" in p for p in report["problems"])
+
+
 def test_refusals_name_the_knob() -> None:
-    with pytest.raises(ri.ConfigError, match="split_mode=round-robin"):
-        RunConfig(preset=PRESET, split_mode="round-robin", kv_dtype="bf16", device="cpu")
     with pytest.raises(ri.ConfigError, match=r"phases \[3"):
         RunConfig(preset=PRESET, kv_dtype="bf16", phases=PhaseSet.level(3), device="cpu")

@@ -5,10 +5,11 @@ latent rows and pooled group keys sharded by owner with phase 2), the prefixes (
 prefix, each rank keeping its share), the layer step (:class:`~.cp.step.Glm53Step`: the KDA state
 hand-off and halo, the pooled indexer) and the comparison (:mod:`.check`).
 
-Built: levels 0-2 (replicated caches, narrow output, sharded at rest), the in-seq split, chunked
+Built: levels 0-2 (replicated caches, narrow output, sharded at rest), the in-seq split and the
+round-robin split (its KDA layers re-split into contiguous blocks and back: :mod:`.cp.step`), chunked
 prefill, cached prefixes, FP8 latent rows (``kv_dtype="fp8"``, the default: 512 e4m3 codes and four
 float32 tile scales, 528 bytes, :mod:`.cache_layout`; scales in ``mla_scale_fmt``) and bf16 rows
-(``kv_dtype="bf16"``). Refused by name: the round-robin split, phases 3-8, the competing KV designs,
+(``kv_dtype="bf16"``). Refused by name: phases 3-8, the competing KV designs,
 several batches, IndexShare patterns from the command line.
 """
 
@@ -65,11 +66,6 @@ class Glm53Family:
         return dataclasses.replace(cfg, mla_scale_fmt=run.mla_scale_fmt)
 
     def check_run(self, run: RunConfig) -> None:
-        if run.split_mode != "in-seq":
-            raise ConfigError(
-                f"split_mode={run.split_mode}: {run.preset}'s KDA state hand-off is built for the in-seq split "
-                "(round-robin's one-token blocks would ship a state map per token); use split_mode='in-seq'"
-            )
         extra = sorted(run.phases.enabled - BUILT_PHASES)
         if extra:
             raise ConfigError(f"phases {extra}: {run.preset} runs levels 0-2 only (phases 1 and 2); drop them")

@@ -16,9 +16,24 @@ token before them, which other ranks' blocks produce; the recurrence is affine i
    every rank keeps (the same bytes everywhere: the cache of the next chunk, and what a decode needs);
 4. each rank runs its blocks' recurrence from their entering states and finishes its outputs.
 
-The round-robin split is not built: its blocks are single tokens, whose maps (``Dk x (Dk + Dv)`` per
-head) outweigh the tokens; it would ship the tokens' ``k, v, g, beta`` instead and replay the
-recurrence on every rank.
+**KDA layers under the round-robin split: a re-split.** Round-robin gives a rank single tokens
+(token ``t`` on rank ``t % C``), and a map per token (``Dk x (Dk + Dv)`` floats per head) outweighs the
+token many times over. So each KDA layer re-splits its input into contiguous blocks and back:
+
+a. the chunk's normed layer input rows are all-gathered in sequence order (tag ``glm53_kda_resplit``:
+   ``dim`` values per token, the narrowest per-token tensor of the layer; the convolution inputs are
+   ``3 H Dk`` wide and the gates more again);
+b. rank ``r`` takes block ``r`` of ``C`` contiguous blocks of each request's extend
+   (:func:`kda_resplit_blocks`; the recurrence costs the same per token, so equal blocks balance it)
+   and runs steps 1-4 above on them: the halo, the maps (``C`` per request, not ``2C``), the compose;
+c. the blocks' outputs are all-gathered (tag ``glm53_kda_return``) and each rank keeps its round-robin
+   tokens' rows.
+
+The halo stays an exchange, though every rank holds the rows it is made of: the convolution tail every
+rank keeps must be the same bytes everywhere, and a rank projecting three rows alone may round them
+otherwise than the block's owner. The engine's group offers all-gathers only; an all-to-all would bring
+a rank just its block's rows (``1/C`` of each gather). Replaying the recurrence on every rank instead
+would gather the wider convolution inputs and gates and multiply the layer's work by ``C``.
 
 **Indexed layers.** The chunk's latent rows and raw indexer rows are all-gathered in sequence order
 (tag ``glm53_current``); each rank stores the latent rows it owns and pools the groups whose last
@@ -30,19 +45,55 @@ its own queries. A layer sharing its selection reuses the previous layer's rows.
 
 from __future__ import annotations
 
+import itertools
 from typing import cast
 
 import torch
 from torch import nn
 
 from reference_impl.cp.rerange import gather_current
+from reference_impl.cp.split import SplitMetadata
 from reference_impl.families.base import ChunkInputs
 from reference_impl.families.glm53.cp.store import Glm53Store
 from reference_impl.families.glm53.model.dsa import MLAttention, group_scores, select
 from reference_impl.families.glm53.model.kda import KDAttention, compose, kda_chunked, span_map
 from reference_impl.families.glm53.model.oracle import Glm53Block
 
-PER_LAYER_TAGS = ("glm53_current", "glm53_kv_view", "glm53_index_view", "glm53_kda_halo", "glm53_kda_state")
+PER_LAYER_TAGS = (
+    "glm53_current",
+    "glm53_kv_view",
+    "glm53_index_view",
+    "glm53_kda_halo",
+    "glm53_kda_state",
+    "glm53_kda_resplit",
+    "glm53_kda_return",
+)
+Block = tuple[int, int, int, int]  # request, its first absolute position, length, first row in the rank's rows
+
+
+def kda_resplit_blocks(meta: SplitMetadata) -> list[list[Block]]:
+    """Per rank, its KDA blocks under the round-robin split: block ``r`` of ``C`` contiguous blocks of each
+    request's extend (the remainder one token each to the first blocks), rows numbered in request order."""
+    out: list[list[Block]] = []
+    for rank in range(meta.cp_size):
+        blocks, row = [], 0
+        for req, (prefix, extend) in enumerate(zip(meta.prefix_lens, meta.extend_lens)):
+            base, remainder = divmod(extend, meta.cp_size)
+            start = rank * base + min(rank, remainder)
+            length = base + (rank < remainder)
+            if length:
+                blocks.append((req, prefix + start, length, row))
+                row += length
+        out.append(blocks)
+    return out
+
+
+def block_tokens(meta: SplitMetadata, blocks: list[Block]) -> list[int]:
+    """Global token indices (the chunk's extend tokens, request after request) of ``blocks``' rows, in order."""
+    offsets = list(itertools.accumulate(meta.extend_lens, initial=0))
+    return [
+        offsets[req] + pos - meta.prefix_lens[req] + j for req, pos, length, _ in blocks for j in range(length)
+    ]
 
 
 def entering_states(
@@ -64,11 +115,21 @@ class Glm53Step:
         self.store: Glm53Store = inputs.store
         meta, rank = inputs.meta, inputs.group.rank
         self.cfg = inputs.run.model
-        # Every rank's blocks (request, its first position, length, rank, first local row), in each rank's order.
-        self.blocks = [
-            [(s.request, s.q_abs_start, s.length, s.local_start) for s in meta.segments[r] if s.length]
-            for r in range(meta.cp_size)
-        ]
+        # Every rank's KDA blocks (request, its first position, length, first row), in each rank's order.
+        self.round_robin = meta.mode == "round-robin"
+        if self.round_robin:  # re-split into contiguous blocks (module docstring)
+            self.blocks = kda_resplit_blocks(meta)
+            rows = [block_tokens(meta, b) for b in self.blocks]
+            dev = inputs.group.device
+            self.resplit_counts = [len(r) for r in rows]
+            self.resplit_rows = torch.tensor(rows[rank], dtype=torch.long, device=dev)
+            self.returned_tokens = torch.tensor([g for r in rows for g in r], dtype=torch.long, device=dev)
+            self.local_tokens = torch.tensor(meta.local_tokens(rank), dtype=torch.long, device=dev)
+        else:
+            self.blocks = [
+                [(s.request, s.q_abs_start, s.length, s.local_start) for s in meta.segments[r] if s.length]
+                for r in range(meta.cp_size)
+            ]
         self.mine = self.blocks[rank]
         locals_ = meta.local_tokens(rank)
         self.local_request = torch.tensor([meta.token_request[g] for g in locals_], dtype=torch.long)
@@ -99,6 +160,20 @@ class Glm53Step:
         return self.inputs.batch.request_locs[req][: chunk.prefix_lens[req] + chunk.extend_lens[req]]
 
     def _kda(self, layer: int, attn: KDAttention, h: torch.Tensor) -> torch.Tensor:
+        if not self.round_robin:
+            return self._kda_blocks(layer, attn, h)
+        group = self.inputs.group
+        chunk_rows = gather_current(group, self.inputs.index, h, "glm53_kda_resplit")  # sequence order
+        out = self._kda_blocks(layer, attn, chunk_rows[self.resplit_rows])
+        moved = self.transient_bytes + chunk_rows.numel() * chunk_rows.element_size()
+        returned = group.all_gather_padded(out, self.resplit_counts, "glm53_kda_return")
+        in_order = torch.empty_like(returned)
+        in_order[self.returned_tokens] = returned
+        self.transient_bytes = moved + returned.numel() * returned.element_size()
+        return in_order[self.local_tokens]
+
+    def _kda_blocks(self, layer: int, attn: KDAttention, h: torch.Tensor) -> torch.Tensor:
+        """Steps 1-4 of the module docstring on ``self.blocks``; ``h``: this rank's blocks' rows."""
         group, store, H = self.inputs.group, self.store, self.cfg.linear_num_heads
         halo, C = attn.halo, self.cfg.conv_dim
         mixed = attn.mixed(h)
@@ -151,6 +226,8 @@ class Glm53Step:
             span = slice(start, start + length)
             core[span], _ = kda_chunked(q, k, v, g[span], beta[span], entering[first_mine + n])
         self.transient_bytes = all_maps.numel() * 4 + all_tails.numel() * all_tails.element_size()
+        if not len(h):  # a rank with no block of the round-robin re-split (requests shorter than C) joined the gathers
+            return h.new_zeros(0, self.cfg.dim)
         return attn.finish(h, core)
 
     # ---- indexed layers -------------------------------------------------------------------------

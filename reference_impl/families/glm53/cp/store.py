@@ -79,6 +79,9 @@ class Glm53Store:
         return {
             "kda_map_bytes_received": received("glm53_kda_state"),
             "kda_halo_bytes_received": received("glm53_kda_halo"),
+            # round-robin only: the KDA layers' input rows re-split into contiguous blocks, and their outputs back
+            "kda_resplit_bytes_received": received("glm53_kda_resplit"),
+            "kda_return_bytes_received": received("glm53_kda_return"),
             "kda_state_bytes": sum(
                 c.state.numel() * 4 + c.conv.numel() * c.conv.element_size() for c in self.kda.values()
             ),
