@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import reference_impl as ri
-from reference_impl.config import PhaseSet, Request, RunConfig
+from reference_impl.config import KVDtype, PhaseSet, Request, RunConfig, SplitMode
 from reference_impl.families.glm53 import config as glm53_config
 from reference_impl.families.glm53.cp import step as glm53_step
 
@@ -23,8 +23,8 @@ def _run(
     cp_size: int,
     chunk: int | None,
     requests: tuple[Request, ...] = REQUESTS,
-    kv_dtype: str = "bf16",
-    split_mode: str = "in-seq",
+    kv_dtype: KVDtype = "bf16",
+    split_mode: SplitMode = "in-seq",
 ) -> RunConfig:
     return RunConfig(
         preset=PRESET,
@@ -43,7 +43,7 @@ def _run(
     ("level", "cp_size", "chunk", "kv_dtype"),
     [(0, 2, None, "bf16"), (0, 3, 17, "fp8"), (2, 2, 23, "bf16"), (2, 3, 23, "fp8"), (2, 3, None, "fp8")],
 )
-def test_cp_matches_the_oracle(level: int, cp_size: int, chunk: int | None, kv_dtype: str) -> None:
+def test_cp_matches_the_oracle(level: int, cp_size: int, chunk: int | None, kv_dtype: KVDtype) -> None:
     run = _run(level, cp_size, chunk, kv_dtype=kv_dtype)
     report = ri.run_prefill(run)
     assert report["matches_oracle"], report["problems"]
@@ -134,7 +134,7 @@ def test_fp8_rows_are_the_default() -> None:
 @pytest.mark.parametrize(
     ("level", "cp_size", "chunk", "kv_dtype"), [(2, 2, 23, "fp8"), (0, 3, 17, "bf16"), (2, 4, None, "fp8")]
 )
-def test_round_robin_matches_the_oracle(level: int, cp_size: int, chunk: int | None, kv_dtype: str) -> None:
+def test_round_robin_matches_the_oracle(level: int, cp_size: int, chunk: int | None, kv_dtype: KVDtype) -> None:
     """Round-robin (token t on rank t % C, the KDA layers re-split into contiguous blocks and back) with a
     cached prefix of 37 tokens and unaligned chunks; from phase 2 each latent row on exactly one rank."""
     run = _run(level, cp_size, chunk, kv_dtype=kv_dtype, split_mode="round-robin")

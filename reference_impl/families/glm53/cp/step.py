@@ -91,9 +91,7 @@ def kda_resplit_blocks(meta: SplitMetadata) -> list[list[Block]]:
 def block_tokens(meta: SplitMetadata, blocks: list[Block]) -> list[int]:
     """Global token indices (the chunk's extend tokens, request after request) of ``blocks``' rows, in order."""
     offsets = list(itertools.accumulate(meta.extend_lens, initial=0))
-    return [
-        offsets[req] + pos - meta.prefix_lens[req] + j for req, pos, length, _ in blocks for j in range(length)
-    ]
+    return [offsets[req] + pos - meta.prefix_lens[req] + j for req, pos, length, _ in blocks for j in range(length)]
 
 
 def entering_states(
