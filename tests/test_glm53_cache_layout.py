@@ -109,3 +109,20 @@ def test_rows_in_format_tell_the_scale_formats_apart(scale_fmt: str) -> None:
     assert bool(fmt.in_format(fmt.encode(latent)).all())
     assert not bool(fmt.in_format(cl.encode_fp8_rows(latent, other)).any())
     assert bool(cl.LatentRows(256).in_format(latent).all())  # plain rows have no format to check
+
+
+def test_the_footprint_sizes_latent_rows_by_the_runs_kv_dtype() -> None:
+    """The memory model's caches: 528 bytes a latent row on GLM-5.3-Flash with FP8 rows, 1,024 with bf16;
+    on ``tiny-glm53`` (``kv_lora_rank`` 256) the two estimates differ by 512 - 264 bytes per token and
+    indexed layer."""
+    from reference_impl.config import Request, RunConfig
+    from reference_impl.families.glm53 import footprint
+    from reference_impl.families.glm53.config import GLM53_PRESETS
+
+    flash = GLM53_PRESETS["glm-5.3-flash"]
+    assert footprint.latent_row_bytes(flash, "fp8") == 528 and footprint.latent_row_bytes(flash, "bf16") == 1024
+    caches = {}
+    for kv_dtype in ("fp8", "bf16"):
+        run = RunConfig(preset="tiny-glm53", requests=(Request(37, 61),), kv_dtype=kv_dtype, device="cpu")
+        caches[kv_dtype] = footprint.estimate(run, "cpu", "fork", 0, 0, 4).terms["rank 0 caches"]
+    assert caches["bf16"] - caches["fp8"] == 98 * run.model.count("indexed_attention") * (512 - 264)
