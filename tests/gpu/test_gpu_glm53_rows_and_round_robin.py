@@ -2,8 +2,9 @@
 
 The row's encoder on the GPU writes the CPU's bytes (``block_scales`` divides by a tensor, IEEE on every
 device), in both scale formats. Then ``tiny-glm53`` with two ranks sharing the GPU, FP8 rows, a cached
-prefix and unaligned chunks, in-seq and round-robin, against the oracle in bf16 (the rounding-tolerant
-rule): the round-robin run receives its re-split rows and outputs back.
+prefix and unaligned chunks, in-seq and round-robin at levels 2 and 8, against the oracle in bf16 (the
+rounding-tolerant rule): the KDA layers run the Triton kernels, the round-robin runs receive their re-split
+rows and outputs back, and level 8 prefetches the history.
 """
 
 from __future__ import annotations
@@ -39,7 +40,14 @@ RUN = RunConfig(
     requests=(Request(300, 1500), Request(0, 900)),
     device="cuda",
 )
-RUNS = {"in-seq": RUN, "round-robin": RUN.replace(split_mode="round-robin")}
+RUNS = {
+    "in-seq": RUN,
+    "round-robin": RUN.replace(split_mode="round-robin"),
+    # Level 8 (round-robin without phases 4 and 5, the in-seq split's own): the history prefetched on a side
+    # stream as stored FP8 rows, phase 3's current rows encoded the same way.
+    "in-seq level 8": RUN.replace(phases=PhaseSet.level(8)),
+    "round-robin level 8": RUN.replace(split_mode="round-robin", phases=PhaseSet.level(8).for_split("round-robin")),
+}
 
 
 @pytest.fixture(scope="module")
@@ -54,5 +62,8 @@ def test_glm53_matches_the_oracle_on_the_gpu(reports: dict[str, dict], name: str
     rep = reports[name]
     assert rep["matches_oracle"] is True, rep["problems"]
     assert rep["config"]["kv_dtype"] == "fp8"
+    assert rep["attention_kernel"] == "glm53-kda-triton" and not rep["kernel_fallbacks"], rep["kernel_fallbacks"]
     moved = [r["kda_resplit_bytes_received"] for r in rep["per_rank"]]
-    assert all(m > 0 for m in moved) if name == "round-robin" else moved == [0, 0]
+    assert all(m > 0 for m in moved) if name.startswith("round-robin") else moved == [0, 0]
+    if name.endswith("level 8"):  # the cached prefix and earlier chunks' rows: prefetched, not read in the layer
+        assert all(r["prefetch_bytes_received"] > 0 == r["view_bytes_received"] for r in rep["per_rank"])
