@@ -2,7 +2,9 @@
 
 Two ranks share the GPU over gloo; requests and chunks are not multiples of the 16-token group, the
 blocks or the pages, and one request has a cached prefix, so level 8 materializes history and
-prefetches it on a CUDA side stream over the KDA layer before each indexed layer. The runs compute in
+prefetches it on a CUDA side stream over the KDA layer before each indexed layer; the KDA layers run the
+Triton kernels (the model's kernel table). The runs keep bf16 latent rows (FP8 rows:
+``test_gpu_glm53_rows_and_round_robin.py``) and compute in
 float32: the GLM-5.3 check compares every indexed layer's selections as exact sets (no tie rule), and
 in float32 the CP run's and the oracle's different GEMM batching cannot move a group across the
 selection boundary the way bf16 rounding can. Outputs follow the rounding-tolerant rule of
@@ -42,6 +44,8 @@ def test_tiny_glm53_ranks_match_the_oracle(glm53_reports: dict[str, dict], name:
     rep = glm53_reports[name]
     assert rep["matches_oracle"] is True, rep["problems"]
     assert rep["collectives_identical"]
+    # The KDA layers ran the Triton kernels (the model's kernel table), none of them falling back to torch.
+    assert rep["attention_kernel"] == "glm53-kda-triton" and not rep["kernel_fallbacks"], rep["kernel_fallbacks"]
 
 
 def test_tiny_glm53_level8_shards_materializes_history_and_never_syncs(glm53_reports: dict[str, dict]) -> None:

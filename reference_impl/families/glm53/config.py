@@ -67,6 +67,7 @@ class Glm53Config:
     linear_lower_bound: float | None = -5.0
     rms_norm_eps: float = 1e-5
     max_position_embeddings: int = 1 << 20
+    mla_scale_fmt: str = "ue8m0"  # the FP8 latent row's tile scales (a run's --mla-scale-fmt; cache_layout.py)
 
     def __post_init__(self) -> None:
         if len(self.layer_types) < self.n_layers or len(self.indexer_types) < self.n_layers:
@@ -178,7 +179,7 @@ GLM53_PRESETS: dict[str, Glm53Config] = {
         vocab_size=128,
         n_heads=2,
         q_lora_rank=32,
-        kv_lora_rank=32,
+        kv_lora_rank=256,  # two 128-value tiles of the FP8 latent row
         qk_nope_head_dim=16,
         v_head_dim=16,
         index_topk=32,

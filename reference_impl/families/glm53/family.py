@@ -5,13 +5,17 @@ latent rows and pooled group keys sharded by owner with phase 2), the prefixes (
 prefix, each rank keeping its share), the layer step (:class:`~.cp.step.Glm53Step`: the KDA state
 hand-off and halo, the pooled indexer) and the comparison (:mod:`.check`).
 
-Built: levels 0-8 (what each phase does here: :mod:`.cp.step`), the in-seq split, chunked prefill,
-cached prefixes, bf16 latent rows. Refused by name: the round-robin split, FP8 latent rows, the competing
-KV designs, several batches, IndexShare patterns from the command line.
+Built: levels 0-8 (what each phase does here: :mod:`.cp.step`), the in-seq split and the round-robin
+split (its KDA layers re-split into contiguous blocks and back: :mod:`.cp.step`; phases 4 and 5 are in-seq
+only), chunked prefill, cached prefixes, FP8 latent rows (``kv_dtype="fp8"``, the default: 512 e4m3 codes
+and four float32 tile scales, 528 bytes, :mod:`.cache_layout`; scales in ``mla_scale_fmt``) and bf16 rows
+(``kv_dtype="bf16"``). Refused by name: the competing KV designs, several batches, IndexShare patterns
+from the command line.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +27,7 @@ from reference_impl.cp.comm import CPGroup
 from reference_impl.cp.split import SplitMetadata
 from reference_impl.families.base import ChunkInputs
 from reference_impl.families.glm53 import footprint
+from reference_impl.families.glm53.cache_layout import LatentRows, check_fp8_width
 from reference_impl.families.glm53.config import GLM53_PRESETS, Glm53Config
 from reference_impl.families.glm53.cp.step import PER_LAYER_TAGS, Glm53Step
 from reference_impl.families.glm53.cp.store import Glm53Store
@@ -38,7 +43,11 @@ from reference_impl.footprint import PROCESS_BASE, SAFETY
 from reference_impl.schedule import Chunk
 
 BUILT_PHASES = frozenset(range(1, 9))  # every phase; what each does here: the step module's docstring
-CACHE_DTYPE = torch.bfloat16  # kv_dtype "bf16": the latent rows
+
+
+def latent_rows(cfg: Glm53Config, kv_dtype: str) -> LatentRows:
+    """How a run stores its latent rows: the store and the oracle encode with the same one."""
+    return LatentRows.for_run(cfg.kv_lora_rank, kv_dtype, cfg.mla_scale_fmt)
 
 
 class Glm53Family:
@@ -53,21 +62,15 @@ class Glm53Family:
 
     # ---- configuration -------------------------------------------------------------------------
     def model_for_run(self, cfg: Glm53Config, run: RunConfig) -> Glm53Config:
-        return cfg
+        """The FP8 row's scale format travels with the model (the oracle's cache key and its rows)."""
+        return dataclasses.replace(cfg, mla_scale_fmt=run.mla_scale_fmt)
 
     def check_run(self, run: RunConfig) -> None:
-        if run.split_mode != "in-seq":
-            raise ConfigError(
-                f"split_mode={run.split_mode}: {run.preset}'s KDA state hand-off is built for the in-seq split "
-                "(round-robin's one-token blocks would ship a state map per token); use split_mode='in-seq'"
-            )
         extra = sorted(run.phases.enabled - BUILT_PHASES)
         if extra:
-            raise ConfigError(f"phases {extra}: {run.preset} runs levels 0-2 only (phases 1 and 2); drop them")
-        if run.kv_dtype != "bf16":
-            raise ConfigError(
-                f"kv_dtype={run.kv_dtype}: {run.preset}'s FP8 latent row is not defined here; pass kv_dtype='bf16'"
-            )
+            raise ConfigError(f"phases {extra}: {run.preset} builds phases 1-8 only; drop them")
+        if run.kv_dtype == "fp8":
+            check_fp8_width(run.model.kv_lora_rank, f"kv_dtype=fp8: {run.preset}'s kv_lora_rank")
         if run.kv_design != "phases":
             raise ConfigError(f"kv_design={run.kv_design}: {run.preset} runs under the phases only")
         if run.batch_sizes is not None or any(r.shares is not None for r in run.requests):
@@ -78,8 +81,6 @@ class Glm53Family:
             raise ConfigError(f"index_topk_pattern: {run.preset}'s IndexShare is set by its indexer_types; drop it")
         if run.cpu_widths:
             raise ConfigError(f"cpu_widths: {run.preset} has no CPU-width variant; use tiny-glm53")
-        if run.mla_scale_fmt != "ue8m0":
-            raise ConfigError(f"mla_scale_fmt={run.mla_scale_fmt}: {run.preset} keeps bf16 latent rows; drop it")
         if env_flag("fp8_projections"):
             raise ConfigError(f"DSACP_FP8_PROJECTIONS=1: {run.preset}'s projections are not quantized; unset it")
 
@@ -143,7 +144,7 @@ class Glm53Family:
             prefix = run.requests[req].prefix
             if not prefix:
                 continue
-            oracle = run_glm53_oracle(model, [0], [inputs[req][:prefix]], CACHE_DTYPE)
+            oracle = run_glm53_oracle(model, [0], [inputs[req][:prefix]], store.rows)
             locs = store.batch.request_locs[i][:prefix]
             for layer, caches in enumerate(oracle.caches):
                 cache = caches[0]
@@ -174,7 +175,7 @@ class Glm53Family:
         view_dtype: torch.dtype,
     ) -> Glm53OracleResult:
         assert isinstance(model, Glm53Model)
-        return run_glm53_oracle(model, list(prefixes), inputs, CACHE_DTYPE, chunk_size)
+        return run_glm53_oracle(model, list(prefixes), inputs, latent_rows(model.cfg, kv_dtype), chunk_size)
 
     def compare(
         self,
@@ -191,8 +192,13 @@ class Glm53Family:
 
     # ---- the rest of the run -------------------------------------------------------------------
     def report_fields(self, run: RunConfig, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+        """``attention_kernel``: the path the KDA recurrence takes (a run builds its model with the kernel
+        table, :data:`~.kernels.dispatch.KDA_KERNEL_OPS`): ``glm53-kda-triton`` on CUDA, ``glm53-kda-torch``
+        off it or under ``DSACP_FORCE_TORCH=1``. The indexed layers' attention is the torch reference."""
+        from reference_impl.families.glm53.kernels.dispatch import kda_kernel_name
+
         return {
-            "attention_kernel": "glm53-torch",
+            "attention_kernel": "glm53-kda-" + kda_kernel_name(device),
             "index_topk_pattern": None,
             "selects": run.model.count("indexed_attention") > 0,
         }

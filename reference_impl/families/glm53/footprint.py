@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from reference_impl.config import RunConfig
+from reference_impl.families.glm53.cache_layout import fp8_row_bytes
 from reference_impl.families.glm53.config import Glm53Config
 from reference_impl.footprint import CUDA_CONTEXT, PROCESS_BASE, SAFETY, Footprint
 
@@ -26,6 +27,12 @@ def weight_bytes(cfg: Glm53Config, dtype_bytes: int) -> tuple[int, int]:
     return count * dtype_bytes, biggest * (4 + (dtype_bytes if dtype_bytes != 4 else 0))
 
 
+def latent_row_bytes(cfg: Glm53Config, kv_dtype: str) -> int:
+    """One stored latent row per token and indexed layer: the FP8 row (528 bytes at ``kv_lora_rank`` 512)
+    with ``kv_dtype="fp8"``, else bf16 values (1,024 bytes)."""
+    return fp8_row_bytes(cfg.kv_lora_rank) if kv_dtype == "fp8" else cfg.kv_lora_rank * 2
+
+
 def estimate(
     run: RunConfig, device_type: str, start_method: str, cuda_devices: int, extra_process: int, b: int
 ) -> Footprint:
@@ -33,7 +40,8 @@ def estimate(
     weights, draw = weight_bytes(cfg, b)
     tokens = sum(r.total for r in run.requests)
     inputs = tokens * cfg.dim * b
-    caches = tokens * cfg.count("indexed_attention") * (cfg.kv_lora_rank * 2 + cfg.index_head_dim * 4)
+    row = latent_row_bytes(cfg, run.kv_dtype) + cfg.index_head_dim * 4  # a latent row and a float32 index key
+    caches = tokens * cfg.count("indexed_attention") * row
     caches += len(run.requests) * cfg.count("linear_attention") * cfg.kda_state_bytes
     base = CUDA_CONTEXT if device_type == "cuda" else PROCESS_BASE[start_method if c > 1 else "inline"]
     rank = int(SAFETY * (base + weights + caches + max(draw, 4 * inputs)))

@@ -15,8 +15,8 @@ the pages it owns, page ``p`` on rank ``p mod C``):
 * KDA layer: per request, the float32 state ``H x Dk x Dv x 4`` B and the convolution tail
   ``(conv - 1) x 3 H Dk x 2`` B (bf16): constant in the length, replicated at every level;
 * indexed layer: per token its latent row, ``kv_lora_rank x 2`` B in bf16 (1,024 B on Flash) or, for
-  ``--kv-dtype fp8``, ``kv_lora_rank`` FP8 bytes plus a float32 scale per 128 channels (528 B: an
-  assumed layout, DeepSeek-V3.2's FP8 row without its RoPE part; the reference stores bf16 only); per
+  ``--kv-dtype fp8``, ``kv_lora_rank`` FP8 bytes plus a float32 scale per 128 channels (528 B:
+  DeepSeek-V3.2's FP8 row without its RoPE part, :mod:`~reference_impl.families.glm53.cache_layout`); per
   complete group of ``index_kpool`` tokens (16) its pooled key, ``index_head_dim x 4`` B (float32,
   as the store keeps it), on the owner of the group's last token; on a layer sharing its selection
   (IndexShare) no key; per request the pending raw indexer rows of its incomplete group, at most
@@ -50,6 +50,7 @@ from reference_impl.config import MAX_HBM_GIB, MAX_PLAN_CP, KVDtype
 from reference_impl.cp.capacity import kv_bytes_per_rank, max_context_per_rank
 from reference_impl.errors import ConfigError
 from reference_impl.families.deepseek_v4.planner import kv_at_rest as v4_kv_at_rest
+from reference_impl.families.glm53.cache_layout import fp8_row_bytes
 from reference_impl.families.glm53.config import DSA, GLM53_PRESETS, KDA, Glm53Config
 from reference_impl.planner.plan import MAX_CONTEXT
 from reference_impl.presets import get_preset
@@ -72,10 +73,10 @@ ELSEWHERE = (
 
 
 def latent_row_bytes(cfg: Glm53Config, kv_dtype: str) -> int:
-    """One token's latent row: ``R x 2`` (bf16), or ``R + R / 128 x 4`` (FP8, an assumed layout)."""
+    """One token's latent row: ``R x 2`` (bf16), or ``R + R / 128 x 4`` (the FP8 row the store keeps)."""
     if kv_dtype == "bf16":
         return cfg.kv_lora_rank * 2
-    return cfg.kv_lora_rank + -(-cfg.kv_lora_rank // 128) * 4
+    return fp8_row_bytes(cfg.kv_lora_rank)
 
 
 def group_key_bytes(cfg: Glm53Config) -> int:
@@ -232,7 +233,7 @@ def glm53_row(cfg: Glm53Config, cp_size: int, budget: int, kv_dtype: str) -> dic
     row: dict[str, Any] = {
         "model": cfg.name,
         "kv_dtype": kv_dtype,
-        "layout": "built (bf16 latent rows)" if kv_dtype == "bf16" else "assumed FP8 latent row, not built",
+        "layout": "built (bf16 latent rows)" if kv_dtype == "bf16" else "built (FP8 latent rows, 528 B on Flash)",
         "bytes_per_token": n["indexed"] * per_token["indexed_shared"]
         + n["indexers"] * group_key_bytes(cfg) / cfg.index_kpool,
         "bytes_per_request": at_rest(cfg, 0, cp_size, False, kv_dtype)["total"],

@@ -9,16 +9,33 @@ token before them, which other ranks' blocks produce; the recurrence is affine i
    (its prefix, or the previous chunk), the earlier blocks' tails] (a block shorter than the halo
    passes its rows through);
 2. *maps*: each rank computes its blocks' state maps ``S -> A S + B`` (float32 ``[H, Dk, Dk + Dv]``
-   each, :func:`~reference_impl.families.glm53.model.kda.span_map`) and all-gathers them (tag
+   each, ``attn.ops.span_map``: the model's KDA kernel table, Triton on CUDA, else the torch
+   :func:`~reference_impl.families.glm53.model.kda.span_map`) and all-gathers them (tag
    ``glm53_kda_state``: ``C x blocks x H x Dk x (Dk + Dv) x 4`` bytes per layer and chunk);
 3. *compose*: every rank composes the maps in sequence order from the request's cached state
    (:func:`entering_states`): the state entering each block, and the state after the chunk, which
    every rank keeps (the same bytes everywhere: the cache of the next chunk, and what a decode needs);
-4. each rank runs its blocks' recurrence from their entering states and finishes its outputs.
+4. each rank runs its blocks' recurrence from their entering states (``attn.ops.chunked``) and
+   finishes its outputs.
 
-The round-robin split is not built: its blocks are single tokens, whose maps (``Dk x (Dk + Dv)`` per
-head) outweigh the tokens; it would ship the tokens' ``k, v, g, beta`` instead and replay the
-recurrence on every rank.
+**KDA layers under the round-robin split: a re-split.** Round-robin gives a rank single tokens
+(token ``t`` on rank ``t % C``), and a map per token (``Dk x (Dk + Dv)`` floats per head) outweighs the
+token many times over. So each KDA layer re-splits its input into contiguous blocks and back:
+
+a. the chunk's normed layer input rows are all-gathered in sequence order (tag ``glm53_kda_resplit``:
+   ``dim`` values per token, the narrowest per-token tensor of the layer; the convolution inputs are
+   ``3 H Dk`` wide and the gates more again);
+b. rank ``r`` takes block ``r`` of ``C`` contiguous blocks of each request's extend
+   (:func:`kda_resplit_blocks`; the recurrence costs the same per token, so equal blocks balance it)
+   and runs steps 1-4 above on them: the halo, the maps (``C`` per request, not ``2C``), the compose;
+c. the blocks' outputs are all-gathered (tag ``glm53_kda_return``) and each rank keeps its round-robin
+   tokens' rows.
+
+The halo stays an exchange, though every rank holds the rows it is made of: the convolution tail every
+rank keeps must be the same bytes everywhere, and a rank projecting three rows alone may round them
+otherwise than the block's owner. The engine's group offers all-gathers only; an all-to-all would bring
+a rank just its block's rows (``1/C`` of each gather). Replaying the recurrence on every rank instead
+would gather the wider convolution inputs and gates and multiply the layer's work by ``C``.
 
 **Indexed layers.** The chunk's latent rows and raw indexer rows are all-gathered in sequence order
 (tag ``glm53_current``); each rank stores the latent rows it owns and the keys of the groups whose last
@@ -34,8 +51,9 @@ previous layer's rows.
 * 2 (sharded at rest): latent rows and group keys on the owner of their loc (:mod:`.store`); each layer
   materializes the request's rows from position 0, after storing the chunk's.
 * 3 (current-chunk reuse): the view is the materialized **history** (the rows stored before this chunk)
-  followed by the chunk's rows straight from ``glm53_current`` (rounded to bf16 as the table stores
-  them); every rank pools every group the chunk completes from the gathered raw indexer rows (it needs
+  followed by the chunk's rows straight from ``glm53_current``, encoded as the table stores them (the
+  528-byte FP8 row, or bf16), so the view holds the bytes a materialization would bring and attention
+  decodes both alike; every rank pools every group the chunk completes from the gathered raw indexer rows (it needs
   them all to score) and stores the ones it owns. Buys: the materialization drops the chunk's rows and
   keys (``materialized_bytes``); a chunk without history issues no materialization at all. Costs: each
   rank pools ``C`` times the groups it owns (a softmax over 16 rows per group: small).
@@ -51,12 +69,16 @@ previous layer's rows.
   on its projection alone (issued before the all-gather), not on picking rows out of the gathered chunk.
   Group keys still pool from the gathered raw rows: a group's tokens may span several ranks' blocks.
 * 6 (sync-free layer loop): the chunk's metadata (request keys, the rows each rank stores, the
-  materializations' send and receive rows, each request's query rows) is built from the host locs
-  once, before the loop; the loop reads nothing from the device (the API audit counts zero host
-  syncs on a CPU). There is no paged physical layout here, so no page remap to make sort-free.
-* 7 (fused kernels): the ``glm53_current`` rerange runs from the padded buffer in one pass (the shared
-  Triton rerange, dtype-agnostic). No fused store or materialization: a latent row is a plain bf16 row
-  (no FP8 packing to fuse with the scatter), and the materialization is one gather and one reorder.
+  materializations' send and receive rows, each request's query rows; under round-robin, the KDA
+  re-split's rows, in ``__init__``) is built from the host locs once, before the loop; the loop reads
+  nothing from the device (the API audit counts zero host syncs on a CPU). There is no paged physical
+  layout here, so no page remap to make sort-free.
+* 7 (fused kernels): the ``glm53_current`` rerange (and round-robin's ``glm53_kda_resplit``) runs from
+  the padded buffer in one pass (the shared Triton rerange, dtype-agnostic). No fused store or
+  materialization here: the FP8 row is packed by
+  :func:`~reference_impl.kvcache.layout.pack_mla` and then copied into the table (DSA's fused store,
+  :func:`~reference_impl.cp.fused_ops.fused_store_mla`, packs its own row in the scatter; it is not wired
+  to this one), and the materialization is one gather and one reorder.
 * 8 (prefix prefetch): an indexed layer's history (latent rows and group keys, tag ``glm53_prefetch``)
   is materialized ahead of it while the KDA layers in between run (:class:`_HistoryPrefetcher`: a
   CUDA side stream, or at once on a CPU), the layer waiting only when it reads it. Buys: the
@@ -66,6 +88,7 @@ previous layer's rows.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -75,10 +98,11 @@ from torch import nn
 from reference_impl.cp.compute_owner import direct_write_ok
 from reference_impl.cp.prefetch import CudaSideStream, InlineStream, Stream
 from reference_impl.cp.rerange import gather_current
+from reference_impl.cp.split import SplitMetadata
 from reference_impl.families.base import ChunkInputs
 from reference_impl.families.glm53.cp.store import Glm53Store
 from reference_impl.families.glm53.model.dsa import MLAttention, group_scores, select
-from reference_impl.families.glm53.model.kda import KDAttention, compose, kda_chunked, span_map
+from reference_impl.families.glm53.model.kda import KDAttention, compose
 from reference_impl.families.glm53.model.oracle import Glm53Block
 
 PREFETCH_TAG = "glm53_prefetch"  # phase 8's materializations (latent rows and group keys, one layer ahead)
@@ -89,7 +113,33 @@ PER_LAYER_TAGS = (
     "glm53_kda_halo",
     "glm53_kda_state",
     PREFETCH_TAG,
+    "glm53_kda_resplit",
+    "glm53_kda_return",
 )
+Block = tuple[int, int, int, int]  # request, its first absolute position, length, first row in the rank's rows
+
+
+def kda_resplit_blocks(meta: SplitMetadata) -> list[list[Block]]:
+    """Per rank, its KDA blocks under the round-robin split: block ``r`` of ``C`` contiguous blocks of each
+    request's extend (the remainder one token each to the first blocks), rows numbered in request order."""
+    out: list[list[Block]] = []
+    for rank in range(meta.cp_size):
+        blocks, row = [], 0
+        for req, (prefix, extend) in enumerate(zip(meta.prefix_lens, meta.extend_lens)):
+            base, remainder = divmod(extend, meta.cp_size)
+            start = rank * base + min(rank, remainder)
+            length = base + (rank < remainder)
+            if length:
+                blocks.append((req, prefix + start, length, row))
+                row += length
+        out.append(blocks)
+    return out
+
+
+def block_tokens(meta: SplitMetadata, blocks: list[Block]) -> list[int]:
+    """Global token indices (the chunk's extend tokens, request after request) of ``blocks``' rows, in order."""
+    offsets = list(itertools.accumulate(meta.extend_lens, initial=0))
+    return [offsets[req] + pos - meta.prefix_lens[req] + j for req, pos, length, _ in blocks for j in range(length)]
 
 
 def entering_states(
@@ -126,11 +176,21 @@ class Glm53Step:
         self.store: Glm53Store = inputs.store
         meta, rank = inputs.meta, inputs.group.rank
         self.cfg = inputs.run.model
-        # Every rank's blocks (request, its first position, length, rank, first local row), in each rank's order.
-        self.blocks = [
-            [(s.request, s.q_abs_start, s.length, s.local_start) for s in meta.segments[r] if s.length]
-            for r in range(meta.cp_size)
-        ]
+        # Every rank's KDA blocks (request, its first position, length, first row), in each rank's order.
+        self.round_robin = meta.mode == "round-robin"
+        if self.round_robin:  # re-split into contiguous blocks (module docstring)
+            self.blocks = kda_resplit_blocks(meta)
+            rows = [block_tokens(meta, b) for b in self.blocks]
+            dev = inputs.group.device
+            self.resplit_counts = [len(r) for r in rows]
+            self.resplit_rows = torch.tensor(rows[rank], dtype=torch.long, device=dev)
+            self.returned_tokens = torch.tensor([g for r in rows for g in r], dtype=torch.long, device=dev)
+            self.local_tokens = torch.tensor(meta.local_tokens(rank), dtype=torch.long, device=dev)
+        else:
+            self.blocks = [
+                [(s.request, s.q_abs_start, s.length, s.local_start) for s in meta.segments[r] if s.length]
+                for r in range(meta.cp_size)
+            ]
         self.mine = self.blocks[rank]
         locals_ = meta.local_tokens(rank)
         self.local_request = torch.tensor([meta.token_request[g] for g in locals_], dtype=torch.long)
@@ -226,6 +286,21 @@ class Glm53Step:
         return self.inputs.batch.request_locs[req][: chunk.prefix_lens[req] + chunk.extend_lens[req]]
 
     def _kda(self, layer: int, attn: KDAttention, h: torch.Tensor) -> torch.Tensor:
+        if not self.round_robin:
+            return self._kda_blocks(layer, attn, h)
+        group = self.inputs.group
+        # sequence order; phase 7 reranges it from the padded buffer in one pass, as the indexed layers' rows
+        chunk_rows = gather_current(group, self.inputs.index, h, "glm53_kda_resplit", self.fused, group.debug)
+        out = self._kda_blocks(layer, attn, chunk_rows[self.resplit_rows])
+        moved = self.transient_bytes + chunk_rows.numel() * chunk_rows.element_size()
+        returned = group.all_gather_padded(out, self.resplit_counts, "glm53_kda_return")
+        in_order = torch.empty_like(returned)
+        in_order[self.returned_tokens] = returned
+        self.transient_bytes = moved + returned.numel() * returned.element_size()
+        return in_order[self.local_tokens]
+
+    def _kda_blocks(self, layer: int, attn: KDAttention, h: torch.Tensor) -> torch.Tensor:
+        """Steps 1-4 of the module docstring on ``self.blocks``; ``h``: this rank's blocks' rows."""
         group, store, H = self.inputs.group, self.store, self.cfg.linear_num_heads
         halo, C = attn.halo, self.cfg.conv_dim
         mixed = attn.mixed(h)
@@ -259,7 +334,7 @@ class Glm53Step:
             span = slice(start, start + length)
             q, k, v = attn.qkv(attn.conv(mixed[span], halos[first_mine + n]))
             qkv.append((q, k, v))
-            A, B = span_map(k, v, g[span], beta[span])
+            A, B = attn.ops.span_map(k, v, g[span], beta[span])  # the model's kernel table (Triton on CUDA)
             maps[n] = torch.cat([A, B], dim=-1)
         all_maps = group.all_gather_padded(maps, counts, "glm53_kda_state")
         # 3. compose in sequence order: the state entering every block, and after the chunk
@@ -276,8 +351,10 @@ class Glm53Step:
         for n, (_, _, length, start) in enumerate(self.mine):
             q, k, v = qkv[n]
             span = slice(start, start + length)
-            core[span], _ = kda_chunked(q, k, v, g[span], beta[span], entering[first_mine + n])
+            core[span], _ = attn.ops.chunked(q, k, v, g[span], beta[span], entering[first_mine + n])
         self.transient_bytes = all_maps.numel() * 4 + all_tails.numel() * all_tails.element_size()
+        if not len(h):  # a rank with no block of the round-robin re-split (requests shorter than C) joined the gathers
+            return h.new_zeros(0, self.cfg.dim)
         return attn.finish(h, core)
 
     # ---- indexed layers -------------------------------------------------------------------------
@@ -311,8 +388,8 @@ class Glm53Step:
         for req, rp in enumerate(self.requests):
             if not rp.n_local:
                 continue
-            latent = history[req]
-            if self.reuse:
+            latent = history[req]  # as stored: FP8 rows as their bytes
+            if self.reuse:  # the chunk's rows encoded as the table stores them: what a materialization would bring
                 latent = torch.cat([latent, store.stored_form(current[rp.rows, :R])])
             view_bytes += latent.numel() * latent.element_size()
             if proj.index_k is not None:
@@ -326,7 +403,7 @@ class Glm53Step:
                 assert self.shared is not None, "a layer sharing its selection follows an indexed layer"
                 rows_sel = self.shared[rp.local]
             selection[rp.local] = rows_sel
-            out[rp.local] = attn.attend(proj.q[rp.local], latent, rows_sel)
+            out[rp.local] = attn.attend(proj.q[rp.local], store.rows.decode(latent), rows_sel)  # decoded once, here
         self.shared = selection
         self.transient_bytes = current.numel() * current.element_size() + view_bytes
         return out, selection

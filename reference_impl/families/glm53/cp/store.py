@@ -6,7 +6,8 @@ What each layer type keeps, and where:
   last ``conv - 1`` input rows. Replicated: every rank composes the same state maps in the same order
   (:mod:`.step`), so every rank ends a chunk with the same bytes; sharding it would save one state
   per request and layer and cost a broadcast per chunk. It is what a decode needs of the layer.
-* **indexed layers**: every token's latent row, in a pool indexed by its logical loc: on every rank
+* **indexed layers**: every token's latent row (the FP8 row of :mod:`..cache_layout`, 528 bytes on
+  GLM-5.3-Flash, or bf16), in a pool indexed by its logical loc: on every rank
   (levels 0-1) or only on the loc's owner (phase 2, :class:`~reference_impl.cp.ownership.Ownership`);
   every complete group's pooled index key, stored at the loc of the group's **last token**, so on that
   token's owner: a group straddling a rank's block, a chunk or a cached prefix is pooled once, by that
@@ -19,8 +20,9 @@ Requests are keyed by their first loc (stable across chunks: the page table keep
 from the tables; sharded, **materialized** by one all-gather per table and layer of the rows each rank
 owns (:class:`RowGather`, planned once per chunk from the locs alone and reused by every layer): all of
 them with phase 2, only the history (the rows stored before this chunk) with phase 3, whose step takes
-the current chunk's rows from its own all-gather (:mod:`.step`). ``materialized_bytes`` counts what the
-materializations brought.
+the current chunk's rows from its own all-gather (:mod:`.step`). Latent rows travel as stored (an FP8
+row as its 528 bytes, not the 1024 of its bf16 values) and are decoded once, where attention reads them.
+``materialized_bytes`` counts what the materializations brought.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from reference_impl.config import RunConfig, compute_dtype
 from reference_impl.cp.batch import BatchLocs
 from reference_impl.cp.comm import CPGroup
 from reference_impl.cp.ownership import Ownership
+from reference_impl.families.glm53.cache_layout import LatentRows
 from reference_impl.families.glm53.config import Glm53Config
 from reference_impl.families.glm53.model.oracle import KDACache
 
@@ -66,13 +69,12 @@ class Glm53Store:
         self.cfg, self.group, self.batch = cfg, group, batch
         self.sharded = run.phases.sharded_kv and group.size > 1
         self.ownership = Ownership(run.cp_size, run.interleave, run.page_size)
-        self.cache_dtype = torch.bfloat16  # kv_dtype "bf16" (check_run refuses the rest)
+        # The run's row format; the oracle encodes with the same (family.latent_rows), so rows compare byte for byte.
+        self.rows = LatentRows.for_run(cfg.kv_lora_rank, run.kv_dtype, cfg.mla_scale_fmt)
         self.compute_dtype = compute_dtype(run, group.device)  # the run's: its KDA states and pending rows
         slots, dev = batch.n_pages * batch.page_size, group.device
         self.dsa_layers = [i for i in range(cfg.n_layers) if not cfg.is_kda(i)]
-        self.latent = {
-            i: torch.zeros(slots, cfg.kv_lora_rank, dtype=self.cache_dtype, device=dev) for i in self.dsa_layers
-        }
+        self.latent = {i: self.rows.empty(slots, dev) for i in self.dsa_layers}  # stored rows (uint8 for FP8)
         self.latent_held = {i: torch.zeros(slots, dtype=torch.bool, device=dev) for i in self.dsa_layers}
         self.indexed = [i for i in self.dsa_layers if not cfg.shares_selection(i)]
         self.group_keys = {i: torch.zeros(slots, cfg.index_head_dim, device=dev) for i in self.indexed}
@@ -85,7 +87,7 @@ class Glm53Store:
     # ---- the protocol ---------------------------------------------------------------------------
     @property
     def kv_bytes(self) -> int:
-        return sum(int(h.sum()) for h in self.latent_held.values()) * self.cfg.kv_lora_rank * 2
+        return sum(int(h.sum()) for h in self.latent_held.values()) * self.rows.row_bytes
 
     @property
     def index_bytes(self) -> int:
@@ -109,6 +111,9 @@ class Glm53Store:
             "kda_halo_bytes_received": received("glm53_kda_halo"),
             "view_bytes_received": received("glm53_kv_view") + received("glm53_index_view"),
             "prefetch_bytes_received": received("glm53_prefetch"),  # phase 8: the views' history, ahead
+            # round-robin only: the KDA layers' input rows re-split into contiguous blocks, and their outputs back
+            "kda_resplit_bytes_received": received("glm53_kda_resplit"),
+            "kda_return_bytes_received": received("glm53_kda_return"),
             "kda_state_bytes": sum(
                 c.state.numel() * 4 + c.conv.numel() * c.conv.element_size() for c in self.kda.values()
             ),
@@ -116,7 +121,8 @@ class Glm53Store:
         }
 
     def stored_rows(self, layer: int, request_locs: list[torch.Tensor] | None = None) -> dict[int, tuple[Any, ...]]:
-        """KDA layers: ``(state, conv tail)``; indexed layers: ``(positions, latent rows, group ids, group keys)``."""
+        """KDA layers: ``(state, conv tail)``; indexed layers: ``(positions, latent rows as stored, group ids,
+        group keys)``."""
         out: dict[int, tuple[Any, ...]] = {}
         for i, locs in enumerate(request_locs if request_locs is not None else self.batch.request_locs):
             if self.cfg.is_kda(layer):
@@ -167,19 +173,21 @@ class Glm53Store:
         self.pending[(layer, request_key)] = (keys, gates)
 
     def write_latent(self, layer: int, locs: torch.Tensor, rows: torch.Tensor) -> None:
-        """The rows at ``locs`` this rank stores (all unless sharded)."""
+        """Latent values ``[n, kv_lora_rank]`` or rows already stored in the run's format (a cached prefix's,
+        from the oracle) at ``locs``: the ones this rank stores (all unless sharded)."""
         keep = self.mine(locs)
         self.put_latent(layer, locs[keep], rows[keep])
 
     def put_latent(self, layer: int, locs: torch.Tensor, rows: torch.Tensor) -> None:
-        """Store every row at its loc (the caller picked the rows this rank owns: no mask, no host read)."""
+        """Store every row at its loc, encoded (the caller picked the rows this rank owns: no mask, no host read)."""
         self.latent[layer].index_copy_(0, locs, self.stored_form(rows))
         self.latent_held[layer].index_fill_(0, locs, True)
 
     def stored_form(self, rows: torch.Tensor) -> torch.Tensor:
-        """Latent rows as the table gives them back (bf16): phase 3 reads the current chunk's rows so, from
-        its all-gather, and gets the values a materialization would bring."""
-        return rows.to(self.cache_dtype)
+        """Latent rows as the table stores them (:meth:`LatentRows.encode`: 528-byte FP8 rows, or bf16): phase 3
+        assembles the current chunk's rows so, from its all-gather, and gets the bytes a materialization would
+        bring; attention decodes both alike."""
+        return self.rows.encode(rows)
 
     def write_group_keys(self, layer: int, end_locs: torch.Tensor, keys: torch.Tensor) -> None:
         """Pooled keys of groups whose last tokens sit at ``end_locs`` (the caller passes only its own)."""
@@ -221,7 +229,8 @@ class Glm53Store:
         return list(gathered.index_select(0, plan.inverse).split(plan.counts))
 
     def latent_rows(self, layer: int, plan: RowGather, tag: str) -> list[torch.Tensor]:
-        """Layer ``layer``'s latent rows at the plan's locs (cache dtype), per chunk request."""
+        """Layer ``layer``'s latent rows at the plan's locs, per chunk request, as stored (528-byte FP8 rows
+        travel as they are; the reader decodes them, :attr:`rows`)."""
         return self.materialize(self.latent[layer], plan, tag)
 
     def group_key_rows(self, layer: int, plan: RowGather, tag: str) -> list[torch.Tensor]:

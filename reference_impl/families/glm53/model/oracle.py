@@ -20,6 +20,7 @@ from typing import cast
 import torch
 from torch import nn
 
+from reference_impl.families.glm53.cache_layout import LatentRows
 from reference_impl.families.glm53.config import Glm53Config
 from reference_impl.families.glm53.model.dsa import MLAttention, RMSNorm, group_scores, select
 from reference_impl.families.glm53.model.kda import KDA_TORCH_OPS, KDAOps, KDAttention
@@ -125,20 +126,29 @@ class DSACache:
     """One request's cache of one indexed layer: every token's latent row, the raw indexer rows of its
     incomplete last group, and every complete group's pooled key (none on a layer sharing its selection)."""
 
-    latent: torch.Tensor  # [S, kv_lora_rank] in the cache dtype
+    rows: LatentRows  # how ``latent`` is stored: FP8 rows or plain rows (:mod:`..cache_layout`)
+    latent: torch.Tensor  # [S, rows.width]: the stored latent rows
     pending_k: torch.Tensor | None = None  # [S % kpool, Di]: raw keys of the incomplete group
     pending_gate: torch.Tensor | None = None  # [S % kpool, Di]: their pooling logits
     group_keys: torch.Tensor | None = None  # [S // kpool, Di] float32
 
     @classmethod
     def empty(
-        cls, cfg: Glm53Config, layer: int, dtype: torch.dtype, cache_dtype: torch.dtype, device: torch.device | str
+        cls,
+        cfg: Glm53Config,
+        layer: int,
+        dtype: torch.dtype,
+        cache_dtype: torch.dtype | LatentRows,
+        device: torch.device | str,
     ) -> DSACache:
-        latent = torch.zeros(0, cfg.kv_lora_rank, dtype=cache_dtype, device=device)
+        """``cache_dtype``: the rows' format, or a dtype for plain rows of that dtype."""
+        rows = cache_dtype if isinstance(cache_dtype, LatentRows) else LatentRows(cfg.kv_lora_rank, dtype=cache_dtype)
+        latent = rows.empty(0, device)
         if cfg.shares_selection(layer):
-            return cls(latent)
+            return cls(rows, latent)
         di = cfg.index_head_dim
         return cls(
+            rows,
             latent,
             torch.zeros(0, di, dtype=dtype, device=device),
             torch.zeros(0, di, dtype=dtype, device=device),
@@ -176,7 +186,7 @@ def dsa_span(
     """One span ``x [T, dim]`` at positions ``start ..`` through an indexed layer; updates ``cache``.
     ``shared``: the previous layer's selection, on a layer sharing it. Returns ``(output, selection)``."""
     proj = attn.project(x)
-    cache.latent = torch.cat([cache.latent, proj.latent.to(cache.latent.dtype)])
+    cache.latent = torch.cat([cache.latent, cache.rows.encode(proj.latent)])
     positions = torch.arange(start, start + len(x), device=x.device)
     if attn.indexer is None:
         assert shared is not None, "a layer sharing its selection needs the previous layer's"
@@ -187,7 +197,7 @@ def dsa_span(
         assert cache.group_keys is not None and proj.index_w is not None
         scores = group_scores(proj.index_q, proj.index_w, cache.group_keys, attn.cfg.index_head_dim)
         selection = select(attn.cfg, scores, positions)
-    return attn.attend(proj.q, cache.latent, selection), selection
+    return attn.attend(proj.q, cache.rows.decode(cache.latent), selection), selection
 
 
 # ---- the oracle ---------------------------------------------------------------------------------------
@@ -210,7 +220,7 @@ def chunk_spans(prefix: int, total: int, chunk_size: int | None) -> list[tuple[i
 
 
 def empty_caches(
-    cfg: Glm53Config, dtype: torch.dtype, cache_dtype: torch.dtype, device: torch.device | str
+    cfg: Glm53Config, dtype: torch.dtype, cache_dtype: torch.dtype | LatentRows, device: torch.device | str
 ) -> list[KDACache | DSACache]:
     return [
         KDACache.empty(cfg, dtype, device) if cfg.is_kda(i) else DSACache.empty(cfg, i, dtype, cache_dtype, device)
@@ -244,10 +254,12 @@ def run_glm53_oracle(
     model: Glm53Model,
     prefix_lens: list[int],
     inputs: list[torch.Tensor],
-    cache_dtype: torch.dtype,
+    cache_dtype: torch.dtype | LatentRows,
     chunk_size: int | None = None,
 ) -> Glm53OracleResult:
-    """Run the batch on one device; ``inputs[i]`` is request i's layer-0 input ``[prefix + extend, dim]``."""
+    """Run the batch on one device; ``inputs[i]`` is request i's layer-0 input ``[prefix + extend, dim]``.
+    ``cache_dtype``: how the latent rows are stored (a run's :class:`LatentRows`, or a dtype for plain rows);
+    attention reads them back decoded, as a CP rank does."""
     cfg = model.cfg
     hidden: list[torch.Tensor] = []
     selections: list[list[torch.Tensor]] = [[] for _ in range(cfg.n_layers)]
