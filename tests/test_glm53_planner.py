@@ -31,19 +31,19 @@ def test_owned_tokens_and_groups_by_hand():
 
 
 def test_tiny_bytes_by_hand():
-    # tiny-glm53: KDA, indexed, indexed sharing, KDA; 2 heads of 16; latent 32; index dim 16; conv 4
+    # tiny-glm53: KDA, indexed, indexed sharing, KDA; 2 heads of 16; latent 256; index dim 16; conv 4
     assert planner.layer_counts(TINY) == {"kda": 2, "indexed": 2, "indexers": 1}
     assert planner.map_bytes(TINY) == 2 * 16 * 32 * 4 == 4096
     assert planner.conv_tail_bytes(TINY) == 3 * (3 * 2 * 16) * 2 == 576
-    assert planner.latent_row_bytes(TINY, "bf16") == 64 and planner.latent_row_bytes(TINY, "fp8") == 32 + 4
+    assert planner.latent_row_bytes(TINY, "bf16") == 512 and planner.latent_row_bytes(TINY, "fp8") == 256 + 2 * 4
     rest = planner.at_rest(TINY, 100, 2, sharded=False)
     assert rest["kda_state"] == 2 * (2 * 16 * 16 * 4 + 576)
-    assert rest["latent"] == 2 * 100 * 64  # both indexed layers keep latent rows
+    assert rest["latent"] == 2 * 100 * 512  # both indexed layers keep latent rows
     assert rest["group_keys"] == 1 * 6 * 16 * 4  # only the layer with its own indexer keeps keys
     assert rest["pending"] == 1 * 4 * 2 * 16 * 2  # 100 % 16 = 4 rows of key and gate, bf16
     assert rest["total"] == sum(v for k, v in rest.items() if k != "total")
     sharded = planner.at_rest(TINY, 100, 2, sharded=True)
-    assert sharded["latent"] == 2 * 64 * 64 and sharded["group_keys"] == 4 * 64  # rank 0: page 0
+    assert sharded["latent"] == 2 * 64 * 512 and sharded["group_keys"] == 4 * 64  # rank 0: page 0
     assert sharded["kda_state"] == rest["kda_state"] and sharded["pending"] == rest["pending"]  # replicated
 
 

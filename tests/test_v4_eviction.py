@@ -25,8 +25,8 @@ from reference_impl.config import PhaseSet, RunConfig, parse_batches
 from reference_impl.engine import replay_pool
 from reference_impl.errors import RankFailedError
 from reference_impl.families.deepseek_v4.cache_layout import index_entry_bytes, main_entry_bytes
-from reference_impl.families.deepseek_v4.cp.eviction import pool_timeline
 from reference_impl.families.deepseek_v4.cp.store import V4Store
+from reference_impl.families.deepseek_v4.family import pool_timeline
 from reference_impl.kvcache.allocator import PrefixCache
 from reference_impl.presets import get_preset
 from reference_impl.runner import run_prefill

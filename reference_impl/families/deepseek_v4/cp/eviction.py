@@ -18,16 +18,18 @@ the compressor state and the checkpoints kept for later hits). The store follows
   holds: a hit at ``Q`` needs the window tail and the carried rows at ``Q``, and a request keeps
   them only at the hit points the run names (:func:`~.store.hit_points`).
 
-Every rank replays the table from the run's config alone (pure metadata), so every rank drops and
-serves the same requests without a collective.
+Every rank replays the table from the run's config alone (pure metadata; the replay,
+:func:`~reference_impl.families.deepseek_v4.family.pool_timeline`, runs the engine's page table), so
+every rank drops and serves the same requests without a collective.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from reference_impl.config import RunConfig
-from reference_impl.schedule import Chunk, chunk_schedule
+if TYPE_CHECKING:  # annotations only: the schedule sits above the CP layer
+    from reference_impl.schedule import Chunk
 
 
 @dataclass(frozen=True)
@@ -40,24 +42,3 @@ class PoolTimeline:
     def resident_at(self, chunk: Chunk) -> frozenset[int]:
         """The requests the page table lists once ``chunk`` has its pages (a later chunk's pages may evict)."""
         return self.resident[chunk.token_ids[0]]
-
-
-def pool_timeline(run: RunConfig) -> PoolTimeline:
-    """Replay the run's page table (:func:`~reference_impl.engine.replay_pool`'s steps) -> :class:`PoolTimeline`."""
-    from reference_impl.engine import RunPool, chunk_metadata  # the engine imports the families
-
-    pool = RunPool(run)
-    table = pool.table
-    hits: dict[int, frozenset[int]] = {}
-    resident: dict[int, frozenset[int]] = {}
-    chunks = chunk_schedule(run)
-    for index, chunk in enumerate(chunks):
-        first_of_batch = index == 0 or chunks[index - 1].batch != chunk.batch
-        pool.build(chunk, chunk_metadata(run, chunk), "cpu", table.allocator.n_pages, first_of_batch)
-        if first_of_batch:
-            hits[chunk.batch] = frozenset(
-                req for req in chunk.requests if run.requests[req].shares is not None and table.started_by_sharing(req)
-            )
-        resident[chunk.token_ids[0]] = frozenset(int(req) for req in table.requests)  # type: ignore[call-overload]
-        pool.release(pool.leaving(chunk))
-    return PoolTimeline(hits, resident)
