@@ -230,22 +230,27 @@ class Glm53LayerStreamer:
         width = row_bytes(self.run, part)
         rows = torch.empty(0, width, dtype=torch.uint8, device=store.group.device)
         positions = torch.zeros(0, dtype=torch.long)
+        sources: list[torch.Tensor] = []  # main-stream tensors this block reads (on the side stream, with CUDA)
         if part == LATENT:
+            sources = [plan.latent_locs]
             rows = _as_bytes(store.read_latent(layer, plan.latent_locs))
             positions = plan.latent_positions
         elif part == KEYS:
+            sources = [plan.group_locs]
             rows = _as_bytes(store.read_group_keys(layer, plan.group_locs))
             positions = plan.group_ids
         elif plan.replica and part == PENDING:
-            keys, gates = store.pending_of(layer, plan.key)
+            keys, gates = sources = list(store.pending_of(layer, plan.key))
             rows = _as_bytes(torch.cat([keys, gates], dim=1))
             positions = torch.arange(plan.n_tokens - keys.shape[0], plan.n_tokens)
         elif plan.replica:
             cache = store.kda_cache_of(layer, plan.key)
+            sources = [cache.state, cache.conv]
             rows = _as_bytes(cache.state.reshape(cache.state.shape[0], -1) if part == STATE else cache.conv)
             positions = torch.arange(rows.shape[0])
-        if self.staging is not None:  # read on the side stream: a later chunk may free these (main stream)
-            rows.record_stream(self.staging.stream)
+        if self.staging is not None:  # read on the side stream: the main stream may free these meanwhile
+            for t in sources:  # (the next chunk's plan, a rebound state, a freed request's rows)
+                t.record_stream(self.staging.stream)
         return RowBlock(req, layer, positions, rows, rows.new_empty(rows.shape[0], 0), _no_scale(), part)
 
     def layer_stored(self, layer: int) -> None:
