@@ -223,3 +223,20 @@ def test_the_pd_command_ships_a_glm53_cache(capsys) -> None:
     assert main(["pd", "--preset", "tiny-glm53", "--transfer", "pages"]) == 2
     err = capsys.readouterr().err
     assert "tiny-glm53 ships its own cache parts as rows: use transfer='rows'" in err and err.count("\n") == 1
+
+
+def test_the_flash_bytes_the_pages_quote() -> None:
+    """docs/glm-5.3.md and docs/pd-transfer.md quote a Flash request's bytes (FP8 rows, bf16 on CUDA): they are
+    the payload's arithmetic."""
+    from pathlib import Path
+
+    run = RunConfig(preset="glm-5.3-flash", cp_size=8, device="cuda", requests=(Request(0, 1 << 17),))
+    kda = request_bytes(run, 0)  # no token: the KDA layers' states and tails alone
+    assert kda == 34 * (64 * 128 * 128 * 4 + 3 * 3 * 64 * 128 * 2) == 147_619_840
+    assert request_bytes(run, 16) - kda == 16 * 6_160 == 16 * 11 * (528 + 128 * 4 // 16)
+    assert request_bytes(run, 1 << 17) == 955_023_360
+    docs = Path(__file__).resolve().parent.parent / "docs"
+    page = (docs / "glm-5.3.md").read_text()
+    assert all(f in page for f in ("147,619,840", "6,160 bytes a token", "955,023,360", "(911 MiB)", "(141 MiB)"))
+    assert "KDA `4,341,760` whatever `n`" in (docs / "pd-transfer.md").read_text()
+    assert 955_023_360 // 2**20 == 910 and round(955_023_360 / 2**20) == 911 and round(kda / 2**20) == 141
