@@ -146,7 +146,7 @@ def _blocks(run: RunConfig, stored: list, decoded: list, rank: int, sharded: boo
                     out.append(block(req, layer, ids, keys, KEYS))
             cache = decoded[layer][req]
             assert isinstance(cache, DSACache)
-            if replicated and cache.pending_k is not None:
+            if replicated and cache.pending_k is not None and cache.pending_gate is not None:
                 pending = torch.cat([cache.pending_k, cache.pending_gate], dim=1)
                 out.append(block(req, layer, torch.arange(n - len(pending), n), pending, PENDING))
     return out

@@ -66,6 +66,7 @@ def test_the_glm53_decode_equals_the_caches_at_rest_and_the_send_never_syncs(glm
 
 
 def test_the_glm53_decode_continues_from_the_caches_it_received(glm53_pd) -> None:  # noqa: ANN001
+    from reference_impl.families.glm53.model.oracle import Glm53Model
     from reference_impl.families.glm53.pd import next_token, next_token_inputs
     from reference_impl.workload import build_model
 
@@ -85,6 +86,7 @@ def test_the_glm53_decode_continues_from_the_caches_it_received(glm53_pd) -> Non
         ]
         for per_layer in result.rows
     ]
+    assert isinstance(model, Glm53Model)
     want = next_token(model, caches, [r.total for r in run.requests], next_token_inputs(run, cuda))
     for got, ref in zip(result.next_token, want):
         assert got.shape == ref.shape == (1, run.model.dim) and bool(torch.isfinite(got).all())

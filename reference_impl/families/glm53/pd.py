@@ -42,7 +42,6 @@ the group, ``e`` the compute dtype's bytes): an indexed layer with its own index
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -466,8 +465,10 @@ class Glm53Decoder:
 
 def _copy(cache: KDACache | DSACache) -> KDACache | DSACache:
     """A cache with its own tensors (the layer calls rebind or extend them)."""
-    tensors = {f.name: getattr(cache, f.name) for f in dataclasses.fields(cache)}
-    return dataclasses.replace(cache, **{k: v.clone() for k, v in tensors.items() if isinstance(v, torch.Tensor)})
+    if isinstance(cache, KDACache):
+        return KDACache(cache.state.clone(), cache.conv.clone())
+    k, gate, keys = (None if t is None else t.clone() for t in (cache.pending_k, cache.pending_gate, cache.group_keys))
+    return DSACache(cache.rows, cache.latent.clone(), k, gate, keys)
 
 
 @torch.no_grad()
