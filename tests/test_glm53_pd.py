@@ -240,3 +240,30 @@ def test_the_flash_bytes_the_pages_quote() -> None:
     assert all(f in page for f in ("147,619,840", "6,160 bytes a token", "955,023,360", "(911 MiB)", "(141 MiB)"))
     assert "KDA `4,341,760` whatever `n`" in (docs / "pd-transfer.md").read_text()
     assert 955_023_360 // 2**20 == 910 and round(955_023_360 / 2**20) == 911 and round(kda / 2**20) == 141
+
+
+@pytest.mark.parametrize(
+    ("patch", "message"),
+    [
+        ("never", r"layer 0: the decode's KDA state row at position 0 arrived 0 times"),
+        ("twice", r"request 0 layer 0: a KDA state row arrived twice"),
+        ("rank 1 keeps its rows", r"layer 1: the decode's latent row at position \d+ arrived 0 times"),
+    ],
+)
+def test_a_whole_run_whose_ranks_ship_the_wrong_parts_fails(monkeypatch, patch: str, message: str) -> None:
+    """End to end (the ranks fork, so the patch reaches them): no rank shipping the replicated parts, every
+    rank shipping them, or rank 1 shipping none of its rows; each rank's bytes sent still equal its own
+    (patched) count, and the decode names the row that arrived zero times or twice."""
+    from reference_impl.families.glm53 import pd
+
+    if patch == "rank 1 keeps its rows":
+        owned = pd.owned_rows
+        monkeypatch.setattr(
+            pd,
+            "owned_rows",
+            lambda own, rank, cfg, locs, part: owned(own, rank, cfg, locs, part)[: 0 if rank else None],
+        )
+    else:
+        monkeypatch.setattr(pd, "ships_replicas", lambda own, locs, rank: patch == "twice")
+    with pytest.raises(ConfigError, match=message):
+        run_prefill_and_decode(glm_run(), transfer="rows")

@@ -148,6 +148,11 @@ def replica_sender(own: Ownership, locs: torch.Tensor) -> int:
     return int(own.owner(locs[-1:].cpu())[0])
 
 
+def ships_replicas(own: Ownership, locs: torch.Tensor, rank: int) -> bool:
+    """Whether ``rank`` ships the replicated parts of the request at ``locs`` (its logical locs, host)."""
+    return replica_sender(own, locs) == rank
+
+
 # ---- the prefill side ------------------------------------------------------------------------
 
 
@@ -198,7 +203,7 @@ class Glm53LayerStreamer:
             ends = host[cfg.index_kpool - 1 :: cfg.index_kpool]
             plan = _Plan(
                 int(host[0]),
-                replica_sender(own, host) == rank,
+                ships_replicas(own, host, rank),
                 len(host),
                 positions,
                 host[positions].to(device),
@@ -316,7 +321,7 @@ def bytes_at_rest(run: RunConfig, rank: int, request_locs: dict[int, torch.Tenso
     for req, locs in request_locs.items():
         n = run.requests[req].total
         host = locs[:n].cpu()
-        replica = replica_sender(own, host) == rank
+        replica = ships_replicas(own, host, rank)
         for layer in range(cfg.n_layers):
             for part in parts_of(cfg, layer):
                 if part in SHARDED_PARTS:
