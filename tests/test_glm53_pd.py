@@ -80,10 +80,10 @@ def check_shipped(run: RunConfig, result: PDResult) -> None:
     [
         {},
         {"cp_size": 3, "chunk_size": 71, "phases": PhaseSet.level(8), "debug": True},
-        {"split_mode": "round-robin"},
-        {"kv_dtype": "bf16"},
+        {"cp_size": 3, "split_mode": "round-robin", "chunk_size": 64},
+        {"kv_dtype": "bf16", "kv_interleave": 1},
     ],
-    ids=["C2", "C3-chunked-level8", "C2-round-robin", "C2-bf16"],
+    ids=["C2", "C3-chunked-level8", "C3-round-robin-chunked", "C2-bf16-token-interleave"],
 )
 def test_glm53_pd_over_torch_matches_and_continues_one_token(changes: dict) -> None:
     run = glm_run(**changes)
