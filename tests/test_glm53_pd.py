@@ -267,3 +267,16 @@ def test_a_whole_run_whose_ranks_ship_the_wrong_parts_fails(monkeypatch, patch: 
         monkeypatch.setattr(pd, "ships_replicas", lambda own, locs, rank: patch == "twice")
     with pytest.raises(ConfigError, match=message):
         run_prefill_and_decode(glm_run(), transfer="rows")
+
+
+def test_glm53_pd_of_several_batches_with_a_prefix_hit() -> None:
+    """A request of the second batch reuses 64 tokens of the first batch's request 0; each request ships its
+    whole cache when its batch finishes it. Runs once the family runs several batches (a long-lived pool)."""
+    from reference_impl.config import parse_batches
+
+    requests, sizes = parse_batches("0+130,21+40;r0:64+20,5+9")
+    try:
+        run = glm_run(requests=tuple(requests), batch_sizes=sizes)  # the config asks the family (check_run)
+    except ConfigError as refused:
+        pytest.skip(f"GLM-5.3 refuses this run: {refused}")
+    check_shipped(run, run_prefill_and_decode(run, transfer="rows"))
