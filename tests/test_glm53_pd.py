@@ -280,3 +280,14 @@ def test_glm53_pd_of_several_batches_with_a_prefix_hit() -> None:
     except ConfigError as refused:
         pytest.skip(f"GLM-5.3 refuses this run: {refused}")
     check_shipped(run, run_prefill_and_decode(run, transfer="rows"))
+
+
+def test_the_decode_process_is_sized_with_its_arena() -> None:
+    """The memory check counts the decode's arena: one more request adds its cache's bytes (times the margin)."""
+    from reference_impl.families.glm53.family import FAMILY
+    from reference_impl.footprint import SAFETY
+
+    one, two = glm_run(requests=REQUESTS[:1]), glm_run()
+    added = FAMILY.decode_bytes(two) - FAMILY.decode_bytes(one)
+    assert added == pytest.approx(SAFETY * request_bytes(two, REQUESTS[1].total), abs=1)
+    assert FAMILY.decode_bytes(one) > cache_bytes(one)
