@@ -151,7 +151,20 @@ class Glm53Store:
                 c.state.numel() * 4 + c.conv.numel() * c.conv.element_size() for c in self.kda.values()
             ),
             "index_pending_bytes": sum(k.numel() * k.element_size() * 2 for k, _ in self.pending.values()),
+            "checkpoint_bytes": sum(  # kept at later requests' hit points
+                sum(t.numel() * t.element_size() for t in ((p.state, p.conv) if isinstance(p, KDACache) else p))
+                for parts in self.checkpoints.values()
+                for p in parts.values()
+            ),
+            "table_bytes": self.table_bytes,
         }
+
+    @property
+    def table_bytes(self) -> int:
+        """What the latent-row and group-key tables allocate, held or not, with their held flags: every logical
+        slot replicated, the rank's own slots sharded."""
+        tables = [*self.latent.values(), *self.latent_held.values(), *self.group_keys.values()]
+        return sum(t.numel() * t.element_size() for t in [*tables, *self.group_held.values()])
 
     def stored_rows(self, layer: int, request_locs: list[torch.Tensor] | None = None) -> dict[int, tuple[Any, ...]]:
         """KDA layers: ``(state, conv tail)``; indexed layers: ``(positions, latent rows as stored, group ids,
