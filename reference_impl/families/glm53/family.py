@@ -7,10 +7,11 @@ hand-off and halo, the pooled indexer) and the comparison (:mod:`.check`).
 
 Built: levels 0-8 (what each phase does here: :mod:`.cp.step`), the in-seq split and the round-robin
 split (its KDA layers re-split into contiguous blocks and back: :mod:`.cp.step`; phases 4 and 5 are in-seq
-only), chunked prefill, cached prefixes, FP8 latent rows (``kv_dtype="fp8"``, the default: 512 e4m3 codes
-and four float32 tile scales, 528 bytes, :mod:`.cache_layout`; scales in ``mla_scale_fmt``) and bf16 rows
-(``kv_dtype="bf16"``). Refused by name: the competing KV designs, several batches, IndexShare patterns
-from the command line.
+only), chunked prefill, cached prefixes, several batches on one pool with prefix hits ``rN:P+E`` and eviction
+under ``pool_pages`` (:meth:`Glm53Family.install_prefixes`), FP8 latent rows (``kv_dtype="fp8"``, the default:
+512 e4m3 codes and four float32 tile scales, 528 bytes, :mod:`.cache_layout`; scales in ``mla_scale_fmt``) and bf16 rows
+(``kv_dtype="bf16"``). Refused by name: the competing KV designs, a hit inside another hit, IndexShare
+patterns from the command line.
 """
 
 from __future__ import annotations

@@ -37,6 +37,13 @@ otherwise than the block's owner. The engine's group offers all-gathers only; an
 a rank just its block's rows (``1/C`` of each gather). Replaying the recurrence on every rank instead
 would gather the wider convolution inputs and gates and multiply the layer's work by ``C``.
 
+**Checkpoints at hit points.** A later request ``rN:P+E`` needs request ``N``'s KDA states, convolution tails
+and pending indexer rows at ``P``, and ``N`` keeps those at its end only; so ``N`` keeps a checkpoint as its
+chunk passes ``P``. On a KDA layer the owner of the block holding token ``P - 1`` maps the block's tokens
+before ``P`` and takes the convolution rows before ``P``; one all-gather (tag ``glm53_kda_checkpoint``) brings
+them to every rank, which applies the map to the block's entering state (:meth:`Glm53Step._kda_checkpoints`).
+On an indexed layer every rank slices the group incomplete at ``P`` from the gathered raw rows (:meth:`_pool`).
+
 **Indexed layers.** The chunk's latent rows and raw indexer rows are all-gathered in sequence order
 (tag ``glm53_current``); each rank stores the latent rows it owns and the keys of the groups whose last
 token it owns (a group straddling a block, chunk or prefix boundary is completed from the request's
