@@ -27,7 +27,7 @@ BAD_INPUT = [
     (["run"], {"DSACP_INDEX_TOPK_PATTERN": "FQ"}, "found 'Q'"),
     (["run"], {"DSACP_CPU_WIDTHS": "maybe"}, "DSACP_CPU_WIDTHS='maybe'"),
     (["plan", "--preset", "glm-5", "--index-topk-pattern", "FS"], {}, "2 letters for 78 layers"),
-    (["pd", "--n-layers", "2", "--index-topk-pattern", "FS"], {}, "IndexShare"),
+    (["pd", "--n-layers", "2", "--index-topk-pattern", "FS", "--transfer", "pages"], {}, "IndexShare"),
 ]
 
 

@@ -156,15 +156,6 @@ def test_glm5_and_glm52_presets_match_the_oracle_at_cpu_widths(level: int) -> No
     assert cfg.index_rope_interleaved and KVLayout.from_config(cfg, "fp8", 64).mla_bytes == 656
 
 
-def test_the_pd_transfer_refuses_index_share() -> None:
-    from reference_impl.prefill_decode import run_prefill_and_decode
-
-    with pytest.raises(ConfigError, match="IndexShare"):
-        run_prefill_and_decode(
-            RunConfig(n_layers=2, index_topk_pattern="FS", phases=PhaseSet.level(2)), transfer="rows"
-        )
-
-
 # ---- the planner ------------------------------------------------------------------------------
 
 

@@ -176,7 +176,10 @@ class PDDecoder(Protocol):
 
 class PDPayload(Protocol):
     """What a family's prefill ranks ship to a PD decode, per layer and request, and how the decode
-    lays it out and continues (``transfer="rows"``), for one run."""
+    lays it out and continues (``transfer="rows"``), for one run.
+
+    Optional: ``oracle_check_kind``, how :meth:`oracle_mismatches` compares, for the report's verdict
+    (``"byte for byte"`` where a payload has none; GLM-5.3's caches agree within its check's bounds)."""
 
     def sender(self, transport: Any, decode_rank: int) -> Any:
         """A prefill rank's layer-wise send: an engine ``LayerStoredHook`` with ``bytes_sent``,

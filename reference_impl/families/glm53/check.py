@@ -143,3 +143,41 @@ def compare_glm53(
     return Agreement(
         not problems, err, logits_err, rows_equal / max(1, rows_total), 0, cache_equal, cache_err, problems
     )
+
+
+def decode_cache_mismatches(run: RunConfig, decoded: list[list[Any]], oracle: Glm53OracleResult) -> list[str]:
+    """A PD decode's caches (``[layer][request]``, the oracle's types, :mod:`.pd`) against the oracle's, within
+    the bounds :func:`compare_glm53` holds the ranks' caches to (the decode's are the ranks' bytes, which the
+    transfer's own check compares byte for byte); the pending indexer rows, projection outputs like the group
+    keys' inputs, within :data:`ROW_TOL`. On a CPU in float32 (the PD check's device)."""
+    problems: list[str] = []
+    cfg, tol = run.model, EXACT_TOLERANCE
+    for layer, per_request in enumerate(oracle.caches):
+        state_tol = max(STATE_TOL, tol) if any(not cfg.is_kda(e) for e in range(layer)) else STATE_TOL
+        for req, ref in enumerate(per_request):
+            got = decoded[layer][req]
+            where = f"layer {layer} request {req}"
+            if isinstance(ref, KDACache):
+                e, conv_err = _err(got.state, ref.state), _err(got.conv, ref.conv)
+                if not e <= state_tol or not conv_err <= tol:
+                    problems.append(f"{where}: the decode's KDA state ({e:.3g}) or tail ({conv_err:.3g}) differs")
+                continue
+            assert isinstance(ref, DSACache) and isinstance(got, DSACache)
+            if got.latent.shape != ref.latent.shape:
+                problems.append(
+                    f"{where}: the decode holds {len(got.latent)} latent rows, the oracle {len(ref.latent)}"
+                )
+                continue
+            e, ok = _rows_agree(ref.rows, got.latent.cpu(), ref.latent.cpu())
+            if not ok or not bool(ref.rows.in_format(got.latent.cpu()).all()):
+                problems.append(f"{where}: the decode's latent rows differ ({e:.3g}) or are not in their format")
+            for what, a, b in (
+                ("group keys", got.group_keys, ref.group_keys),
+                ("pending keys", got.pending_k, ref.pending_k),
+                ("pending gates", got.pending_gate, ref.pending_gate),
+            ):
+                if b is None:
+                    continue
+                if a is None or a.shape != b.shape or not _err(a, b) <= ROW_TOL:
+                    problems.append(f"{where}: the decode's {what} differ from the oracle's")
+    return problems

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from reference_impl.config import ConfigError, RunConfig, env_flag
+from reference_impl.config import ConfigError, RunConfig, compute_dtype, env_flag
 from reference_impl.cp.batch import BatchLocs
 from reference_impl.cp.comm import CPGroup
 from reference_impl.cp.split import SplitMetadata
@@ -40,6 +40,7 @@ from reference_impl.families.glm53.model.oracle import (
     build_glm53_model,
     run_glm53_oracle,
 )
+from reference_impl.families.glm53.pd import Glm53PDPayload, request_bytes
 from reference_impl.footprint import PROCESS_BASE, SAFETY
 from reference_impl.schedule import Chunk
 
@@ -99,10 +100,15 @@ class Glm53Family:
         return footprint.estimate(run, device_type, start_method, cuda_devices, extra_process, b)
 
     def decode_bytes(self, run: RunConfig) -> int:
-        return int(SAFETY * PROCESS_BASE["spawn"])
+        """The decode process: its base, the model, and its arena of every request's cache (:mod:`.pd`)."""
+        params, _ = footprint.weight_bytes(run.model, compute_dtype(run, torch.device(run.device)).itemsize)
+        arena = sum(request_bytes(run, r.total) for r in run.requests)
+        return int(SAFETY * (PROCESS_BASE["spawn"] + params + arena))
 
-    def pd_payload(self, run: RunConfig) -> None:
-        return None  # check_pd refuses PD
+    def pd_payload(self, run: RunConfig) -> Glm53PDPayload:
+        from reference_impl.families.glm53.check import decode_cache_mismatches
+
+        return Glm53PDPayload(run, decode_cache_mismatches)
 
     # ---- the model -----------------------------------------------------------------------------
     def build_model(
@@ -243,10 +249,9 @@ class Glm53Family:
         }
 
     def check_pd(self, run: RunConfig) -> None:
-        raise ConfigError(
-            f"{run.preset}: the PD transfer moves DeepSeek-V3.2's KV layout; GLM-5.3's KDA states and latent rows "
-            "are not wired to it"
-        )
+        """The rows transfer ships every part of a GLM-5.3 cache (:mod:`.pd`); the page transfer mirrors the
+        DSA pool's pages, which a GLM-5.3 store does not have (``run_prefill_and_decode`` asks before)."""
+        self.check_run(run)
 
 
 FAMILY = Glm53Family()

@@ -305,8 +305,11 @@ class Glm53Step:
         h = block.attn_norm(x)
         if isinstance(block.attn, KDAttention):
             out = self._kda(layer, block.attn, h)
-            return x + out, torch.zeros(len(x), 0, dtype=torch.int32, device=x.device)
-        out, selection = self._dsa(layer, block.attn, h)
+            selection = torch.zeros(len(x), 0, dtype=torch.int32, device=x.device)
+        else:
+            out, selection = self._dsa(layer, block.attn, h)
+        if self.inputs.on_layer_stored is not None:  # a PD send: the finished requests' layer is final from here
+            self.inputs.on_layer_stored.layer_stored(layer)
         return x + out, selection
 
     # ---- KDA ------------------------------------------------------------------------------------

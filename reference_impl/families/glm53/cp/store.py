@@ -254,6 +254,15 @@ class Glm53Store:
         self.group_keys[layer][slots] = self.stored_keys(keys)
         self.group_held[layer][slots] = True
 
+    def read_latent(self, layer: int, locs: torch.Tensor) -> torch.Tensor:
+        """The stored latent rows at ``locs`` (the caller picked locs this rank holds: no mask, no host read;
+        a PD send's read inside the layer loop)."""
+        return self.latent[layer].index_select(0, self.slot(locs))
+
+    def read_group_keys(self, layer: int, end_locs: torch.Tensor) -> torch.Tensor:
+        """The pooled keys of the groups ending at ``end_locs`` (held by this rank; as :meth:`read_latent`)."""
+        return self.group_keys[layer].index_select(0, self.slot(end_locs))
+
     @staticmethod
     def stored_keys(keys: torch.Tensor) -> torch.Tensor:
         """Pooled group keys as the table keeps them (float32)."""
