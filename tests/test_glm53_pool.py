@@ -148,7 +148,7 @@ EXPECTED = {
 
 
 def budget_run(spec: str, budget: int, cp_size: int, level: int, **changes) -> RunConfig:  # noqa: ANN003
-    return pool_run(spec, cp_size, level, page_size=32, pool_pages=budget, **changes)
+    return pool_run(spec, cp_size, level, **({"page_size": 32, "pool_pages": budget} | changes))
 
 
 def _at_rest(rep: dict, part: str) -> int:
@@ -253,6 +253,17 @@ def test_no_hit_reads_the_memory_of_a_request_evicted_after_it(
     rep = run_prefill(budget_run("0+160;r0:100+36,0+96", 8, cp_size, level))
     assert rep["prefix_cache"]["hits"] == 1 and rep["prefix_cache"]["evicted_requests"] == 1
     assert rep["problems"] == [] and rep["matches_oracle"] is True
+
+
+def test_a_recomputed_miss_is_hit_in_turn_under_phase_5_lanes() -> None:
+    """Level 8 at C = 3, 16-token pages, a budget of 41 pages: r4 = r1:266+20 misses (r1 was evicted) and
+    recomputes 266 tokens, keeping the checkpoint at 280 as its prefill passes it; r5 = r4:280+6 hits it there
+    (``280 mod 16 = 8`` pending rows, the KDA state inside r4's last block)."""
+    run = budget_run("0+320;0+320;r0:262+16,0+64;r1:266+20;r4:280+6", 41, 3, 8, page_size=16)
+    rep = run_prefill(run)
+    assert rep["problems"] == [] and rep["matches_oracle"] is True
+    assert rep["prefix_cache"] == replay_pool(run).counts
+    assert rep["prefix_cache"]["hits"] == 2 and rep["prefix_cache"]["misses"] == 1
 
 
 def test_the_timeline_is_the_page_tables() -> None:
