@@ -18,6 +18,13 @@ A sharded table holds only the slots its rank owns, packed (:meth:`Glm53Store.sl
 ``1 / C`` of a replicated table's. Requests are keyed by their run-global index (a hit shares its source's
 first pages, so a loc names no request alone).
 
+**A long-lived pool.** The store lives across a run's batches. A request ``rN:P+E`` of a later batch takes
+``N``'s whole pages by reference (their rows stay where they are) and copies the rest of what it needs at ``P``
+(:meth:`Glm53Store.take_hit`): the partial page's rows and keys, and the **checkpoint** ``N`` kept at ``P``
+as its prefill passed it (KDA states and tails, pending indexer rows; :mod:`.step`). A request the page table
+no longer lists (freed, or evicted under ``pool_pages``) goes with all it kept (:meth:`Glm53Store.keep_only`).
+The rules, and why: docs/glm-5.3.md, "Prefix hits and eviction".
+
 **Views.** A layer reads each request's latent rows and group keys from position 0: replicated, straight
 from the tables; sharded, **materialized** by one all-gather per table and layer of the rows each rank
 owns (:class:`RowGather`, planned once per chunk from the locs alone and reused by every layer): all of
