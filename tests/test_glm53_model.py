@@ -23,6 +23,7 @@ from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextCo
 from reference_impl.errors import ConfigError  # noqa: E402
 from reference_impl.families.glm53.config import DSA, KDA, PRESETS, from_hf_config  # noqa: E402
 from reference_impl.families.glm53.model.checkpoint import glm53_hf_names, load_glm53_hf_weights  # noqa: E402
+from reference_impl.families.glm53.model.dsa import select  # noqa: E402
 from reference_impl.families.glm53.model.kda import kda_chunked, span_map  # noqa: E402
 from reference_impl.families.glm53.model.oracle import (  # noqa: E402
     DSACache,
@@ -149,10 +150,20 @@ def test_the_state_map_composes_spans(pair) -> None:
     assert float((B - want).abs().max()) > 1e-2  # the entering state matters (the test can fail)
 
 
+def _stable_topk(self: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True):  # noqa: ANN202
+    """``Tensor.topk`` with our tie rule: among equal scores the lower index first."""
+    order = self.sort(dim=dim, descending=largest, stable=True).indices.narrow(dim, 0, k)
+    return torch.return_types.topk((self.gather(dim, order), order))
+
+
 @pytest.mark.parametrize("length", [29, 61, 100])
-def test_indexed_layers_match_transformers(pair, length: int) -> None:
-    """The layer with its own indexer (selection and output), then the one sharing its selection."""
+def test_indexed_layers_match_transformers(pair, monkeypatch: pytest.MonkeyPatch, length: int) -> None:
+    """The layer with its own indexer (selection and output), then the one sharing its selection.
+    ``transformers`` selects with ``topk``, whose order among tied scores (the ReLU zeroes many) is unspecified
+    and changes with the number of groups; ours takes the lower group id (:func:`select`): the comparison runs
+    ``transformers`` with that rule."""
     hf, ours = pair
+    monkeypatch.setattr(torch.Tensor, "topk", _stable_topk)
     x = _x(length, seed=7)
     mask = torch.ones(1, length, dtype=torch.bool)
     with torch.no_grad():
@@ -192,6 +203,19 @@ def test_indexed_layer_with_a_cached_prefix(pair, prefix: int, extend: int) -> N
     _close(got, want)
     assert ours_cache.group_keys is not None and len(ours_cache.group_keys) == (prefix + extend) // 16
     assert ours_cache.pending_k is not None and len(ours_cache.pending_k) == (prefix + extend) % 16
+
+
+def test_a_selection_does_not_depend_on_later_groups() -> None:
+    """Tied scores (zeros): a query selects the same groups whether the scores span 4 groups or 12, the later
+    ones invisible to it (a chunk's scores, or a whole request's): what a prefix hit needs of the selection."""
+    cfg = PRESETS["tiny-glm53"]
+    positions = torch.tensor([63, 47])
+    narrow, wide = torch.zeros(2, 4), torch.zeros(2, 12)
+    narrow[1, 1] = wide[1, 1] = 0.5  # the second query: group 1, then a tie between groups 0 and 2
+    got_narrow, got_wide = select(cfg, narrow, positions), select(cfg, wide, positions)
+    assert torch.equal(got_narrow, got_wide)
+    assert got_narrow[0, :32].tolist() == list(range(32))  # the lower ids win the tie
+    assert got_narrow[1, :32].tolist() == list(range(32))
 
 
 def test_the_oracle_runs_chunks_as_one(pair) -> None:

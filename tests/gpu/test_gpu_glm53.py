@@ -3,19 +3,19 @@
 Two ranks share the GPU over gloo; requests and chunks are not multiples of the 16-token group, the
 blocks or the pages, and one request has a cached prefix, so level 8 materializes history and
 prefetches it on a CUDA side stream over the KDA layer before each indexed layer; the KDA layers run the
-Triton kernels (the model's kernel table). The runs keep bf16 latent rows (FP8 rows:
-``test_gpu_glm53_rows_and_round_robin.py``) and compute in
-float32: the GLM-5.3 check compares every indexed layer's selections as exact sets (no tie rule), and
-in float32 the CP run's and the oracle's different GEMM batching cannot move a group across the
-selection boundary the way bf16 rounding can. Outputs follow the rounding-tolerant rule of
-:mod:`reference_impl.check` (not a CPU run).
+Triton kernels (the model's kernel table). A third run puts two batches on one pool: a request hits the
+first's prefix inside a KDA block and a chunk, from the checkpoint kept there. The runs keep bf16 latent
+rows (FP8 rows: ``test_gpu_glm53_rows_and_round_robin.py``) and compute in float32: the GLM-5.3 check
+compares every indexed layer's selections as exact sets, and in float32 the CP run's and the oracle's
+different GEMM batching cannot move a group across the selection boundary the way bf16 rounding can.
+Outputs follow the rounding-tolerant rule of :mod:`reference_impl.check` (not a CPU run).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from reference_impl.config import PhaseSet, Request, RunConfig
+from reference_impl.config import PhaseSet, Request, RunConfig, parse_batches
 
 pytestmark = [pytest.mark.gpu, pytest.mark.gpu_ranks]
 
@@ -35,11 +35,16 @@ TINY = RunConfig(
 def glm53_reports() -> dict[str, dict]:
     from reference_impl.runner import run_prefills
 
-    configs = {"level0": TINY.replace(phases=PhaseSet.level(0)), "level8": TINY.replace(phases=PhaseSet.level(8))}
+    requests, sizes = parse_batches("0+150;r0:69+30,13+20")  # P = 69: inside r0's second chunk, mid-group
+    configs = {
+        "level0": TINY.replace(phases=PhaseSet.level(0)),
+        "level8": TINY.replace(phases=PhaseSet.level(8)),
+        "level8_hits": TINY.replace(phases=PhaseSet.level(8), requests=tuple(requests), batch_sizes=sizes),
+    }
     return dict(zip(configs, run_prefills(list(configs.values()), timeout_s=600)))
 
 
-@pytest.mark.parametrize("name", ["level0", "level8"])
+@pytest.mark.parametrize("name", ["level0", "level8", "level8_hits"])
 def test_tiny_glm53_ranks_match_the_oracle(glm53_reports: dict[str, dict], name: str) -> None:
     rep = glm53_reports[name]
     assert rep["matches_oracle"] is True, rep["problems"]

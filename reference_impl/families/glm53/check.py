@@ -3,7 +3,7 @@
 * **outputs**: every token's final hidden state, every rank's output rows and logits
   (:func:`reference_impl.check.compare_outputs`), within the exact tolerance on a CPU in float32;
 * **selections**: per indexed layer and query, the selected positions equal the oracle's, as sets
-  (float32 index scores of random weights do not tie; a tie rule is not built);
+  (among tied scores, which the ReLU makes common, the lower group id: :func:`~.model.dsa.select`);
 * **caches**: every KDA layer's state and convolution tail on every rank equal the oracle's (the state
   within :data:`STATE_TOL`: the blocks' maps compose it in another order than the sequential
   recurrence; the tail, rows of the layer's input projection, within the hidden states' tolerance, as

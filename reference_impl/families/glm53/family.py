@@ -7,10 +7,11 @@ hand-off and halo, the pooled indexer) and the comparison (:mod:`.check`).
 
 Built: levels 0-8 (what each phase does here: :mod:`.cp.step`), the in-seq split and the round-robin
 split (its KDA layers re-split into contiguous blocks and back: :mod:`.cp.step`; phases 4 and 5 are in-seq
-only), chunked prefill, cached prefixes, FP8 latent rows (``kv_dtype="fp8"``, the default: 512 e4m3 codes
-and four float32 tile scales, 528 bytes, :mod:`.cache_layout`; scales in ``mla_scale_fmt``) and bf16 rows
-(``kv_dtype="bf16"``). Refused by name: the competing KV designs, several batches, IndexShare patterns
-from the command line.
+only), chunked prefill, cached prefixes, several batches on one pool with prefix hits ``rN:P+E`` and eviction
+under ``pool_pages`` (:meth:`Glm53Family.install_prefixes`), FP8 latent rows (``kv_dtype="fp8"``, the default:
+512 e4m3 codes and four float32 tile scales, 528 bytes, :mod:`.cache_layout`; scales in ``mla_scale_fmt``) and bf16 rows
+(``kv_dtype="bf16"``). Refused by name: the competing KV designs, a hit inside another hit, IndexShare
+patterns from the command line.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from reference_impl.families.glm53 import footprint
 from reference_impl.families.glm53.cache_layout import LatentRows, check_fp8_width
 from reference_impl.families.glm53.config import GLM53_PRESETS, Glm53Config
 from reference_impl.families.glm53.cp.step import PER_LAYER_TAGS, Glm53Step
-from reference_impl.families.glm53.cp.store import Glm53Store
+from reference_impl.families.glm53.cp.store import Glm53Store, hit_points
 from reference_impl.families.glm53.model.oracle import (
     DSACache,
     Glm53Model,
@@ -74,10 +75,14 @@ class Glm53Family:
             check_fp8_width(run.model.kv_lora_rank, f"kv_dtype=fp8: {run.preset}'s kv_lora_rank")
         if run.kv_design != "phases":
             raise ConfigError(f"kv_design={run.kv_design}: {run.preset} runs under the phases only")
-        if run.batch_sizes is not None or any(r.shares is not None for r in run.requests):
-            raise ConfigError(
-                f"{run.preset}: several batches and shared prefixes (rN:P+E) are not wired; run one batch"
-            )
+        for i, r in enumerate(run.requests):
+            source = run.requests[r.shares] if r.shares is not None else None
+            if source is not None and source.shares is not None and r.prefix <= source.prefix:
+                raise ConfigError(  # the source took that state from its own source and kept none there
+                    f"requests: r{i} = r{r.shares}:{r.prefix}+{r.extend} hits inside r{r.shares}'s own hit of "
+                    f"r{source.shares} ({source.prefix} tokens); on {run.preset} write it as "
+                    f"r{source.shares}:{r.prefix}+{r.extend}"
+                )
         if run.index_topk_pattern is not None:
             raise ConfigError(f"index_topk_pattern: {run.preset}'s IndexShare is set by its indexer_types; drop it")
         if run.cpu_widths:
@@ -141,30 +146,64 @@ class Glm53Family:
         chunk: Chunk,
         shared_tokens: dict[int, int],
     ) -> None:
-        """Each cached prefix as an earlier prefill left it: the oracle over the prefix, each rank keeping
-        its share (its latent rows and the groups whose last token it owns; the KDA states and the
-        incomplete group's raw rows everywhere)."""
+        """A batch's first chunk: each request that hits an earlier request's prefix copies what it needs
+        from the store (:meth:`~.cp.store.Glm53Store.take_hit`), requests freed or evicted since are dropped,
+        and every other cached prefix (a miss's whole prefix among them) is installed as an earlier prefill
+        left it: the oracle over the prefix, each rank keeping its share (its latent rows and the groups whose
+        last token it owns; the KDA states and the incomplete group's raw rows everywhere), with the
+        checkpoints at the hit points inside it. The rules: docs/glm-5.3.md, "Prefix hits and eviction"."""
+        from reference_impl.families.deepseek_v4.family import pool_timeline  # the engine's page table, replayed
+
         assert isinstance(model, Glm53Model)
-        P = run.model.index_kpool
-        for i, req in enumerate(chunk.requests):
+        if store.timeline is None:  # pure metadata, the same on every rank
+            store.timeline = pool_timeline(run)
+        hits = store.timeline.hits[chunk.batch]
+        locs_of = {req: store.batch.request_locs[i] for i, req in enumerate(chunk.requests)}
+        taken = {  # before anything is dropped: a source the same batch evicts serves its hits first
+            req: store.take_hit(req, source, run.requests[req].prefix, shared_tokens.get(req, 0))
+            for req in chunk.requests
+            if req in hits and (source := run.requests[req].shares) is not None
+        }
+        by_reference = [locs_of[req][: hit.shared].cpu() for req, hit in taken.items()]
+        store.keep_only(store.timeline.resident_at(chunk), by_reference)
+        for req, hit in taken.items():
+            store.put_hit(req, locs_of[req], hit)
+        points = hit_points(run)
+        for req in chunk.requests:
             prefix = run.requests[req].prefix
-            if not prefix:
+            if not prefix or req in hits:
                 continue
-            oracle = run_glm53_oracle(model, [0], [inputs[req][:prefix]], store.rows)
-            locs = store.batch.request_locs[i][:prefix]
-            for layer, caches in enumerate(oracle.caches):
-                cache = caches[0]
-                if isinstance(cache, KDACache):
-                    store.kda[(layer, int(locs[0]))] = KDACache(cache.state.clone(), cache.conv.clone())
-                    continue
-                assert isinstance(cache, DSACache)
-                store.write_latent(layer, locs, cache.latent)
-                if cache.group_keys is not None:
-                    assert cache.pending_k is not None and cache.pending_gate is not None
-                    ends = locs[P - 1 :: P][: len(cache.group_keys)]
-                    mine = store.mine(ends)
-                    store.write_group_keys(layer, ends[mine], cache.group_keys[mine])
-                    store.set_pending(layer, locs, cache.pending_k.clone(), cache.pending_gate.clone())
+            locs = locs_of[req][:prefix]
+            self._install(run, model, inputs[req][:prefix], store, req, locs)
+            for q in sorted(q for q in points.get(req, ()) if q <= prefix):  # that earlier prefill's checkpoints
+                at_q = run_glm53_oracle(model, [0], [inputs[req][:q]], store.rows)
+                for layer, (cache,) in enumerate(at_q.caches):
+                    if isinstance(cache, KDACache):
+                        store.checkpoint(req, q)[layer] = KDACache(cache.state.clone(), cache.conv.clone())
+                    elif cache.pending_k is not None and cache.pending_gate is not None:
+                        store.checkpoint(req, q)[layer] = (cache.pending_k.clone(), cache.pending_gate.clone())
+
+    @staticmethod
+    def _install(
+        run: RunConfig, model: Glm53Model, tokens: torch.Tensor, store: Glm53Store, req: int, locs: torch.Tensor
+    ) -> None:
+        """Request ``req``'s cached prefix ``tokens`` at ``locs``: the oracle over it, each rank keeping its share."""
+        P = run.model.index_kpool
+        oracle = run_glm53_oracle(model, [0], [tokens], store.rows)
+        for layer, caches in enumerate(oracle.caches):
+            cache = caches[0]
+            if isinstance(cache, KDACache):
+                store.kda[(layer, req)] = KDACache(cache.state.clone(), cache.conv.clone())
+                continue
+            assert isinstance(cache, DSACache)
+            store.write_latent(layer, locs, cache.latent)
+            if cache.group_keys is not None:
+                assert cache.pending_k is not None and cache.pending_gate is not None
+                ends = locs[P - 1 :: P][: len(cache.group_keys)]
+                mine = store.mine(ends)
+                store.write_group_keys(layer, ends[mine], cache.group_keys[mine])
+                store.set_pending_of(layer, req, cache.pending_k.clone(), cache.pending_gate.clone())
+        store.locs[req] = locs.cpu()
 
     def chunk_step(self, inputs: ChunkInputs) -> Glm53Step:
         return Glm53Step(inputs)

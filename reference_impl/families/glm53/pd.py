@@ -160,7 +160,7 @@ def ships_replicas(own: Ownership, locs: torch.Tensor, rank: int) -> bool:
 class _Plan:
     """One finished request's send, planned before the layer loop (host reads there, none in the loop)."""
 
-    key: int  # the store's request key (its first loc)
+    key: int  # the store's request key (run-global)
     replica: bool  # whether this rank ships the replicated parts
     n_tokens: int
     latent_positions: torch.Tensor  # int64 host: the token positions of the rows this rank stores
@@ -202,7 +202,7 @@ class Glm53LayerStreamer:
             groups = owned_rows(own, rank, cfg, host, KEYS)
             ends = host[cfg.index_kpool - 1 :: cfg.index_kpool]
             plan = _Plan(
-                int(host[0]),
+                req,
                 ships_replicas(own, host, rank),
                 len(host),
                 positions,
@@ -430,7 +430,8 @@ class Glm53Decoder:
     def _typed(self, req: int, layer: int, part: int, dtype: torch.dtype) -> torch.Tensor:
         """The region as ``dtype [rows, row bytes / itemsize]`` (a view of the arena)."""
         region = self.view(req, layer, part)
-        return region.reshape(-1).view(dtype).reshape(region.shape[0], -1)
+        width = region.shape[1] * region.element_size() // dtype.itemsize  # named: a region may have no rows
+        return region.reshape(-1).view(dtype).reshape(region.shape[0], width)
 
     def caches(self) -> list[list[KDACache | DSACache]]:
         """``[layer][request]``: the oracle's cache types assembled from the arena (views of it)."""

@@ -37,6 +37,13 @@ otherwise than the block's owner. The engine's group offers all-gathers only; an
 a rank just its block's rows (``1/C`` of each gather). Replaying the recurrence on every rank instead
 would gather the wider convolution inputs and gates and multiply the layer's work by ``C``.
 
+**Checkpoints at hit points.** A later request ``rN:P+E`` needs request ``N``'s KDA states, convolution tails
+and pending indexer rows at ``P``, and ``N`` keeps those at its end only; so ``N`` keeps a checkpoint as its
+chunk passes ``P``. On a KDA layer the owner of the block holding token ``P - 1`` maps the block's tokens
+before ``P`` and takes the convolution rows before ``P``; one all-gather (tag ``glm53_kda_checkpoint``) brings
+them to every rank, which applies the map to the block's entering state (:meth:`Glm53Step._kda_checkpoints`).
+On an indexed layer every rank slices the group incomplete at ``P`` from the gathered raw rows (:meth:`_pool`).
+
 **Indexed layers.** The chunk's latent rows and raw indexer rows are all-gathered in sequence order
 (tag ``glm53_current``); each rank stores the latent rows it owns and the keys of the groups whose last
 token it owns (a group straddling a block, chunk or prefix boundary is completed from the request's
@@ -100,10 +107,10 @@ from reference_impl.cp.prefetch import CudaSideStream, InlineStream, Stream
 from reference_impl.cp.rerange import gather_current
 from reference_impl.cp.split import SplitMetadata
 from reference_impl.families.base import ChunkInputs
-from reference_impl.families.glm53.cp.store import Glm53Store
+from reference_impl.families.glm53.cp.store import Glm53Store, hit_points
 from reference_impl.families.glm53.model.dsa import MLAttention, group_scores, select
 from reference_impl.families.glm53.model.kda import KDAttention, compose
-from reference_impl.families.glm53.model.oracle import Glm53Block
+from reference_impl.families.glm53.model.oracle import Glm53Block, KDACache
 
 PREFETCH_TAG = "glm53_prefetch"  # phase 8's materializations (latent rows and group keys, one layer ahead)
 PER_LAYER_TAGS = (
@@ -115,6 +122,7 @@ PER_LAYER_TAGS = (
     PREFETCH_TAG,
     "glm53_kda_resplit",
     "glm53_kda_return",
+    "glm53_kda_checkpoint",
 )
 Block = tuple[int, int, int, int]  # request, its first absolute position, length, first row in the rank's rows
 
@@ -157,8 +165,10 @@ def entering_states(
 class _RequestPlan:
     """One chunk request's host ints and device index tensors for the indexed layers, built before the loop."""
 
-    key: int  # the store's request key (its first loc)
+    key: int  # the store's request key (run-global)
+    points: tuple[int, ...]  # hit points of later requests inside the chunk: ``prefix < P <= prefix + extend``
     rows: slice  # its rows of the chunk's all-gathered current rows (sequence order)
+    group_start: int  # the first position of its pending rows (``prefix // kpool * kpool``)
     new_groups: int  # groups its chunk completes (``(prefix + extend) // kpool - prefix // kpool``)
     own_groups: torch.Tensor  # int64: which of them this rank stores (their last token's loc is its own)
     own_group_locs: torch.Tensor  # int64: where (their last token's loc)
@@ -192,6 +202,22 @@ class Glm53Step:
                 for r in range(meta.cp_size)
             ]
         self.mine = self.blocks[rank]
+        # Hit points inside the chunk: the block whose tokens end at or pass each (module docstring, checkpoints)
+        points = hit_points(inputs.run)
+        self.points = [  # (chunk request, P, rank, the block's index in that rank's blocks, tokens of it before P)
+            (req, q, r, n, q - pos)
+            for r, blocks in enumerate(self.blocks)
+            for n, (req, pos, length, _) in enumerate(blocks)
+            for q in sorted(points.get(inputs.chunk.requests[req], ()))
+            if pos < q <= pos + length
+        ]
+        self.point_counts = [sum(1 for p in self.points if p[2] == r) for r in range(meta.cp_size)]
+        # A later chunk's pages may have evicted a cached request: drop it, and forget rows at locs no request
+        # has computed, before the chunk's locs count as computed.
+        store = inputs.store
+        if store.timeline is not None:
+            store.keep_only(store.timeline.resident_at(inputs.chunk))
+        store.begin_chunk(inputs.chunk.requests, tuple(self._request_locs(i) for i in range(len(meta.extend_lens))))
         locals_ = meta.local_tokens(rank)
         self.local_request = torch.tensor([meta.token_request[g] for g in locals_], dtype=torch.long)
         self.transient_bytes = 0
@@ -220,6 +246,7 @@ class Glm53Step:
             self.store_locs = extend_locs[keep].to(device)
         self.requests: list[_RequestPlan] = []
         latent_want, key_want, start = [], [], 0
+        points = hit_points(i.run)
         for req, (prefix, extend) in enumerate(zip(i.chunk.prefix_lens, i.chunk.extend_lens)):
             locs, total = host[req], prefix + extend
             first, last = prefix // P, total // P  # the chunk completes groups first .. last - 1
@@ -228,8 +255,10 @@ class Glm53Step:
             local = torch.nonzero(self.local_request == req).flatten()
             self.requests.append(
                 _RequestPlan(
-                    key=int(locs[0]),
+                    key=i.chunk.requests[req],
+                    points=tuple(sorted(q for q in points.get(i.chunk.requests[req], ()) if prefix < q <= total)),
                     rows=slice(start, start + extend),
+                    group_start=first * P,
                     new_groups=last - first,
                     own_groups=own.to(device),
                     own_group_locs=ends[first:][own].to(device),
@@ -349,6 +378,8 @@ class Glm53Step:
                 cache.state, [(all_maps[i, ..., :Dk], all_maps[i, ..., Dk:]) for i in ids]
             )
             entering.update(zip(ids, states))
+        if self.points:  # 3b. the state and tail at each hit point inside the chunk (module docstring)
+            self._kda_checkpoints(layer, attn, mixed, g, beta, qkv, entering, halos, first_block=counts)
         # 4. this rank's blocks from their entering states
         core = h.new_zeros(len(h), H, Dk, dtype=torch.float32)
         for n, (_, _, length, start) in enumerate(self.mine):
@@ -359,6 +390,48 @@ class Glm53Step:
         if not len(h):  # a rank with no block of the round-robin re-split (requests shorter than C) joined the gathers
             return h.new_zeros(0, self.cfg.dim)
         return attn.finish(h, core)
+
+    def _kda_checkpoints(
+        self,
+        layer: int,
+        attn: KDAttention,
+        mixed: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        qkv: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+        entering: dict[int, torch.Tensor],
+        halos: dict[int, torch.Tensor],
+        first_block: list[int],
+    ) -> None:
+        """The KDA state and convolution tail at every hit point ``P`` inside the chunk, on every rank: the owner
+        of the block holding token ``P - 1`` maps the block's first ``P - pos`` tokens (``S -> A S + B``) and takes
+        the convolution rows before ``P``; one all-gather (tag ``glm53_kda_checkpoint``, float32: the rows' dtype
+        converts exactly) brings them to every rank, which composes the map onto the block's entering state."""
+        group, H, Dk, halo = self.inputs.group, self.cfg.linear_num_heads, self.cfg.linear_head_dim, attn.halo
+        C = self.cfg.conv_dim
+        width = H * Dk * 2 * Dk
+        mine = [p for p in self.points if p[2] == group.rank]
+        packed = mixed.new_zeros(len(mine), width + halo * C, dtype=torch.float32)
+        for m, (_, _, _, n, before) in enumerate(mine):
+            q, k, v = qkv[n]
+            start = self.mine[n][3]
+            span = slice(start, start + before)
+            A, B = attn.ops.span_map(k[:before], v[:before], g[span], beta[span])
+            take = min(before, halo)
+            tail = mixed.new_zeros(halo, C, dtype=torch.float32)
+            tail[halo - take :] = mixed[start + before - take : start + before].float()
+            packed[m] = torch.cat([torch.cat([A, B], dim=-1).flatten(), tail.flatten()])
+        gathered = group.all_gather_padded(packed, self.point_counts, "glm53_kda_checkpoint")
+        offsets = list(itertools.accumulate(first_block, initial=0))
+        for m, (req, point, rank, n, before) in enumerate(self.points):
+            block = offsets[rank] + n  # the block's rank-major index, as the maps and tails were gathered
+            maps = gathered[m, :width].view(H, Dk, 2 * Dk)
+            state = compose(entering[block], maps[..., :Dk], maps[..., Dk:])
+            take = min(before, halo)
+            tail = gathered[m, width:].view(halo, C)[halo - take :].to(mixed.dtype)
+            cache = self.store.kda_cache_of(layer, self.requests[req].key)
+            conv = torch.cat([halos[block], tail])[-halo:].to(cache.conv.dtype)
+            self.store.checkpoint(self.requests[req].key, point)[layer] = KDACache(state, conv)
 
     # ---- indexed layers -------------------------------------------------------------------------
     def _dsa(self, layer: int, attn: MLAttention, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -433,6 +506,9 @@ class Glm53Step:
                 own_k, own_g = grouped_k.index_select(0, rp.own_groups), grouped_g.index_select(0, rp.own_groups)
                 store.write_group_keys(layer, rp.own_group_locs, attn.pool(own_k, own_g))
             store.set_pending_of(layer, rp.key, keys[full:], gates[full:])
+            for q in rp.points:  # a later request's hit point: the raw rows of its group incomplete there
+                a, b = q // P * P - rp.group_start, q - rp.group_start  # ``keys`` starts at a group boundary
+                store.checkpoint(rp.key, q)[layer] = (keys[a:b].clone(), gates[a:b].clone())
         return new if self.reuse else None
 
 

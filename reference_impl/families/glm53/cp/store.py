@@ -14,7 +14,16 @@ What each layer type keeps, and where:
   owner, when its last token arrives; the raw indexer rows of each request's incomplete group (at most
   ``kpool - 1``), replicated, waiting for the tokens that complete it.
 
-Requests are keyed by their first loc (stable across chunks: the page table keeps a request's pages).
+A sharded table holds only the slots its rank owns, packed (:meth:`Glm53Store.slot`): its bytes at rest are
+``1 / C`` of a replicated table's. Requests are keyed by their run-global index (a hit shares its source's
+first pages, so a loc names no request alone).
+
+**A long-lived pool.** The store lives across a run's batches. A request ``rN:P+E`` of a later batch takes
+``N``'s whole pages by reference (their rows stay where they are) and copies the rest of what it needs at ``P``
+(:meth:`Glm53Store.take_hit`): the partial page's rows and keys, and the **checkpoint** ``N`` kept at ``P``
+as its prefill passed it (KDA states and tails, pending indexer rows; :mod:`.step`). A request the page table
+no longer lists (freed, or evicted under ``pool_pages``) goes with all it kept (:meth:`Glm53Store.keep_only`).
+The rules, and why: docs/glm-5.3.md, "Prefix hits and eviction".
 
 **Views.** A layer reads each request's latent rows and group keys from position 0: replicated, straight
 from the tables; sharded, **materialized** by one all-gather per table and layer of the rows each rank
@@ -36,6 +45,7 @@ from reference_impl.config import RunConfig, compute_dtype
 from reference_impl.cp.batch import BatchLocs
 from reference_impl.cp.comm import CPGroup
 from reference_impl.cp.ownership import Ownership
+from reference_impl.families.deepseek_v4.cp.eviction import PoolTimeline
 from reference_impl.families.glm53.cache_layout import LatentRows
 from reference_impl.families.glm53.config import Glm53Config
 from reference_impl.families.glm53.model.oracle import KDACache
@@ -50,13 +60,35 @@ class RowGather:
 
     counts: tuple[int, ...]  # per chunk request: rows wanted, in order (the result's split)
     locs: torch.Tensor  # int64 [N]: every wanted loc, request after request (the replicated read)
-    send: torch.Tensor  # int64 [lengths[rank]]: the wanted locs this rank owns, in want order
+    send: torch.Tensor  # int64 [lengths[rank]]: the table slots of the wanted locs this rank owns, in want order
     lengths: tuple[int, ...]  # per rank: rows it sends
     inverse: torch.Tensor  # int64 [N]: the gathered (rank-major) row of each wanted loc
 
     @property
     def total(self) -> int:
         return sum(self.counts)
+
+
+@dataclass(frozen=True)
+class Hit:
+    """What a hit copies of its source (:meth:`Glm53Store.take_hit`), before it is written at its own locs."""
+
+    n_tokens: int  # the hit point ``P``
+    shared: int  # leading tokens in whole pages taken by reference (nothing of them is copied)
+    ends: torch.Tensor  # int64: positions of the last tokens of the groups ending in ``[shared, P)``
+    latent: dict[int, torch.Tensor]  # indexed layer -> the latent rows of ``[shared, P)``, as stored
+    keys: dict[int, torch.Tensor]  # layer with its own indexer -> those groups' keys
+    parts: dict[int, KDACache | tuple[torch.Tensor, torch.Tensor]]  # the checkpoint at ``P``, per layer
+
+
+def hit_points(run: RunConfig) -> dict[int, set[int]]:
+    """Request -> the positions where a later request hits its prefix (``rN:P+E``: ``P`` of ``N``): the run
+    names them up front, so the source keeps a checkpoint there as its computation passes."""
+    points: dict[int, set[int]] = {}
+    for r in run.requests:
+        if r.shares is not None:
+            points.setdefault(r.shares, set()).add(r.prefix)
+    return points
 
 
 class Glm53Store:
@@ -72,15 +104,23 @@ class Glm53Store:
         # The run's row format; the oracle encodes with the same (family.latent_rows), so rows compare byte for byte.
         self.rows = LatentRows.for_run(cfg.kv_lora_rank, run.kv_dtype, cfg.mla_scale_fmt)
         self.compute_dtype = compute_dtype(run, group.device)  # the run's: its KDA states and pending rows
-        slots, dev = batch.n_pages * batch.page_size, group.device
+        # Only the slots this rank owns: sharded, its runs of the ownership packed densely (``Ownership.physical``,
+        # page ``p`` on rank ``p % C`` at page ``p // C`` in-seq; slot ``l`` on rank ``l % C`` at ``l // C`` under
+        # round-robin), so the tables at rest are ``1 / C`` of the replicated ones, not only the rows counted.
+        pages = self.ownership.pages_held(batch.n_pages, group.rank) if self.sharded else batch.n_pages
+        slots, dev = pages * batch.page_size, group.device
         self.dsa_layers = [i for i in range(cfg.n_layers) if not cfg.is_kda(i)]
         self.latent = {i: self.rows.empty(slots, dev) for i in self.dsa_layers}  # stored rows (uint8 for FP8)
         self.latent_held = {i: torch.zeros(slots, dtype=torch.bool, device=dev) for i in self.dsa_layers}
         self.indexed = [i for i in self.dsa_layers if not cfg.shares_selection(i)]
         self.group_keys = {i: torch.zeros(slots, cfg.index_head_dim, device=dev) for i in self.indexed}
         self.group_held = {i: torch.zeros(slots, dtype=torch.bool, device=dev) for i in self.indexed}
-        self.pending: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (layer, request key)
-        self.kda: dict[tuple[int, int], KDACache] = {}  # (layer, request key)
+        self.pending: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (layer, request)
+        self.kda: dict[tuple[int, int], KDACache] = {}  # (layer, request)
+        # (request, hit point) -> per layer: the KDA state and tail, or an indexed layer's pending rows, there
+        self.checkpoints: dict[tuple[int, int], dict[int, KDACache | tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.locs: dict[int, torch.Tensor] = {}  # request (run-global) -> the locs of its computed tokens (host)
+        self.timeline: PoolTimeline | None = None  # the page table's hits and residents (the family sets it)
         self.materialized_bytes = self.transient_bytes = 0
         self.direct = False  # phase 5: the last chunk wrote its own rows (each rank computes what it owns)
 
@@ -118,7 +158,20 @@ class Glm53Store:
                 c.state.numel() * 4 + c.conv.numel() * c.conv.element_size() for c in self.kda.values()
             ),
             "index_pending_bytes": sum(k.numel() * k.element_size() * 2 for k, _ in self.pending.values()),
+            "checkpoint_bytes": sum(  # kept at later requests' hit points
+                sum(t.numel() * t.element_size() for t in ((p.state, p.conv) if isinstance(p, KDACache) else p))
+                for parts in self.checkpoints.values()
+                for p in parts.values()
+            ),
+            "table_bytes": self.table_bytes,
         }
+
+    @property
+    def table_bytes(self) -> int:
+        """What the latent-row and group-key tables allocate, held or not, with their held flags: every logical
+        slot replicated, the rank's own slots sharded."""
+        tables = [*self.latent.values(), *self.latent_held.values(), *self.group_keys.values()]
+        return sum(t.numel() * t.element_size() for t in [*tables, *self.group_held.values()])
 
     def stored_rows(self, layer: int, request_locs: list[torch.Tensor] | None = None) -> dict[int, tuple[Any, ...]]:
         """KDA layers: ``(state, conv tail)``; indexed layers: ``(positions, latent rows as stored, group ids,
@@ -126,16 +179,32 @@ class Glm53Store:
         out: dict[int, tuple[Any, ...]] = {}
         for i, locs in enumerate(request_locs if request_locs is not None else self.batch.request_locs):
             if self.cfg.is_kda(layer):
-                cache = self.kda.get((layer, int(locs[0])))
+                cache = self.kda.get((layer, self.request_at(locs)))
                 out[i] = (None, None) if cache is None else (cache.state.clone(), cache.conv.clone())
                 continue
-            positions = torch.nonzero(self.latent_held[layer][locs]).flatten()
-            rows = self.latent[layer][locs[positions]].clone()
+            positions = torch.nonzero(self.held_at(self.latent_held[layer], locs)).flatten()
+            rows = self.latent[layer][self.slot(locs[positions])].clone()
             if layer in self.group_held:
-                ends = torch.nonzero(self.group_held[layer][locs]).flatten()
-                out[i] = (positions, rows, ends // self.cfg.index_kpool, self.group_keys[layer][locs[ends]].clone())
+                ends = torch.nonzero(self.held_at(self.group_held[layer], locs)).flatten()
+                keys = self.group_keys[layer][self.slot(locs[ends])].clone()
+                out[i] = (positions, rows, ends // self.cfg.index_kpool, keys)
             else:
                 out[i] = (positions, rows, None, None)
+        return out
+
+    def request_at(self, locs: torch.Tensor) -> int:
+        """The request whose computed tokens sit at ``locs`` (the latest such: an earlier one was freed)."""
+        locs = locs.cpu()
+        for req, held in reversed(self.locs.items()):
+            if held.numel() == locs.numel() and torch.equal(held, locs):
+                return req
+        return -1
+
+    def held_at(self, held: torch.Tensor, locs: torch.Tensor) -> torch.Tensor:
+        """``held``'s flags at ``locs``: False where another rank owns the loc."""
+        mine = self.mine(locs)
+        out = torch.zeros(len(locs), dtype=torch.bool, device=held.device)
+        out[mine] = held[self.slot(locs[mine])]
         return out
 
     # ---- the layers' operations -----------------------------------------------------------------
@@ -145,18 +214,17 @@ class Glm53Store:
             return torch.ones_like(locs, dtype=torch.bool)
         return self.ownership.owner(locs) == self.group.rank
 
-    def kda_cache(self, layer: int, locs: torch.Tensor) -> KDACache:
-        return self.kda_cache_of(layer, int(locs[0]))
+    def slot(self, locs: torch.Tensor) -> torch.Tensor:
+        """The table rows of ``locs`` (all owned by this rank): the ownership's packed physical locs when
+        sharded, the locs themselves when replicated. Integer arithmetic on the device: no host read."""
+        return self.ownership.physical(locs) if self.sharded else locs
 
     def kda_cache_of(self, layer: int, request_key: int) -> KDACache:
-        """The KDA state and convolution tail of the request keyed ``request_key`` (its first loc)."""
+        """The KDA state and convolution tail of request ``request_key`` (run-global)."""
         key = (layer, request_key)
         if key not in self.kda:
             self.kda[key] = KDACache.empty(self.cfg, self.compute_dtype, self.group.device)
         return self.kda[key]
-
-    def pending_rows(self, layer: int, locs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.pending_of(layer, int(locs[0]))
 
     def pending_of(self, layer: int, request_key: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The raw indexer rows (keys, gates) of the incomplete group of the request keyed ``request_key``."""
@@ -165,9 +233,6 @@ class Glm53Store:
             empty = torch.zeros(0, self.cfg.index_head_dim, dtype=self.compute_dtype, device=self.group.device)
             self.pending[key] = (empty, empty)
         return self.pending[key]
-
-    def set_pending(self, layer: int, locs: torch.Tensor, keys: torch.Tensor, gates: torch.Tensor) -> None:
-        self.pending[(layer, int(locs[0]))] = (keys, gates)
 
     def set_pending_of(self, layer: int, request_key: int, keys: torch.Tensor, gates: torch.Tensor) -> None:
         self.pending[(layer, request_key)] = (keys, gates)
@@ -180,8 +245,9 @@ class Glm53Store:
 
     def put_latent(self, layer: int, locs: torch.Tensor, rows: torch.Tensor) -> None:
         """Store every row at its loc, encoded (the caller picked the rows this rank owns: no mask, no host read)."""
-        self.latent[layer].index_copy_(0, locs, self.stored_form(rows))
-        self.latent_held[layer].index_fill_(0, locs, True)
+        slots = self.slot(locs)
+        self.latent[layer].index_copy_(0, slots, self.stored_form(rows))
+        self.latent_held[layer].index_fill_(0, slots, True)
 
     def stored_form(self, rows: torch.Tensor) -> torch.Tensor:
         """Latent rows as the table stores them (:meth:`LatentRows.encode`: 528-byte FP8 rows, or bf16): phase 3
@@ -191,22 +257,92 @@ class Glm53Store:
 
     def write_group_keys(self, layer: int, end_locs: torch.Tensor, keys: torch.Tensor) -> None:
         """Pooled keys of groups whose last tokens sit at ``end_locs`` (the caller passes only its own)."""
-        self.group_keys[layer][end_locs] = self.stored_keys(keys)
-        self.group_held[layer][end_locs] = True
+        slots = self.slot(end_locs)
+        self.group_keys[layer][slots] = self.stored_keys(keys)
+        self.group_held[layer][slots] = True
 
     def read_latent(self, layer: int, locs: torch.Tensor) -> torch.Tensor:
         """The stored latent rows at ``locs`` (the caller picked locs this rank holds: no mask, no host read;
         a PD send's read inside the layer loop)."""
-        return self.latent[layer].index_select(0, locs)
+        return self.latent[layer].index_select(0, self.slot(locs))
 
     def read_group_keys(self, layer: int, end_locs: torch.Tensor) -> torch.Tensor:
         """The pooled keys of the groups ending at ``end_locs`` (held by this rank; as :meth:`read_latent`)."""
-        return self.group_keys[layer].index_select(0, end_locs)
+        return self.group_keys[layer].index_select(0, self.slot(end_locs))
 
     @staticmethod
     def stored_keys(keys: torch.Tensor) -> torch.Tensor:
         """Pooled group keys as the table keeps them (float32)."""
         return keys.float()
+
+    # ---- a long-lived pool (the rules: docs/glm-5.3.md, "Prefix hits and eviction") ------------------
+    def begin_chunk(self, requests: tuple[int, ...], request_locs: tuple[torch.Tensor, ...]) -> None:
+        """The chunk's requests (run-global) and their locs through the chunk: computed once it has run."""
+        for req, locs in zip(requests, request_locs):
+            self.locs[req] = locs.cpu()
+
+    def checkpoint(self, req: int, point: int) -> dict[int, KDACache | tuple[torch.Tensor, torch.Tensor]]:
+        """What request ``req`` keeps at hit point ``point``, per layer (filled as its computation passes it)."""
+        return self.checkpoints.setdefault((req, point), {})
+
+    def keep_only(self, resident: frozenset[int], live: list[torch.Tensor] | None = None) -> None:
+        """Drop every request the page table no longer lists (freed, or evicted by a pool budget) with all it
+        kept, and forget every row at a loc no listed request has computed (``live``: more such locs, a hit's
+        pages by reference whose source just went): a page handed out again holds nothing until written."""
+        for old in [r for r in self.locs if r not in resident]:
+            self.drop(old)
+        parts = [*self.locs.values(), *(live or [])]
+        held = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+        slots = self.slot(held[self.mine(held)]).to(self.group.device)
+        for flags in [*self.latent_held.values(), *self.group_held.values()]:
+            kept = torch.zeros_like(flags)
+            kept[slots] = flags[slots]
+            flags.copy_(kept)
+
+    def drop(self, old: int) -> None:
+        """Let request ``old`` go: its KDA states, pending rows and checkpoints (its rows go with their locs)."""
+        self.locs.pop(old, None)
+        for table in (self.kda, self.pending):
+            for key in [key for key in table if key[1] == old]:
+                del table[key]
+        for key in [key for key in self.checkpoints if key[0] == old]:
+            del self.checkpoints[key]
+
+    def take_hit(self, req: int, source: int, n_tokens: int, shared: int) -> Hit:
+        """What request ``req``'s hit of ``source``'s first ``n_tokens`` tokens copies (every rank calls it alike:
+        a sharded copy is a collective): the latent rows and group keys in ``source``'s pages past the ``shared``
+        tokens taken by reference, and the checkpoint at ``n_tokens``. Copies, never views: the source may be
+        evicted right after and its pages handed out again."""
+        if source not in self.locs or (source, n_tokens) not in self.checkpoints:
+            raise AssertionError(f"request {req} hits request {source}, whose state this store dropped")
+        src, kp = self.locs[source], self.cfg.index_kpool
+        ends = torch.arange(shared // kp, n_tokens // kp) * kp + kp - 1  # groups ending past the shared pages
+        rows_plan, keys_plan = self.row_gather([src[shared:n_tokens]]), self.row_gather([src[ends]])
+        latent = {i: self.materialize(self.latent[i], rows_plan, "glm53_hit")[0] for i in self.dsa_layers}
+        keys = {i: self.materialize(self.group_keys[i], keys_plan, "glm53_hit")[0] for i in self.indexed}
+        parts: dict[int, KDACache | tuple[torch.Tensor, torch.Tensor]] = {}
+        for layer, part in self.checkpoints[(source, n_tokens)].items():
+            if isinstance(part, KDACache):
+                parts[layer] = KDACache(part.state.clone(), part.conv.clone())
+            else:
+                parts[layer] = (part[0].clone(), part[1].clone())
+        return Hit(n_tokens, shared, ends, latent, keys, parts)
+
+    def put_hit(self, req: int, locs: torch.Tensor, hit: Hit) -> None:
+        """Request ``req`` (its locs ``locs``, on the device) starts with ``hit``: the copied rows at its own locs,
+        each on its owner, and the checkpoint as its KDA states and pending rows (on every rank)."""
+        at, ends = locs[hit.shared : hit.n_tokens], locs[hit.ends.to(locs.device)]
+        for layer, rows in hit.latent.items():
+            self.write_latent(layer, at, rows.to(at.device))
+        for layer, keys in hit.keys.items():
+            mine = self.mine(ends)
+            self.write_group_keys(layer, ends[mine], keys.to(ends.device)[mine])
+        for layer, part in hit.parts.items():
+            if isinstance(part, KDACache):
+                self.kda[(layer, req)] = part
+            else:
+                self.pending[(layer, req)] = part
+        self.locs[req] = locs[: hit.n_tokens].cpu()
 
     # ---- materialized views ---------------------------------------------------------------------
     def row_gather(self, request_locs: list[torch.Tensor]) -> RowGather:
@@ -223,7 +359,7 @@ class Glm53Store:
         order = torch.cat([torch.nonzero(owner == r).flatten() for r in range(self.group.size)])
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(len(order))
-        send = want[owner == self.group.rank]
+        send = self.slot(want[owner == self.group.rank])
         return RowGather(counts, want.to(device), send.to(device), lengths, inverse.to(device))
 
     def materialize(self, table: torch.Tensor, plan: RowGather, tag: str) -> list[torch.Tensor]:

@@ -137,7 +137,10 @@ def select(
     candidate = (group_ids[None, :] * P + P - 1) <= positions[:, None]
     masked = scores.float().masked_fill(~candidate, float("-inf"))
     k = min(cfg.groups_selected, G)
-    chosen = masked.topk(k, dim=1).indices if k else scores.new_zeros((T, 0), dtype=torch.long)
+    # Ties are common (the ReLU zeroes many scores): the lower group id wins (a stable sort), so a query picks
+    # the same groups however many later, invisible groups the scores span (a chunk's, a whole request's).
+    order = masked.sort(dim=1, descending=True, stable=True).indices
+    chosen = order[:, :k] if k else scores.new_zeros((T, 0), dtype=torch.long)
     chosen_ok = candidate.gather(1, chosen)
     starts = torch.where(chosen_ok, group_ids[chosen] * P, -1)  # [T, k]
     offsets = torch.arange(P, device=scores.device)
