@@ -56,6 +56,7 @@ LAYERS: dict[str, int] = {
     "check": 6,
     "report": 6,
     "prefill_decode": 6,
+    "pool_timeline": 6,
     "footprint": 6,
     "rank_processes": 6,
     "cli": 7,

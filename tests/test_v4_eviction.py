@@ -1,7 +1,7 @@
 """DeepSeek-V4 on a budgeted long-lived pool (``pool_pages``): the store drops a cached request's whole state
 (entries, indexer keys, window tail, compressor state, checkpoints) when the page table evicts it, a hit is
 served only while its source is cached, and a request whose source was evicted recomputes its whole prefix
-(the rules: :mod:`reference_impl.families.deepseek_v4.cp.eviction`).
+(the rules: :mod:`reference_impl.families.deepseek_v4.cp.store` and :mod:`reference_impl.pool_timeline`).
 
 The hand-computed scenario (``tiny-v4``, pages of 32 tokens, a budget of 10 pages):
 
@@ -26,8 +26,8 @@ from reference_impl.engine import replay_pool
 from reference_impl.errors import RankFailedError
 from reference_impl.families.deepseek_v4.cache_layout import index_entry_bytes, main_entry_bytes
 from reference_impl.families.deepseek_v4.cp.store import V4Store
-from reference_impl.families.deepseek_v4.family import pool_timeline
 from reference_impl.kvcache.allocator import PrefixCache
+from reference_impl.pool_timeline import pool_timeline
 from reference_impl.presets import get_preset
 from reference_impl.runner import run_prefill
 

@@ -22,7 +22,6 @@ from reference_impl.cp.split import SplitMetadata
 from reference_impl.families.base import ChunkInputs, PDPayload
 from reference_impl.families.deepseek_v4 import footprint
 from reference_impl.families.deepseek_v4.config import V4_PRESETS, V4ModelConfig
-from reference_impl.families.deepseek_v4.cp.eviction import PoolTimeline
 from reference_impl.families.deepseek_v4.cp.layer import PER_LAYER_TAGS_V4, V4ChunkRunner
 from reference_impl.families.deepseek_v4.cp.store import (
     V4Store,
@@ -33,7 +32,7 @@ from reference_impl.families.deepseek_v4.cp.store import (
 from reference_impl.families.deepseek_v4.model.oracle import V4Model, V4OracleResult, build_v4_model, run_v4_oracle
 from reference_impl.families.deepseek_v4.pd import V4PDPayload
 from reference_impl.footprint import PROCESS_BASE, SAFETY
-from reference_impl.schedule import Chunk, chunk_schedule
+from reference_impl.schedule import Chunk
 
 PrefixSource = Callable[[RunConfig, torch.nn.Module, list[torch.Tensor], V4Store, Chunk], None]
 """How the store gets a chunk's cached prefixes: :func:`~.cp.store.install_v4_prefixes` (the oracle's
@@ -71,28 +70,6 @@ class _V4Step:
 
     def prefetch_wait_ms(self) -> list[float]:
         return []
-
-
-def pool_timeline(run: RunConfig) -> PoolTimeline:
-    """Replay the run's page table (:func:`~reference_impl.engine.replay_pool`'s steps) -> a
-    :class:`~.cp.eviction.PoolTimeline` (see :mod:`.cp.eviction`)."""
-    from reference_impl.engine import RunPool, chunk_metadata  # the engine imports the families
-
-    pool = RunPool(run)
-    table = pool.table
-    hits: dict[int, frozenset[int]] = {}
-    resident: dict[int, frozenset[int]] = {}
-    chunks = chunk_schedule(run)
-    for index, chunk in enumerate(chunks):
-        first_of_batch = index == 0 or chunks[index - 1].batch != chunk.batch
-        pool.build(chunk, chunk_metadata(run, chunk), "cpu", table.allocator.n_pages, first_of_batch)
-        if first_of_batch:
-            hits[chunk.batch] = frozenset(
-                req for req in chunk.requests if run.requests[req].shares is not None and table.started_by_sharing(req)
-            )
-        resident[chunk.token_ids[0]] = frozenset(int(req) for req in table.requests)  # type: ignore[call-overload]
-        pool.release(pool.leaving(chunk))
-    return PoolTimeline(hits, resident)
 
 
 class DeepSeekV4Family:
@@ -202,7 +179,9 @@ class DeepSeekV4Family:
         """A batch's first chunk: requests that start with an earlier request's prefix served from the store
         (the hit rules of :mod:`~.cp.store`), then requests freed or evicted since dropped with their pages,
         then cached prefixes installed (:data:`PrefixSource`), a miss's whole prefix among them (what goes
-        together and why: :mod:`~.cp.eviction`)."""
+        together and why: :mod:`~.cp.store`)."""
+        from reference_impl.pool_timeline import pool_timeline  # the engine's page table, replayed
+
         if store.timeline is None:  # pure metadata, the same on every rank
             store.timeline = pool_timeline(run)
         store.begin_chunk(list(chunk.requests), list(store.batch.request_locs))

@@ -152,7 +152,7 @@ class Glm53Family:
         left it: the oracle over the prefix, each rank keeping its share (its latent rows and the groups whose
         last token it owns; the KDA states and the incomplete group's raw rows everywhere), with the
         checkpoints at the hit points inside it. The rules: docs/glm-5.3.md, "Prefix hits and eviction"."""
-        from reference_impl.families.deepseek_v4.family import pool_timeline  # the engine's page table, replayed
+        from reference_impl.pool_timeline import pool_timeline  # the engine's page table, replayed
 
         assert isinstance(model, Glm53Model)
         if store.timeline is None:  # pure metadata, the same on every rank

@@ -51,10 +51,25 @@ fresh pages for the rest (the prefix's partial page and everything after). The r
   per CSA layer at the hit, ``v4_hit``); HCA entries are replicated and taken locally (a hit keeps copies,
   never views, of what it takes: its source may be evicted right after);
 * **lifetime** -- a request's state goes with its pages: when the page table no longer lists it
-  (freed, or evicted by a pool budget: :mod:`~.eviction` says what goes together and why a request
-  whose source was evicted recomputes its whole prefix), or when one of its pages comes back into
+  (freed, or evicted by a pool budget: the rules below), or when one of its pages comes back into
   use (the page table frees a page only when its last holder is freed). A hit whose source the same
   batch evicts is served first, as the hit copies the partial page's entries and the checkpoint.
+
+Under a pool budget the store follows the page table's replay
+(:func:`~reference_impl.pool_timeline.pool_timeline`):
+
+* **the eviction unit** is a cached request, as the table's LRU evicts it: its pages that no other
+  request holds go back, and the store drops *all* its state with them -- every entry (an entry whose
+  block straddles pages goes with the request, whichever of its pages another request still holds),
+  its window tail and compressor state, and every checkpoint it kept for a later hit;
+* **a hit** is a request whose source was still in the table when its pages were taken (the table
+  gave it the source's whole prefix pages by reference): the store serves it by the hit rules of
+  :mod:`~.store` before it drops anything the same batch evicted (the copy of the partial page's
+  entries and of the checkpoint happens at the hit, before the pages go back);
+* **a miss** -- the source was evicted -- recomputes its whole prefix, like a request whose prefix
+  was never cached; it is never truncated to the part of the source's pages another request still
+  holds: a hit at ``Q`` needs the window tail and the carried rows at ``Q``, and a request keeps
+  them only at the hit points the run names (:func:`~.store.hit_points`).
 """
 
 from __future__ import annotations
@@ -71,11 +86,11 @@ from reference_impl.cp.comm import CPGroup
 from reference_impl.cp.ownership import Ownership
 from reference_impl.families.deepseek_v4.cache_layout import index_entry_bytes, main_entry_bytes
 from reference_impl.families.deepseek_v4.config import V4ModelConfig
-from reference_impl.families.deepseek_v4.cp.eviction import PoolTimeline
 from reference_impl.families.deepseek_v4.model.cache import V4LayerCache
 from reference_impl.families.deepseek_v4.model.compressor import state_start
 
-if TYPE_CHECKING:  # the schedule sits above the CP layer
+if TYPE_CHECKING:  # the schedule and the page table's replay sit above the CP layer
+    from reference_impl.pool_timeline import PoolTimeline
     from reference_impl.schedule import Chunk
 
 

@@ -37,7 +37,7 @@ row as its 528 bytes, not the 1024 of its bf16 values) and are decoded once, whe
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -45,10 +45,12 @@ from reference_impl.config import RunConfig, compute_dtype
 from reference_impl.cp.batch import BatchLocs
 from reference_impl.cp.comm import CPGroup
 from reference_impl.cp.ownership import Ownership
-from reference_impl.families.deepseek_v4.cp.eviction import PoolTimeline
 from reference_impl.families.glm53.cache_layout import LatentRows
 from reference_impl.families.glm53.config import Glm53Config
 from reference_impl.families.glm53.model.oracle import KDACache
+
+if TYPE_CHECKING:  # annotations only: the page table's replay sits above the CP layer
+    from reference_impl.pool_timeline import PoolTimeline
 
 
 @dataclass(frozen=True)
