@@ -2,20 +2,22 @@
 same whatever the family's cache parts are.
 
 A family ships its cache as **parts**, each a :class:`~reference_impl.pd.transport.RowBlock` with a
-``part`` tag, its rows one region of bytes (:func:`part_block`). :class:`PartStreamer` is a prefill
-rank's layer-wise send of them: the family plans, before a chunk's layer loop, the rows each block will
-hold (:meth:`PartStreamer.expect`) and reads a block (:meth:`PartStreamer.block`); the streamer posts one
-block per part, layer and finished request (:class:`~reference_impl.pd.stream.LayerSends`) and checks each
-block holds the rows planned. The decode side is :class:`~reference_impl.pd.arena.BookedArena`.
+``part`` tag, its rows one region of bytes (:func:`part_block`), and describes them for a run as a
+:class:`PartLayout`: which parts each layer ships, their rows and widths, and who ships them. A
+**sharded** part's rows each come from the rank that stores it; a **replicated** part, which every rank
+holds, comes whole from the request's **replica sender** (:func:`replica_sender`: the rank that owns its
+last token's slot), so exactly one rank ships it and requests spread that work over the ranks.
 
-The **replica sender** of a request (:func:`replica_sender`) is the rank that owns its last token's slot:
-every rank holds the replicated parts, exactly one ships them, and requests spread that work over the ranks.
+From the layout: what a rank ships (:func:`rows_shipped`, :func:`bytes_to_ship`), the decode's arena
+(:func:`arena_shapes` for a :class:`~reference_impl.pd.arena.BookedArena`), and a prefill rank's
+layer-wise send (:class:`PartStreamer`), for which a family reads each block itself.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from functools import partial
+from typing import Protocol
 
 import torch
 
@@ -23,6 +25,7 @@ from reference_impl.config import RunConfig, compute_dtype
 from reference_impl.cp.ownership import Ownership
 from reference_impl.errors import ConfigError
 
+from .arena import RegionKey
 from .stream import LayerSends
 from .transport import BlockTransport, RowBlock
 
@@ -61,36 +64,99 @@ def relative_error(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) ->
     return err
 
 
+class PartLayout(Protocol):
+    """A family's cache parts for one run (the module docstring)."""
+
+    part_names: dict[int, str]  # each part's name in errors
+    n_layers: int
+
+    def parts(self, layer: int) -> tuple[int, ...]:
+        """The parts ``layer`` ships."""
+        ...
+
+    def row_bytes(self, layer: int, part: int) -> int: ...
+
+    def first_and_count(self, layer: int, part: int, n_tokens: int) -> tuple[int, int]:
+        """``(first position, rows)`` of a request's ``part`` on ``layer`` after ``n_tokens`` tokens."""
+        ...
+
+    def rows_stored(self, own: Ownership, rank: int, locs: torch.Tensor, layer: int, part: int) -> int | None:
+        """The rows of a sharded ``part`` that ``rank`` stores (``locs``: the request's logical locs, host);
+        None for a replicated part."""
+        ...
+
+    def ships_replicas(self, own: Ownership, locs: torch.Tensor, rank: int) -> bool:
+        """Whether ``rank`` ships the replicated parts of the request at ``locs`` (host)."""
+        ...
+
+
+def rows_shipped(
+    layout: PartLayout, own: Ownership, rank: int, locs: torch.Tensor, layer: int, part: int, replica: bool
+) -> int:
+    """The rows of a request's ``part`` on ``layer`` that ``rank`` ships (``locs``: the request's logical
+    locs, host, one per token; ``replica``: whether ``rank`` is its replica sender)."""
+    stored = layout.rows_stored(own, rank, locs, layer, part)
+    if stored is not None:
+        return stored
+    return layout.first_and_count(layer, part, len(locs))[1] if replica else 0
+
+
+def bytes_to_ship(layout: PartLayout, run: RunConfig, rank: int, request_locs: dict[int, torch.Tensor]) -> int:
+    """What ``rank`` is to ship of every request, counted from the ownership (its page table's locs) and the
+    layout's arithmetic (``request_locs``: request -> its logical locs, :func:`reference_impl.engine.request_locs`)."""
+    own = Ownership(run.cp_size, run.interleave, run.page_size)
+    total = 0
+    for req, locs in request_locs.items():
+        host = locs[: run.requests[req].total].cpu()
+        replica = layout.ships_replicas(own, host, rank)
+        for layer in range(layout.n_layers):
+            for part in layout.parts(layer):
+                total += rows_shipped(layout, own, rank, host, layer, part, replica) * layout.row_bytes(layer, part)
+    return total
+
+
+def arena_shapes(layout: PartLayout, totals: Sequence[int]) -> Iterator[tuple[RegionKey, int, int, int]]:
+    """The decode's regions, request by request (``totals``: each request's tokens):
+    ``((request, layer, part), first position, rows, row bytes)``."""
+    for req, n in enumerate(totals):
+        for layer in range(layout.n_layers):
+            for part in layout.parts(layer):
+                yield (req, layer, part), *layout.first_and_count(layer, part, n), layout.row_bytes(layer, part)
+
+
 class PartStreamer(LayerSends):
     """A prefill rank's layer-wise send of a family's cache parts (an engine
     :class:`~reference_impl.engine.LayerStoredHook`): after layer ``l`` is stored, one block per part for
     each request the chunk finishes, empty where this rank ships nothing of it, so a two-sided decode knows
-    how many blocks to expect.
+    how many blocks to expect; on CUDA the reads and the copy to pinned host run on a side stream
+    (:mod:`reference_impl.pd.staging`).
 
     A family's streamer implements ``begin_chunk`` (check the store, then :meth:`start_chunk` and one
-    :meth:`expect` per request, layer and part), :meth:`parts` and :meth:`block`."""
+    :meth:`plan_request` per finished request) and :meth:`block`."""
 
-    def __init__(self, transport: BlockTransport, decode_rank: int, part_names: dict[int, str]) -> None:
+    def __init__(self, transport: BlockTransport, decode_rank: int, layout: PartLayout) -> None:
         super().__init__(transport, decode_rank)
-        self.part_names = part_names
+        self.layout = layout
         self.requests: list[int] = []  # the chunk's finished requests
-        self.n_layers = 0
         self.headers: dict[tuple[int, int, int], tuple[int, torch.Tensor]] = {}  # (req, layer, part) -> rows, header
 
-    def start_chunk(self, device: torch.device, finished: Iterable[int], n_layers: int) -> None:
-        """Before a chunk's plan: its finished requests, the store's device and layer count."""
+    def start_chunk(self, device: torch.device, finished: Iterable[int]) -> None:
+        """Before a chunk's plan: its finished requests, and the store's device."""
         self.stage_on(device)
-        self.requests, self.n_layers, self.headers = list(finished), n_layers, {}
+        self.requests, self.headers = list(finished), {}
 
-    def expect(self, request: int, layer: int, part: int, rows: int, row_bytes: int) -> None:
-        """Plan a block: the rows it will hold, and its wire header, built here: a tensor built from host data
-        inside the layer loop counts as a host sync (phase 6)."""
-        header = torch.tensor([request, layer, rows, row_bytes, 0, part], dtype=torch.long)
-        self.headers[request, layer, part] = (rows, header)
-
-    def parts(self, layer: int) -> tuple[int, ...]:
-        """The parts ``layer`` ships."""
-        raise NotImplementedError
+    def plan_request(self, own: Ownership, rank: int, request: int, locs: torch.Tensor) -> bool:
+        """Plan a finished request's blocks (``locs``: its logical locs): the rows each will hold and its wire
+        header, built here: a tensor built from host data inside the layer loop counts as a host sync
+        (phase 6). Whether this rank ships the request's replicated parts."""
+        layout, host = self.layout, locs.cpu()
+        replica = layout.ships_replicas(own, host, rank)
+        for layer in range(layout.n_layers):
+            for part in layout.parts(layer):
+                rows, width = rows_shipped(layout, own, rank, host, layer, part, replica), layout.row_bytes(layer, part)
+                header = torch.tensor([request, layer, rows, width, 0, part], dtype=torch.long)
+                self.headers[request, layer, part] = (rows, header)
+        return replica
 
     def block(self, layer: int, request: int, part: int) -> RowBlock:
         """This rank's ``part`` of ``request`` on ``layer`` (no rows where it ships nothing of it); on CUDA
@@ -99,13 +165,13 @@ class PartStreamer(LayerSends):
 
     def layer_stored(self, layer: int) -> None:
         for req in self.requests:
-            for part in self.parts(layer):
+            for part in self.layout.parts(layer):
                 rows, header = self.headers[req, layer, part]
                 block = self.post(req, header, partial(self.block, layer, req, part))
                 if block.n_rows != rows:  # shapes only: no device read
                     raise ConfigError(
-                        f"request {req} layer {layer}: this rank holds {block.n_rows} {self.part_names[part]} rows, "
-                        f"its ownership says {rows}"
+                        f"request {req} layer {layer}: this rank holds {block.n_rows} "
+                        f"{self.layout.part_names[part]} rows, its ownership says {rows}"
                     )
-            if layer == self.n_layers - 1:
+            if layer == self.layout.n_layers - 1:
                 self.finish(req)

@@ -55,7 +55,15 @@ from reference_impl.families.deepseek_v4.model.cache import V4LayerCache, v4_lay
 from reference_impl.families.deepseek_v4.model.compressor import state_start
 from reference_impl.families.deepseek_v4.model.oracle import V4Block, V4Model, V4OracleResult
 from reference_impl.pd.arena import BookedArena
-from reference_impl.pd.payload import PartStreamer, next_token_inputs, part_block, relative_error, replica_sender
+from reference_impl.pd.payload import (
+    PartStreamer,
+    arena_shapes,
+    bytes_to_ship,
+    next_token_inputs,
+    part_block,
+    relative_error,
+    replica_sender,
+)
 from reference_impl.pd.transport import BlockTransport, RowBlock
 
 ENTRIES, WINDOW, STATE = 1, 2, 3
@@ -90,6 +98,35 @@ def first_and_count(cfg: V4ModelConfig, layer: int, part: int, n_tokens: int) ->
     return first, n_tokens - first
 
 
+class V4Parts:
+    """DeepSeek-V4's parts for one run (a :class:`~reference_impl.pd.payload.PartLayout`): CSA entries
+    sharded by their compute owner, every other part replicated."""
+
+    part_names = PART_NAMES
+
+    def __init__(self, run: RunConfig) -> None:
+        cfg = run.model
+        assert isinstance(cfg, V4ModelConfig)
+        self.cfg, self.codec, self.n_layers = cfg, run.kv_dtype, cfg.n_layers
+
+    def parts(self, layer: int) -> tuple[int, ...]:
+        return parts_of(self.cfg, layer)
+
+    def row_bytes(self, layer: int, part: int) -> int:
+        return row_bytes(self.cfg, self.codec, layer, part)
+
+    def first_and_count(self, layer: int, part: int, n_tokens: int) -> tuple[int, int]:
+        return first_and_count(self.cfg, layer, part, n_tokens)
+
+    def rows_stored(self, own: Ownership, rank: int, locs: torch.Tensor, layer: int, part: int) -> int | None:
+        if part != ENTRIES or self.cfg.ratio(layer) != 4:
+            return None
+        return entry_owners(own, locs, range(len(locs) // 4)).count(rank)
+
+    def ships_replicas(self, own: Ownership, locs: torch.Tensor, rank: int) -> bool:
+        return replica_sender(own, locs) == rank
+
+
 # ---- the prefill side ------------------------------------------------------------------------
 
 
@@ -97,8 +134,8 @@ class V4LayerStreamer(PartStreamer):
     """A prefill rank's layer-wise send of its V4 cache: one block per part for each request the chunk
     finishes (the module docstring's table), after each layer is stored."""
 
-    def __init__(self, transport: BlockTransport, decode_rank: int) -> None:
-        super().__init__(transport, decode_rank, PART_NAMES)
+    def __init__(self, run: RunConfig, transport: BlockTransport, decode_rank: int) -> None:
+        super().__init__(transport, decode_rank, V4Parts(run))
         self.store: V4Store | None = None
         self.replicas: dict[int, bool] = {}  # finished request -> whether this rank ships its replicated parts
 
@@ -106,32 +143,18 @@ class V4LayerStreamer(PartStreamer):
         if not isinstance(store, V4Store) or not store.sharded:
             raise ConfigError("a layer-wise V4 PD send needs the V4 store with CSA entries sharded (phase 2)")
         self.store = store
-        cfg, rank = store.cfg, store.group.rank
-        self.start_chunk(store.group.device, finished, cfg.n_layers)
+        self.start_chunk(store.group.device, finished)
         assert store.ownership is not None
-        self.replicas = {req: replica_sender(store.ownership, locs) == rank for req, locs in finished.items()}
-        # The rows each block will hold, from the ownership and the cache's arithmetic.
-        for req, locs in finished.items():
-            n = int(locs.numel())
-            for layer in range(cfg.n_layers):
-                for part in parts_of(cfg, layer):
-                    rows = first_and_count(cfg, layer, part, n)[1]
-                    if part == ENTRIES and cfg.ratio(layer) == 4:
-                        rows = entry_owners(store.ownership, locs.cpu(), range(rows)).count(rank)
-                    elif not self.replicas[req]:
-                        rows = 0
-                    self.expect(req, layer, part, rows, row_bytes(cfg, store.codec, layer, part))
-
-    def parts(self, layer: int) -> tuple[int, ...]:
-        assert self.store is not None
-        return parts_of(self.store.cfg, layer)
+        self.replicas = {
+            req: self.plan_request(store.ownership, store.group.rank, req, locs) for req, locs in finished.items()
+        }
 
     def block(self, layer: int, request: int, part: int) -> RowBlock:
         store, replica = self.store, self.replicas[request]
         assert store is not None
         cfg, st = store.cfg, store.state(layer, request)
         n = st.n_tokens
-        width = row_bytes(cfg, store.codec, layer, part)
+        width = self.layout.row_bytes(layer, part)
         if self.staging is not None:  # read on the side stream: a later chunk may free these (main stream)
             for t in (st.main, st.index, st.window, st.pool):
                 t.record_stream(self.staging.stream)
@@ -147,30 +170,6 @@ class V4LayerStreamer(PartStreamer):
         return part_block(request, layer, part, positions, rows)
 
 
-def bytes_at_rest(run: RunConfig, rank: int, request_locs: dict[int, torch.Tensor]) -> int:
-    """What ``rank`` is to ship of every request, counted from the ownership (its page table's locs)
-    and the cache's arithmetic: the CSA entries and keys it stores, and the replicated parts (HCA
-    entries, window tails, compressor states) of the requests it is the replica sender of
-    (``request_locs``: request -> its logical locs, :func:`reference_impl.engine.request_locs`)."""
-
-    cfg = run.model
-    assert isinstance(cfg, V4ModelConfig)
-    own = Ownership(run.cp_size, run.interleave, run.page_size)
-    total = 0
-    for req, locs in request_locs.items():
-        n = run.requests[req].total
-        replica = int(own.owner(locs[n - 1 : n].cpu())[0]) == rank
-        for layer in range(cfg.n_layers):
-            for part in parts_of(cfg, layer):
-                rows = first_and_count(cfg, layer, part, n)[1]
-                if part == ENTRIES and cfg.ratio(layer) == 4:
-                    rows = entry_owners(own, locs.cpu(), range(rows)).count(rank)
-                elif not replica:
-                    continue
-                total += rows * row_bytes(cfg, run.kv_dtype, layer, part)
-    return total
-
-
 # ---- the decode side -------------------------------------------------------------------------
 
 
@@ -183,13 +182,7 @@ class V4Decoder(BookedArena):
         assert isinstance(cfg, V4ModelConfig)
         self.run, self.cfg, self.codec = run, cfg, run.kv_dtype
         self.totals = [r.total for r in run.requests]
-        shapes = (
-            ((req, layer, part), *first_and_count(cfg, layer, part, n), row_bytes(cfg, self.codec, layer, part))
-            for req, n in enumerate(self.totals)
-            for layer in range(cfg.n_layers)
-            for part in parts_of(cfg, layer)
-        )
-        super().__init__(shapes, PART_NAMES, device)
+        super().__init__(arena_shapes(V4Parts(run), self.totals), PART_NAMES, device)
 
     def caches(self) -> list[list[V4LayerCache]]:
         """``[layer][request]``: the caches assembled from the arena (views of it)."""
@@ -327,10 +320,12 @@ class V4PDPayload:
         self.run, self.cfg = run, cfg
 
     def sender(self, transport: BlockTransport, decode_rank: int) -> V4LayerStreamer:
-        return V4LayerStreamer(transport, decode_rank)
+        return V4LayerStreamer(self.run, transport, decode_rank)
 
     def bytes_at_rest(self, rank: int, request_locs: dict[int, torch.Tensor]) -> int:
-        return bytes_at_rest(self.run, rank, request_locs)
+        """What ``rank`` is to ship: the CSA entries and keys it stores, and the replicated parts (HCA entries,
+        window tails, compressor states) of the requests it is the replica sender of."""
+        return bytes_to_ship(V4Parts(self.run), self.run, rank, request_locs)
 
     def decoder(self, device: torch.device) -> V4Decoder:
         return V4Decoder(self.run, device)

@@ -57,7 +57,9 @@ from reference_impl.families.glm53.model.oracle import DSACache, Glm53Model, Glm
 from reference_impl.pd.arena import BookedArena
 from reference_impl.pd.payload import (
     PartStreamer,
+    arena_shapes,
     as_bytes,
+    bytes_to_ship,
     next_token_inputs,
     part_block,
     relative_error,
@@ -119,13 +121,8 @@ def first_and_count(cfg: Glm53Config, part: int, n_tokens: int) -> tuple[int, in
 
 
 def request_bytes(run: RunConfig, n_tokens: int) -> int:
-    """A request's cache bytes, every layer and part: what the decode receives of it."""
-    cfg = run.model
-    return sum(
-        first_and_count(cfg, part, n_tokens)[1] * row_bytes(run, part)
-        for layer in range(cfg.n_layers)
-        for part in parts_of(cfg, layer)
-    )
+    """A request's cache bytes, every layer and part: what the decode receives of it (its regions' bytes)."""
+    return sum(rows * width for _, _, rows, width in arena_shapes(Glm53Parts(run), [n_tokens]))
 
 
 def owned_rows(own: Ownership, rank: int, cfg: Glm53Config, locs: torch.Tensor, part: int) -> torch.Tensor:
@@ -140,6 +137,33 @@ def owned_rows(own: Ownership, rank: int, cfg: Glm53Config, locs: torch.Tensor, 
 def ships_replicas(own: Ownership, locs: torch.Tensor, rank: int) -> bool:
     """Whether ``rank`` ships the replicated parts of the request at ``locs`` (its logical locs, host)."""
     return replica_sender(own, locs) == rank
+
+
+class Glm53Parts:
+    """GLM-5.3's parts for one run (a :class:`~reference_impl.pd.payload.PartLayout`): latent rows and group
+    keys sharded (:data:`SHARDED_PARTS`), the pending indexer rows and KDA states and tails replicated."""
+
+    part_names = PART_NAMES
+
+    def __init__(self, run: RunConfig) -> None:
+        cfg = run.model
+        assert isinstance(cfg, Glm53Config)
+        self.run, self.cfg, self.n_layers = run, cfg, cfg.n_layers
+
+    def parts(self, layer: int) -> tuple[int, ...]:
+        return parts_of(self.cfg, layer)
+
+    def row_bytes(self, layer: int, part: int) -> int:
+        return row_bytes(self.run, part)
+
+    def first_and_count(self, layer: int, part: int, n_tokens: int) -> tuple[int, int]:
+        return first_and_count(self.cfg, part, n_tokens)
+
+    def rows_stored(self, own: Ownership, rank: int, locs: torch.Tensor, layer: int, part: int) -> int | None:
+        return len(owned_rows(own, rank, self.cfg, locs, part)) if part in SHARDED_PARTS else None
+
+    def ships_replicas(self, own: Ownership, locs: torch.Tensor, rank: int) -> bool:
+        return ships_replicas(own, locs, rank)
 
 
 # ---- the prefill side ------------------------------------------------------------------------
@@ -163,7 +187,7 @@ class Glm53LayerStreamer(PartStreamer):
     finishes (the module docstring's table), after each layer is stored."""
 
     def __init__(self, run: RunConfig, transport: BlockTransport, decode_rank: int) -> None:
-        super().__init__(transport, decode_rank, PART_NAMES)
+        super().__init__(transport, decode_rank, Glm53Parts(run))
         self.run = run
         self.store: Glm53Store | None = None
         self.plans: dict[int, _Plan] = {}
@@ -173,7 +197,7 @@ class Glm53LayerStreamer(PartStreamer):
             raise ConfigError("a layer-wise GLM-5.3 PD send needs the GLM-5.3 store")
         self.store = store
         device, rank, cfg = store.group.device, store.group.rank, store.cfg
-        self.start_chunk(device, finished, cfg.n_layers)
+        self.start_chunk(device, finished)
         # Unsharded (C = 1) every row is the one rank's: the run's ownership says so too.
         own = Ownership(self.run.cp_size, self.run.interleave, self.run.page_size)
         self.plans = {}
@@ -182,36 +206,20 @@ class Glm53LayerStreamer(PartStreamer):
             positions = owned_rows(own, rank, cfg, host, LATENT)
             groups = owned_rows(own, rank, cfg, host, KEYS)
             ends = host[cfg.index_kpool - 1 :: cfg.index_kpool]
-            plan = _Plan(
+            self.plans[req] = _Plan(
                 int(host[0]),
-                ships_replicas(own, host, rank),
+                self.plan_request(own, rank, req, host),
                 len(host),
                 positions,
                 host[positions].to(device),
                 groups,
                 ends[groups].to(device),
             )
-            self.plans[req] = plan
-            for layer in range(cfg.n_layers):
-                for part in parts_of(cfg, layer):
-                    self.expect(req, layer, part, self._rows_planned(plan, part), row_bytes(self.run, part))
-
-    def _rows_planned(self, plan: _Plan, part: int) -> int:
-        if part == LATENT:
-            return len(plan.latent_positions)
-        if part == KEYS:
-            return len(plan.group_ids)
-        assert self.store is not None
-        return first_and_count(self.store.cfg, part, plan.n_tokens)[1] if plan.replica else 0
-
-    def parts(self, layer: int) -> tuple[int, ...]:
-        assert self.store is not None
-        return parts_of(self.store.cfg, layer)
 
     def block(self, layer: int, request: int, part: int) -> RowBlock:
         store, plan = self.store, self.plans[request]
         assert store is not None
-        width = row_bytes(self.run, part)
+        width = self.layout.row_bytes(layer, part)
         rows = torch.empty(0, width, dtype=torch.uint8, device=store.group.device)
         positions = torch.zeros(0, dtype=torch.long)
         sources: list[torch.Tensor] = []  # main-stream tensors this block reads (on the side stream, with CUDA)
@@ -243,22 +251,7 @@ def bytes_at_rest(run: RunConfig, rank: int, request_locs: dict[int, torch.Tenso
     and the cache's arithmetic: the latent rows and group keys it stores, and the replicated parts
     (KDA states and tails, pending indexer rows) of the requests it is the replica sender of
     (``request_locs``: request -> its logical locs, :func:`reference_impl.engine.request_locs`)."""
-    cfg = run.model
-    assert isinstance(cfg, Glm53Config)
-    own = Ownership(run.cp_size, run.interleave, run.page_size)
-    total = 0
-    for req, locs in request_locs.items():
-        n = run.requests[req].total
-        host = locs[:n].cpu()
-        replica = ships_replicas(own, host, rank)
-        for layer in range(cfg.n_layers):
-            for part in parts_of(cfg, layer):
-                if part in SHARDED_PARTS:
-                    rows = len(owned_rows(own, rank, cfg, host, part))
-                else:
-                    rows = first_and_count(cfg, part, n)[1] if replica else 0
-                total += rows * row_bytes(run, part)
-    return total
+    return bytes_to_ship(Glm53Parts(run), run, rank, request_locs)
 
 
 # ---- the decode side -------------------------------------------------------------------------
@@ -274,13 +267,7 @@ class Glm53Decoder(BookedArena):
         self.run, self.cfg, self.rows_format = run, cfg, latent_rows(run)
         self.dtype = run_dtype(run)
         self.totals = [r.total for r in run.requests]
-        shapes = (
-            ((req, layer, part), *first_and_count(cfg, part, n), row_bytes(run, part))
-            for req, n in enumerate(self.totals)
-            for layer in range(cfg.n_layers)
-            for part in parts_of(cfg, layer)
-        )
-        super().__init__(shapes, PART_NAMES, device)
+        super().__init__(arena_shapes(Glm53Parts(run), self.totals), PART_NAMES, device)
 
     def caches(self) -> list[list[KDACache | DSACache]]:
         """``[layer][request]``: the oracle's cache types assembled from the arena (views of it)."""
