@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from functools import partial
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -175,3 +175,30 @@ class PartStreamer(LayerSends):
                     )
             if layer == self.layout.n_layers - 1:
                 self.finish(req)
+
+
+class PartPayload:
+    """What a family's :class:`~reference_impl.families.base.PDPayload` does the same way whatever its parts
+    (``layout``): count what a rank ships, make the next token's inputs, compare the decode's next tokens with
+    the oracle's step. A family adds its sender, decoder and cache checks, and :meth:`step`."""
+
+    def __init__(self, run: RunConfig, layout: PartLayout) -> None:
+        self.run, self.layout = run, layout
+
+    def bytes_at_rest(self, rank: int, request_locs: dict[int, torch.Tensor]) -> int:
+        return bytes_to_ship(self.layout, self.run, rank, request_locs)
+
+    def next_inputs(self, device: torch.device) -> list[torch.Tensor]:
+        return next_token_inputs(self.run, device)
+
+    def step(self, model: torch.nn.Module, caches: Any, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Each request's next token (``inputs[req]``) through ``model`` over (copies of) ``caches``
+        ``[layer][request]``: its final hidden state."""
+        raise NotImplementedError
+
+    def next_token_error(
+        self, model: torch.nn.Module, oracle: Any, inputs: Sequence[torch.Tensor], got: Sequence[torch.Tensor]
+    ) -> float:
+        """The decode's next tokens ``got`` against the same step over the oracle's own caches
+        (:func:`relative_error`)."""
+        return relative_error(got, self.step(model, oracle.caches, inputs))

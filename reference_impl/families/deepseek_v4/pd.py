@@ -56,12 +56,10 @@ from reference_impl.families.deepseek_v4.model.compressor import state_start
 from reference_impl.families.deepseek_v4.model.oracle import V4Block, V4Model, V4OracleResult
 from reference_impl.pd.arena import BookedArena
 from reference_impl.pd.payload import (
+    PartPayload,
     PartStreamer,
     arena_shapes,
-    bytes_to_ship,
-    next_token_inputs,
     part_block,
-    relative_error,
     replica_sender,
 )
 from reference_impl.pd.transport import BlockTransport, RowBlock
@@ -296,42 +294,23 @@ def store_mismatches(
     return problems
 
 
-def next_token_error(
-    model: V4Model,
-    oracle: V4OracleResult,
-    totals: Sequence[int],
-    inputs: Sequence[torch.Tensor],
-    got: Sequence[torch.Tensor],
-) -> float:
-    """The largest difference of the decode's next-token hidden states from the oracle's step (the same
-    layer call over the oracle's own caches), relative to the reference's largest value."""
-    return relative_error(got, next_token(model, oracle.caches, totals, inputs))
-
-
 # ---- the family's payload ------------------------------------------------------------------------
 
 
-class V4PDPayload:
+class V4PDPayload(PartPayload):
     """DeepSeek-V4 behind :class:`~reference_impl.families.base.PDPayload` for one run."""
 
     def __init__(self, run: RunConfig) -> None:
         cfg = run.model
         assert isinstance(cfg, V4ModelConfig)
-        self.run, self.cfg = run, cfg
+        super().__init__(run, V4Parts(run))
+        self.cfg = cfg
 
     def sender(self, transport: BlockTransport, decode_rank: int) -> V4LayerStreamer:
         return V4LayerStreamer(self.run, transport, decode_rank)
 
-    def bytes_at_rest(self, rank: int, request_locs: dict[int, torch.Tensor]) -> int:
-        """What ``rank`` is to ship: the CSA entries and keys it stores, and the replicated parts (HCA entries,
-        window tails, compressor states) of the requests it is the replica sender of."""
-        return bytes_to_ship(V4Parts(self.run), self.run, rank, request_locs)
-
     def decoder(self, device: torch.device) -> V4Decoder:
         return V4Decoder(self.run, device)
-
-    def next_inputs(self, device: torch.device) -> list[torch.Tensor]:
-        return next_token_inputs(self.run, device)
 
     def store_mismatches(self, decoded: list[list[V4LayerCache]], ranks_stored: list[Any]) -> list[str]:
         return store_mismatches(decoded, ranks_stored, self.cfg.window_size)
@@ -339,12 +318,8 @@ class V4PDPayload:
     def oracle_mismatches(self, decoded: list[list[V4LayerCache]], oracle: V4OracleResult) -> list[str]:
         return oracle_mismatches(decoded, oracle, self.cfg.window_size)
 
-    def next_token_error(
-        self,
-        model: torch.nn.Module,
-        oracle: V4OracleResult,
-        inputs: Sequence[torch.Tensor],
-        got: Sequence[torch.Tensor],
-    ) -> float:
+    def step(
+        self, model: torch.nn.Module, caches: list[list[V4LayerCache]], inputs: Sequence[torch.Tensor]
+    ) -> list[torch.Tensor]:
         assert isinstance(model, V4Model)
-        return next_token_error(model, oracle, [r.total for r in self.run.requests], inputs, got)
+        return next_token(model, caches, [r.total for r in self.run.requests], inputs)

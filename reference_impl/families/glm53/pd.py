@@ -56,13 +56,12 @@ from reference_impl.families.glm53.cp.store import Glm53Store
 from reference_impl.families.glm53.model.oracle import DSACache, Glm53Model, Glm53OracleResult, KDACache, run_layers
 from reference_impl.pd.arena import BookedArena
 from reference_impl.pd.payload import (
+    PartPayload,
     PartStreamer,
     arena_shapes,
     as_bytes,
     bytes_to_ship,
-    next_token_inputs,
     part_block,
-    relative_error,
     replica_sender,
 )
 from reference_impl.pd.transport import BlockTransport, RowBlock
@@ -381,25 +380,13 @@ def store_mismatches(
     return problems
 
 
-def next_token_error(
-    model: Glm53Model,
-    oracle: Glm53OracleResult,
-    totals: Sequence[int],
-    inputs: Sequence[torch.Tensor],
-    got: Sequence[torch.Tensor],
-) -> float:
-    """The largest difference of the decode's next-token hidden states from the oracle's step (the same
-    layer calls over the oracle's own caches), relative to the reference's largest value."""
-    return relative_error(got, next_token(model, oracle.caches, totals, inputs))
-
-
 # ---- the family's payload ------------------------------------------------------------------------
 
 
 OracleCheck = Callable[[RunConfig, list[list[Any]], Glm53OracleResult], list[str]]
 
 
-class Glm53PDPayload:
+class Glm53PDPayload(PartPayload):
     """GLM-5.3 behind :class:`~reference_impl.families.base.PDPayload` for one run.
 
     ``oracle_check``: the decode's caches against the oracle's, problems as strings (the family passes its
@@ -411,19 +398,14 @@ class Glm53PDPayload:
     def __init__(self, run: RunConfig, oracle_check: OracleCheck) -> None:
         cfg = run.model
         assert isinstance(cfg, Glm53Config)
-        self.run, self.cfg, self.oracle_check = run, cfg, oracle_check
+        super().__init__(run, Glm53Parts(run))
+        self.cfg, self.oracle_check = cfg, oracle_check
 
     def sender(self, transport: BlockTransport, decode_rank: int) -> Glm53LayerStreamer:
         return Glm53LayerStreamer(self.run, transport, decode_rank)
 
-    def bytes_at_rest(self, rank: int, request_locs: dict[int, torch.Tensor]) -> int:
-        return bytes_at_rest(self.run, rank, request_locs)
-
     def decoder(self, device: torch.device) -> Glm53Decoder:
         return Glm53Decoder(self.run, device)
-
-    def next_inputs(self, device: torch.device) -> list[torch.Tensor]:
-        return next_token_inputs(self.run, device)
 
     def store_mismatches(self, decoded: list[list[KDACache | DSACache]], ranks_stored: list[Any]) -> list[str]:
         return store_mismatches(decoded, ranks_stored)
@@ -431,11 +413,7 @@ class Glm53PDPayload:
     def oracle_mismatches(self, decoded: list[list[KDACache | DSACache]], oracle: Glm53OracleResult) -> list[str]:
         return self.oracle_check(self.run, decoded, oracle)
 
-    def next_token_error(
-        self,
-        model: torch.nn.Module,
-        oracle: Glm53OracleResult,
-        inputs: Sequence[torch.Tensor],
-        got: Sequence[torch.Tensor],
-    ) -> float:
-        return next_token_error(cast(Glm53Model, model), oracle, [r.total for r in self.run.requests], inputs, got)
+    def step(
+        self, model: torch.nn.Module, caches: list[list[KDACache | DSACache]], inputs: Sequence[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        return next_token(cast(Glm53Model, model), caches, [r.total for r in self.run.requests], inputs)
