@@ -211,7 +211,8 @@ def test_a_block_of_the_wrong_width_or_beyond_the_request_is_refused() -> None:
 
 
 def test_the_pd_command_ships_a_glm53_cache(capsys) -> None:
-    argv = ["pd", "--preset", "tiny-glm53", "--cp-size", "2", "--requests", "29+110,0+96", "--json"]  # 96: no incomplete group
+    # 0+96: a request with no incomplete group (its pending rows are empty)
+    argv = ["pd", "--preset", "tiny-glm53", "--cp-size", "2", "--requests", "29+110,0+96", "--json"]
     assert main(argv) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["decode_matches_oracle"] is True and doc["transfer"] == "rows", doc["problems"]

@@ -154,7 +154,7 @@ def test_a_block_of_the_wrong_width_or_beyond_the_request_is_refused() -> None:
         decoder.receive(RowBlock(0, 0, torch.arange(200, 203), window[:, 1:], window[:, :0], torch.zeros(0), WINDOW))
     with pytest.raises(ConfigError, match=r"window tail positions 201..203 outside the decode's \[76, 203\)"):
         decoder.receive(RowBlock(0, 0, torch.arange(201, 204), window, window[:, :0], torch.zeros(0), WINDOW))
-    with pytest.raises(ConfigError, match="layer 0: the decode keeps no entries there"):  # a sliding layer
+    with pytest.raises(ConfigError, match="layer 0: the decode keeps no entries rows there"):  # a sliding layer
         decoder.receive(RowBlock(0, 0, torch.arange(3), window, window[:, :0], torch.zeros(0), ENTRIES))
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -119,7 +119,7 @@ class DecodeTarget:
 
 class WriteTarget(Protocol):
     """Where a decode wants a prefill rank's blocks (:class:`DecodeTarget` for the DSA pool; a family
-    with its own decode layout publishes its own: DeepSeek-V4's per-request regions)."""
+    with its own decode layout publishes its arena's regions, :class:`~reference_impl.pd.arena.ArenaTarget`)."""
 
     @property
     def session_id(self) -> str: ...
@@ -392,35 +392,55 @@ class MooncakeReceiver:
         """Wait for one completion per (request, prefill rank) and book each (the shard's
         exactly-once check); raises :class:`TransferTimeoutError` naming the missing ones after
         ``deadline_s`` seconds."""
-        missing = {(r, k) for r in requests for k in prefill_ranks}
-        stop = time.monotonic() + deadline_s
-        while missing:
-            for name, message in self.engine.notifications():
-                if name != NOTIFY_NAME:
-                    continue
-                done = Completion.parse(message)
-                if (done.request, done.rank) not in missing:
-                    raise ConfigError(
-                        f"an unexpected or repeated completion: request {done.request} from prefill rank {done.rank}"
-                    )
-                if done.layers != tuple(range(n_layers)):
-                    raise ConfigError(
-                        f"request {done.request} from prefill rank {done.rank}: layers {done.layers} "
-                        f"written, expected 0..{n_layers - 1}"
-                    )
-                self.shard.landed(done.request, done.positions(), done.layers, done.nbytes)
-                self.completions.append(done)
-                missing.discard((done.request, done.rank))
-            if missing and time.monotonic() > stop:
-                pairs = ", ".join(f"request {r} from prefill rank {k}" for r, k in sorted(missing)[:6])
-                raise TransferTimeoutError(
-                    f"the decode waited {deadline_s:.0f} s for Mooncake completions; missing {len(missing)}: {pairs}"
+
+        def book(done: Completion) -> None:
+            if done.layers != tuple(range(n_layers)):
+                raise ConfigError(
+                    f"request {done.request} from prefill rank {done.rank}: layers {done.layers} "
+                    f"written, expected 0..{n_layers - 1}"
                 )
-            if missing:
-                time.sleep(poll_s)
+            self.shard.landed(done.request, done.positions(), done.layers, done.nbytes)
+            self.completions.append(done)
+
+        await_completions(self.engine, requests, prefill_ranks, deadline_s, book, poll_s)
         return self.completions
 
     def close(self) -> None:
         """Unregister the pool (after the completions: nothing writes into it any more)."""
         self.engine.unregister(self.shard.pool.mla)
         self.engine.unregister(self.shard.pool.index)
+
+
+def await_completions(
+    engine: MooncakeEngine,
+    requests: Sequence[int],
+    prefill_ranks: Sequence[int],
+    deadline_s: float,
+    book: Callable[[Completion], None],
+    poll_s: float = 0.001,
+) -> list[Completion]:
+    """The decode's wait: poll ``engine`` for one completion per (request, prefill rank), handing each
+    to ``book`` as it comes; raises :class:`TransferTimeoutError` naming the missing ones after
+    ``deadline_s`` seconds, and :class:`ConfigError` on a completion not expected or seen before."""
+    missing = {(r, k) for r in requests for k in prefill_ranks}
+    stop, arrived = time.monotonic() + deadline_s, []
+    while missing:
+        for name, message in engine.notifications():
+            if name != NOTIFY_NAME:
+                continue
+            done = Completion.parse(message)
+            if (done.request, done.rank) not in missing:
+                raise ConfigError(
+                    f"an unexpected or repeated completion: request {done.request} from prefill rank {done.rank}"
+                )
+            book(done)
+            arrived.append(done)
+            missing.discard((done.request, done.rank))
+        if missing and time.monotonic() > stop:
+            pairs = ", ".join(f"request {r} from prefill rank {k}" for r, k in sorted(missing)[:6])
+            raise TransferTimeoutError(
+                f"the decode waited {deadline_s:.0f} s for Mooncake completions; missing {len(missing)}: {pairs}"
+            )
+        if missing:
+            time.sleep(poll_s)
+    return arrived

@@ -17,6 +17,7 @@ then says how much of that staging ran before the layer loop ended.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -27,26 +28,76 @@ from reference_impl.pd.staging import Overlap, SideStreamStaging, overlap
 from reference_impl.pd.transport import BlockTransport, Pending, RowBlock, headers
 
 
-class LayerStreamer:
-    """Streams a rank's stored rows, layer by layer, to ``decode_rank`` over ``transport``."""
+class LayerSends:
+    """What every layer-wise send does besides choosing its rows (:class:`LayerStreamer`'s DSA rows, a
+    family's cache parts, :class:`~reference_impl.pd.payload.PartStreamer`): post each block, read and
+    staged on a side stream on CUDA; post a request's completion after its last block; wait once per request."""
 
-    def __init__(self, transport: BlockTransport, decode_rank: int, header_device: torch.device | str = "cpu") -> None:
-        self.transport, self.decode_rank, self.header_device = transport, decode_rank, torch.device(header_device)
-        self.store: ShardedKV | None = None
-        self.plans: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # positions, physical, headers
+    def __init__(self, transport: BlockTransport, decode_rank: int) -> None:
+        self.transport, self.decode_rank = transport, decode_rank
         self.pending: dict[int, list[Pending]] = {}
         self.staging: SideStreamStaging | None = None  # CUDA only
         self.loop_end: torch.cuda.Event | None = None
         self.overlap: Overlap | None = None  # CUDA only, after wait_all
         self.bytes_sent = self.rows_sent = self.blocks_sent = 0
 
+    def stage_on(self, device: torch.device) -> None:
+        """Read and copy on a side stream from now on, where the store lives on a GPU."""
+        if device.type == "cuda" and self.staging is None:
+            self.staging = SideStreamStaging(device)
+
+    def post(self, request: int, header: torch.Tensor, read: Callable[[], RowBlock]) -> RowBlock:
+        """Send the block ``read`` returns (on CUDA: read and copied on the side stream, its allocations
+        too, and sent once staged); the block, for its shapes."""
+        if self.staging is not None:
+            staged = self.staging.stage(read)
+            block = staged.block
+            sent = self.transport.isend(block, self.decode_rank, header, ready=staged.done)
+        else:
+            block = read()
+            sent = self.transport.isend(block, self.decode_rank, header)
+        self.pending.setdefault(request, []).append(sent)
+        self.bytes_sent += block.payload_bytes  # from shapes: no device read
+        self.rows_sent += block.n_rows
+        self.blocks_sent += 1
+        return block
+
+    def finish(self, request: int) -> None:
+        """The request's last block is posted: post its completion (the notice a one-sided transport sends)."""
+        self.pending[request].append(self.transport.complete(request, self.decode_rank))
+
+    def loop_done(self) -> None:
+        if self.staging is not None:
+            self.loop_end = torch.cuda.Event(enable_timing=True)
+            self.loop_end.record()  # main stream: the layer loop's last kernel
+
+    def wait_all(self) -> list[float]:
+        """One completion wait per request (request order); the milliseconds each wait took."""
+        waits = []
+        for req in sorted(self.pending):
+            start = time.perf_counter()
+            for sends in self.pending[req]:
+                sends.wait()
+            waits.append((time.perf_counter() - start) * 1e3)
+        if self.staging is not None and self.loop_end is not None:
+            self.overlap = overlap(self.staging, self.loop_end)
+        return waits
+
+
+class LayerStreamer(LayerSends):
+    """Streams a rank's stored rows, layer by layer, to ``decode_rank`` over ``transport``."""
+
+    def __init__(self, transport: BlockTransport, decode_rank: int, header_device: torch.device | str = "cpu") -> None:
+        super().__init__(transport, decode_rank)
+        self.header_device = torch.device(header_device)
+        self.store: ShardedKV | None = None
+        self.plans: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # positions, physical, headers
+
     def begin_chunk(self, store: KVStore, finished: dict[int, torch.Tensor]) -> None:
         if not isinstance(store, ShardedKV):
             raise ConfigError("a layer-wise PD send needs KV sharded at rest (phase 2)")
         self.store = store
-        device = store.pool.device
-        if device.type == "cuda" and self.staging is None:
-            self.staging = SideStreamStaging(device)
+        self.stage_on(store.pool.device)
         layout, n_layers = store.layout, store.pool.n_layers
         self.plans = {}
         for req, locs in finished.items():
@@ -81,33 +132,6 @@ class LayerStreamer:
                 k_fp8, k_scale = pool.read_index(layer, physical)
                 return RowBlock(req, layer, positions, mla, k_fp8.view(torch.uint8), k_scale)
 
-            if self.staging is not None:
-                staged = self.staging.stage(read)
-                block = staged.block
-                sent = self.transport.isend(block, self.decode_rank, header[layer], ready=staged.done)
-            else:
-                block = read()
-                sent = self.transport.isend(block, self.decode_rank, header[layer])
-            self.pending.setdefault(req, []).append(sent)
-            self.bytes_sent += block.payload_bytes  # from shapes: no device read
-            self.rows_sent += block.n_rows
-            self.blocks_sent += 1
+            self.post(req, header[layer], read)
             if layer == pool.n_layers - 1:  # the request's last block is posted
-                self.pending[req].append(self.transport.complete(req, self.decode_rank))
-
-    def loop_done(self) -> None:
-        if self.staging is not None:
-            self.loop_end = torch.cuda.Event(enable_timing=True)
-            self.loop_end.record()  # main stream: the layer loop's last kernel
-
-    def wait_all(self) -> list[float]:
-        """One completion wait per request (request order); the milliseconds each wait took."""
-        waits = []
-        for req in sorted(self.pending):
-            start = time.perf_counter()
-            for sends in self.pending[req]:
-                sends.wait()
-            waits.append((time.perf_counter() - start) * 1e3)
-        if self.staging is not None and self.loop_end is not None:
-            self.overlap = overlap(self.staging, self.loop_end)
-        return waits
+                self.finish(req)

@@ -12,13 +12,10 @@ launch to the next).
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
-import torch
 
-from reference_impl.check import ROUNDING_TOLERANCE
 from reference_impl.config import PhaseSet, Request, RunConfig
+from tests.gpu.pd_decode import check_the_decode_continues
 
 pytestmark = [pytest.mark.gpu, pytest.mark.gpu_ranks]
 
@@ -66,29 +63,7 @@ def test_the_glm53_decode_equals_the_caches_at_rest_and_the_send_never_syncs(glm
 
 
 def test_the_glm53_decode_continues_from_the_caches_it_received(glm53_pd) -> None:  # noqa: ANN001
-    from reference_impl.families.glm53.model.oracle import Glm53Model
-    from reference_impl.families.glm53.pd import next_token, next_token_inputs
-    from reference_impl.workload import build_model
+    from reference_impl.families.glm53.pd import next_token
 
-    (run, result), cuda = glm53_pd, torch.device("cuda")
-    model = build_model(run, cuda)
-    caches = [
-        [
-            dataclasses.replace(
-                c,
-                **{
-                    f.name: getattr(c, f.name).to(cuda)
-                    for f in dataclasses.fields(c)
-                    if torch.is_tensor(getattr(c, f.name))
-                },
-            )
-            for c in per_layer
-        ]
-        for per_layer in result.rows
-    ]
-    assert isinstance(model, Glm53Model)
-    want = next_token(model, caches, [r.total for r in run.requests], next_token_inputs(run, cuda))
-    for got, ref in zip(result.next_token, want):
-        assert got.shape == ref.shape == (1, run.model.dim) and bool(torch.isfinite(got).all())
-        scale = max(1.0, ref.float().abs().max().item())
-        assert (got.float() - ref.float().cpu()).abs().max().item() <= ROUNDING_TOLERANCE * scale
+    run, result = glm53_pd
+    check_the_decode_continues(run, result, next_token)

@@ -10,13 +10,10 @@ reductions differently from one launch to the next).
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
-import torch
 
-from reference_impl.check import ROUNDING_TOLERANCE
 from reference_impl.config import PhaseSet, Request, RunConfig
+from tests.gpu.pd_decode import check_the_decode_continues
 
 pytestmark = [pytest.mark.gpu, pytest.mark.gpu_ranks]
 
@@ -50,27 +47,6 @@ def test_the_v4_decode_equals_the_caches_at_rest_and_the_send_never_syncs(v4_pd)
 
 
 def test_the_v4_decode_continues_from_the_caches_it_received(v4_pd) -> None:  # noqa: ANN001
-    from reference_impl.families.deepseek_v4.pd import next_token, next_token_inputs
-    from reference_impl.workload import build_model
+    from reference_impl.families.deepseek_v4.pd import next_token
 
-    result, cuda = v4_pd, torch.device("cuda")
-    model = build_model(FLASH, cuda)
-    caches = [
-        [
-            dataclasses.replace(
-                c,
-                **{
-                    f.name: getattr(c, f.name).to(cuda)
-                    for f in dataclasses.fields(c)
-                    if torch.is_tensor(getattr(c, f.name))
-                },
-            )
-            for c in per_layer
-        ]
-        for per_layer in result.rows
-    ]
-    want = next_token(model, caches, [r.total for r in FLASH.requests], next_token_inputs(FLASH, cuda))
-    for got, ref in zip(result.next_token, want):
-        assert got.shape == ref.shape == (1, model.cfg.dim) and bool(torch.isfinite(got).all())
-        scale = max(1.0, ref.float().abs().max().item())
-        assert (got.float() - ref.float().cpu()).abs().max().item() <= ROUNDING_TOLERANCE * scale
+    check_the_decode_continues(FLASH, v4_pd, next_token)
