@@ -348,6 +348,7 @@ def run_rank(
     keep_store: bool = False,
     on_layer_stored: LayerStoredHook | None = None,
     family: ModelFamily | None = None,
+    prebuilt: tuple[Any, list[torch.Tensor]] | None = None,
 ) -> RankResult:
     """Run the batch on this rank, chunk by chunk; see the module docstring for the per-layer steps.
 
@@ -356,11 +357,13 @@ def run_rank(
     ``on_layer_stored`` hears of every layer stored (:class:`LayerStoredHook`: a layer-wise PD send).
     ``family``: the model family to run with (default: the run's, :func:`~reference_impl.families.family_of`);
     a benchmark passes one configured otherwise (e.g. DeepSeek-V4 with synthetic prefixes).
+    ``prebuilt``: the ``(model, inputs)`` that :func:`~reference_impl.workload.build_model` and
+    :func:`~reference_impl.workload.build_inputs` make of ``run`` on this device, built once by a benchmark
+    that runs the same model and requests many times (at several phase levels, which change neither).
     """
     device = group.device
     family = family or family_of(run.model)
-    model = build_model(run, device)
-    inputs = build_inputs(run, device)
+    model, inputs = prebuilt if prebuilt is not None else (build_model(run, device), build_inputs(run, device))
     note_step()  # progress: the model and the inputs are built
     chunks = chunk_schedule(run)
     id_space = run_id_space(replay_page_table(run))  # pure metadata: same on every rank

@@ -31,6 +31,8 @@ Names an expression can use:
 * ``table(KIND, doc)``: a table of :mod:`results_tables` (``compute``, ``kernels``, ``layer``);
 * ``optional("NAME")``: ``docs/results/NAME.json`` where it exists, else ``None`` (a table says "not measured");
 * ``design_verdict(doc, a, b, prefix, extend)``: ``bench.designs``' paired verdict of design ``a`` against ``b``;
+* ``level_verdict(doc, prefix, extend, a, b)``: ``bench.layer``'s paired verdict of level ``a`` against level ``b``
+  ("not re-measured with paired repeats" for a file from before the paired protocol);
 * ``min``, ``max``, ``abs``, ``len``, ``sum``, ``round``, ``sorted``.
 
 Usage::
@@ -170,6 +172,7 @@ class Sources:
             names[path.stem] = wrap(json.loads(path.read_text()))
         names["optional"] = lambda stem: names.get(stem)  # a results file that may not exist yet: None
         names["design_verdict"] = results_tables.design_verdict
+        names["level_verdict"] = results_tables.level_verdict
         return names
 
     def _printed_outputs(self, name: str) -> list[str]:

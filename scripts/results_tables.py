@@ -227,9 +227,16 @@ def layer(doc: dict) -> str:
     ]
     if doc.get("planner_replanned"):
         lines.append(f"Planner columns: {doc['planner_replanned']}.")
+    if not any(w.get("comparisons") for w in doc["workloads"]):
+        runs = doc.get("level_repeats", 1)
+        lines.append(
+            f"Level against level: *{NOT_REMEASURED}*: the levels ran one after another, "
+            + ("one run each." if runs == 1 else f"{runs} runs each.")
+        )
     for w in doc["workloads"]:
         wl = w["workload"]
         planner = "planner" in w["levels"][0]
+        rounds = "run_ms" in w["levels"][0]  # a paired run: each level's per-round times
         split = f", {w['split_mode']} split" if "split_mode" in w else ""
         lines += [
             "",
@@ -241,6 +248,9 @@ def layer(doc: dict) -> str:
             "| gathered MiB / layer | materialized MiB / layer |"
         )
         rule = "| --- | --- | --- | --- | --- | --- | --- | --- |"
+        if rounds:
+            head += " rounds ms: median (min-max) |"
+            rule += " --- |"
         if planner:
             head += " planner ms (err) | planner peak MiB (err) |"
             rule += " --- | --- |"
@@ -252,6 +262,8 @@ def layer(doc: dict) -> str:
                 f"{per_layer_mib(p['gather_bytes'], doc['n_layers'])} | "
                 f"{materialized_mib(p['materialized_bytes'], p['store_path'], doc['n_layers'])} |"
             )
+            if rounds:
+                row += " {median:.2f} ({min:.2f}-{max:.2f}) |".format(**p["run_ms_spread"])
             if planner:
                 e, pl = p["planner_error"], p["planner"]
                 row += (
@@ -259,6 +271,8 @@ def layer(doc: dict) -> str:
                     f"{_mib(pl['peak_bytes'])} ({e.get('peak_bytes', 0):+.0%}) |"
                 )
             lines.append(row)
+        if w.get("comparisons"):
+            lines += ["", *level_comparisons(doc, w)]
         if "prefetch" in w:
             pf = w["prefetch"]
             lines += [
@@ -354,16 +368,22 @@ def run_to_run_spread(doc: dict) -> float:
     return statistics.median(spreads)
 
 
-def level_change(levels: list[dict], k: int, run_spread: float) -> str:
-    """Level ``k`` against level ``k - 1``: the difference of their median layer times, called noise when it
-    is smaller than the layer-to-layer spread of either level or than ``run_spread`` (a fraction) of the
-    time: with one run per level, the run-to-run spread is taken from a run that repeated each level."""
+def level_change(levels: list[dict], k: int, run_spread: float, workload: dict | None = None) -> str:
+    """Level ``k`` against level ``k - 1``: the difference of their median layer times and a verdict. From a
+    paired run (``workload`` with ``comparisons``), ``bench.paired``'s verdict over its interleaved rounds; from
+    an older run, noise when the difference is smaller than the layer-to-layer spread of either level or than
+    ``run_spread`` (a fraction) of the time: with one run per level, the run-to-run spread is taken from a run
+    that repeated each level."""
     if k == 0:
         return "-"
     a, b = levels[k - 1], levels[k]
     delta = b["layer_ms_median"] - a["layer_ms_median"]
-    noise = max(_level_noise(a), _level_noise(b), run_spread * a["layer_ms_median"])
-    verdict = "noise" if abs(delta) < noise else ("slower" if delta > 0 else "faster")
+    c = level_pair(workload, b["level"], a["level"]) if workload is not None else None
+    if c is not None:
+        verdict = {level_name(b["level"]): "faster", level_name(a["level"]): "slower"}.get(c["faster"], "within noise")
+    else:
+        noise = max(_level_noise(a), _level_noise(b), run_spread * a["layer_ms_median"])
+        verdict = "noise" if abs(delta) < noise else ("slower" if delta > 0 else "faster")
     return f"{delta:+.1f} ({delta / a['layer_ms_median']:+.0%}, {verdict})"
 
 
@@ -390,17 +410,34 @@ def phases(doc: dict) -> str:
             f"| {planned['max_context']:,} "
             f"| {per_layer_mib(row['gather_bytes'], n_layers)} "
             f"| {materialized_mib(row['materialized_bytes'], row['store_path'], n_layers)} "
-            f"| {row['tail_ms']:.1f} | {row['layer_ms_median']:.1f} | {level_change(levels, k, run_spread)} |"
+            f"| {row['tail_ms']:.1f} | {row['layer_ms_median']:.1f} | {level_change(levels, k, run_spread, work)} |"
         )
     beyond = [
-        f"level {k} ({level_change(levels, k, run_spread).split(' ')[0]} ms)"
+        f"level {levels[k]['level']} ({level_change(levels, k, run_spread, work).split(' ')[0]} ms)"
         for k in range(1, len(levels))
-        if not level_change(levels, k, run_spread).endswith("noise)")
+        if not level_change(levels, k, run_spread, work).endswith("noise)")
     ]
     repeats = len(doc["repeats"]["workloads"][0]["levels"][0]["layer_ms"]) // doc["repeats"]["n_layers"]
+    paired_run = bool(work.get("comparisons"))
+    if paired_run:
+        how = (
+            f"{work['rounds']} interleaved rounds (each running every level once, the order rotated per round), "
+            f"layer time the median over every round's layers. Change: against the level before, the difference "
+            f"of the medians; the verdict is paired round by round: {bench['rule']}."
+        )
+    else:
+        how = (
+            f"one run per level. Change: against the level before; noise when smaller than the spread between "
+            f"either level's layers or than {run_spread:.0%} of the layer, the median spread between runs of a run "
+            f"that repeated every level {repeats} times. The levels ran one after another, so these verdicts are "
+            f"*{NOT_REMEASURED}*."
+        )
     lines += [
         "",
-        "Layer time changes beyond noise: " + (", ".join(beyond) if beyond else "none") + ".",
+        "Layer time changes beyond noise: "
+        + (", ".join(beyond) if beyond else "none")
+        + ("" if paired_run else f" ({NOT_REMEASURED})")
+        + ".",
         "",
         f"Per rank, {bench['preset']}, one request of {tokens:,} new tokens. KV at rest and max context: the "
         f"planner's arithmetic for all {inputs['n_layers']} layers, KV budget {inputs['budget_rule']}. Gathered (the "
@@ -408,9 +445,7 @@ def phases(doc: dict) -> str:
         f"replica), tail wall time (once per forward, host clock to a device sync, so it holds layer work still "
         f"queued; not the collective alone) and layer time, as the glossary defines them: rank {bench['rank']} of "
         f"C={bench['cp_size']} on an {bench['device']} alone in one process with a modeled {bench['wire_gbps']:g} GB/s "
-        f"wire, {n_layers} layers, one run per level. Change: against the level before; noise when smaller than "
-        f"the spread between either level's layers or than {run_spread:.0%} of the layer, the median spread between "
-        f"runs of a run that repeated every level {repeats} times.",
+        f"wire, {n_layers} layers, {how}",
     ]
     return "\n".join(lines)
 
@@ -531,6 +566,59 @@ def design_verdict(doc: dict, a: str, b: str, prefix: int | None = None, extend:
         (only,) = set(verdicts.values())
         return only + (" at every workload" if len(verdicts) > 1 and only != NOT_REMEASURED else "")
     return ", ".join(f"{v} at {k}" for k, v in verdicts.items())
+
+
+def level_name(level: int) -> str:
+    """A level as ``bench.layer`` names it in its comparisons (``reference_impl.bench.layer.level_name``)."""
+    return f"level {level}"
+
+
+def _level_workload(doc: dict, prefix: int, extend: int, split_mode: str | None = None) -> dict:
+    """The one ``bench.layer`` workload of ``prefix`` cached + ``extend`` new tokens (and ``split_mode``)."""
+    hits = [
+        w
+        for w in doc["workloads"]
+        if (w["workload"]["prefix"], w["workload"]["extend"]) == (prefix, extend)
+        and (split_mode is None or w.get("split_mode", "in-seq") == split_mode)
+    ]
+    if len(hits) != 1:
+        raise LookupError(f"{len(hits)} workloads with prefix {prefix} and extend {extend}, need exactly one")
+    return hits[0]
+
+
+def level_pair(workload: dict, a: int, b: int) -> dict | None:
+    """``bench.layer``'s paired comparison of level ``a`` against level ``b`` in one workload, oriented ``a - b``;
+    None for a results file from before the paired protocol. A paired file without this pair raises: the
+    benchmark records the pairs the pages draw (``reference_impl.bench.layer.level_pairs``), and a page asking
+    for another would otherwise read as not re-measured."""
+    c = _pair(workload, level_name(a), level_name(b))
+    if c is None and workload.get("comparisons"):
+        raise LookupError(f"the run compared no level {a} with level {b} (see bench.layer.level_pairs)")
+    return c
+
+
+def level_verdict(doc: dict, prefix: int, extend: int, a: int, b: int, split_mode: str | None = None) -> str:
+    """The verdict of level ``a`` against level ``b`` (``bench.paired``'s rule) in the ``bench.layer`` workload of
+    ``prefix`` cached + ``extend`` new tokens: "level A faster", "level B faster", "within noise", or, for a results
+    file from before the paired protocol, that it was not re-measured."""
+    c = level_pair(_level_workload(doc, prefix, extend, split_mode), a, b)
+    return NOT_REMEASURED if c is None else c["verdict"]
+
+
+def level_comparisons(doc: dict, workload: dict) -> list[str]:
+    """The lines under a paired ``bench.layer`` workload's table: its comparisons, round by round."""
+    lines = [
+        f"Paired over {workload['rounds']} interleaved rounds (each round runs every level once, the order rotated "
+        f"per round); difference: the first level's run time minus the second's in the same round, per layer, ms. "
+        f"Verdict: {doc['rule']}.",
+        "",
+        "| levels | paired difference, ms: median (min-max) | verdict |",
+        "| --- | --- | --- |",
+    ]
+    for c in workload["comparisons"]:
+        diff = "{median:+.2f} ({min:+.2f} to {max:+.2f})".format(**c["difference"])
+        lines.append(f"| {c['a']} against {c['b']} | {diff} | {c['verdict']} |")
+    return lines
 
 
 def kv_design_verdicts(doc: dict) -> str:

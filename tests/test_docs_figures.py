@@ -171,3 +171,45 @@ def test_the_glossary_defines_every_metric_the_tables_quote() -> None:
         ("measured peak", "measured_peak_bytes"),
     ):
         assert name in rows and f"`{field}`" in rows[name], f"glossary.md#metrics: no row {name!r} naming `{field}`"
+
+
+def test_level_comparisons_render_the_paired_verdict_or_say_they_were_not_re_measured() -> None:
+    """``bench.layer``'s level-to-level verdicts: a file from before the paired protocol renders every comparison
+    as not re-measured; a paired one (here the committed file given rounds that agree on level 7 against level 6
+    and disagree on level 8 against level 7) renders the verdict of the rounds, whatever the medians say."""
+    import results_tables
+    from reference_impl.bench import layer, paired
+
+    results = ROOT / "docs" / "results"
+    old = json.loads((results / "layer_bench.json").read_text())
+    capacity = json.loads((results / "capacity_deepseek_v32_c8.json").read_text())
+    repeats = json.loads((results / "layer_bench_8k.json").read_text())
+    not_remeasured = results_tables.NOT_REMEASURED
+    assert results_tables.level_verdict(old, 0, 131072, 7, 6) == not_remeasured
+    assert not_remeasured in results_tables.layer(old)
+    assert not_remeasured in results_tables.phases({"layer": old, "capacity": capacity, "repeats": repeats})
+
+    new = json.loads(json.dumps(old))
+    new["rule"] = paired.RULE
+    work = next(w for w in new["workloads"] if w["workload"] == {"name": "current-only", "prefix": 0, "extend": 131072})
+    levels = [p["level"] for p in work["levels"]]
+    run_ms = {k: [60.0 + r * 0.1 for r in range(5)] for k in levels}  # every other pair: no difference
+    run_ms[7] = [x - 2.0 for x in run_ms[6]]  # level 7 below level 6 in every round
+    run_ms[8] = [x + (0.5 if r == 2 else -0.5) for r, x in enumerate(run_ms[7])]  # one round the other way
+    for p in work["levels"]:
+        p["run_ms"], p["run_ms_spread"] = run_ms[p["level"]], paired.spread(run_ms[p["level"]])
+    work["rounds"], work["comparisons"] = 5, layer.compare_levels(levels, run_ms)
+    assert results_tables.level_verdict(new, 0, 131072, 7, 6) == "level 7 faster"
+    assert results_tables.level_verdict(new, 0, 131072, 8, 7) == paired.WITHIN_NOISE
+    assert results_tables.level_verdict(new, 0, 131072, 6, 7) == "level 7 faster"  # either orientation
+    assert results_tables.level_verdict(new, 0, 131072, 7, 0) == "level 7 faster"
+    with pytest.raises(LookupError, match="no level 7 with level 5"):
+        results_tables.level_verdict(new, 0, 131072, 7, 5)  # a pair the benchmark does not record
+    assert results_tables.level_verdict(new, 0, 32768, 7, 6) == not_remeasured  # that workload kept its old fields
+    table = results_tables.phases({"layer": new, "capacity": capacity, "repeats": repeats})
+    row7 = next(line for line in table.splitlines() if line.startswith("| 7 |"))
+    assert row7.endswith("faster) |") and "Layer time changes beyond noise: level 7 (" in table
+    assert not_remeasured not in table and "5 interleaved rounds" in table
+    rendered = results_tables.layer(new)
+    assert "| level 8 against level 7 | -0.50 (-0.50 to +0.50) | within noise |" in rendered
+    assert "rounds ms: median (min-max)" in rendered

@@ -77,7 +77,10 @@ def test_layer_bench_dry_run(tmp_path) -> None:
     assert kv[7] < kv[0]  # sharded at rest from level 2
     assert all(abs(p["planner_error"]["kv_bytes"]) < 1e-9 for p in current["levels"])  # layouts: exact
     assert "prefetch" not in current and prefix["prefetch"]["payload_ms"] > 0
-    assert all(len(p["layer_ms"]) == 2 for w in doc["workloads"] for p in w["levels"])
+    rounds = doc["level_repeats"]  # the command line's default: enough rounds for a verdict
+    assert rounds >= 5 and doc["protocol"] == "paired"
+    assert all(len(p["layer_ms"]) == 2 * rounds for w in doc["workloads"] for p in w["levels"])
+    assert all(len(w["orders"]) == rounds and len(w["comparisons"]) == 3 for w in doc["workloads"])
 
 
 def test_layer_bench_level_repeats_pool_every_runs_layers(tmp_path) -> None:
@@ -162,3 +165,68 @@ def test_layer_bench_refuses_zero_repeats_by_name(tmp_path, capsys, flag: str) -
     with pytest.raises(SystemExit) as exc:
         main(["--out", str(tmp_path / "x.json"), "--device", "cpu", "--preset", "tiny", flag, "0"])
     assert exc.value.code == 2 and f"{flag} must be at least 1, got 0" in capsys.readouterr().err
+
+
+class _FakeResult:
+    """What ``bench.layer`` reads of a run: layer times set by the test, fixed counts, no store."""
+
+    def __init__(self, layer_ms: float, n_layers: int) -> None:
+        self.timings = {"layer_ms": [layer_ms] * n_layers, "tail_ms": 0.0, "tail_collective_ms": 0.0}
+        self.stats = dict.fromkeys(
+            ("kv_bytes", "index_bytes", "transient_peak_bytes", "gather_bytes", "materialized_bytes", "collectives"), 1
+        )
+        self.store_path = "fake"
+        self.store = None
+
+
+def _fake_layer_bench(monkeypatch, times: dict[int, list[float]]) -> tuple[list[tuple[int, bool]], dict]:
+    """``bench.layer.measure`` of levels 0, 2 and 7 with a fake timer: round ``r``'s run of level ``k`` reports
+    ``times[k][r]`` ms per layer. Returns the runs in the order they ran, ``(level, timed)``, and the result."""
+    from reference_impl.bench import layer
+
+    ran: list[tuple[int, bool]] = []
+    rounds: dict[int, int] = {}
+
+    def fake_run(run, group, keep_store=False, empty_cache=True, prebuilt=None) -> _FakeResult:
+        level = max(run.phases.enabled, default=0)
+        timed = prebuilt is not None  # the warm-up round builds its own (shorter) model
+        ran.append((level, timed))
+        if not timed:
+            return _FakeResult(1.0, run.model.n_layers)
+        r = rounds[level] = rounds.get(level, -1) + 1
+        return _FakeResult(times[level][r], run.model.n_layers)
+
+    monkeypatch.setattr(layer, "_run", fake_run)
+    n = len(times[0])
+    out = layer.measure("tiny", layer.Workload("w", 64, 64), [0, 2, 7], 2, 0, 2, "cpu", None, level_repeats=n)
+    return ran, out
+
+
+def test_layer_bench_rotates_the_level_order_every_round(monkeypatch) -> None:
+    """A warm-up round, then each round runs every level once, the order rotated by one per round."""
+    times = {0: [5.0] * 5, 2: [4.0] * 5, 7: [3.0] * 5}
+    ran, out = _fake_layer_bench(monkeypatch, times)
+    assert ran[:3] == [(0, False), (2, False), (7, False)]
+    timed = [level for level, is_timed in ran if is_timed]
+    assert timed == [0, 2, 7, 2, 7, 0, 7, 0, 2, 0, 2, 7, 2, 7, 0]
+    assert out["orders"] == [[0, 2, 7], [2, 7, 0], [7, 0, 2], [0, 2, 7], [2, 7, 0]] and out["rounds"] == 5
+    level2 = out["levels"][1]
+    assert level2["run_ms"] == times[2] and level2["run_ms_spread"]["median"] == 4.0
+    pairs = [(c["a"], c["b"]) for c in out["comparisons"]]
+    assert pairs == [("level 2", "level 0"), ("level 7", "level 2"), ("level 7", "level 0")]
+
+
+@pytest.mark.parametrize("disagree", [False, True])
+def test_layer_bench_verdict_needs_every_round_to_agree(monkeypatch, disagree: bool) -> None:
+    """Level 2 is 1 ms below level 0 in every round: "level 2 faster". One round the other way round (its
+    medians barely move) and the paired rule says "within noise"."""
+    times = {0: [5.0, 5.2, 4.9, 5.1, 5.0], 2: [4.0, 4.2, 3.9, 4.1, 4.0], 7: [3.0] * 5}
+    if disagree:
+        times[2][3] = 5.3
+    _, out = _fake_layer_bench(monkeypatch, times)
+    c = next(c for c in out["comparisons"] if (c["a"], c["b"]) == ("level 2", "level 0"))
+    assert c["verdict"] == ("within noise" if disagree else "level 2 faster")
+    assert c["difference"]["max"] == pytest.approx(0.2 if disagree else -1.0)
+    assert c["difference"]["median"] == pytest.approx(-1.0)
+    medians = [p["layer_ms_median"] for p in out["levels"]]
+    assert medians[1] < medians[0]  # the medians alone would call level 2 faster either way

@@ -16,13 +16,22 @@ all-gather is a local copy, plus, with ``--wire-gbps``, a stream-held delay of
 rank's own rows, so outputs are not checked (``check=False``); the timings and memory are the
 rank's. The figures are those of one rank of a CP group **modeled on one GPU**.
 
-Per workload (one request ``prefix + extend`` tokens, DeepSeek-V3.2 dims, ``--layers`` layers) and
-level 0..8: the per-layer times (CUDA events around each layer, the median over the layers of one
-run, or of ``--level-repeats`` runs, after a warm-up run of that level, :func:`warm_up`), KV at rest
-per rank (the pools' bytes), the engine's transient count and the measured peak of
+Per workload (one request ``prefix + extend`` tokens, DeepSeek-V3.2 dims, ``--layers`` layers): a
+warm-up round (:func:`warm_up`, every level once), then ``--level-repeats`` rounds, **interleaved**:
+each round runs every level once, in an order rotated per round (``0..8``, ``1..8 0``, ...;
+:mod:`reference_impl.bench.paired`), so no level always runs first and level ``a``'s round ``r`` ran
+beside level ``b``'s, under the same clocks and temperature. Per level: the per-layer times (CUDA
+events around each layer; ``layer_ms_median``, the median over the layers of every round; ``run_ms``,
+per round, the median over its layers, with its median, min-max and quartiles), KV at rest per rank
+(the pools' bytes), the engine's transient count and the measured peak of
 ``torch.cuda.max_memory_allocated`` during the prefill, the data-movement byte counts, and the
 planner's prediction for the same rank, level and context (current-only workloads: the planner's
-scenario) with the relative error.
+scenario) with the relative error. Per comparison the pages draw (each level against the one before,
+each level against the first; :func:`level_pairs`): the paired difference of ``run_ms`` round by round
+and the verdict of :data:`reference_impl.bench.paired.RULE` ("faster" only when every round agrees on
+the sign over at least 5 rounds, else "within noise"). The model and the inputs are built once per
+workload and shared by every timed run (a level changes neither); each run builds its own store,
+since the prefill it times writes into it and its peak is measured above it.
 
 Phase 8: for each workload with a prefix, levels 7 and 8 then run alternately ``--prefetch-repeats``
 times more, and each level's layer time is the median over those runs' layers after the first (the
@@ -54,6 +63,7 @@ from typing import Any
 
 import torch
 
+from reference_impl.bench import paired
 from reference_impl.bench.record import loopback_cp, run_record
 from reference_impl.config import (
     MAX_BATCH_TOKENS,
@@ -95,8 +105,14 @@ from reference_impl.tool_args import (
     require_cuda,
     stored_fields,
 )
+from reference_impl.workload import build_inputs, build_model
 
 PROG = "python -m reference_impl.bench.layer"
+DEFAULT_ROUNDS = 5
+"""Rounds of the command line: the fewest from which :mod:`reference_impl.bench.paired` calls a level faster
+(chance agreement 6.25%). The default workloads then take about five minutes on an H200: each run of a
+prefix-heavy workload first prefills its 131,072-token prefix on the device (about two seconds), and 2 x 9
+levels x 6 runs (a warm-up and five rounds), plus the phase-8 alternation, are most of it."""
 
 
 @dataclass(frozen=True)
@@ -167,10 +183,16 @@ def split_fits(extend: int, chunk: int | None, cp_size: int, what: str) -> None:
         )
 
 
-def _run(run: RunConfig, group: LoopbackGroup, keep_store: bool = False, empty_cache: bool = True) -> Any:
+def _run(
+    run: RunConfig,
+    group: LoopbackGroup,
+    keep_store: bool = False,
+    empty_cache: bool = True,
+    prebuilt: tuple[Any, list[torch.Tensor]] | None = None,
+) -> Any:
     if empty_cache and group.device.type == "cuda":
         torch.cuda.empty_cache()
-    return run_rank(group, run, keep_store=keep_store)
+    return run_rank(group, run, keep_store=keep_store, prebuilt=prebuilt)
 
 
 def payload_ms(store: ShardedKV, n_layers: int, device: torch.device) -> float | None:
@@ -290,6 +312,23 @@ def phases_at(level: int, split_mode: str) -> PhaseSet:
     return PhaseSet.level(level).for_split(split_mode)
 
 
+def level_name(level: int) -> str:
+    """A level as :func:`reference_impl.bench.paired.compare` names it: its verdict reads "level 7 faster"."""
+    return f"level {level}"
+
+
+def level_pairs(levels: list[int]) -> list[tuple[int, int]]:
+    """The comparisons the pages draw, ``(a, b)`` read as "level a against level b": each level against the one
+    before it (what a phase adds), and each later level against the first (what the phases add up to)."""
+    pairs = [(b, a) for a, b in zip(levels, levels[1:])]
+    return pairs + [(k, levels[0]) for k in levels[2:]]
+
+
+def compare_levels(levels: list[int], run_ms: dict[int, list[float]]) -> list[dict[str, Any]]:
+    """:func:`level_pairs`, each compared round by round (:func:`reference_impl.bench.paired.compare`)."""
+    return [paired.compare(level_name(a), run_ms[a], level_name(b), run_ms[b]) for a, b in level_pairs(levels)]
+
+
 def measure(
     preset: str,
     workload: Workload,
@@ -306,10 +345,17 @@ def measure(
 ) -> dict[str, Any]:
     """Every level of one workload on one rank -> JSON-ready dict.
 
-    ``level_repeats > 1`` runs each level that many times in a row (the allocator kept warm after
-    the first) and takes the median over all their layers: short, launch-bound layers vary more
-    between runs than within one. Memory and byte counts are the first run's (they repeat exactly).
-    ``on_level(level)`` is called after each level (progress).
+    A warm-up round (:func:`warm_up`, every level once), then ``level_repeats`` rounds, **interleaved**:
+    each round runs every level once, in an order rotated per round
+    (:func:`reference_impl.bench.paired.rotations`: ``0..8``, ``1..8 0``, ...), so no level always runs
+    first and level ``a``'s round ``r`` ran beside level ``b``'s. Per level: ``run_ms``, each round's
+    median over its layers, in round order, and its spread; ``layer_ms_median``, the median over the
+    layers of every round (short, launch-bound layers vary more between runs than within one). Per
+    pair of :func:`level_pairs`, the paired difference of ``run_ms`` round by round and its verdict
+    (``comparisons``). Memory and byte counts are the first round's (they repeat exactly). The model
+    and the inputs are built once and shared by every timed run (the level changes neither); each run
+    builds its own store, since the prefill it times writes into it. ``on_level(level)`` is called
+    after each level's last round (progress).
     """
     dev = torch.device(device)
     group_of = lambda: LoopbackGroup(rank, cp_size, dev, wire_gbps)  # noqa: E731 (fresh stats per run)
@@ -322,51 +368,74 @@ def measure(
         device=dev.type,
         split_mode=split_mode,
     )
-    points = []
+    runs = {level: base.replace(phases=phases_at(level, split_mode)) for level in levels}
     for level in levels:
-        run = base.replace(phases=phases_at(level, split_mode))
-        warm_up(run, group_of())
-        result = _run(run, group_of(), keep_store=level == 8, empty_cache=False)
-        stats, layer_ms = result.stats, list(result.timings["layer_ms"])
-        for _ in range(level_repeats - 1):
-            layer_ms += _run(run, group_of(), empty_cache=False).timings["layer_ms"]
-        point: dict[str, Any] = {
-            "level": level,
-            "phases": str(run.phases),
-            "layer_ms_median": statistics.median(layer_ms),
-            "layer_ms": layer_ms,
-            "tail_ms": result.timings["tail_ms"],
-            "tail_collective_ms": result.timings["tail_collective_ms"],
-            "store_path": result.store_path,
-            "kv_bytes": stats["kv_bytes"] + stats["index_bytes"],
-            **{k: stats[k] for k in ("transient_peak_bytes", "gather_bytes", "materialized_bytes", "collectives")},
-            "measured_peak_bytes": stats.get("measured_peak_bytes"),
-        }
+        warm_up(runs[level], group_of())
+    built = (build_model(base, dev), build_inputs(base, dev))
+    orders = paired.rotations(levels, level_repeats)
+    points: dict[int, dict[str, Any]] = {}
+    run_ms: dict[int, list[float]] = {level: [] for level in levels}
+    for r, order in enumerate(orders):
+        for level in order:
+            run = runs[level]
+            # The caching allocator keeps its blocks between runs: a fresh cache makes the first layers of
+            # every run pay for cudaMalloc, noise larger than what a phase changes in a short layer.
+            result = _run(run, group_of(), keep_store=r == 0 and level == 8, empty_cache=False, prebuilt=built)
+            times = list(result.timings["layer_ms"])
+            run_ms[level].append(statistics.median(times))
+            if r == 0:
+                stats = result.stats
+                points[level] = {
+                    "level": level,
+                    "phases": str(run.phases),
+                    "layer_ms": [],
+                    "tail_ms": result.timings["tail_ms"],
+                    "tail_collective_ms": result.timings["tail_collective_ms"],
+                    "store_path": result.store_path,
+                    "kv_bytes": stats["kv_bytes"] + stats["index_bytes"],
+                    **{
+                        k: stats[k]
+                        for k in ("transient_peak_bytes", "gather_bytes", "materialized_bytes", "collectives")
+                    },
+                    "measured_peak_bytes": stats.get("measured_peak_bytes"),
+                }
+                if level == 8 and isinstance(result.store, ShardedKV):
+                    points[level]["prefetch_payload_ms"] = payload_ms(result.store, n_layers, dev)
+            points[level]["layer_ms"] += times
+            del result
+            if r == len(orders) - 1 and on_level is not None:
+                on_level(level)
+    for level, point in points.items():
+        point["layer_ms_median"] = statistics.median(point["layer_ms"])
+        point["run_ms"] = run_ms[level]
+        point["run_ms_spread"] = paired.spread(run_ms[level])
         if workload.prefix == 0:  # the planner's scenario: one request, no prefix
-            _planner_fields(point, run, rank, wire_gbps)
-        if level == 8 and isinstance(result.store, ShardedKV):
-            point["prefetch_payload_ms"] = payload_ms(result.store, n_layers, dev)
-        points.append(point)
-        del result
-        if on_level is not None:
-            on_level(level)
-    out: dict[str, Any] = {"workload": workload.__dict__, "split_mode": split_mode, "levels": points}
-    by_level = {p["level"]: p for p in points}
+            _planner_fields(point, runs[level], rank, wire_gbps)
+    points_list = [points[level] for level in levels]
+    out: dict[str, Any] = {
+        "workload": workload.__dict__,
+        "split_mode": split_mode,
+        "levels": points_list,
+        "rounds": level_repeats,
+        "orders": orders,
+        "comparisons": compare_levels(levels, run_ms),
+    }
+    by_level = points
     payload = by_level.get(8, {}).get("prefetch_payload_ms")
-    if workload.prefix and payload and 7 in by_level:
+    if workload.prefix and payload and 7 in by_level:  # levels 7 and 8 alone, alternately: the prefetch
         layers: dict[int, list[float]] = {7: [], 8: []}
         stalls: list[float] = []
-        paired: list[float] = []  # per repeat: level 7's median layer minus level 8's, same moment
+        saved_per_repeat: list[float] = []  # per repeat: level 7's median layer minus level 8's, same moment
         for _ in range(prefetch_repeats):
-            run_ms = {}
+            repeat_ms = {}
             for level in (7, 8):
                 # The caching allocator keeps its blocks between these runs: a fresh cache makes
                 # the first layers of every run pay for cudaMalloc, noise larger than the payload.
-                timings = _run(base.replace(phases=phases_at(level, split_mode)), group_of(), empty_cache=False).timings
+                timings = _run(runs[level], group_of(), empty_cache=False, prebuilt=built).timings
                 layers[level] += timings["layer_ms"][1:]
                 stalls += timings["prefetch_wait_ms"][1:]  # layer 0's prefetch has nothing to hide behind
-                run_ms[level] = statistics.median(timings["layer_ms"][1:] or timings["layer_ms"])
-            paired.append(run_ms[7] - run_ms[8])
+                repeat_ms[level] = statistics.median(timings["layer_ms"][1:] or timings["layer_ms"])
+            saved_per_repeat.append(repeat_ms[7] - repeat_ms[8])
         ms = {level: statistics.median(t) if t else by_level[level]["layer_ms_median"] for level, t in layers.items()}
         saved = ms[7] - ms[8]
         stall = statistics.median(stalls) if stalls else None
@@ -383,8 +452,8 @@ def measure(
             "exposed_wait_ms": stalls,
             "exposed_wait_ms_median": stall,
             "hidden_fraction_direct": None if stall is None else 1 - stall / payload,
-            "paired_saved_ms": paired,
-            "hidden_fraction_paired": statistics.median(paired) / payload,
+            "paired_saved_ms": saved_per_repeat,
+            "hidden_fraction_paired": statistics.median(saved_per_repeat) / payload,
         }
     return out
 
@@ -452,8 +521,8 @@ def build_parser() -> ToolParser:
     parser.add_argument(
         "--level-repeats",
         type=int_arg(None, MAX_REPEATS),
-        default=1,
-        help="runs per level (median over all their layers)",
+        default=DEFAULT_ROUNDS,
+        help=f"timed rounds after a warm-up round, the levels interleaved (a verdict needs {paired.MIN_REPEATS}+)",
     )
     parser.add_argument("--device", type=device_arg, default="cuda", help="cuda, or cpu: a dry run")
     parser.add_argument(
@@ -504,14 +573,15 @@ def main(argv: list[str] | None = None) -> int:
         "env": {name: value for name, value in sorted(os.environ.items()) if name.startswith("DSACP_")},
         "how_cp_runs": loopback_cp(args.rank, args.cp_size, args.wire_gbps),
         "timing": (
-            "CUDA events per layer, median over the layers of one run after a warm-up run of the level"
-            if args.level_repeats == 1
-            else f"CUDA events per layer, median over the layers of {args.level_repeats} runs per level after a "
-            "warm-up run of the level"
+            f"CUDA events per layer; {args.level_repeats} round(s) after a warm-up round, each running every level "
+            "once in an order rotated per round; layer ms: the median over the layers of every round; run ms: per "
+            "round, the median over its layers"
         )
         if args.device == "cuda"
         else "perf_counter per layer (CPU dry run: the numbers mean nothing)",
         "level_repeats": args.level_repeats,
+        "protocol": "paired",
+        "rule": paired.RULE,
         "preset": args.preset,
         "cp_size": args.cp_size,
         "rank": args.rank,
