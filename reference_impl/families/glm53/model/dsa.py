@@ -199,7 +199,7 @@ def expand_groups(cfg: Glm53Config, groups: torch.Tensor, positions: torch.Tenso
     P, T = cfg.index_kpool, len(positions)
     offsets = torch.arange(P, device=positions.device)
     starts = torch.where(groups >= 0, groups.long() * P, -1)  # [T, k]
-    tokens = torch.where(starts[..., None] >= 0, starts[..., None] + offsets, -1).reshape(T, -1)
+    tokens = torch.where(starts[..., None] >= 0, starts[..., None] + offsets, -1).reshape(T, groups.shape[1] * P)
     tail_start = (positions + 1) // P * P
     tail = tail_start[:, None] + offsets[: P - 1]
     tail = torch.where(tail <= positions[:, None], tail, -1)
