@@ -11,9 +11,9 @@ indexer's scoring and selection (:data:`INDEXER_KERNEL_OPS`).
   (:func:`~reference_impl.kernels.indexer_triton.indexer_logits_triton`) by the same rule, the pooled group
   keys as its key rows, each query's visible groups (a prefix of the group list) as its key range, and
   ``head_dim^-0.5`` as every key's scale (``relu(x s) = s relu(x)`` for ``s > 0``). The keys stay float32
-  and the products are IEEE float32 (``dot_dtype="fp32"``): FP8 or bf16 keys, or the GPU's default TF32
-  products, would move scores by ``2^-4 .. 2^-11`` of their size and change which of two close groups a
-  query selects, and the family's check holds selections equal to the oracle's;
+  and the products are IEEE float32 (``dot_dtype="fp32"``): FP8 keys, bf16 keys or the GPU's default TF32
+  products round each operand by up to ``2^-4``, ``2^-9`` or ``2^-11`` of its size, enough to swap two
+  close groups, and the family's check holds every selection equal to the oracle's;
 * ``select`` (:func:`select`): the DSA family's top-k selection kernel
   (:func:`~reference_impl.kernels.topk_select.topk_select_triton`) over each query's visible groups, then
   the torch expansion to token positions (:func:`~reference_impl.families.glm53.model.dsa.expand_groups`).
