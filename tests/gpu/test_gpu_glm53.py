@@ -3,8 +3,9 @@
 Two ranks share the GPU over gloo; requests and chunks are not multiples of the 16-token group, the
 blocks or the pages, and one request has a cached prefix, so level 8 materializes history and
 prefetches it on a CUDA side stream over the KDA layer before each indexed layer; the KDA layers and the
-indexers' scoring and selection run the Triton kernels (the model's kernel tables). A third run puts two batches on one pool: a request hits the
-first's prefix inside a KDA block and a chunk, from the checkpoint kept there. The runs keep bf16 latent
+indexers' scoring and selection run the Triton kernels (the model's kernel tables). A third run puts two
+batches on one pool: a request hits the first's prefix inside a KDA block and a chunk, from the checkpoint
+kept there. The runs keep bf16 latent
 rows (FP8 rows: ``test_gpu_glm53_rows_and_round_robin.py``) and compute in float32: the GLM-5.3 check
 compares every indexed layer's selections as exact sets, and in float32 the CP run's and the oracle's
 different GEMM batching cannot move a group across the selection boundary the way bf16 rounding can.

@@ -16,6 +16,9 @@ one sequence at a time:
   ``index_topk / index_kpool`` groups (all when fewer) and adds its own incomplete group's tokens
   ``[t + 1 - (t + 1) % kpool, t]`` (the tail). A selection row lists token positions, ascending,
   ``-1`` padded to ``index_topk + index_kpool - 1``.
+
+A layer scores and selects through its :class:`IndexerOps` table (these torch functions by default; the
+DSA family's logits and top-k kernels in :mod:`reference_impl.families.glm53.kernels.dispatch`).
 """
 
 from __future__ import annotations
