@@ -102,7 +102,7 @@ def test_cp_matches_the_oracle(level: int, cp_size: int, chunk: int | None, kv_d
     run = _run(level, cp_size, chunk, kv_dtype=kv_dtype)
     report = _report(level, cp_size, chunk, kv_dtype=kv_dtype)
     assert report["matches_oracle"], report["problems"]
-    assert report["attention_kernel"] == "glm53-kda-torch"  # a CPU run: the KDA table's torch path
+    assert report["attention_kernel"] == "glm53-kda-torch+indexer-torch"  # a CPU run: the tables' torch paths
     if level >= 6:  # the layer loop reads nothing from the device (the API audit, on a CPU)
         assert all(r["host_syncs_in_layer_loop"] == 0 for r in report["per_rank"])
     _check_held_bytes(run, report)

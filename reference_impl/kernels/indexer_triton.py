@@ -96,6 +96,7 @@ def _indexer_logits_kernel(
     UPCAST: tl.constexpr,
     WRITE_MAXIMA: tl.constexpr,
     BLOCK_PTRS: tl.constexpr = False,
+    DOT_IEEE: tl.constexpr = False,
 ):
     pid_t = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -152,7 +153,10 @@ def _indexer_logits_kernel(
                 q = q.to(tl.float32)
             elif DOT_BF16:
                 q = q.to(tl.bfloat16)
-            s = tl.dot(q, k_t)
+            if DOT_IEEE:  # float32 products as IEEE float32 (a float32 dot is TF32 on the GPU by default)
+                s = tl.dot(q, k_t, input_precision="ieee")
+            else:
+                s = tl.dot(q, k_t)
             acc += tl.maximum(s, 0.0) * w[:, None]
         k_scale = tl.load(k_scale_ptr + abs_cols, mask=col_mask, other=0.0)
         acc = acc * k_scale[None, :]
@@ -199,7 +203,9 @@ def indexer_logits_triton(
     ``-inf`` elsewhere. ``q_fp8 [T, Hi, D]``, ``weights [T, Hi]`` f32, ``k_fp8 [S, D]`` (float8_e4m3fn,
     or both bf16: DeepSeek-V4's FP4-valued indexer, :mod:`reference_impl.families.deepseek_v4.kernels.dispatch`),
     ``k_scale [S]`` f32, ``key_start/key_end [T]`` int64. ``dot_dtype``: ``"fp8"`` or ``"bf16"``
-    (GPU only; the interpreter always computes in fp32). ``maxima``: a
+    (GPU only; the interpreter always computes in fp32), or ``"fp32"``: both operands upcast to float32
+    and multiplied in IEEE float32, not TF32 (GLM-5.3's float32 pooled keys,
+    :mod:`reference_impl.families.glm53.kernels.dispatch`). ``maxima``: a
     ``[T, maxima_width(col_hi - col_lo)]`` uint32 tensor that receives the rows' group maxima for
     the fused bound (:func:`~reference_impl.kernels.topk_select.span_maxima`; ``block_s`` a
     multiple of 128). ``out``: an ``[T, col_hi - col_lo]`` f32 view to write into, contiguous along
@@ -226,8 +232,8 @@ def indexer_logits_triton(
     if n_rows == 0 or n_cols <= 0:
         return out
     dot_dtype = dot_dtype or dflt_dot
-    if dot_dtype not in ("fp8", "bf16"):
-        raise ValueError(f"dot_dtype={dot_dtype!r}: use 'fp8' or 'bf16'")
+    if dot_dtype not in ("fp8", "bf16", "fp32"):
+        raise ValueError(f"dot_dtype={dot_dtype!r}: use 'fp8', 'bf16' or 'fp32'")
     if q_fp8.stride(-1) != 1:
         q_fp8 = q_fp8.contiguous()
     if k_fp8.stride(-1) != 1:
@@ -258,9 +264,10 @@ def indexer_logits_triton(
         BLOCK_T=block_t,
         BLOCK_S=block_s,
         DOT_BF16=dot_dtype == "bf16" or q_fp8.dtype != k_fp8.dtype,
-        UPCAST=not on_gpu,
+        UPCAST=not on_gpu or dot_dtype == "fp32",
         WRITE_MAXIMA=maxima is not None,
         BLOCK_PTRS=GPU_BLOCK_POINTERS if block_pointers is None else block_pointers,
+        DOT_IEEE=dot_dtype == "fp32",
         num_warps=num_warps or dflt_warps,
         num_stages=num_stages or dflt_stages,
     )

@@ -2,9 +2,10 @@
 
 Two ranks share the GPU over gloo; requests and chunks are not multiples of the 16-token group, the
 blocks or the pages, and one request has a cached prefix, so level 8 materializes history and
-prefetches it on a CUDA side stream over the KDA layer before each indexed layer; the KDA layers run the
-Triton kernels (the model's kernel table). A third run puts two batches on one pool: a request hits the
-first's prefix inside a KDA block and a chunk, from the checkpoint kept there. The runs keep bf16 latent
+prefetches it on a CUDA side stream over the KDA layer before each indexed layer; the KDA layers and the
+indexers' scoring and selection run the Triton kernels (the model's kernel tables). A third run puts two
+batches on one pool: a request hits the first's prefix inside a KDA block and a chunk, from the checkpoint
+kept there. The runs keep bf16 latent
 rows (FP8 rows: ``test_gpu_glm53_rows_and_round_robin.py``) and compute in float32: the GLM-5.3 check
 compares every indexed layer's selections as exact sets, and in float32 the CP run's and the oracle's
 different GEMM batching cannot move a group across the selection boundary the way bf16 rounding can.
@@ -49,8 +50,9 @@ def test_tiny_glm53_ranks_match_the_oracle(glm53_reports: dict[str, dict], name:
     rep = glm53_reports[name]
     assert rep["matches_oracle"] is True, rep["problems"]
     assert rep["collectives_identical"]
-    # The KDA layers ran the Triton kernels (the model's kernel table), none of them falling back to torch.
-    assert rep["attention_kernel"] == "glm53-kda-triton" and not rep["kernel_fallbacks"], rep["kernel_fallbacks"]
+    # The KDA layers and the indexers ran the Triton kernels (the model's kernel tables), none falling back.
+    assert rep["attention_kernel"] == "glm53-kda-triton+indexer-triton", rep["attention_kernel"]
+    assert not rep["kernel_fallbacks"], rep["kernel_fallbacks"]
 
 
 def test_tiny_glm53_level8_shards_materializes_history_and_never_syncs(glm53_reports: dict[str, dict]) -> None:

@@ -120,12 +120,17 @@ class Glm53Family:
         kernels: bool,
         fp8_projections: bool = False,
     ) -> Glm53Model:
-        """The KDA recurrence through :data:`~.kernels.dispatch.KDA_KERNEL_OPS` (the torch references off
-        CUDA) or the torch references (:data:`~.model.kda.KDA_TORCH_OPS`); the other cores are torch."""
-        from reference_impl.families.glm53.kernels.dispatch import KDA_KERNEL_OPS
+        """The KDA recurrence and the indexer's scoring and selection through the kernel tables
+        (:data:`~.kernels.dispatch.KDA_KERNEL_OPS`, :data:`~.kernels.dispatch.INDEXER_KERNEL_OPS`: the torch
+        references off CUDA) or the torch references (:data:`~.model.kda.KDA_TORCH_OPS`,
+        :data:`~.model.dsa.INDEXER_TORCH_OPS`); the other cores are torch."""
+        from reference_impl.families.glm53.kernels.dispatch import INDEXER_KERNEL_OPS, KDA_KERNEL_OPS
+        from reference_impl.families.glm53.model.dsa import INDEXER_TORCH_OPS
         from reference_impl.families.glm53.model.kda import KDA_TORCH_OPS
 
-        return build_glm53_model(cfg, dtype, seed, device, KDA_KERNEL_OPS if kernels else KDA_TORCH_OPS)
+        if kernels:
+            return build_glm53_model(cfg, dtype, seed, device, KDA_KERNEL_OPS, INDEXER_KERNEL_OPS)
+        return build_glm53_model(cfg, dtype, seed, device, KDA_TORCH_OPS, INDEXER_TORCH_OPS)
 
     def load_weights(self, model: torch.nn.Module, checkpoint: Any, first_layer: int, head: bool) -> None:
         from reference_impl.families.glm53.model.checkpoint import load_glm53_hf_weights
@@ -237,13 +242,15 @@ class Glm53Family:
 
     # ---- the rest of the run -------------------------------------------------------------------
     def report_fields(self, run: RunConfig, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
-        """``attention_kernel``: the path the KDA recurrence takes (a run builds its model with the kernel
-        table, :data:`~.kernels.dispatch.KDA_KERNEL_OPS`): ``glm53-kda-triton`` on CUDA, ``glm53-kda-torch``
-        off it or under ``DSACP_FORCE_TORCH=1``. The indexed layers' attention is the torch reference."""
-        from reference_impl.families.glm53.kernels.dispatch import kda_kernel_name
+        """``attention_kernel``: the paths the KDA recurrence and the indexer's scoring and selection take (a
+        run builds its model with the kernel tables, :data:`~.kernels.dispatch.KDA_KERNEL_OPS` and
+        :data:`~.kernels.dispatch.INDEXER_KERNEL_OPS`): ``glm53-kda-triton+indexer-triton`` on CUDA,
+        ``glm53-kda-torch+indexer-torch`` off it or under ``DSACP_FORCE_TORCH=1``. The indexed layers'
+        attention is the torch reference."""
+        from reference_impl.families.glm53.kernels.dispatch import indexer_kernel_name, kda_kernel_name
 
         return {
-            "attention_kernel": "glm53-kda-" + kda_kernel_name(device),
+            "attention_kernel": f"glm53-kda-{kda_kernel_name(device)}+indexer-{indexer_kernel_name(device)}",
             "index_topk_pattern": None,
             "selects": run.model.count("indexed_attention") > 0,
         }

@@ -108,7 +108,7 @@ from reference_impl.cp.rerange import gather_current
 from reference_impl.cp.split import SplitMetadata
 from reference_impl.families.base import ChunkInputs
 from reference_impl.families.glm53.cp.store import Glm53Store, hit_points
-from reference_impl.families.glm53.model.dsa import MLAttention, group_scores, select
+from reference_impl.families.glm53.model.dsa import MLAttention, visible_groups
 from reference_impl.families.glm53.model.kda import KDAttention, compose
 from reference_impl.families.glm53.model.oracle import Glm53Block, KDACache
 
@@ -473,8 +473,12 @@ class Glm53Step:
                 keys = history_keys[req]
                 if new_keys is not None:
                     keys = torch.cat([keys, new_keys[req]])
-                scores = group_scores(proj.index_q[rp.local], proj.index_w[rp.local], keys, cfg.index_head_dim)
-                rows_sel = select(cfg, scores, rp.positions)
+                # the layer's indexer table (the DSA logits and top-k kernels on CUDA), as _kda routes through
+                # attn.ops; a query sees a prefix of the request's groups
+                visible = visible_groups(rp.positions, cfg.index_kpool, len(keys))
+                q_local, w_local = proj.index_q[rp.local], proj.index_w[rp.local]
+                scores = attn.ops.scores(q_local, w_local, keys, cfg.index_head_dim, visible)
+                rows_sel = attn.ops.select(cfg, scores, rp.positions)
             else:
                 assert self.shared is not None, "a layer sharing its selection follows an indexed layer"
                 rows_sel = self.shared[rp.local]

@@ -1,2 +1,3 @@
-"""GLM-5.3's Triton kernels (the chunked KDA recurrence and its span map) and their dispatch table,
-:data:`.dispatch.KDA_KERNEL_OPS`."""
+"""GLM-5.3's Triton kernels (the chunked KDA recurrence and its span map) and its dispatch tables,
+:data:`.dispatch.KDA_KERNEL_OPS` and :data:`.dispatch.INDEXER_KERNEL_OPS` (the pooled indexer through the
+DSA family's logits and top-k kernels)."""

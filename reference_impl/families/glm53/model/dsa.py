@@ -16,10 +16,14 @@ one sequence at a time:
   ``index_topk / index_kpool`` groups (all when fewer) and adds its own incomplete group's tokens
   ``[t + 1 - (t + 1) % kpool, t]`` (the tail). A selection row lists token positions, ascending,
   ``-1`` padded to ``index_topk + index_kpool - 1``.
+
+A layer scores and selects through its :class:`IndexerOps` table (these torch functions by default; the
+DSA family's logits and top-k kernels in :mod:`reference_impl.families.glm53.kernels.dispatch`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -69,11 +73,13 @@ class DSAProjection:
 
 
 class MLAttention(nn.Module):
-    """One indexed layer's parameters (``transformers``' names) and its pieces."""
+    """One indexed layer's parameters (``transformers``' names) and its pieces. ``ops``: the indexer's
+    scoring and selection (:class:`IndexerOps`; the torch references, :data:`INDEXER_TORCH_OPS`, by default)."""
 
-    def __init__(self, cfg: Glm53Config, shares_selection: bool) -> None:
+    def __init__(self, cfg: Glm53Config, shares_selection: bool, ops: IndexerOps | None = None) -> None:
         super().__init__()
         self.cfg = cfg
+        self.ops = ops or INDEXER_TORCH_OPS
         h, dn, dv = cfg.n_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
         self.q_a_proj = nn.Linear(cfg.dim, cfg.q_lora_rank, bias=False)
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
@@ -119,10 +125,55 @@ class MLAttention(nn.Module):
         return self.o_proj(out)
 
 
-def group_scores(index_q: torch.Tensor, index_w: torch.Tensor, group_keys: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """``[T, G]``: every query's score of every group key ``group_keys [G, Di]``."""
+def visible_groups(positions: torch.Tensor, kpool: int, n_groups: int) -> torch.Tensor:
+    """``[T]`` int64: how many of groups ``0 .. n_groups - 1`` each query at ``positions [T]`` sees (a group
+    once its last token is visible): ``min((t + 1) // kpool, n_groups)``, a prefix of the group list."""
+    return torch.div(positions.long() + 1, kpool, rounding_mode="floor").clamp(0, n_groups)
+
+
+def group_scores(
+    index_q: torch.Tensor,
+    index_w: torch.Tensor,
+    group_keys: torch.Tensor,
+    head_dim: int,
+    visible: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``[T, G]`` float32: every query's score of every group key ``group_keys [G, Di]`` (``index_q [T, H, Di]``,
+    ``index_w [T, H]``). ``visible [T]`` (optional, :func:`visible_groups`): query ``t`` scores groups
+    ``< visible[t]`` only, the others ``-inf``; without it every group is scored."""
+    check_indexer_inputs(index_q, index_w, group_keys, visible)
     scores = torch.relu(torch.einsum("thd,gd->thg", index_q, group_keys.float()) * head_dim**-0.5)
-    return torch.einsum("th,thg->tg", index_w, scores)
+    scores = torch.einsum("th,thg->tg", index_w, scores)
+    if visible is not None:
+        cols = torch.arange(scores.shape[1], device=scores.device)
+        scores = scores.masked_fill(cols[None, :] >= visible.to(scores.device)[:, None], float("-inf"))
+    return scores
+
+
+def check_indexer_inputs(
+    index_q: torch.Tensor, index_w: torch.Tensor, group_keys: torch.Tensor, visible: torch.Tensor | None = None
+) -> None:
+    """Refuse, by argument name, what :func:`group_scores` (or a kernel with its contract) cannot take:
+    ``index_q [T, H, Di]``, ``index_w [T, H]``, ``group_keys [G, Di]`` floating point, ``visible [T]`` integer,
+    one device. Shapes only: nothing is read from the device."""
+    named = {"index_q": (index_q, 3), "index_w": (index_w, 2), "group_keys": (group_keys, 2)}
+    for name, (t, dims) in named.items():
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            kind = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name}: a floating-point tensor is needed, got {kind}")
+        if t.dim() != dims:
+            raise ValueError(f"{name}: {dims} dims expected, got shape {tuple(t.shape)}")
+        if t.device != index_q.device:
+            raise ValueError(f"{name} is on {t.device}, index_q on {index_q.device}: one device needed")
+    T, H, Di = index_q.shape
+    if tuple(index_w.shape) != (T, H):
+        raise ValueError(f"index_w: shape {tuple(index_w.shape)}, expected {(T, H)} (index_q {tuple(index_q.shape)})")
+    if group_keys.shape[1] != Di:
+        raise ValueError(f"group_keys: shape {tuple(group_keys.shape)}, expected [G, {Di}] (index_q's head dim)")
+    if visible is not None and (
+        visible.dtype.is_floating_point or visible.dtype == torch.bool or tuple(visible.shape) != (T,)
+    ):
+        raise ValueError(f"visible: an integer [{T}] tensor is needed, got {visible.dtype} {tuple(visible.shape)}")
 
 
 def select(
@@ -142,9 +193,16 @@ def select(
     order = masked.sort(dim=1, descending=True, stable=True).indices
     chosen = order[:, :k] if k else scores.new_zeros((T, 0), dtype=torch.long)
     chosen_ok = candidate.gather(1, chosen)
-    starts = torch.where(chosen_ok, group_ids[chosen] * P, -1)  # [T, k]
-    offsets = torch.arange(P, device=scores.device)
-    tokens = torch.where(starts[..., None] >= 0, starts[..., None] + offsets, -1).reshape(T, -1)
+    return expand_groups(cfg, torch.where(chosen_ok, group_ids[chosen], -1), positions)
+
+
+def expand_groups(cfg: Glm53Config, groups: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Selection rows (as :func:`select` returns them) from each query's chosen groups ``groups [T, k]``
+    (group ids, ``-1`` unused, any order) and its own incomplete group's tokens up to ``positions [T]``."""
+    P, T = cfg.index_kpool, len(positions)
+    offsets = torch.arange(P, device=positions.device)
+    starts = torch.where(groups >= 0, groups.long() * P, -1)  # [T, k]
+    tokens = torch.where(starts[..., None] >= 0, starts[..., None] + offsets, -1).reshape(T, groups.shape[1] * P)
     tail_start = (positions + 1) // P * P
     tail = tail_start[:, None] + offsets[: P - 1]
     tail = torch.where(tail <= positions[:, None], tail, -1)
@@ -155,3 +213,23 @@ def select(
     if rows.shape[1] < width:
         rows = torch.cat([rows, rows.new_full((T, width - rows.shape[1]), -1)], dim=1)
     return rows[:, :width].to(torch.int32)
+
+
+@dataclass(frozen=True)
+class IndexerOps:
+    """What an indexed layer hands to kernels (the torch references by default, :data:`INDEXER_TORCH_OPS`):
+
+    * ``scores(index_q, index_w, group_keys, head_dim, visible=None)`` -> ``[T, G]`` float32
+      (:func:`group_scores`; groups at or past ``visible[t]`` ``-inf``);
+    * ``select(cfg, scores, positions, group_ids=None)`` -> selection rows ``[T, selection_width]`` int32
+      (:func:`select`: ties to the lower group id).
+
+    The kernel table is :data:`reference_impl.families.glm53.kernels.dispatch.INDEXER_KERNEL_OPS`.
+    """
+
+    name: str
+    scores: Callable[..., torch.Tensor]
+    select: Callable[..., torch.Tensor]
+
+
+INDEXER_TORCH_OPS = IndexerOps("torch", group_scores, select)

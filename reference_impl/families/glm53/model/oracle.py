@@ -22,29 +22,34 @@ from torch import nn
 
 from reference_impl.families.glm53.cache_layout import LatentRows
 from reference_impl.families.glm53.config import Glm53Config
-from reference_impl.families.glm53.model.dsa import MLAttention, RMSNorm, group_scores, select
+from reference_impl.families.glm53.model.dsa import INDEXER_TORCH_OPS, IndexerOps, MLAttention, RMSNorm, visible_groups
 from reference_impl.families.glm53.model.kda import KDA_TORCH_OPS, KDAOps, KDAttention
 
 
 class Glm53Block(nn.Module):
     """``h + attn(attn_norm(h))``; the attention (KDA or MLA) sits under ``attn.``."""
 
-    def __init__(self, cfg: Glm53Config, layer: int, kda_ops: KDAOps = KDA_TORCH_OPS) -> None:
+    def __init__(
+        self, cfg: Glm53Config, layer: int, kda_ops: KDAOps = KDA_TORCH_OPS, index_ops: IndexerOps = INDEXER_TORCH_OPS
+    ) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim, cfg.rms_norm_eps)
         self.attn: KDAttention | MLAttention = (
-            KDAttention(cfg, kda_ops) if cfg.is_kda(layer) else MLAttention(cfg, cfg.shares_selection(layer))
+            KDAttention(cfg, kda_ops) if cfg.is_kda(layer) else MLAttention(cfg, cfg.shares_selection(layer), index_ops)
         )
 
 
 class Glm53Model(nn.Module):
     """``n_layers`` blocks (their types from ``cfg.layer_types``), a final norm and an LM head; the KDA
-    layers' recurrence through ``kda_ops`` (the torch references by default)."""
+    layers' recurrence through ``kda_ops``, the indexed layers' scoring and selection through ``index_ops``
+    (the torch references by default)."""
 
-    def __init__(self, cfg: Glm53Config, kda_ops: KDAOps = KDA_TORCH_OPS) -> None:
+    def __init__(
+        self, cfg: Glm53Config, kda_ops: KDAOps = KDA_TORCH_OPS, index_ops: IndexerOps = INDEXER_TORCH_OPS
+    ) -> None:
         super().__init__()
         self.cfg = cfg
-        self.layers = nn.ModuleList(Glm53Block(cfg, i, kda_ops) for i in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Glm53Block(cfg, i, kda_ops, index_ops) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.rms_norm_eps)
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 
@@ -88,12 +93,17 @@ def init_glm53_weights(model: Glm53Model, seed: int) -> Glm53Model:
 
 
 def build_glm53_model(
-    cfg: Glm53Config, dtype: torch.dtype, seed: int, device: torch.device | str, kda_ops: KDAOps = KDA_TORCH_OPS
+    cfg: Glm53Config,
+    dtype: torch.dtype,
+    seed: int,
+    device: torch.device | str,
+    kda_ops: KDAOps = KDA_TORCH_OPS,
+    index_ops: IndexerOps = INDEXER_TORCH_OPS,
 ) -> Glm53Model:
     """The model in ``dtype`` (the parameters ``transformers`` keeps in float32 stay so), weights from ``seed``,
-    its KDA layers' recurrence through ``kda_ops``."""
+    its KDA layers' recurrence through ``kda_ops``, its indexers' scoring and selection through ``index_ops``."""
     with torch.device(device):
-        model = Glm53Model(cfg, kda_ops)
+        model = Glm53Model(cfg, kda_ops, index_ops)
     init_glm53_weights(model, seed)
     model.to(dtype)
     for name, p in model.named_parameters():
@@ -195,8 +205,10 @@ def dsa_span(
         assert proj.index_k is not None and proj.index_gate is not None and proj.index_q is not None
         pool_pending(attn, cache, proj.index_k, proj.index_gate)
         assert cache.group_keys is not None and proj.index_w is not None
-        scores = group_scores(proj.index_q, proj.index_w, cache.group_keys, attn.cfg.index_head_dim)
-        selection = select(attn.cfg, scores, positions)
+        cfg, keys = attn.cfg, cache.group_keys
+        visible = visible_groups(positions, cfg.index_kpool, len(keys))
+        scores = attn.ops.scores(proj.index_q, proj.index_w, keys, cfg.index_head_dim, visible)
+        selection = attn.ops.select(cfg, scores, positions)
     return attn.attend(proj.q, cache.rows.decode(cache.latent), selection), selection
 
 
