@@ -68,6 +68,7 @@ def build(
         "UPCAST": False,
         "WRITE_MAXIMA": write_maxima,
         "BLOCK_PTRS": block_ptrs,
+        "DOT_IEEE": False,  # the DSA layer's FP8 products (IEEE float32 products are GLM-5.3's pooled keys)
     }
     source = ASTSource(indexer_triton._indexer_logits_kernel, ARGS | dict.fromkeys(constexprs, "constexpr"), constexprs)
     kernel = triton.compile(source, target=TARGET, options={"num_warps": warps, "num_stages": stages})
