@@ -279,6 +279,28 @@ def test_round_robin_resplit_bytes() -> None:
         assert rank["kda_halo_bytes_received"] == kda_layers * 3 * halo
 
 
+@pytest.mark.parametrize(
+    ("level", "requests", "page_size"),
+    [(2, (Request(0, 130),), 4), (3, REQUESTS, 4), (8, REQUESTS, 4), (2, REQUESTS, 64), (3, (Request(0, 130),), 64)],
+)
+def test_round_robin_balances_the_group_keys(level: int, requests: tuple[Request, ...], page_size: int) -> None:
+    """C = 4 round-robin: a group's last token (``16k + 15``) is always on rank 3, but the keys are spread,
+    each rank within one group of ``total / C`` (a single request of 8 groups: exactly 2 each), with phase 2
+    alone (each owner pools its own groups) and with phase 3 (every rank pools them all); the runs still match
+    the oracle, and each key is on exactly one rank."""
+    run = _run(level, 4, 17, requests, split_mode="round-robin").replace(page_size=page_size)
+    report = ri.run_prefill(run)
+    assert report["matches_oracle"], report["problems"]
+    _check_held_bytes(run, report)
+    cfg = run.model
+    key_bytes = (cfg.count(glm53_config.DSA) - 1) * cfg.index_head_dim * 4  # a group's keys, every indexer layer
+    groups = [r["index_bytes"] / key_bytes for r in report["per_rank"]]
+    total = sum(r.total // cfg.index_kpool for r in requests)
+    assert sum(groups) == total and all(abs(g - total / 4) <= 1 for g in groups), groups
+    if len(requests) == 1:
+        assert groups == [total / 4] * 4
+
+
 def _fork(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DSACP_RANK_THREADS", "1")  # fork: the patch reaches the ranks
 

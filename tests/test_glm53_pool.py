@@ -19,8 +19,9 @@ from reference_impl.cp.ownership import Ownership
 from reference_impl.engine import replay_page_table, replay_pool, run_id_space
 from reference_impl.errors import ConfigError
 from reference_impl.families.glm53.cache_layout import LatentRows
-from reference_impl.families.glm53.cp.store import Glm53Store
+from reference_impl.families.glm53.cp.store import Glm53Store, GroupKeyOwnership
 from reference_impl.families.glm53.model.oracle import KDACache
+from reference_impl.families.glm53.planner import bytes_per_token
 from reference_impl.kvcache.allocator import PrefixCache
 from reference_impl.presets import get_preset
 from reference_impl.runner import run_prefill
@@ -273,19 +274,55 @@ def test_the_timeline_is_the_page_tables() -> None:
 # ---- a sharded store allocates only what its rank owns --------------------------------------------------------
 @pytest.mark.parametrize("split_mode", ["in-seq", "round-robin"])
 def test_a_sharded_store_allocates_its_share(split_mode: str) -> None:
-    """Per slot: a latent row and its held flag per indexed layer, a group key and its flag per layer with its own
-    indexer. Replicated: every logical slot on every rank; sharded: the rank's packed runs only, so the ranks
-    together allocate what one replicated rank does (up to a page per rank under round-robin's interleave 1)."""
+    """Per slot: a latent row and its held flag per indexed layer; per key cell (a page of 4 slots here, which can
+    end one group of 16): a group key and its flag per layer with its own indexer. Replicated: every logical slot
+    and cell on every rank; sharded: the rank's packed runs only, so the ranks together allocate what one
+    replicated rank does (up to a run per rank)."""
     spec, cp_size = "37+61,0+45", 3
     row = LatentRows.for_run(CFG.kv_lora_rank, "fp8", CFG.mla_scale_fmt).row_bytes
-    per_slot = len(DSA_LAYERS) * (row + 1) + len(INDEXED_LAYERS) * (CFG.index_head_dim * 4 + 1)
+    per_slot = len(DSA_LAYERS) * (row + 1)
+    per_key = len(INDEXED_LAYERS) * (CFG.index_head_dim * 4 + 1)
     replicated = run_prefill(pool_run(spec, cp_size, 0, split_mode=split_mode))
     sharded_run = pool_run(spec, cp_size, 2, split_mode=split_mode)
     sharded = run_prefill(sharded_run)
     assert replicated["matches_oracle"] and sharded["matches_oracle"]
     n_pages = run_id_space(replay_page_table(sharded_run))
     own = Ownership(cp_size, sharded_run.interleave, sharded_run.page_size)
-    assert [r["table_bytes"] for r in replicated["per_rank"]] == [n_pages * 4 * per_slot] * cp_size
-    want = [own.pages_held(n_pages, rank) * 4 * per_slot for rank in range(cp_size)]
+    keys = GroupKeyOwnership.of(own, CFG.index_kpool)
+    assert keys.cell == 4  # gcd(page size 4, kpool 16): one key row per page, not per slot
+    whole = n_pages * 4 * per_slot + n_pages * per_key
+    assert [r["table_bytes"] for r in replicated["per_rank"]] == [whole] * cp_size
+    want = [
+        own.pages_held(n_pages, rank) * 4 * per_slot + keys.rows_held(n_pages * 4, rank, True) * per_key
+        for rank in range(cp_size)
+    ]
     assert [r["table_bytes"] for r in sharded["per_rank"]] == want
-    assert sum(want) <= n_pages * 4 * per_slot + cp_size * 4 * per_slot and max(want) < n_pages * 4 * per_slot / 2
+    run_bytes = 4 * per_slot + keys.interleave * per_key  # what a rank may allocate past its share: a run of each
+    assert sum(want) <= whole + cp_size * run_bytes and max(want) < whole / 2
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_the_tables_match_the_planners_bytes_per_token(page_size: int) -> None:
+    """Pages that hold whole groups: the key table has a row per ``kpool`` slots, so the tables' bytes are the
+    planner's bytes per token (a latent row per indexed layer, a sixteenth of a key per layer with its own
+    indexer) over every slot, plus the held flags (a byte per latent row and per key row)."""
+    run = pool_run("37+61,0+45", 2, 0, page_size=page_size)
+    report = run_prefill(run)
+    assert report["matches_oracle"]
+    slots = run_id_space(replay_page_table(run)) * page_size
+    per_token = bytes_per_token(CFG, "fp8")
+    n_shared = len(DSA_LAYERS) - len(INDEXED_LAYERS)
+    tables = slots * (len(INDEXED_LAYERS) * per_token["indexed"] + n_shared * per_token["indexed_shared"])
+    flags = slots * len(DSA_LAYERS) + slots // CFG.index_kpool * len(INDEXED_LAYERS)
+    assert [r["table_bytes"] for r in report["per_rank"]] == [tables + flags] * 2
+
+
+def test_glm53_flash_keys_take_a_sixteenth_of_the_slots() -> None:
+    """GLM-5.3-Flash's pages of 64 and groups of 16: a key row per 16 slots, replicated or sharded (C = 4, in-seq
+    pages or round-robin's interleave 1), and the ranks' rows add up to the replicated table's."""
+    kpool, slots = get_preset("glm-5.3-flash").index_kpool, 64 * 40
+    assert kpool == 16
+    for interleave in (64, 1):
+        keys = GroupKeyOwnership.of(Ownership(4, interleave, 64), kpool)
+        assert keys.rows_held(slots, 0, False) == slots // 16
+        assert [keys.rows_held(slots, r, True) for r in range(4)] == [slots // 64] * 4

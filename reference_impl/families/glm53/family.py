@@ -205,7 +205,7 @@ class Glm53Family:
             if cache.group_keys is not None:
                 assert cache.pending_k is not None and cache.pending_gate is not None
                 ends = locs[P - 1 :: P][: len(cache.group_keys)]
-                mine = store.mine(ends)
+                mine = store.mine_keys(ends)
                 store.write_group_keys(layer, ends[mine], cache.group_keys[mine])
                 store.set_pending_of(layer, req, cache.pending_k.clone(), cache.pending_gate.clone())
         store.locs[req] = locs.cpu()

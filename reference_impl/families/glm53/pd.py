@@ -9,8 +9,8 @@ part             layers             rows (positions)                     sent by
 ===============  =================  ===================================  ====================================
 ``LATENT`` (1)   indexed            the stored latent rows (528-byte     every rank: the rows it stores (phase
                                     FP8 rows, or bf16), token positions  2: the owner of the row's loc)
-``KEYS`` (2)     indexed, own       the pooled group keys (float32),     every rank: the groups whose last
-                 indexer            group indices                        token's loc it owns
+``KEYS`` (2)     indexed, own       the pooled group keys (float32),     every rank: the groups whose keys it
+                 indexer            group indices                        stores (``GroupKeyOwnership``)
 ``PENDING`` (3)  indexed, own       the raw indexer keys then gates of   the request's **replica sender**
                  indexer            the incomplete group (compute
                                     dtype), token positions
@@ -52,7 +52,7 @@ from reference_impl.config import ConfigError, RunConfig, compute_dtype
 from reference_impl.cp.ownership import Ownership
 from reference_impl.families.glm53.cache_layout import LatentRows
 from reference_impl.families.glm53.config import Glm53Config
-from reference_impl.families.glm53.cp.store import Glm53Store
+from reference_impl.families.glm53.cp.store import Glm53Store, GroupKeyOwnership
 from reference_impl.families.glm53.model.oracle import DSACache, Glm53Model, Glm53OracleResult, KDACache, run_layers
 from reference_impl.pd.arena import BookedArena
 from reference_impl.pd.payload import (
@@ -126,11 +126,12 @@ def request_bytes(run: RunConfig, n_tokens: int) -> int:
 
 def owned_rows(own: Ownership, rank: int, cfg: Glm53Config, locs: torch.Tensor, part: int) -> torch.Tensor:
     """Which rows of a request's ``part`` ``rank`` stores (int64 positions): its latent rows' locs, or the
-    groups whose last token's loc it owns (``locs``: the request's logical locs, host)."""
+    groups whose keys it stores, by the store's rule (:class:`GroupKeyOwnership`; ``locs``: the request's logical
+    locs, host)."""
     if part == LATENT:
         return torch.nonzero(own.owner(locs) == rank).flatten()
     ends = locs[cfg.index_kpool - 1 :: cfg.index_kpool][: len(locs) // cfg.index_kpool]
-    return torch.nonzero(own.owner(ends) == rank).flatten()
+    return torch.nonzero(GroupKeyOwnership.of(own, cfg.index_kpool).owner(ends) == rank).flatten()
 
 
 def ships_replicas(own: Ownership, locs: torch.Tensor, rank: int) -> bool:

@@ -251,7 +251,7 @@ class Glm53Step:
             locs, total = host[req], prefix + extend
             first, last = prefix // P, total // P  # the chunk completes groups first .. last - 1
             ends = locs[P - 1 :: P][:last]  # every complete group's last-token loc
-            own = torch.nonzero(store.mine(ends[first:])).flatten()
+            own = torch.nonzero(store.mine_keys(ends[first:])).flatten()  # the keys' owners, not the tokens'
             local = torch.nonzero(self.local_request == req).flatten()
             self.requests.append(
                 _RequestPlan(
@@ -273,7 +273,7 @@ class Glm53Step:
             latent_want.append(locs[: prefix if self.reuse else total])
             key_want.append(ends[: first if self.reuse else last])
         self.latent_plan = store.row_gather(latent_want)
-        self.key_plan = store.row_gather(key_want)
+        self.key_plan = store.row_gather(key_want, keys=True)
         has_history = self.latent_plan.total + self.key_plan.total > 0
         self.prefetcher = (
             _HistoryPrefetcher(self) if phases.prefetch and self.reuse and has_history and store.dsa_layers else None

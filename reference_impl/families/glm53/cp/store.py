@@ -9,10 +9,14 @@ What each layer type keeps, and where:
 * **indexed layers**: every token's latent row (the FP8 row of :mod:`..cache_layout`, 528 bytes on
   GLM-5.3-Flash, or bf16), in a pool indexed by its logical loc: on every rank
   (levels 0-1) or only on the loc's owner (phase 2, :class:`~reference_impl.cp.ownership.Ownership`);
-  every complete group's pooled index key, stored at the loc of the group's **last token**, so on that
-  token's owner: a group straddling a rank's block, a chunk or a cached prefix is pooled once, by that
-  owner, when its last token arrives; the raw indexer rows of each request's incomplete group (at most
-  ``kpool - 1``), replicated, waiting for the tokens that complete it.
+  every complete group's pooled index key, in a table of one row per **cell** that can hold a group's last
+  token (:class:`GroupKeyOwnership`: ``gcd(page size, kpool)`` slots, a sixteenth of the latent table's rows
+  on GLM-5.3-Flash's pages of 64), on the cell's owner: the last token's owner under the page interleave,
+  consecutive groups on consecutive ranks under an interleave finer than a group (round-robin: the last
+  token's owner would be rank ``C - 1`` for every group when ``C`` divides 16); a group straddling a
+  rank's block, a chunk or a cached prefix is pooled once, by that owner, when its last token arrives; the
+  raw indexer rows of each request's incomplete group (at most ``kpool - 1``), replicated, waiting for the
+  tokens that complete it.
 
 A sharded table holds only the slots its rank owns, packed (:meth:`Glm53Store.slot`): its bytes at rest are
 ``1 / C`` of a replicated table's. Requests are keyed by their run-global index (a hit shares its source's
@@ -36,6 +40,7 @@ row as its 528 bytes, not the 1024 of its bf16 values) and are decoded once, whe
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +59,46 @@ if TYPE_CHECKING:  # annotations only: the page table's replay sits above the CP
 
 
 @dataclass(frozen=True)
+class GroupKeyOwnership:
+    """Where a group key is stored, from the loc of the group's last token alone (every rank, and a PD sender,
+    derive the same): the key table has one row per **cell** of ``cell = gcd(page size, kpool)`` slots.
+
+    Requests start on a page, so a loc's in-page offset is its position's: a group's last token (position
+    ``16k + 15``) is the last slot of its cell, and a cell holds at most one. The cells are owned in runs of
+    ``interleave`` cells, packed like :class:`Ownership`'s slots: the page interleave keeps the last token's
+    owner (phase 5's direct writes need it); a finer one (round-robin) takes runs of one group's span, so
+    group ``k`` of a request on consecutive pages goes to rank ``(k + s) % C``, ``s`` fixed by its first page
+    (a request on scattered pages, after eviction, may land less evenly; any owner is correct)."""
+
+    cp_size: int
+    cell: int  # slots per cell
+    interleave: int  # cells per ownership run
+
+    @classmethod
+    def of(cls, own: Ownership, kpool: int) -> GroupKeyOwnership:
+        cell = math.gcd(own.page_size, kpool)
+        span = own.interleave if own.by_page else max(own.interleave, kpool)  # in slots
+        return cls(own.cp_size, cell, max(1, span // cell))
+
+    def owner(self, end_locs: torch.Tensor) -> torch.Tensor:
+        """Owner rank of the key of each group ending at ``end_locs``."""
+        return (end_locs // (self.cell * self.interleave)) % self.cp_size
+
+    def row(self, end_locs: torch.Tensor, sharded: bool) -> torch.Tensor:
+        """The table row of each key on its owner (every cell in order when the table is replicated)."""
+        cells, i = end_locs // self.cell, self.interleave
+        return (cells // (i * self.cp_size)) * i + cells % i if sharded else cells
+
+    def rows_held(self, n_slots: int, rank: int, sharded: bool) -> int:
+        """Table rows ``rank`` allocates for logical slots ``0 .. n-1``: its runs of cells, packed."""
+        cells = -(-n_slots // self.cell)
+        if not sharded:
+            return cells
+        runs = -(-cells // self.interleave)
+        return max(0, -(-(runs - rank) // self.cp_size)) * self.interleave
+
+
+@dataclass(frozen=True)
 class RowGather:
     """One chunk's materialization of table rows at given locs, per chunk request (see the module docstring).
 
@@ -61,7 +106,7 @@ class RowGather:
     tensors are built before the layer loop (no host read in the loop)."""
 
     counts: tuple[int, ...]  # per chunk request: rows wanted, in order (the result's split)
-    locs: torch.Tensor  # int64 [N]: every wanted loc, request after request (the replicated read)
+    locs: torch.Tensor  # int64 [N]: every wanted table row (a loc, or a key's row), request after request (replicated)
     send: torch.Tensor  # int64 [lengths[rank]]: the table slots of the wanted locs this rank owns, in want order
     lengths: tuple[int, ...]  # per rank: rows it sends
     inverse: torch.Tensor  # int64 [N]: the gathered (rank-major) row of each wanted loc
@@ -115,8 +160,11 @@ class Glm53Store:
         self.latent = {i: self.rows.empty(slots, dev) for i in self.dsa_layers}  # stored rows (uint8 for FP8)
         self.latent_held = {i: torch.zeros(slots, dtype=torch.bool, device=dev) for i in self.dsa_layers}
         self.indexed = [i for i in self.dsa_layers if not cfg.shares_selection(i)]
-        self.group_keys = {i: torch.zeros(slots, cfg.index_head_dim, device=dev) for i in self.indexed}
-        self.group_held = {i: torch.zeros(slots, dtype=torch.bool, device=dev) for i in self.indexed}
+        # One row per cell that can end a group (GroupKeyOwnership), not per slot: a key per kpool tokens.
+        self.key_owner = GroupKeyOwnership.of(self.ownership, cfg.index_kpool)
+        key_rows = self.key_owner.rows_held(batch.n_pages * batch.page_size, group.rank, self.sharded)
+        self.group_keys = {i: torch.zeros(key_rows, cfg.index_head_dim, device=dev) for i in self.indexed}
+        self.group_held = {i: torch.zeros(key_rows, dtype=torch.bool, device=dev) for i in self.indexed}
         self.pending: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (layer, request)
         self.kda: dict[tuple[int, int], KDACache] = {}  # (layer, request)
         # (request, hit point) -> per layer: the KDA state and tail, or an indexed layer's pending rows, there
@@ -171,7 +219,7 @@ class Glm53Store:
     @property
     def table_bytes(self) -> int:
         """What the latent-row and group-key tables allocate, held or not, with their held flags: every logical
-        slot replicated, the rank's own slots sharded."""
+        slot and key cell replicated, the rank's own sharded."""
         tables = [*self.latent.values(), *self.latent_held.values(), *self.group_keys.values()]
         return sum(t.numel() * t.element_size() for t in [*tables, *self.group_held.values()])
 
@@ -187,8 +235,11 @@ class Glm53Store:
             positions = torch.nonzero(self.held_at(self.latent_held[layer], locs)).flatten()
             rows = self.latent[layer][self.slot(locs[positions])].clone()
             if layer in self.group_held:
-                ends = torch.nonzero(self.held_at(self.group_held[layer], locs)).flatten()
-                keys = self.group_keys[layer][self.slot(locs[ends])].clone()
+                P = self.cfg.index_kpool  # every complete group's last position, then those whose keys are here
+                ends = torch.arange(len(locs) // P, device=locs.device) * P + P - 1
+                ends = ends[self.mine_keys(locs[ends])]
+                ends = ends[self.group_held[layer][self.key_slot(locs[ends])]]
+                keys = self.group_keys[layer][self.key_slot(locs[ends])].clone()
                 out[i] = (positions, rows, ends // self.cfg.index_kpool, keys)
             else:
                 out[i] = (positions, rows, None, None)
@@ -215,6 +266,16 @@ class Glm53Store:
         if not self.sharded:
             return torch.ones_like(locs, dtype=torch.bool)
         return self.ownership.owner(locs) == self.group.rank
+
+    def mine_keys(self, end_locs: torch.Tensor) -> torch.Tensor:
+        """Which keys of the groups ending at ``end_locs`` this rank stores (:class:`GroupKeyOwnership`)."""
+        if not self.sharded:
+            return torch.ones_like(end_locs, dtype=torch.bool)
+        return self.key_owner.owner(end_locs) == self.group.rank
+
+    def key_slot(self, end_locs: torch.Tensor) -> torch.Tensor:
+        """The key-table rows of the groups ending at ``end_locs`` (keys this rank stores; no host read)."""
+        return self.key_owner.row(end_locs, self.sharded)
 
     def slot(self, locs: torch.Tensor) -> torch.Tensor:
         """The table rows of ``locs`` (all owned by this rank): the ownership's packed physical locs when
@@ -259,7 +320,7 @@ class Glm53Store:
 
     def write_group_keys(self, layer: int, end_locs: torch.Tensor, keys: torch.Tensor) -> None:
         """Pooled keys of groups whose last tokens sit at ``end_locs`` (the caller passes only its own)."""
-        slots = self.slot(end_locs)
+        slots = self.key_slot(end_locs)
         self.group_keys[layer][slots] = self.stored_keys(keys)
         self.group_held[layer][slots] = True
 
@@ -270,7 +331,7 @@ class Glm53Store:
 
     def read_group_keys(self, layer: int, end_locs: torch.Tensor) -> torch.Tensor:
         """The pooled keys of the groups ending at ``end_locs`` (held by this rank; as :meth:`read_latent`)."""
-        return self.group_keys[layer].index_select(0, self.slot(end_locs))
+        return self.group_keys[layer].index_select(0, self.key_slot(end_locs))
 
     @staticmethod
     def stored_keys(keys: torch.Tensor) -> torch.Tensor:
@@ -296,9 +357,15 @@ class Glm53Store:
         parts = [*self.locs.values(), *(live or [])]
         held = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
         slots = self.slot(held[self.mine(held)]).to(self.group.device)
-        for flags in [*self.latent_held.values(), *self.group_held.values()]:
+        # A key stays while the last slot of its cell (where a group's last token sits) is live.
+        ends = held[held % self.key_owner.cell == self.key_owner.cell - 1]
+        key_slots = self.key_slot(ends[self.mine_keys(ends)]).to(self.group.device)
+        for flags, at in [
+            *((f, slots) for f in self.latent_held.values()),
+            *((f, key_slots) for f in self.group_held.values()),
+        ]:
             kept = torch.zeros_like(flags)
-            kept[slots] = flags[slots]
+            kept[at] = flags[at]
             flags.copy_(kept)
 
     def drop(self, old: int) -> None:
@@ -319,7 +386,7 @@ class Glm53Store:
             raise AssertionError(f"request {req} hits request {source}, whose state this store dropped")
         src, kp = self.locs[source], self.cfg.index_kpool
         ends = torch.arange(shared // kp, n_tokens // kp) * kp + kp - 1  # groups ending past the shared pages
-        rows_plan, keys_plan = self.row_gather([src[shared:n_tokens]]), self.row_gather([src[ends]])
+        rows_plan, keys_plan = self.row_gather([src[shared:n_tokens]]), self.row_gather([src[ends]], keys=True)
         latent = {i: self.materialize(self.latent[i], rows_plan, "glm53_hit")[0] for i in self.dsa_layers}
         keys = {i: self.materialize(self.group_keys[i], keys_plan, "glm53_hit")[0] for i in self.indexed}
         parts: dict[int, KDACache | tuple[torch.Tensor, torch.Tensor]] = {}
@@ -337,7 +404,7 @@ class Glm53Store:
         for layer, rows in hit.latent.items():
             self.write_latent(layer, at, rows.to(at.device))
         for layer, keys in hit.keys.items():
-            mine = self.mine(ends)
+            mine = self.mine_keys(ends)
             self.write_group_keys(layer, ends[mine], keys.to(ends.device)[mine])
         for layer, part in hit.parts.items():
             if isinstance(part, KDACache):
@@ -347,21 +414,22 @@ class Glm53Store:
         self.locs[req] = locs[: hit.n_tokens].cpu()
 
     # ---- materialized views ---------------------------------------------------------------------
-    def row_gather(self, request_locs: list[torch.Tensor]) -> RowGather:
+    def row_gather(self, request_locs: list[torch.Tensor], keys: bool = False) -> RowGather:
         """Plan the materialization of the rows at ``request_locs`` (host int64, one tensor per chunk
-        request): the owners from the locs alone, so every rank plans the same collective."""
+        request; ``keys``: group-end locs, for the key tables): the owners from the locs alone, so every rank
+        plans the same collective."""
         device = self.group.device
         counts = tuple(len(locs) for locs in request_locs)
         want = torch.cat(request_locs) if request_locs else torch.zeros(0, dtype=torch.long)
         if not self.sharded:
             empty = torch.zeros(0, dtype=torch.long, device=device)
-            return RowGather(counts, want.to(device), empty, (), empty)
-        owner = self.ownership.owner(want)
+            return RowGather(counts, (self.key_slot(want) if keys else want).to(device), empty, (), empty)
+        owner = self.key_owner.owner(want) if keys else self.ownership.owner(want)
         lengths = tuple(int((owner == r).sum()) for r in range(self.group.size))
         order = torch.cat([torch.nonzero(owner == r).flatten() for r in range(self.group.size)])
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(len(order))
-        send = self.slot(want[owner == self.group.rank])
+        send = (self.key_slot if keys else self.slot)(want[owner == self.group.rank])
         return RowGather(counts, want.to(device), send.to(device), lengths, inverse.to(device))
 
     def materialize(self, table: torch.Tensor, plan: RowGather, tag: str) -> list[torch.Tensor]:
