@@ -18,7 +18,8 @@
 # after every earlier token. Under the in-seq split each rank maps its own blocks' state as an affine
 # function `S -> A S + B`, the maps are all-gathered, and every rank composes them in sequence order to
 # get the state entering each of its blocks. On indexed layers, a pooled group key (16 tokens) is
-# computed and kept once, by the owner of the group's last token.
+# stored once, by the owner of the group's last token; at level 2 that owner alone pools it, from phase 3
+# every rank pools every group its chunk completes and the owner stores it.
 #
 # **What it buys and costs.** No rank replays another rank's tokens; the price is one map per block per
 # KDA layer per chunk, float32 `H x Dk x (Dk + Dv)`, whatever the block's length.
@@ -43,7 +44,7 @@ from reference_impl.families.glm53.model.oracle import build_glm53_model
 
 torch.manual_seed(0)
 cfg = GLM53_PRESETS["tiny-glm53"]
-C, T, PAGE = 3, 150, 8  # 150 tokens: not a multiple of the 16-token group, the 2C blocks or the pages
+C, T, PAGE = 3, 150, 8  # 150 tokens: not a multiple of the 16-token group or the 8-token pages
 model = build_glm53_model(cfg, torch.float32, 0, "cpu")
 print("layer types:", cfg.layer_types, "| indexer types:", cfg.indexer_types)
 
@@ -122,9 +123,10 @@ print("state after the chunk (every rank):      max diff < 1e-5:", (state - fina
 # ## 5. The pooled indexer's ownership rule
 #
 # A group of 16 tokens has one pooled key, stored at its **last token's** loc: from phase 2 it lives on
-# that loc's owner (pages of 8 tokens here, page `p` on rank `p mod C`), which pools it from the
-# gathered rows. A group may straddle two blocks computed by different ranks, or two pages of different
-# owners: the last token decides. The 6 tokens after the last complete group wait as pending rows.
+# that loc's owner (pages of 8 tokens here, page `p` on rank `p mod C`). At level 2 the owner pools it
+# from the gathered rows; from phase 3 every rank pools it and only the owner stores it. A group may
+# straddle two blocks computed by different ranks, or two pages of different owners: the last token
+# decides. The 6 tokens after the last complete group wait as pending rows.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -169,9 +171,10 @@ for name, rep in reports.items():
 # ## 7. What moves: the state maps against the KV all-gather
 #
 # Per rank, all layers, for the 150-token request at level 2: the KDA maps and halos received, against
-# the latent rows and group keys gathered from their owners on the indexed layers. On tiny sizes the
-# maps dominate; at GLM-5.3-Flash's sizes (the planner, rank 0 of `C = 8`, per layer) the maps are fixed
-# per chunk while the KV all-gather grows with the context.
+# the latent rows and group keys gathered from their owners on the indexed layers. At these tiny dims a
+# map is 4 KiB, so the maps and halos come to about half of what the indexed layers materialize; at
+# GLM-5.3-Flash's sizes (the planner, rank 0 of `C = 8`, per layer) the maps are fixed per chunk while the
+# KV all-gather grows with the context.
 
 # %%
 # NBVAL_CHECK_OUTPUT
