@@ -227,20 +227,28 @@ def test_the_pd_command_ships_a_glm53_cache(capsys) -> None:
 
 
 def test_the_flash_bytes_the_pages_quote() -> None:
-    """docs/glm-5.3.md and docs/pd-transfer.md quote a Flash request's bytes (FP8 rows, bf16 on CUDA): they are
-    the payload's arithmetic."""
+    """docs/glm-5.3.md and docs/pd-transfer.md render a Flash request's bytes (FP8 rows, bf16 on CUDA) from the
+    planner's results: the planner's figures are the PD payload's arithmetic."""
+    import json
     from pathlib import Path
 
     run = RunConfig(preset="glm-5.3-flash", cp_size=8, device="cuda", requests=(Request(0, 1 << 17),))
     kda = request_bytes(run, 0)  # no token: the KDA layers' states and tails alone
     assert kda == 34 * (64 * 128 * 128 * 4 + 3 * 3 * 64 * 128 * 2) == 147_619_840
-    assert request_bytes(run, 16) - kda == 16 * 6_160 == 16 * 11 * (528 + 128 * 4 // 16)
-    assert request_bytes(run, 1 << 17) == 955_023_360
+    per_token = (request_bytes(run, 16) - kda) // 16
+    assert per_token * 16 == request_bytes(run, 16) - kda == 16 * 11 * (528 + 128 * 4 // 16)
     docs = Path(__file__).resolve().parent.parent / "docs"
-    page = (docs / "glm-5.3.md").read_text()
-    assert all(f in page for f in ("147,619,840", "6,160 bytes a token", "955,023,360", "(911 MiB)", "(141 MiB)"))
-    assert "KDA `4,341,760` whatever `n`" in (docs / "pd-transfer.md").read_text()
-    assert 955_023_360 // 2**20 == 910 and round(955_023_360 / 2**20) == 911 and round(kda / 2**20) == 141
+    plan = json.loads((docs / "results" / "glm53_planner.json").read_text())
+    flash = next(r for r in plan["table"] if r["model"] == "glm-5.3-flash" and r["kv_dtype"] == "fp8")
+    assert flash["bytes_per_request"] == kda and flash["bytes_per_token"] == per_token
+    point = next(p for p in plan["points"] if p["context"] == 1 << 17 and not p["sharded"])
+    assert point["bytes_at_rest"]["fp8"]["total"] == request_bytes(run, 1 << 17) == 955_023_360
+    layer = plan["bytes_per_request_per_layer"]
+    assert 34 * (layer["kda_state"] + layer["kda_conv_tail"]) == kda
+    page, pd_page = (docs / "glm-5.3.md").read_text(), (docs / "pd-transfer.md").read_text()
+    assert ").bytes_per_request -->147,619,840<!-- /fig -->" in page and ").bytes_per_token -->6,160<" in page
+    assert "bytes_at_rest.fp8.total -->955,023,360<!-- /fig -->" in page
+    assert "kda_conv_tail -->4,341,760<!-- /fig -->" in pd_page
 
 
 @pytest.mark.parametrize(
